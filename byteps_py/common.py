@@ -1,0 +1,229 @@
+"""Framework-agnostic worker API: init/shutdown, ranks, asynchronous push_pull and broadcast on raw buffers.
+
+The plugins (``byteps.torch``, ...) only translate framework tensors into a flat byte view
+plus a dtype code and call :func:`submit`; every rule about handles, names and waiting lives here.
+"""
+import atexit
+import itertools
+import os
+import threading
+import time
+
+from . import config as bps_config
+from .errors import BytePSTimeoutError, NotInitializedError
+from .log import logger, setup as setup_logging
+
+_lock = threading.RLock()
+_job = None
+_exit_notice = None   # (config) of the last distributed init, for the EXIT message at process exit
+_atexit_registered = False
+
+
+class _Job:
+    def __init__(self, cfg, engine):
+        self.cfg = cfg
+        self.engine = engine
+        self.rank = engine.rank if engine else 0
+        self.size = engine.size if engine else 1
+        self.handles = {}
+        self.next_handle = itertools.count(1)
+        self.inflight = set()
+        self.noname = itertools.count()
+        self.barriers = itertools.count()
+
+
+def _require():
+    job = _job
+    if job is None:
+        raise NotInitializedError("byteps is not initialized: call byteps init() first (or it was shut down)")
+    return job
+
+
+def init(lazy=False):
+    """Join the job described by the environment (DMLC_*, BYTEPS_*; see docs/env.md).
+
+    Blocks until the scheduler has every node (bounded by BYTEPS_TIMEOUT). Calling it again while
+    initialized does nothing; after :func:`shutdown` it joins again. ``lazy`` is accepted for
+    BytePS compatibility and ignored: start-up is always eager, so errors surface here.
+    """
+    global _job, _exit_notice, _atexit_registered
+    with _lock:
+        if _job is not None:
+            return
+        cfg = bps_config.load()
+        setup_logging("worker", f"{cfg.worker_id}.{cfg.local_rank}")
+        engine = None
+        if cfg.distributed:
+            from byteps.core.engine import Engine
+
+            engine = Engine(cfg)
+            engine.start()
+            _exit_notice = cfg
+        _job = _Job(cfg, engine)
+        if not _atexit_registered:
+            atexit.register(_at_exit)
+            _atexit_registered = True
+        logger.info("initialized: rank %d of %d (local %d of %d)", _job.rank, _job.size, cfg.local_rank,
+                    cfg.local_size)
+
+
+def shutdown():
+    """Leave the job: a collective over every worker, bounded by BYTEPS_TIMEOUT. Safe to call twice."""
+    global _job
+    with _lock:
+        job = _job
+        if job is None:
+            return
+        _job = None
+        engine = job.engine
+        if engine is None:
+            return
+        try:
+            if engine.failure is None:
+                released = engine.request("leave")
+                if not released.wait(job.cfg.timeout):
+                    logger.warning("shutdown() waited %g s (BYTEPS_TIMEOUT) for the other workers to shut down",
+                                   job.cfg.timeout)
+        finally:
+            engine.stop()
+
+
+def _at_exit():
+    try:
+        shutdown()
+    finally:
+        if _exit_notice is not None:
+            _notify_exit(_exit_notice)
+
+
+def _notify_exit(cfg):
+    """Tell the scheduler this worker process is exiting, so the job can end when all have."""
+    import zmq
+
+    from byteps.core import wire
+
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(cfg.scheduler_endpoint)
+        sock.send_multipart(wire.control(wire.Cmd.EXIT, body={"worker_id": cfg.worker_id,
+                                                             "local_rank": cfg.local_rank, "pid": os.getpid()}))
+        sock.close(linger=2000)
+    finally:
+        ctx.term()
+
+
+def is_initialized():
+    return _job is not None
+
+
+def rank():
+    return _require().rank
+
+
+def size():
+    return _require().size
+
+
+def local_rank():
+    return _require().cfg.local_rank
+
+
+def local_size():
+    return _require().cfg.local_size
+
+
+def config():
+    """The validated :class:`byteps.config.Config` of this process."""
+    return _require().cfg
+
+
+def auto_name(prefix):
+    """A name for an unnamed call: unique per call, identical on every worker calling in the same order."""
+    return f"{prefix}.noname.{next(_require().noname)}"
+
+
+def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=None):
+    """Start a push_pull (or, with ``broadcast_root``, a broadcast) of a flat byte buffer, in place.
+
+    Args:
+        name: the tensor's name, the same on every worker.
+        buf: a writable, C-contiguous uint8 numpy view of the tensor's memory (input and output).
+        dtype: a code from :mod:`byteps.core.dtypes`.
+        shape: the tensor's shape (compared across workers).
+        broadcast_root: None for a sum, or the rank whose data every worker receives.
+        priority: scheduling priority (larger first); used by the pipeline.
+        finalize: called with no arguments on the caller's thread by :func:`synchronize`; its
+            result is what :func:`synchronize` returns.
+
+    Returns:
+        An integer handle for :func:`poll` / :func:`synchronize`.
+
+    Raises:
+        ValueError: a push_pull of the same name is already in flight in this process.
+    """
+    from byteps.core.engine import Cmd, Op
+
+    job = _require()
+    if name in job.inflight:
+        raise ValueError(f"a push_pull or broadcast named {name!r} is already in flight; synchronize it before "
+                         "starting another one with the same name")
+    if broadcast_root is not None and not 0 <= broadcast_root < job.size:
+        raise ValueError(f"root rank {broadcast_root} for tensor {name!r} is outside 0..{job.size - 1}")
+    cmd = Cmd.PUSHPULL if broadcast_root is None else Cmd.BROADCAST
+    op = Op(name, buf, dtype, shape, cmd=cmd, root=broadcast_root or 0, priority=priority)
+    handle = next(job.next_handle)
+    job.handles[handle] = (op, finalize)
+    if job.engine is None:  # alone: the sum over one worker is the tensor itself
+        op._finish()
+        return handle
+    job.inflight.add(name)
+    op.callbacks.append(lambda done: job.inflight.discard(done.name))
+    try:
+        job.engine.submit(op)
+    except BaseException:
+        job.inflight.discard(name)
+        del job.handles[handle]
+        raise
+    return handle
+
+
+def _lookup(handle):
+    job = _require()
+    try:
+        return job, job.handles[handle]
+    except KeyError:
+        raise ValueError(f"unknown handle {handle!r} (already synchronized?)") from None
+
+
+def poll(handle):
+    """True when the operation behind ``handle`` has finished (successfully or not)."""
+    return _lookup(handle)[1][0].done.is_set()
+
+
+def synchronize(handle):
+    """Wait for ``handle``; raise its error, or return what its finalize callback returns."""
+    job, (op, finalize) = _lookup(handle)
+    # The engine fails every op within BYTEPS_TIMEOUT; the extra margin only guards against a bug.
+    limit = job.cfg.timeout + 30
+    start = time.monotonic()
+    while not op.done.wait(0.5):
+        if time.monotonic() - start > limit:
+            raise BytePSTimeoutError(f"synchronize() of tensor {op.name!r} waited {limit:g} s")
+    del job.handles[handle]
+    if op.error is not None:
+        raise op.error
+    return finalize() if finalize is not None else None
+
+
+def barrier():
+    """Block until every worker has called barrier() (bounded by BYTEPS_TIMEOUT)."""
+    job = _require()
+    if job.engine is None:
+        return
+    name = f"barrier.{next(job.barriers)}"
+    released = job.engine.request("barrier", name)
+    if not released.wait(job.cfg.timeout):
+        raise BytePSTimeoutError(f"barrier() waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the other workers")
+    if job.engine.failure is not None:
+        raise job.engine.failure

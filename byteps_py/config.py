@@ -1,0 +1,207 @@
+"""Environment configuration: every DMLC_*/BYTEPS_* variable is parsed and validated here.
+
+One place reads the environment so that a missing or malformed variable always gives the
+same clear ConfigError naming the variable, and docs/env.md can be checked against
+:data:`VARIABLES`.
+"""
+import dataclasses
+import os
+import socket
+
+from .errors import ConfigError
+from .log import parse_level
+
+ROLES = ("scheduler", "server", "worker")
+
+#: name -> (default, one-line meaning); the table in docs/env.md is written from this.
+VARIABLES = {
+    "DMLC_ROLE": ("worker", "scheduler | server | worker"),
+    "DMLC_NUM_WORKER": (None, "number of worker machines"),
+    "DMLC_NUM_SERVER": (None, "number of Summation Service servers"),
+    "DMLC_PS_ROOT_URI": (None, "scheduler IP address or host name"),
+    "DMLC_PS_ROOT_PORT": (None, "scheduler TCP port"),
+    "DMLC_WORKER_ID": (None, "this worker machine's id, 0..DMLC_NUM_WORKER-1"),
+    "DMLC_NODE_HOST": (None, "IP address this node binds to and announces"),
+    "DMLC_INTERFACE": (None, "network interface whose IPv4 address this node uses"),
+    "BYTEPS_LOCAL_RANK": ("0", "rank of this process on its machine"),
+    "BYTEPS_LOCAL_SIZE": ("1", "worker processes on this machine"),
+    "BYTEPS_PARTITION_BYTES": ("4096000", "largest partition of a tensor sent as one message"),
+    "BYTEPS_LOG_LEVEL": ("WARNING", "TRACE | DEBUG | INFO | WARNING | ERROR | FATAL"),
+    "BYTEPS_FORCE_DISTRIBUTED": ("0", "use the Summation Service even with a single worker process"),
+    "BYTEPS_TIMEOUT": ("300", "seconds any blocking wait (startup, declaration, push_pull) may last"),
+    "BYTEPS_HEARTBEAT_INTERVAL": ("1", "seconds between heartbeats to and from the scheduler"),
+    "BYTEPS_HEARTBEAT_TIMEOUT": ("15", "seconds of silence after which a peer is declared lost"),
+    "BYTEPS_JOB_ID": ("", "job identifier used in logs and local resource names (bpslaunch sets it)"),
+}
+
+
+def _get(env, name, default=None):
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip()
+
+
+def _int(env, name, default=None, minimum=None, maximum=None, required=False):
+    raw = _get(env, name)
+    if raw is None:
+        if required:
+            raise ConfigError(f"{name} is not set; it is required here ({VARIABLES[name][1]}). See docs/env.md.")
+        return default
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer ({VARIABLES[name][1]})") from None
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum} ({VARIABLES[name][1]})")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name}={value} must be <= {maximum} ({VARIABLES[name][1]})")
+    return value
+
+
+def _float(env, name, default, minimum=0.0):
+    raw = _get(env, name)
+    if raw is None:
+        return float(default)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number ({VARIABLES[name][1]})") from None
+    if not value > minimum:
+        raise ConfigError(f"{name}={raw} must be > {minimum} ({VARIABLES[name][1]})")
+    return value
+
+
+def _bool(env, name):
+    raw = (_get(env, name, "0")).lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean (use 0 or 1)")
+
+
+def interface_address(name):
+    """IPv4 address of network interface `name` (DMLC_INTERFACE)."""
+    import psutil
+
+    addrs = psutil.net_if_addrs()
+    if name not in addrs:
+        raise ConfigError(f"DMLC_INTERFACE={name!r}: no such interface (have: {', '.join(sorted(addrs))})")
+    for a in addrs[name]:
+        if a.family == socket.AF_INET:
+            return a.address
+    raise ConfigError(f"DMLC_INTERFACE={name!r} has no IPv4 address")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A validated view of the environment for one byteps process."""
+
+    role: str
+    num_worker: int
+    num_server: int
+    root_uri: str
+    root_port: int
+    worker_id: int
+    node_host: str
+    local_rank: int
+    local_size: int
+    partition_bytes: int
+    log_level: int
+    force_distributed: bool
+    timeout: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    job_id: str
+
+    @property
+    def distributed(self):
+        """True when push_pull goes through the Summation Service."""
+        return self.force_distributed or self.num_worker * self.local_size > 1
+
+    @property
+    def scheduler_endpoint(self):
+        return f"tcp://{self.root_uri}:{self.root_port}"
+
+
+def load(env=None, role=None):
+    """Parse and validate the environment; raise ConfigError naming the first bad variable.
+
+    A worker started with no DMLC_* variable at all runs alone (rank 0 of 1), so a training
+    script also runs unchanged with plain ``python train.py``.
+    """
+    env = os.environ if env is None else env
+    role = role or _get(env, "DMLC_ROLE", "worker").lower()
+    if role not in ROLES:
+        raise ConfigError(f"DMLC_ROLE={role!r} must be one of {', '.join(ROLES)}")
+    try:
+        log_level = parse_level(_get(env, "BYTEPS_LOG_LEVEL"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+    standalone = role == "worker" and not any(k.startswith("DMLC_") and k != "DMLC_ROLE" for k in env)
+    local_size = _int(env, "BYTEPS_LOCAL_SIZE", 1, minimum=1)
+    local_rank = _int(env, "BYTEPS_LOCAL_RANK", 0, minimum=0)
+    if local_rank >= local_size:
+        raise ConfigError(f"BYTEPS_LOCAL_RANK={local_rank} must be < BYTEPS_LOCAL_SIZE={local_size}")
+    force = _bool(env, "BYTEPS_FORCE_DISTRIBUTED")
+    num_worker = 1 if standalone else _int(env, "DMLC_NUM_WORKER", required=True, minimum=1)
+    distributed = force or num_worker * local_size > 1 or role != "worker"
+    if distributed:
+        num_server = _int(env, "DMLC_NUM_SERVER", required=True, minimum=1)
+        root_uri = _get(env, "DMLC_PS_ROOT_URI")
+        if root_uri is None:
+            raise ConfigError("DMLC_PS_ROOT_URI is not set; it is required here (scheduler address). See docs/env.md.")
+        # only the scheduler may be given port 0 (bind any free port; bpslaunch --local uses this)
+        root_port = _int(env, "DMLC_PS_ROOT_PORT", required=True, minimum=0 if role == "scheduler" else 1,
+                         maximum=65535)
+    else:
+        num_server = _int(env, "DMLC_NUM_SERVER", 0, minimum=0)
+        root_uri, root_port = _get(env, "DMLC_PS_ROOT_URI", "127.0.0.1"), _int(env, "DMLC_PS_ROOT_PORT", 0,
+                                                                             minimum=0, maximum=65535)
+    worker_id = 0
+    if role == "worker" and not standalone:
+        worker_id = _int(env, "DMLC_WORKER_ID", required=distributed, default=0, minimum=0)
+        if worker_id >= num_worker:
+            raise ConfigError(f"DMLC_WORKER_ID={worker_id} must be < DMLC_NUM_WORKER={num_worker}")
+
+    node_host = _get(env, "DMLC_NODE_HOST")
+    if node_host is None and _get(env, "DMLC_INTERFACE"):
+        node_host = interface_address(_get(env, "DMLC_INTERFACE"))
+    if node_host is None:
+        # Single-host jobs (the scheduler on loopback) stay on loopback; otherwise the address
+        # that routes to the scheduler, never 0.0.0.0.
+        node_host = _route_address(root_uri) if distributed else "127.0.0.1"
+
+    timeout = _float(env, "BYTEPS_TIMEOUT", VARIABLES["BYTEPS_TIMEOUT"][0])
+    hb_interval = _float(env, "BYTEPS_HEARTBEAT_INTERVAL", VARIABLES["BYTEPS_HEARTBEAT_INTERVAL"][0])
+    hb_timeout = _float(env, "BYTEPS_HEARTBEAT_TIMEOUT", VARIABLES["BYTEPS_HEARTBEAT_TIMEOUT"][0])
+    if hb_timeout <= hb_interval:
+        raise ConfigError(f"BYTEPS_HEARTBEAT_TIMEOUT={hb_timeout} must exceed BYTEPS_HEARTBEAT_INTERVAL={hb_interval}")
+    return Config(
+        role=role, num_worker=num_worker, num_server=num_server, root_uri=root_uri, root_port=root_port,
+        worker_id=worker_id, node_host=node_host, local_rank=local_rank, local_size=local_size,
+        partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=64),
+        log_level=log_level, force_distributed=force, timeout=timeout, heartbeat_interval=hb_interval,
+        heartbeat_timeout=hb_timeout, job_id=_get(env, "BYTEPS_JOB_ID", ""),
+    )
+
+
+def _route_address(remote):
+    """The local IPv4 address the kernel would use to reach `remote` (no packet is sent)."""
+    try:
+        remote_ip = socket.gethostbyname(remote)
+    except OSError:
+        raise ConfigError(f"DMLC_PS_ROOT_URI={remote!r} does not resolve") from None
+    if remote_ip.startswith("127."):
+        return "127.0.0.1"
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((remote_ip, 9))
+        return s.getsockname()[0]
+    except OSError:
+        raise ConfigError(f"no route to the scheduler at DMLC_PS_ROOT_URI={remote!r}; "
+                          "set DMLC_NODE_HOST or DMLC_INTERFACE") from None
+    finally:
+        s.close()

@@ -1,0 +1,1 @@
+"""Cython core of byteps: transport, pipeline and summation kernels."""

@@ -1,0 +1,73 @@
+"""The control-plane client every server and worker holds: register, heartbeats, scheduler liveness.
+
+The owner's event loop polls :attr:`ControlClient.sock` together with its other sockets and
+calls :meth:`tick` at least every heartbeat interval; nothing here starts a thread.
+"""
+import os
+import socket
+import time
+
+import zmq
+
+from byteps.errors import PeerLostError, ProtocolError
+from byteps.log import logger
+
+from . import wire
+
+
+class ControlClient:
+    """A DEALER connection to the scheduler."""
+
+    def __init__(self, ctx, cfg, info):
+        self.cfg = cfg
+        self.info = dict(info, pid=os.getpid(), hostname=socket.gethostname(), job_id=cfg.job_id)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(cfg.scheduler_endpoint)
+        self.node_id = wire.NO_SENDER
+        now = time.monotonic()
+        self._last_sent = 0.0
+        self._last_heard = now
+        self._heard_once = False
+
+    def send(self, cmd, body=None, key=0, arg=0):
+        self.sock.send_multipart(wire.control(cmd, self.node_id, body, key=key, arg=arg))
+        self._last_sent = time.monotonic()
+
+    def register(self):
+        self.send(wire.Cmd.REGISTER, self.info)
+
+    def recv(self):
+        """Receive one control message (call when the socket is readable): (header, body dict)."""
+        frames = self.sock.recv_multipart()
+        self._last_heard = time.monotonic()
+        self._heard_once = True
+        if len(frames) != 2:
+            raise ProtocolError(f"control message from the scheduler has {len(frames)} frames, expected 2")
+        return wire.unpack(frames[0]), wire.decode(frames[1])
+
+    def tick(self):
+        """Send a heartbeat when due; raise PeerLostError if the scheduler has gone silent."""
+        now = time.monotonic()
+        if now - self._last_sent >= self.cfg.heartbeat_interval:
+            self.send(wire.Cmd.HEARTBEAT)
+        silent = now - self._last_heard
+        if self._heard_once and silent > self.cfg.heartbeat_timeout:
+            raise PeerLostError(f"lost the scheduler at {self.cfg.scheduler_endpoint}: no message for {silent:.1f} s "
+                                f"(BYTEPS_HEARTBEAT_TIMEOUT={self.cfg.heartbeat_timeout:g})")
+        if not self._heard_once and silent > self.cfg.timeout:
+            raise PeerLostError(f"the scheduler at {self.cfg.scheduler_endpoint} did not answer within "
+                                f"{self.cfg.timeout:g} s (BYTEPS_TIMEOUT); is it running, and are DMLC_PS_ROOT_URI/"
+                                "DMLC_PS_ROOT_PORT right?")
+
+    def close(self):
+        self.sock.close(linger=500)
+
+
+def describe_node(node):
+    """Human-readable name of a node from an address-book entry ("worker rank 1 (pid 42 on host)")."""
+    where = f"pid {node.get('pid')} on {node.get('hostname', node.get('host'))}"
+    if node.get("role") == "server":
+        return f"server {node.get('index')} ({node.get('host')}:{node.get('port')}, {where})"
+    return f"worker rank {node.get('rank')} (DMLC_WORKER_ID={node.get('worker_id')}, " \
+           f"local rank {node.get('local_rank')}, {where})"

@@ -1,0 +1,408 @@
+"""The worker's communication engine: one background thread that owns every socket.
+
+Why a dedicated thread (as in Horovod's background loop):
+
+1. ZeroMQ sockets are not thread-safe; one owner thread means no locks around them.
+2. push_pull must be asynchronous: gradient hooks enqueue work and return at once, so
+   communication overlaps back-propagation.
+3. Heartbeats must keep flowing while the training thread computes, or a busy worker
+   would look dead to the scheduler.
+4. Timeouts need one place that sees every outstanding request and can say who it waited for.
+
+Flow of one operation (:class:`Op`):
+
+* The training thread calls :meth:`Engine.submit`; the op is queued and the engine woken
+  through a pipe.
+* New (name, shape, dtype) combinations are declared to the scheduler, which compares them
+  across workers and returns one tensor key (or a mismatch error for every worker).
+* The tensor's bytes are cut into partitions of at most BYTEPS_PARTITION_BYTES; partition i of
+  tensor key t has wire key ``t << 32 | i`` and goes to server ``(t + i) % num_servers``.
+  Each partition is sent zero-copy from the tensor's memory.
+* Each reply is received straight into the tensor's memory (``recv_into``); when the last
+  partition is back the op completes and its event is set.
+
+No Python runs per element; Python work is per partition (a header pack and two socket calls).
+"""
+import collections
+import fcntl
+import os
+import threading
+import time
+
+import zmq
+
+from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, ProtocolError, TensorMismatchError
+from byteps.log import logger
+
+from . import wire
+from .control import ControlClient
+
+Cmd = wire.Cmd
+
+
+class Op:
+    """One push_pull or broadcast of one tensor, in flight."""
+
+    __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey", "parts_left",
+                 "servers", "error", "done", "started", "callbacks")
+
+    def __init__(self, name, buf, dtype, shape, cmd=Cmd.PUSHPULL, root=0, priority=0):
+        self.name = name
+        self.buf = buf              # flat uint8 numpy view of the tensor's memory: input and output
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self.cmd = cmd
+        self.root = root
+        self.priority = priority
+        self.spec = (self.shape, dtype, int(cmd))
+        self.tkey = None
+        self.parts_left = 0
+        self.servers = collections.Counter()  # server index -> partitions outstanding
+        self.error = None
+        self.done = threading.Event()
+        self.started = time.monotonic()
+        self.callbacks = []
+
+    def fail(self, error):
+        if self.error is None:
+            self.error = error
+        self.parts_left = 0
+        self._finish()
+
+    def _finish(self):
+        self.done.set()
+        for cb in self.callbacks:
+            try:
+                cb(self)
+            except Exception:  # a callback must not kill the engine thread
+                logger.exception("completion callback of %r failed", self.name)
+
+
+class Engine:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self._inbox = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        fcntl.fcntl(self._wake_w, fcntl.F_SETFL, os.O_NONBLOCK)
+        fcntl.fcntl(self._wake_r, fcntl.F_SETFL, os.O_NONBLOCK)
+        self._ready = threading.Event()
+        self._stopped = threading.Event()
+        self.failure = None
+        self.book = None
+        self.rank = self.size = None
+        self._thread = threading.Thread(target=self._main, name="byteps-engine", daemon=True)
+        # engine-thread state
+        self._parts = {}            # (wire key, round) -> (op, offset, nbytes)
+        self._declaring = {}        # (name, seq) -> [ops waiting for the key]
+        self._decl_spec = {}        # (name, seq) -> spec
+        self._decl_seq = collections.Counter()
+        self._keys = {}             # (name, spec) -> tensor key
+        self._rounds = collections.Counter()  # wire key -> next round
+        self._requests = {}         # ("barrier"|"leave", name) -> event set on release
+        self._left = False
+        self.servers = []
+
+    # ---------------------------------------------------------------- training-thread side
+
+    def start(self):
+        """Start the thread, register, and wait for the address book (bounded by BYTEPS_TIMEOUT)."""
+        self._thread.start()
+        limit = self.cfg.timeout + 5
+        if not self._ready.wait(limit):
+            self.failure = self.failure or BytePSTimeoutError(
+                f"init() waited {limit:g} s for the scheduler at {self.cfg.scheduler_endpoint} to start the job")
+        if self.failure is not None:
+            self.stop()
+            raise self.failure
+
+    def submit(self, op):
+        if self.failure is not None:
+            raise self.failure
+        self._inbox.append(op)
+        self._wake()
+        return op
+
+    def request(self, kind, name=""):
+        """Run a control-plane collective ("barrier" or "leave"); return an event set on release."""
+        ev = threading.Event()
+        self._inbox.append((kind, name, ev))
+        self._wake()
+        return ev
+
+    def stop(self):
+        """Stop the thread (after shutdown's release, or to abandon the job) and free the wake pipe."""
+        self._stopped.set()
+        self._wake()
+        self._thread.join(10)
+        if self._wake_w is not None:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = None
+
+    def _wake(self):
+        if self._wake_w is None:
+            return
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # the pipe is full, so the engine is awake anyway
+            pass
+
+    # ---------------------------------------------------------------- engine thread
+
+    def _main(self):
+        try:
+            self._setup()
+            self._loop()
+        except BytePSError as e:
+            self._abort(e)
+        except Exception as e:  # a bug: fail every caller loudly rather than hang them
+            logger.exception("byteps engine thread crashed")
+            self._abort(BytePSError(f"byteps engine thread crashed: {e!r}"))
+        finally:
+            self._close()
+            self._ready.set()
+
+    def _abort(self, error):
+        self.failure = self.failure or error
+        for op in list(self._outstanding_ops()):
+            op.fail(self.failure)
+        while self._inbox:
+            item = self._inbox.popleft()
+            if isinstance(item, Op):
+                item.fail(self.failure)
+            else:
+                item[2].set()
+        for ev in self._requests.values():
+            ev.set()
+
+    def _outstanding_ops(self):
+        seen = set()
+        for op, _, _ in self._parts.values():
+            if id(op) not in seen:
+                seen.add(id(op))
+                yield op
+        for ops in self._declaring.values():
+            yield from ops
+
+    def _setup(self):
+        self.control = ControlClient(self.ctx, self.cfg, {
+            "role": "worker", "host": self.cfg.node_host, "worker_id": self.cfg.worker_id,
+            "local_rank": self.cfg.local_rank, "local_size": self.cfg.local_size})
+        self.poller = zmq.Poller()
+        self.poller.register(self.control.sock, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self.control.register()
+        deadline = time.monotonic() + self.cfg.timeout
+        while self.book is None:
+            if self._stopped.is_set():
+                raise BytePSError("init() was interrupted")
+            if self.poller.poll(timeout=min(self.cfg.heartbeat_interval, 1.0) * 1000):
+                self._on_control()
+            self.control.tick()
+            if time.monotonic() > deadline:
+                raise BytePSTimeoutError(f"the scheduler at {self.cfg.scheduler_endpoint} did not start the job "
+                                         f"within {self.cfg.timeout:g} s (BYTEPS_TIMEOUT); its log names the "
+                                         "nodes that never registered")
+        for info in self.book["servers"]:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, f"w{self.rank}".encode())
+            sock.connect(f"tcp://{info['host']}:{info['port']}")
+            self.poller.register(sock, zmq.POLLIN)
+            self.servers.append(sock)
+        self._server_index = {sock: i for i, sock in enumerate(self.servers)}
+        self._ready.set()
+
+    def _loop(self):
+        tick_ms = min(self.cfg.heartbeat_interval, 1.0) * 1000
+        while not self._stopped.is_set():
+            for sock, _ in self.poller.poll(timeout=tick_ms):
+                if sock == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                elif sock is self.control.sock:
+                    self._on_control()
+                else:
+                    self._on_data(sock)
+            self._drain_inbox()
+            self.control.tick()
+            self._check_timeouts()
+            if self._left:  # shutdown() released by the scheduler
+                return
+
+    def _close(self):
+        ctl = getattr(self, "control", None)
+        for sock in self.servers:
+            sock.close(linger=0)
+        if ctl is not None:
+            ctl.close()
+        self.ctx.term()
+
+    # ---------------------------------------------------------------- control messages
+
+    def _on_control(self):
+        header, body = self.control.recv()
+        cmd = header.cmd
+        if cmd == Cmd.HEARTBEAT:
+            return
+        if cmd == Cmd.ADDRBOOK:
+            self.book = body
+            self.rank = body["you"]["rank"]
+            self.size = body["size"]
+            self.control.node_id = body["you"]["node_id"]
+            self.workers = {w["rank"]: w for w in body["workers"]}
+        elif cmd == Cmd.DECLARE:
+            self._on_declared(body)
+        elif cmd == Cmd.BARRIER:
+            ev = self._requests.pop(("barrier", body.get("name")), None)
+            if ev is not None:
+                ev.set()
+        elif cmd == Cmd.LEAVE:
+            self._left = True
+            ev = self._requests.pop(("leave", ""), None)
+            if ev is not None:
+                ev.set()
+        elif cmd == Cmd.ABORT:
+            raise PeerLostError(body.get("reason", "the scheduler aborted the job"))
+        elif cmd == Cmd.ERROR:
+            raise BytePSError(f"the scheduler refused this worker: {body.get('error')}")
+        else:
+            logger.warning("unexpected control message %s", Cmd(cmd).name)
+
+    def _on_declared(self, body):
+        ident = (body.get("name"), body.get("seq"))
+        ops = self._declaring.pop(ident, [])
+        spec = self._decl_spec.pop(ident, None)
+        if "error" in body:
+            err = TensorMismatchError(body["error"])
+            for op in ops:
+                op.fail(err)
+            return
+        self._keys[(ident[0], spec)] = body["key"]
+        for op in ops:
+            self._dispatch(op, body["key"])
+
+    # ---------------------------------------------------------------- sending
+
+    def _drain_inbox(self):
+        while self._inbox:
+            item = self._inbox.popleft()
+            if not isinstance(item, Op):
+                kind, name, ev = item
+                self._requests[(kind, name)] = ev
+                self.control.send(Cmd.BARRIER if kind == "barrier" else Cmd.LEAVE, {"name": name})
+                continue
+            op = item
+            key = self._keys.get((op.name, op.spec))
+            if key is not None:
+                self._dispatch(op, key)
+                continue
+            waiting = next((ident for ident, spec in self._decl_spec.items()
+                            if ident[0] == op.name and spec == op.spec), None)
+            if waiting is None:
+                seq = self._decl_seq[op.name]
+                self._decl_seq[op.name] += 1
+                waiting = (op.name, seq)
+                self._decl_spec[waiting] = op.spec
+                self._declaring[waiting] = []
+                self.control.send(Cmd.DECLARE, {"name": op.name, "seq": seq, "shape": list(op.shape),
+                                                "dtype": op.dtype, "kind": int(op.cmd)})
+            self._declaring[waiting].append(op)
+
+    def _dispatch(self, op, tkey):
+        op.tkey = tkey
+        nbytes = op.buf.nbytes
+        step = self._partition_step(op)
+        offsets = range(0, max(nbytes, 1), step)
+        op.parts_left = len(offsets)
+        nserv = len(self.servers)
+        for i, off in enumerate(offsets):
+            length = min(step, nbytes - off)
+            key = wire.make_key(tkey, i)
+            rnd = self._rounds[key]
+            self._rounds[key] = rnd + 1
+            server = (tkey + i) % nserv
+            self._parts[(key, rnd)] = (op, off, length)
+            op.servers[server] += 1
+            if op.cmd == Cmd.BROADCAST and op.root != self.rank:
+                body = b""
+            else:
+                body = op.buf[off:off + length]
+            header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd, length=len(body),
+                               dtype=op.dtype, arg=op.root)
+            self.servers[server].send_multipart([header, body], copy=False)
+
+    def _partition_step(self, op):
+        """Partition size in bytes: at most BYTEPS_PARTITION_BYTES, a whole number of elements."""
+        from .dtypes import itemsize
+
+        size = itemsize(op.dtype)
+        return max(size, self.cfg.partition_bytes // size * size)
+
+    # ---------------------------------------------------------------- receiving
+
+    def _on_data(self, sock):
+        raw = sock.recv()
+        try:
+            header = wire.unpack(raw)
+        except ProtocolError as e:
+            self._discard(sock)
+            logger.warning("malformed reply from server %d: %s", self._server_index[sock], e)
+            return
+        entry = self._parts.pop((header.key, header.round), None)
+        if entry is None:  # the op timed out or failed already
+            self._discard(sock)
+            return
+        op, off, length = entry
+        server = self._server_index[sock]
+        op.servers[server] -= 1
+        if header.cmd == Cmd.REPLY:
+            expect = 0 if op.cmd == Cmd.BROADCAST and op.root == self.rank else length
+            got = sock.recv_into(op.buf[off:off + expect]) if sock.getsockopt(zmq.RCVMORE) else -1
+            if got != expect:
+                op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied {got} bytes for "
+                                                     f"a partition of {expect}")
+        elif header.cmd == Cmd.ERROR:
+            body = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b"{}"
+            try:
+                msg = wire.decode(body).get("error", "unknown error")
+            except ProtocolError as e:
+                msg = str(e)
+            op.error = op.error or TensorMismatchError(f"push_pull of tensor {op.name!r} failed: {msg}")
+        else:
+            op.error = op.error or ProtocolError(f"unexpected {Cmd(header.cmd).name} from server {server}")
+        self._discard(sock)
+        op.parts_left -= 1
+        if op.parts_left == 0:
+            op._finish()
+
+    @staticmethod
+    def _discard(sock):
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv_into(bytearray())
+
+    # ---------------------------------------------------------------- timeouts
+
+    def _check_timeouts(self):
+        now = time.monotonic()
+        limit = self.cfg.timeout
+        for op in list(self._outstanding_ops()):
+            if now - op.started <= limit:
+                continue
+            if op.tkey is None:
+                who = "the scheduler's answer to its declaration (do all workers use this tensor name?)"
+            else:
+                late = sorted(s for s, n in op.servers.items() if n > 0)
+                who = (f"servers {late} (they wait for every worker's push of this tensor; their logs name the "
+                       f"ranks that are late)")
+            err = BytePSTimeoutError(f"push_pull of tensor {op.name!r} waited {now - op.started:.0f} s "
+                                     f"(BYTEPS_TIMEOUT={limit:g}) for {who}")
+            for k in [k for k, v in self._parts.items() if v[0] is op]:
+                del self._parts[k]
+            for waiting in self._declaring.values():
+                if op in waiting:
+                    waiting.remove(op)
+            op.fail(err)

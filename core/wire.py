@@ -1,0 +1,128 @@
+"""The versioned wire header every byteps message starts with, and the control-message codec.
+
+Every message is a ZeroMQ multipart message ``[header, body]`` (a ROUTER socket adds the
+peer identity in front). The header is a fixed 40-byte little-endian struct:
+
+====== ====== ===========================================================
+offset type   field
+====== ====== ===========================================================
+0      2s     magic ``b"BP"``
+2      u8     version (:data:`VERSION`)
+3      u8     command (:class:`Cmd`)
+4      u8     dtype code (core/dtypes.py), 255 if none
+5      u8     flags (command specific, e.g. the root rank's low bits are not here: see ``arg``)
+6      u16    reserved, 0
+8      u32    sender: the node id the scheduler assigned (0xFFFFFFFF before assignment)
+12     u32    arg: command argument (root rank for BROADCAST, error code, ...)
+16     u64    key: tensor key << 32 | partition index (0 for control messages)
+24     u64    round: per-key iteration number, so rounds of one key never mix
+32     u64    length: byte length of the body that follows
+====== ====== ===========================================================
+
+Data bodies are raw tensor bytes (never pickled); control bodies are UTF-8 JSON objects.
+:func:`unpack` checks every field and bounds every length before anything is allocated.
+"""
+import enum
+import json
+import struct
+
+from byteps.errors import ProtocolError
+
+MAGIC = b"BP"
+VERSION = 1
+HEADER = struct.Struct("<2sBBBBHIIQQQ")
+HEADER_SIZE = HEADER.size
+NO_SENDER = 0xFFFFFFFF
+NO_DTYPE = 255
+#: largest body accepted in one message (a partition is at most BYTEPS_PARTITION_BYTES)
+MAX_BODY = 1 << 33
+#: largest control (JSON) body accepted
+MAX_CONTROL_BODY = 16 << 20
+
+
+class Cmd(enum.IntEnum):
+    # control plane: node <-> scheduler
+    REGISTER = 1       # node -> scheduler: who I am, where my data port is
+    ADDRBOOK = 2       # scheduler -> node: ids, ranks and addresses of every node
+    BARRIER = 3        # node -> scheduler, and the release back
+    DECLARE = 4        # worker -> scheduler: tensor name, shape, dtype; reply: key or mismatch error
+    HEARTBEAT = 5      # both directions
+    LEAVE = 6          # worker -> scheduler: shutdown() of this worker (an epoch ends)
+    EXIT = 7           # worker -> scheduler: the worker process is exiting
+    ABORT = 8          # scheduler -> node: the job failed (body names the lost peer / reason)
+    TERMINATE = 9      # scheduler -> server: the job is complete, exit 0
+    # data plane: worker <-> server
+    PUSHPULL = 20      # worker -> server: this round's partition; reply: the sum
+    BROADCAST = 21     # worker -> server: root sends data, others an empty body; reply: root's data
+    REPLY = 22         # server -> worker: the result of PUSHPULL / BROADCAST
+    ERROR = 23         # either direction: body is a JSON {"error": msg}
+
+
+_CMDS = frozenset(int(c) for c in Cmd)
+_DATA_CMDS = frozenset({Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.REPLY})
+
+
+def pack(cmd, sender=NO_SENDER, key=0, round=0, length=0, dtype=NO_DTYPE, arg=0, flags=0):
+    """Build a header."""
+    return HEADER.pack(MAGIC, VERSION, int(cmd), dtype, flags, 0, sender, arg, key, round, length)
+
+
+class Header:
+    """A parsed header (plain attributes, built only by :func:`unpack`)."""
+
+    __slots__ = ("cmd", "dtype", "flags", "sender", "arg", "key", "round", "length")
+
+    def __repr__(self):
+        return (f"Header({Cmd(self.cmd).name}, sender={self.sender}, key={self.key:#x}, round={self.round}, "
+                f"len={self.length}, dtype={self.dtype}, arg={self.arg})")
+
+
+def unpack(buf):
+    """Parse and validate a header frame; raise ProtocolError on anything malformed."""
+    if len(buf) != HEADER_SIZE:
+        raise ProtocolError(f"header frame is {len(buf)} bytes, expected {HEADER_SIZE}")
+    magic, version, cmd, dtype, flags, _, sender, arg, key, rnd, length = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: not a byteps message")
+    if version != VERSION:
+        raise ProtocolError(f"wire version {version} is not supported (this build speaks {VERSION})")
+    if cmd not in _CMDS:
+        raise ProtocolError(f"unknown command {cmd}")
+    limit = MAX_BODY if cmd in _DATA_CMDS else MAX_CONTROL_BODY
+    if length > limit:
+        raise ProtocolError(f"{Cmd(cmd).name} body length {length} exceeds the limit {limit}")
+    h = Header()
+    h.cmd, h.dtype, h.flags, h.sender, h.arg, h.key, h.round, h.length = cmd, dtype, flags, sender, arg, key, rnd, length
+    return h
+
+
+def encode(obj):
+    """Control body: compact JSON bytes."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def decode(body):
+    """Parse a control body; it must be a JSON object."""
+    if len(body) > MAX_CONTROL_BODY:
+        raise ProtocolError(f"control body of {len(body)} bytes exceeds {MAX_CONTROL_BODY}")
+    try:
+        obj = json.loads(bytes(body).decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"control body is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("control body is not a JSON object")
+    return obj
+
+
+def control(cmd, sender=NO_SENDER, body=None, key=0, arg=0):
+    """A complete control message as a list of frames: [header, json body]."""
+    payload = encode(body or {})
+    return [pack(cmd, sender=sender, key=key, arg=arg, length=len(payload)), payload]
+
+
+def make_key(tensor_key, partition):
+    return (tensor_key << 32) | partition
+
+
+def split_key(key):
+    return key >> 32, key & 0xFFFFFFFF

@@ -1,0 +1,47 @@
+"""Gradient compressors applied before push_pull and undone after (BytePS/Horovod ``Compression``)."""
+import torch
+
+
+class Compressor:
+    """Interface: compress(tensor) -> (tensor, ctx); decompress(tensor, ctx) -> tensor."""
+
+    @staticmethod
+    def compress(tensor):
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Send the tensor as it is."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Send floating-point tensors as float16 (halves the bytes on the wire); sums are in fp32 on the server."""
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+            return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class Compression:
+    """Available compressors: ``Compression.none``, ``Compression.fp16``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor

@@ -1,0 +1,117 @@
+"""Broadcast helpers: parameters, optimizer state, arbitrary picklable objects."""
+import io
+import pickle
+
+import torch
+
+from byteps import common
+
+from .ops import broadcast_async_, synchronize
+
+
+def _named_tensors(params):
+    if isinstance(params, dict):
+        return sorted(params.items())
+    items = list(params)
+    if items and isinstance(items[0], tuple):
+        return items
+    return [(f"param.{i}", p) for i, p in enumerate(items)]
+
+
+def broadcast_parameters(params, root_rank, prefix="Parameter."):
+    """Overwrite every tensor in ``params`` with root_rank's values (in place).
+
+    Args:
+        params: a ``state_dict()``, ``named_parameters()``, or a list of tensors.
+        root_rank: the rank whose values every worker receives.
+        prefix: prepended to each name to form the broadcast's tensor name.
+    """
+    handles = []
+    for name, p in _named_tensors(params):
+        if p is None:
+            continue
+        data = p.data if isinstance(p, torch.nn.Parameter) else p
+        handles.append(broadcast_async_(data, root_rank, name=prefix + name))
+    for h in handles:
+        synchronize(h)
+
+
+_object_counter = [0]
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """Return root_rank's ``obj`` on every worker (pickled on the root, unpickled elsewhere).
+
+    Only authenticated job members can take part (docs/architecture.md); never use it with a
+    root you do not trust, since unpickling runs code.
+    """
+    if name is None:
+        name = f"broadcast_object.{_object_counter[0]}"
+        _object_counter[0] += 1
+    if common.rank() == root_rank:
+        buf = io.BytesIO()
+        pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    synchronize(broadcast_async_(length, root_rank, name=f"{name}.size"))
+    if common.rank() != root_rank:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    synchronize(broadcast_async_(payload, root_rank, name=f"{name}.data"))
+    if common.rank() == root_rank:
+        return obj
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def allgather_object(obj, name=None):
+    """A list with every rank's ``obj``, in rank order (one broadcast per rank)."""
+    base = name or f"allgather_object.{_object_counter[0]}"
+    _object_counter[0] += 1
+    return [broadcast_object(obj, root, name=f"{base}.{root}") for root in range(common.size())]
+
+
+def broadcast_optimizer_state(optimizer, root_rank, prefix="Parameter."):
+    """Make every worker's optimizer state (tensors, scalars, hyper-parameters) equal root_rank's.
+
+    Works whatever the non-root state holds (even nothing yet, as for a fresh Adam): the root's
+    state layout is broadcast as an object, tensors travel as real broadcasts, and each worker
+    loads the result with ``load_state_dict``.
+    """
+    state = optimizer.state_dict()
+    layout = None
+    if common.rank() == root_rank:
+        layout = _describe(state)
+    layout = broadcast_object(layout, root_rank, name=f"{prefix}optimizer.layout")
+    tensors = []
+    rebuilt = _rebuild(layout, state if common.rank() == root_rank else None, tensors)
+    handles = [broadcast_async_(t, root_rank, name=f"{prefix}optimizer.{i}") for i, t in enumerate(tensors)]
+    for h in handles:
+        synchronize(h)
+    if common.rank() != root_rank:
+        optimizer.load_state_dict(rebuilt)
+
+
+def _describe(obj):
+    """The state dict with each tensor replaced by its (shape, dtype) so it can travel as an object."""
+    if isinstance(obj, torch.Tensor):
+        return ("__tensor__", tuple(obj.shape), str(obj.dtype).split(".")[-1])
+    if isinstance(obj, dict):
+        return {k: _describe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_describe(v) for v in obj)
+    return obj
+
+
+def _rebuild(layout, local, tensors):
+    """Rebuild the state from ``layout``: the root reuses its own tensors, others allocate them."""
+    if isinstance(layout, tuple) and len(layout) == 3 and layout[0] == "__tensor__":
+        t = local.detach().clone().contiguous() if local is not None else \
+            torch.empty(layout[1], dtype=getattr(torch, layout[2]))
+        tensors.append(t)
+        return t
+    if isinstance(layout, dict):
+        return {k: _rebuild(v, None if local is None else local[k], tensors) for k, v in layout.items()}
+    if isinstance(layout, (list, tuple)):
+        return type(layout)(_rebuild(v, None if local is None else local[i], tensors) for i, v in enumerate(layout))
+    return layout

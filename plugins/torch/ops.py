@@ -1,0 +1,135 @@
+"""push_pull and broadcast on torch tensors (CPU; CUDA tensors are staged through host memory).
+
+Tensors reach the core as a flat uint8 numpy view of their own memory, so nothing is copied
+for contiguous CPU tensors. Non-contiguous and CUDA tensors are worked on in a contiguous host
+copy that is written back when the handle is synchronized.
+"""
+import torch
+
+from byteps import common
+from byteps.core import dtypes
+
+__all__ = ["push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace", "broadcast_",
+           "broadcast_async_", "poll", "synchronize", "declare"]
+
+_TORCH_DTYPES = {torch.float32: dtypes.FLOAT32, torch.float64: dtypes.FLOAT64, torch.float16: dtypes.FLOAT16,
+                 torch.bfloat16: dtypes.BFLOAT16, torch.int32: dtypes.INT32, torch.int64: dtypes.INT64,
+                 torch.uint8: dtypes.UINT8, torch.int8: dtypes.INT8}
+
+
+def dtype_code(tensor, name):
+    try:
+        return _TORCH_DTYPES[tensor.dtype]
+    except KeyError:
+        supported = ", ".join(str(d) for d in _TORCH_DTYPES)
+        raise TypeError(f"byteps: tensor {name!r} has unsupported dtype {tensor.dtype}; supported: {supported}") \
+            from None
+
+
+def _host_buffer(tensor):
+    """(work tensor, write_back) where work is a contiguous CPU tensor sharing memory with ``tensor`` if it can."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor, None
+    work = tensor.detach().to("cpu", copy=True).contiguous()
+    return work, tensor
+
+
+def _byte_view(work):
+    return work.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _start(tensor, name, average, priority, root=None, prefix="push_pull"):
+    name = name if name is not None else common.auto_name(prefix)
+    code = dtype_code(tensor, name)
+    work, write_back = _host_buffer(tensor)
+    size = common.size()
+
+    def finalize():
+        if average and root is None and size > 1:
+            if work.dtype.is_floating_point:
+                work.div_(size)
+            else:  # integer average: floor division (documented in docs/architecture.md)
+                work.floor_divide_(size)
+        if write_back is not None:
+            write_back.copy_(work)
+            return write_back
+        return work
+
+    return common.submit(name, _byte_view(work), code, tuple(tensor.shape), broadcast_root=root, priority=priority,
+                         finalize=finalize)
+
+
+def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority=0):
+    """Start summing ``tensor`` over all workers, in place; returns a handle.
+
+    Args:
+        tensor: the tensor; its contents are replaced by the sum (or average).
+        average: divide by :func:`size` (floor division for integer tensors).
+        name: a name unique among in-flight operations, the same on every worker. Unnamed calls
+            get ``push_pull.noname.<n>``, numbered in call order.
+        version: accepted for BytePS compatibility; unused.
+        priority: larger runs earlier when the pipeline has a choice.
+    """
+    return _start(tensor, name, average, priority)
+
+
+def push_pull_async(tensor, average=True, name=None, version=0, priority=0):
+    """Out-of-place :func:`push_pull_async_inplace`: ``synchronize`` returns a new tensor."""
+    return _start(tensor.detach().clone(memory_format=torch.contiguous_format), name, average, priority)
+
+
+def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0):
+    return synchronize(push_pull_async_inplace(tensor, average, name, version, priority))
+
+
+class _PushPull(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, average, name, version, priority):
+        ctx.average, ctx.name = average, name
+        return synchronize(push_pull_async(tensor, average, name, version, priority))
+
+    @staticmethod
+    def backward(ctx, grad):
+        name = None if ctx.name is None else f"{ctx.name}.grad"
+        return synchronize(push_pull_async(grad, ctx.average, name)), None, None, None, None
+
+
+def push_pull(tensor, average=True, name=None, version=0, priority=0, compression=None):
+    """Sum (or average) ``tensor`` over all workers and return the result as a new tensor.
+
+    Differentiable: the gradient is push_pulled the same way.
+    """
+    from .compression import Compression
+
+    compression = compression or Compression.none
+    compressed, ctx = compression.compress(tensor)
+    out = _PushPull.apply(compressed, average, name, version, priority)
+    return compression.decompress(out, ctx)
+
+
+def broadcast_async_(tensor, root_rank, name=None, priority=0):
+    """Start replacing ``tensor`` on every worker by root_rank's ``tensor``; returns a handle.
+
+    A real broadcast: only the root's bytes travel, so NaN/Inf on other ranks cannot leak.
+    """
+    return _start(tensor, name, False, priority, root=root_rank, prefix="broadcast")
+
+
+def broadcast_(tensor, root_rank, name=None):
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def poll(handle):
+    """True when the operation behind ``handle`` has finished."""
+    return common.poll(handle)
+
+
+def synchronize(handle):
+    """Wait for ``handle`` and return the output tensor (raises the operation's error, if any)."""
+    return common.synchronize(handle)
+
+
+def declare(name):
+    """Accepted for BytePS compatibility. Keys no longer depend on declaration order: the scheduler
+    assigns one per tensor name when every worker first uses it, and checks shapes and dtypes agree."""
+    common._require()

@@ -1,0 +1,5 @@
+import sys
+
+from byteps.scheduler import main
+
+sys.exit(main())

@@ -1,0 +1,369 @@
+"""Scheduler event loop.
+
+One ROUTER socket at DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT serves every node's DEALER. Phases:
+
+1. Registration: servers and worker processes send REGISTER. When DMLC_NUM_SERVER servers and,
+   for every DMLC_WORKER_ID, all of its BYTEPS_LOCAL_SIZE processes are in, ranks are assigned
+   (workers sorted by (worker id, local rank); servers by (host, port)) and every node gets the
+   address book. Nodes still missing after BYTEPS_TIMEOUT are named in the error.
+2. Running: barriers, tensor declarations (every worker declares each tensor name with its
+   shape and dtype; when all have, the specs are compared and one key is handed out, or a
+   mismatch error naming the ranks goes to all of them), heartbeats both ways.
+3. An epoch ends when every worker has called shutdown() (LEAVE); workers may register again
+   (init after shutdown) and servers drop their state. The job ends when every worker process
+   has sent EXIT: servers are told to terminate and the scheduler exits 0.
+
+Any node that goes silent for BYTEPS_HEARTBEAT_TIMEOUT is declared lost: every other node gets
+ABORT naming it, and the scheduler exits 1.
+"""
+import os
+import sys
+import time
+
+import zmq
+
+from byteps import config as bps_config
+from byteps.core import wire
+from byteps.core.control import describe_node
+from byteps.errors import BytePSError, ConfigError, ProtocolError
+from byteps.log import logger, setup as setup_logging
+
+Cmd = wire.Cmd
+SCHEDULER_ID = 0xFFFFFFFE
+SERVER_ID_BASE = 1 << 20  # server i has node id SERVER_ID_BASE + i; worker node id == rank
+
+
+class JobFailed(BytePSError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, cfg, ctx=None):
+        self.cfg = cfg
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises instead of vanishing
+        if cfg.root_port == 0:
+            self.port = self.sock.bind_to_random_port(f"tcp://{cfg.root_uri}")
+        else:
+            try:
+                self.sock.bind(f"tcp://{cfg.root_uri}:{cfg.root_port}")
+            except zmq.ZMQError as e:
+                raise ConfigError(f"scheduler cannot bind DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT = "
+                                  f"{cfg.root_uri}:{cfg.root_port}: {e}") from None
+            self.port = cfg.root_port
+        self.epoch = 0
+        self.servers = {}         # identity -> info (registered, stays across epochs)
+        self.workers = {}         # identity -> info, this epoch's registrations
+        self.running = False      # address book sent for this epoch
+        self.last_seen = {}       # identity -> monotonic time of last message
+        self.left = set()         # worker identities that sent LEAVE this epoch
+        self.exited = set()       # (worker_id, local_rank) of worker processes that exited
+        self.barriers = {}        # name -> set of identities
+        self.declares = {}        # (name, spec json) ... see _on_declare
+        self.keys = {}            # (name, spec) -> tensor key, stable for the whole job
+        self.phase_start = time.monotonic()
+        self.idle_since = None    # when every worker had left; bounded by BYTEPS_TIMEOUT
+        self.total_workers = None  # worker processes in the job, known once the first epoch starts
+
+    # ---------------------------------------------------------------- helpers
+
+    def _send(self, ident, cmd, body=None, key=0, arg=0):
+        try:
+            self.sock.send_multipart([ident] + wire.control(cmd, SCHEDULER_ID, body, key=key, arg=arg))
+        except zmq.ZMQError as e:  # EHOSTUNREACH: that peer is gone; its heartbeat loss will be reported
+            logger.debug("send %s to %r failed: %s", Cmd(cmd).name, ident, e)
+
+    def _nodes(self):
+        return {**self.servers, **self.workers}
+
+    def _local_sizes(self):
+        sizes = {}
+        for info in self.workers.values():
+            sizes[info["worker_id"]] = info["local_size"]
+        return sizes
+
+    def _missing(self):
+        """Names of the nodes that have not registered yet, for the startup-timeout message."""
+        missing = []
+        if len(self.servers) < self.cfg.num_server:
+            missing.append(f"{self.cfg.num_server - len(self.servers)} of {self.cfg.num_server} servers")
+        have = {(i["worker_id"], i["local_rank"]) for i in self.workers.values()}
+        sizes = self._local_sizes()
+        for wid in range(self.cfg.num_worker):
+            if wid not in sizes:
+                missing.append(f"worker DMLC_WORKER_ID={wid} (no process registered)")
+                continue
+            lost = [r for r in range(sizes[wid]) if (wid, r) not in have]
+            if lost:
+                missing.append(f"worker DMLC_WORKER_ID={wid} local ranks {lost}")
+        return missing
+
+    def _fail(self, reason):
+        logger.error("job failed: %s", reason)
+        for ident in self._nodes():
+            self._send(ident, Cmd.ABORT, {"reason": reason})
+        raise JobFailed(reason)
+
+    # ---------------------------------------------------------------- registration
+
+    def _on_register(self, ident, body):
+        role = body.get("role")
+        if self.cfg.job_id and body.get("job_id") and body["job_id"] != self.cfg.job_id:
+            self._send(ident, Cmd.ERROR, {"error": f"this scheduler serves job {self.cfg.job_id!r}, "
+                                                   f"not {body['job_id']!r}"})
+            logger.warning("refused a node of another job (%r)", body.get("job_id"))
+            return
+        if role == "server":
+            if self.epoch == 0 and not self.running and len(self.servers) < self.cfg.num_server:
+                self.servers[ident] = dict(body)
+            else:
+                self._send(ident, Cmd.ERROR, {"error": f"all {self.cfg.num_server} servers (DMLC_NUM_SERVER) are "
+                                                       "already registered"})
+                return
+        elif role == "worker":
+            if self.running:
+                self._send(ident, Cmd.ERROR, {"error": "the job is already running; a worker can join only when "
+                                                       "every worker has called shutdown()"})
+                return
+            wid, lrank, lsize = body.get("worker_id"), body.get("local_rank"), body.get("local_size")
+            if not (isinstance(wid, int) and 0 <= wid < self.cfg.num_worker):
+                self._send(ident, Cmd.ERROR, {"error": f"DMLC_WORKER_ID={wid} is outside 0..{self.cfg.num_worker - 1}"
+                                                       f" (the scheduler has DMLC_NUM_WORKER={self.cfg.num_worker})"})
+                return
+            for other in self.workers.values():
+                if other["worker_id"] == wid and other["local_rank"] == lrank:
+                    self._send(ident, Cmd.ERROR, {"error": f"a worker with DMLC_WORKER_ID={wid} and "
+                                                           f"BYTEPS_LOCAL_RANK={lrank} is already registered "
+                                                           f"(pid {other.get('pid')} on {other.get('hostname')})"})
+                    return
+                if other["worker_id"] == wid and other["local_size"] != lsize:
+                    self._send(ident, Cmd.ERROR, {"error": f"DMLC_WORKER_ID={wid}: BYTEPS_LOCAL_SIZE={lsize} here "
+                                                           f"but {other['local_size']} in pid {other.get('pid')}"})
+                    return
+            self.workers[ident] = dict(body)
+        else:
+            self._send(ident, Cmd.ERROR, {"error": f"unknown role {role!r}"})
+            return
+        self.last_seen[ident] = time.monotonic()
+        logger.info("registered %s %s (pid %s on %s)", role, body.get("worker_id", ""), body.get("pid"),
+                    body.get("hostname"))
+        self._maybe_start()
+
+    def _maybe_start(self):
+        if self.running or len(self.servers) < self.cfg.num_server or self._missing():
+            return
+        servers = sorted(self.servers.items(), key=lambda kv: (kv[1]["host"], kv[1]["port"]))
+        for index, (_, info) in enumerate(servers):
+            info.update(index=index, node_id=SERVER_ID_BASE + index, role="server")
+        workers = sorted(self.workers.items(), key=lambda kv: (kv[1]["worker_id"], kv[1]["local_rank"]))
+        for rank, (_, info) in enumerate(workers):
+            info.update(rank=rank, node_id=rank, role="worker")
+        book = {"epoch": self.epoch, "size": len(workers),
+                "servers": [info for _, info in servers], "workers": [info for _, info in workers]}
+        for ident, info in servers + workers:
+            self._send(ident, Cmd.ADDRBOOK, dict(book, you=info))
+        self.running = True
+        self.total_workers = len(workers)
+        self.left.clear()
+        self.idle_since = None
+        logger.info("epoch %d running: %d workers, %d servers", self.epoch, len(workers), len(servers))
+
+    # ---------------------------------------------------------------- running
+
+    def _active_workers(self):
+        return [i for i in self.workers if i not in self.left]
+
+    def _on_barrier(self, ident, body):
+        name = str(body.get("name", ""))
+        group = self.barriers.setdefault(name, set())
+        group.add(ident)
+        if group >= set(self._active_workers()):
+            for member in group:
+                self._send(member, Cmd.BARRIER, {"name": name})
+            del self.barriers[name]
+
+    def _on_declare(self, ident, body):
+        """Collect one tensor declaration per worker; answer all of them once everyone has declared."""
+        name = body.get("name")
+        spec = {"shape": body.get("shape"), "dtype": body.get("dtype")}
+        if not isinstance(name, str):
+            self._send(ident, Cmd.DECLARE, {"error": "declaration without a tensor name"}, arg=1)
+            return
+        # Keyed by (name, per-worker declaration count) so a worker's second declaration of the same
+        # name (a resized tensor) meets the other workers' second declaration, never their first.
+        seq = body.get("seq", 0)
+        pending = self.declares.setdefault((name, seq), {"since": time.monotonic(), "specs": {}})
+        pending["specs"][ident] = spec
+        if set(pending["specs"]) >= set(self._active_workers()):
+            del self.declares[(name, seq)]
+            self._answer_declare(name, seq, pending["specs"])
+
+    def _answer_declare(self, name, seq, specs):
+        distinct = {(tuple(s["shape"]), s["dtype"]) for s in specs.values()}
+        if len(distinct) == 1:
+            spec = distinct.pop()
+            key = self.keys.setdefault((name, spec), len(self.keys) + 1)
+            for ident in specs:
+                self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "key": key})
+            return
+        detail = "; ".join(f"rank {self.workers[i]['rank']}: {s['dtype']}{list(s['shape'])}"
+                           for i, s in sorted(specs.items(), key=lambda kv: self.workers[kv[0]]["rank"]))
+        msg = f"tensor {name!r} differs across workers (shape or dtype): {detail}"
+        logger.warning(msg)
+        for ident in specs:
+            self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": msg}, arg=1)
+
+    def _on_leave(self, ident):
+        self.left.add(ident)
+        # shutdown() is collective: the releases go out when every worker of this epoch has left
+        if set(self.workers) <= self.left:
+            for w in self.workers:
+                self._send(w, Cmd.LEAVE, {"epoch": self.epoch})
+            for s in self.servers:
+                self._send(s, Cmd.LEAVE, {"epoch": self.epoch})
+            logger.info("epoch %d ended: every worker called shutdown()", self.epoch)
+            self.epoch += 1
+            self.workers = {}
+            self.left = set()
+            self.barriers.clear()
+            self.declares.clear()
+            self.running = False
+            self.idle_since = time.monotonic()
+            self.phase_start = self.idle_since
+
+    def _on_exit(self, body):
+        self.exited.add((body.get("worker_id"), body.get("local_rank")))
+
+    def _job_complete(self):
+        return not self.running and self.total_workers is not None and len(self.exited) >= self.total_workers
+
+    def _describe(self, ident):
+        node = self._nodes()[ident]
+        if "rank" in node or "index" in node:
+            return describe_node(node)
+        return f"{node.get('role')} (pid {node.get('pid')} on {node.get('hostname')}, not yet ranked)"
+
+    # ---------------------------------------------------------------- timeouts
+
+    def _check_timeouts(self):
+        now = time.monotonic()
+        for ident, seen in list(self.last_seen.items()):
+            if ident not in self._nodes() or ident in self.left:
+                continue
+            if now - seen > self.cfg.heartbeat_timeout:
+                self._fail(f"lost {self._describe(ident)}: no heartbeat for {now - seen:.1f} s (BYTEPS_HEARTBEAT_TIMEOUT="
+                           f"{self.cfg.heartbeat_timeout:g})")
+        if not self.running and self.idle_since is None and now - self.phase_start > self.cfg.timeout:
+            self._fail(f"startup timed out after {self.cfg.timeout:g} s (BYTEPS_TIMEOUT); never registered: "
+                       + ", ".join(self._missing()))
+        for (name, seq), pending in list(self.declares.items()):
+            if now - pending["since"] > self.cfg.timeout:
+                have = sorted(self.workers[i]["rank"] for i in pending["specs"])
+                lacking = sorted(self.workers[i]["rank"] for i in self._active_workers() if i not in pending["specs"])
+                msg = (f"tensor {name!r} was declared by ranks {have} but not by ranks {lacking} within "
+                       f"{self.cfg.timeout:g} s (BYTEPS_TIMEOUT): do all workers use the same tensor names?")
+                for ident in pending["specs"]:
+                    self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": msg}, arg=1)
+                del self.declares[(name, seq)]
+
+    # ---------------------------------------------------------------- loop
+
+    def run(self):
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        last_beat = 0.0
+        tick = min(self.cfg.heartbeat_interval, 1.0)
+        while True:
+            if poller.poll(timeout=tick * 1000):
+                frames = self.sock.recv_multipart()
+                self._dispatch(frames)
+            now = time.monotonic()
+            if now - last_beat >= self.cfg.heartbeat_interval:
+                for ident in self._nodes():
+                    self._send(ident, Cmd.HEARTBEAT)
+                last_beat = now
+            self._check_timeouts()
+            if self._job_complete():
+                for s in self.servers:
+                    self._send(s, Cmd.TERMINATE)
+                logger.info("job complete: every worker process exited")
+                return 0
+            if self.idle_since is not None and now - self.idle_since > self.cfg.timeout:
+                logger.warning("every worker called shutdown() but not every worker process reported its exit "
+                               "within %g s (BYTEPS_TIMEOUT); ending the job", self.cfg.timeout)
+                for s in self.servers:
+                    self._send(s, Cmd.TERMINATE)
+                return 0
+
+    def _dispatch(self, frames):
+        if len(frames) != 3:
+            logger.warning("dropped a message with %d frames", len(frames))
+            return
+        ident, raw_header, raw_body = frames
+        try:
+            header = wire.unpack(raw_header)
+            body = wire.decode(raw_body)
+        except ProtocolError as e:
+            logger.warning("dropped a malformed control message: %s", e)
+            return
+        if header.cmd == Cmd.REGISTER:
+            self._on_register(ident, body)
+            return
+        if header.cmd == Cmd.EXIT:
+            self._on_exit(body)
+            return
+        if ident not in self._nodes():
+            logger.debug("message %s from an unregistered peer ignored", Cmd(header.cmd).name)
+            return
+        self.last_seen[ident] = time.monotonic()
+        if header.cmd == Cmd.HEARTBEAT:
+            return
+        if header.cmd == Cmd.BARRIER:
+            self._on_barrier(ident, body)
+        elif header.cmd == Cmd.DECLARE:
+            self._on_declare(ident, body)
+        elif header.cmd == Cmd.LEAVE:
+            self._on_leave(ident)
+        elif header.cmd == Cmd.ABORT:
+            self._fail(f"{self._describe(ident)} aborted the job: {body.get('reason')}")
+        else:
+            logger.warning("unexpected %s from %r", Cmd(header.cmd).name, ident)
+
+    def close(self):
+        self.sock.close(linger=2000)
+
+
+def write_port_file(path, port):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def main():
+    try:
+        cfg = bps_config.load(role="scheduler")
+    except ConfigError as e:
+        print(f"byteps scheduler: {e}", file=sys.stderr)
+        return 2
+    setup_logging("scheduler")
+    try:
+        sched = Scheduler(cfg)
+    except ConfigError as e:
+        logger.error("%s", e)
+        return 2
+    port_file = os.environ.get("BYTEPS_SCHEDULER_PORT_FILE")
+    if port_file:
+        write_port_file(port_file, sched.port)
+    logger.info("listening on %s:%d for %d workers and %d servers", cfg.root_uri, sched.port, cfg.num_worker,
+                cfg.num_server)
+    try:
+        return sched.run()
+    except JobFailed:
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sched.close()

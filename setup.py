@@ -1,0 +1,89 @@
+"""Build script for byteps: maps the fixed top-level layout onto the `byteps` package.
+
+The tree keeps each part of the system in its own top-level folder (see docs/architecture.md);
+setuptools' `package_dir` maps them under one import name. Cython does not follow
+`package_dir`, so `cython_include_tree()` builds a symlinked `byteps/` tree for cimports
+(see ../shared/STYLE.md, "Packaging our fixed layout", pitfall 1).
+"""
+import os
+import sys
+
+from setuptools import Extension, find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: import name -> folder in this repository
+PACKAGE_DIR = {
+    "byteps": "byteps_py",
+    "byteps.core": "core",
+    "byteps.server": "summation",
+    "byteps.scheduler": "scheduler",
+    "byteps.topology": "topology",
+    "byteps.torch": "plugins/torch",
+}
+
+
+def packages():
+    """Every package and nested subpackage (an explicit list misses nested ones in wheels)."""
+    found = []
+    for pkg, src in PACKAGE_DIR.items():
+        found.append(pkg)
+        found += [f"{pkg}.{sub}" for sub in find_packages(os.path.join(HERE, src), exclude=["tests*"])]
+    return found
+
+
+def cython_include_tree():
+    """Create build/cython-include/byteps/<sub> -> ../../../<folder> so cimports resolve."""
+    root = os.path.join(HERE, "build", "cython-include", "byteps")
+    os.makedirs(root, exist_ok=True)
+    open(os.path.join(root, "__init__.pxd"), "a").close()
+    for pkg, src in PACKAGE_DIR.items():
+        if pkg == "byteps":
+            continue
+        link = os.path.join(root, pkg.split(".", 1)[1])
+        target = os.path.relpath(os.path.join(HERE, src), root)
+        if not os.path.islink(link):
+            os.symlink(target, link)
+    return os.path.dirname(root)
+
+
+def extensions():
+    """Cython extensions. Portable baseline flags; wider SIMD is dispatched at run time."""
+    import numpy
+    from Cython.Build import cythonize
+
+    compile_args = ["-O3", "-fopenmp", "-fno-strict-aliasing"]
+    link_args = ["-fopenmp"]
+    if sys.platform == "darwin":  # Apple clang has no -fopenmp
+        compile_args, link_args = ["-O3"], []
+    exts = [
+        Extension(
+            "byteps.core._reduce",
+            ["core/_reduce.pyx"],
+            include_dirs=[os.path.join(HERE, "core", "include"), numpy.get_include()],
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+        ),
+    ]
+    return cythonize(
+        exts,
+        include_path=[cython_include_tree()],
+        build_dir="build/cython",
+        compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False,
+                             "cdivision": True, "initializedcheck": False},
+    )
+
+
+def read_version():
+    with open(os.path.join(HERE, "byteps_py", "VERSION")) as f:
+        return f.read().strip()
+
+
+setup(
+    version=read_version(),
+    packages=packages(),
+    package_dir=PACKAGE_DIR,
+    package_data={"byteps": ["VERSION", "py.typed"], "byteps.core": ["*.pxd", "*.pyi", "include/*.h"]},
+    ext_modules=extensions(),
+    zip_safe=False,
+)

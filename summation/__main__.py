@@ -1,0 +1,5 @@
+import sys
+
+from byteps.server import main
+
+sys.exit(main())

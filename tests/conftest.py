@@ -1,0 +1,132 @@
+"""Test harness: real scheduler, server and worker processes on 127.0.0.1.
+
+``cluster`` starts a scheduler (random port) and servers; ``Cluster.run_workers`` starts worker
+processes that run a scenario from tests/scenarios.py and write their results as JSON. Every
+process is killed and reaped at teardown, and each wait is bounded.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIOS = os.path.join(HERE, "scenarios.py")
+
+#: fast failure detection for tests (real clusters use the defaults in docs/env.md)
+FAST_ENV = {"BYTEPS_HEARTBEAT_INTERVAL": "0.2", "BYTEPS_HEARTBEAT_TIMEOUT": "3", "BYTEPS_TIMEOUT": "30",
+            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+class Cluster:
+    def __init__(self, tmp_path, workers, servers, local_size=1, env=None):
+        self.tmp = tmp_path
+        self.num_machines = workers
+        self.num_servers = servers
+        self.local_size = local_size
+        self.env = dict(os.environ, **FAST_ENV, **(env or {}))
+        self.env.update(DMLC_NUM_WORKER=str(workers), DMLC_NUM_SERVER=str(servers), DMLC_PS_ROOT_URI="127.0.0.1",
+                        DMLC_NODE_HOST="127.0.0.1", BYTEPS_JOB_ID=f"test-{os.getpid()}-{id(self)}")
+        self.env.pop("DMLC_ROLE", None)
+        self.scheduler = None
+        self.servers = []
+        self.workers = []
+        self.port = None
+
+    def _spawn(self, argv, role, extra=None, log=None):
+        env = dict(self.env, DMLC_ROLE=role, **(extra or {}))
+        out = open(os.path.join(self.tmp, log), "wb")
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def start(self, servers=True):
+        port_file = os.path.join(self.tmp, "port")
+        self.scheduler = self._spawn([sys.executable, "-m", "byteps.scheduler"], "scheduler",
+                                     {"DMLC_PS_ROOT_PORT": "0", "BYTEPS_SCHEDULER_PORT_FILE": port_file},
+                                     log="scheduler.log")
+        deadline = time.monotonic() + 20
+        while not os.path.exists(port_file):
+            assert self.scheduler.poll() is None, self.log("scheduler")
+            assert time.monotonic() < deadline, "scheduler did not write its port"
+            time.sleep(0.02)
+        self.port = int(open(port_file).read())
+        self.env["DMLC_PS_ROOT_PORT"] = str(self.port)
+        if servers:
+            for i in range(self.num_servers):
+                self.start_server(i)
+        return self
+
+    def start_server(self, i):
+        self.servers.append(self._spawn([sys.executable, "-m", "byteps.server"], "server", log=f"server{i}.log"))
+
+    def run_workers(self, scenario, args=None, env=None, machines=None):
+        """Start every worker process (or those of `machines`) running `scenario`."""
+        args = json.dumps(args or {})
+        for wid in (range(self.num_machines) if machines is None else machines):
+            for lr in range(self.local_size):
+                extra = {"DMLC_WORKER_ID": str(wid), "BYTEPS_LOCAL_RANK": str(lr),
+                         "BYTEPS_LOCAL_SIZE": str(self.local_size), **(env or {})}
+                argv = [sys.executable, SCENARIOS, scenario, str(self.tmp), args]
+                self.workers.append(self._spawn(argv, "worker", extra, log=f"worker{wid}.{lr}.log"))
+        return self.workers
+
+    def wait_workers(self, timeout=60):
+        """Wait for every worker; return their exit codes. Fails the test with the logs on a time-out."""
+        deadline = time.monotonic() + timeout
+        for p in self.workers:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"workers did not finish within {timeout} s\n{self.all_logs()}")
+        return [p.returncode for p in self.workers]
+
+    def wait_all(self, timeout=30):
+        codes = self.wait_workers(timeout)
+        deadline = time.monotonic() + timeout
+        for p in [*self.servers, self.scheduler]:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"servers/scheduler did not exit after the workers\n{self.all_logs()}")
+        return codes, [p.returncode for p in self.servers], self.scheduler.returncode
+
+    def results(self):
+        out = {}
+        for name in os.listdir(self.tmp):
+            if name.startswith("result.") and name.endswith(".json"):
+                with open(os.path.join(self.tmp, name)) as f:
+                    res = json.load(f)
+                out[res["rank"]] = res
+        return out
+
+    def log(self, name):
+        path = os.path.join(self.tmp, f"{name}.log")
+        return open(path, errors="replace").read() if os.path.exists(path) else ""
+
+    def all_logs(self):
+        names = sorted(n[:-4] for n in os.listdir(self.tmp) if n.endswith(".log"))
+        return "\n".join(f"----- {n}\n{self.log(n)[-3000:]}" for n in names)
+
+    def kill_all(self):
+        procs = [p for p in [self.scheduler, *self.servers, *self.workers] if p is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.wait(10)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = []
+
+    def make(workers, servers, local_size=1, env=None, start=True):
+        c = Cluster(tmp_path, workers, servers, local_size, env)
+        made.append(c)
+        return c.start() if start else c
+
+    yield make
+    for c in made:
+        c.kill_all()

@@ -1,0 +1,1 @@
+"""Machine topology (GPUs, switches, NICs); thin until the topology issue."""
