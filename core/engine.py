@@ -34,7 +34,7 @@ import zmq
 from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, ProtocolError, TensorMismatchError
 from byteps.log import logger
 
-from . import wire
+from . import dtypes, wire
 from .control import ControlClient
 
 Cmd = wire.Cmd
@@ -309,7 +309,8 @@ class Engine:
                 self._decl_spec[waiting] = op.spec
                 self._declaring[waiting] = []
                 self.control.send(Cmd.DECLARE, {"name": op.name, "seq": seq, "shape": list(op.shape),
-                                                "dtype": op.dtype, "kind": int(op.cmd)})
+                                                "dtype": dtypes.name(op.dtype),
+                                                "kind": "broadcast" if op.cmd == Cmd.BROADCAST else "push_pull"})
             self._declaring[waiting].append(op)
 
     def _dispatch(self, op, tkey):
@@ -337,9 +338,7 @@ class Engine:
 
     def _partition_step(self, op):
         """Partition size in bytes: at most BYTEPS_PARTITION_BYTES, a whole number of elements."""
-        from .dtypes import itemsize
-
-        size = itemsize(op.dtype)
+        size = dtypes.itemsize(op.dtype)
         return max(size, self.cfg.partition_bytes // size * size)
 
     # ---------------------------------------------------------------- receiving

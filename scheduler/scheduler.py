@@ -187,7 +187,7 @@ class Scheduler:
     def _on_declare(self, ident, body):
         """Collect one tensor declaration per worker; answer all of them once everyone has declared."""
         name = body.get("name")
-        spec = {"shape": body.get("shape"), "dtype": body.get("dtype")}
+        spec = {"shape": body.get("shape"), "dtype": body.get("dtype"), "kind": body.get("kind")}
         if not isinstance(name, str):
             self._send(ident, Cmd.DECLARE, {"error": "declaration without a tensor name"}, arg=1)
             return
@@ -201,16 +201,18 @@ class Scheduler:
             self._answer_declare(name, seq, pending["specs"])
 
     def _answer_declare(self, name, seq, specs):
-        distinct = {(tuple(s["shape"]), s["dtype"]) for s in specs.values()}
+        distinct = {(tuple(s["shape"]), s["dtype"], s["kind"]) for s in specs.values()}
         if len(distinct) == 1:
             spec = distinct.pop()
             key = self.keys.setdefault((name, spec), len(self.keys) + 1)
             for ident in specs:
                 self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "key": key})
             return
+        show_kind = len({s["kind"] for s in specs.values()}) > 1
         detail = "; ".join(f"rank {self.workers[i]['rank']}: {s['dtype']}{list(s['shape'])}"
+                           + (f" in a {s['kind']}" if show_kind else "")
                            for i, s in sorted(specs.items(), key=lambda kv: self.workers[kv[0]]["rank"]))
-        msg = f"tensor {name!r} differs across workers (shape or dtype): {detail}"
+        msg = f"tensor {name!r} differs across workers (shape, dtype or operation): {detail}"
         logger.warning(msg)
         for ident in specs:
             self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": msg}, arg=1)

@@ -104,10 +104,19 @@ class Server:
         while self.data.getsockopt(zmq.RCVMORE):
             self.data.recv_into(self.scratch)
 
+    def _send(self, frames, copy=True):
+        try:
+            self.data.send_multipart(frames, copy=copy)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            # that worker is gone; the scheduler reports the loss to everyone
+            logger.debug("reply to a disconnected worker dropped")
+
     def _reply_error(self, ident, header, msg):
         body = wire.encode({"error": msg})
-        self.data.send_multipart([ident, wire.pack(Cmd.ERROR, sender=self.control.node_id, key=header.key,
-                                                   round=header.round, length=len(body)), body])
+        self._send([ident, wire.pack(Cmd.ERROR, sender=self.control.node_id, key=header.key, round=header.round,
+                                     length=len(body)), body])
 
     def _on_data(self):
         ident = self.data.recv()
@@ -207,8 +216,8 @@ class Server:
             for ident in st.waiters:
                 # the broadcast root already has the data: it gets an empty reply
                 body = b"" if h.cmd == Cmd.BROADCAST and ident == st.root_ident else store
-                self.data.send_multipart([ident, wire.pack(Cmd.REPLY, sender=node, key=h.key, round=st.round,
-                                                           length=len(body), dtype=st.dtype), body], copy=False)
+                self._send([ident, wire.pack(Cmd.REPLY, sender=node, key=h.key, round=st.round, length=len(body),
+                                             dtype=st.dtype), body], copy=False)
         st.round += 1
         st.reset()
 

@@ -27,7 +27,7 @@ class Cluster:
         self.num_machines = workers
         self.num_servers = servers
         self.local_size = local_size
-        self.env = dict(os.environ, **FAST_ENV, **(env or {}))
+        self.env = {**os.environ, **FAST_ENV, **(env or {})}
         self.env.update(DMLC_NUM_WORKER=str(workers), DMLC_NUM_SERVER=str(servers), DMLC_PS_ROOT_URI="127.0.0.1",
                         DMLC_NODE_HOST="127.0.0.1", BYTEPS_JOB_ID=f"test-{os.getpid()}-{id(self)}")
         self.env.pop("DMLC_ROLE", None)
@@ -122,8 +122,12 @@ class Cluster:
 def cluster(tmp_path):
     made = []
 
-    def make(workers, servers, local_size=1, env=None, start=True):
-        c = Cluster(tmp_path, workers, servers, local_size, env)
+    def make(workers, servers, local_size=1, env=None, start=True, subdir=None):
+        where = tmp_path
+        if subdir is not None:
+            where = tmp_path / subdir
+            where.mkdir()
+        c = Cluster(where, workers, servers, local_size, env)
         made.append(c)
         return c.start() if start else c
 

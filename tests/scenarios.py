@@ -2,7 +2,9 @@
 
 Each scenario runs in a real worker process (env set by tests/conftest.py) and writes
 ``OUTDIR/result.<rank>.json``; the test compares it with a locally computed ground truth.
+Scenarios live here and in ``scenarios_*.py`` beside this file (registered with ``@scenario``).
 """
+import importlib
 import json
 import os
 import sys
@@ -52,11 +54,73 @@ def sums(out, args):
     return res
 
 
-SCENARIO_NAMES = SCENARIOS
+@scenario
+def loop(out, args):
+    """push_pull until something fails; report progress in OUTDIR/progress.<rank> and return the error."""
+    t = torch.ones(args.get("numel", 10000))
+    path = os.path.join(out, f"progress.{bps.rank()}")
+    for step in range(args.get("steps", 10 ** 9)):
+        try:
+            bps.push_pull(t, average=False, name="loop")
+        except Exception as e:
+            return {"steps": step, "error_type": type(e).__name__, "error": str(e)}
+        with open(path, "w") as f:
+            f.write(str(step))
+        time.sleep(args.get("sleep", 0))
+    return {"steps": args.get("steps")}
+
+
+@scenario
+def mismatch(out, args):
+    """Rank-dependent shape or dtype under one name: every rank must get an error; later calls still work."""
+    r = bps.rank()
+    got = {}
+    kind = args["kind"]
+    if kind == "shape":
+        t = torch.ones(3 + r)
+    elif kind == "dtype":
+        t = torch.ones(4, dtype=torch.float32 if r == 0 else torch.float64)
+    else:  # root rank differs: a broadcast
+        t = torch.ones(4)
+    try:
+        if kind == "root":
+            bps.broadcast_(t, root_rank=r, name="x")
+        else:
+            bps.push_pull(t, name="x")
+        got["first"] = "no error"
+    except Exception as e:
+        got["first"] = f"{type(e).__name__}: {e}"
+    y = torch.full((5,), float(r + 1))
+    got["after"] = bps.push_pull(y, average=False, name="y").tolist()
+    return got
+
+
+@scenario
+def slow(out, args):
+    """One rank pauses for less than the timeouts between steps: nobody fails."""
+    t = torch.ones(100)
+    for step in range(args["steps"]):
+        if bps.rank() == 1 and step == 1:
+            time.sleep(args["pause"])
+        bps.push_pull(t, average=False, name="slow")
+    return t.tolist()[:1]
+
+
+def _load_more():
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    for fname in sorted(os.listdir(here)):
+        if fname.startswith("scenarios_") and fname.endswith(".py"):
+            importlib.import_module(fname[:-3])
 
 
 def main():
     name, outdir, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    sys.modules.setdefault("scenarios", sys.modules["__main__"])  # so scenarios_*.py share SCENARIOS
+    _load_more()
+    if args.get("no_init"):
+        SCENARIOS[name](outdir, args)
+        return
     bps.init()
     result = {"rank": bps.rank(), "size": bps.size(), "local_rank": bps.local_rank(),
               "local_size": bps.local_size()}

@@ -1,0 +1,37 @@
+"""Bad input across workers: a clear error on every rank naming the tensor, ranks and values; no hang."""
+import pytest
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["shape", "dtype", "root"])
+def test_mismatch_raises_on_every_rank_and_job_survives(cluster, kind):
+    c = cluster(2, 2)
+    c.run_workers("mismatch", {"kind": kind})
+    codes, scodes, sched = c.wait_all(60)
+    assert codes == [0, 0] and scodes == [0, 0] and sched == 0, c.all_logs()
+    res = c.results()
+    for rank in (0, 1):
+        first = res[rank]["value"]["first"]
+        assert first.startswith("TensorMismatchError"), first
+        assert "'x'" in first or "x" in first.split(":")[1], first
+        if kind == "shape":
+            assert "rank 0: float32[3]" in first and "rank 1: float32[4]" in first, first
+        elif kind == "dtype":
+            assert "rank 0: float32[4]" in first and "rank 1: float64[4]" in first, first
+        else:
+            assert "root" in first and "0" in first and "1" in first, first
+        # later push_pulls still work: 1 + 2
+        assert res[rank]["value"]["after"] == [3.0] * 5, res[rank]
+
+
+@pytest.mark.timeout(60)
+def test_two_jobs_on_one_host_do_not_collide(cluster):
+    specs = [{"name": "same", "shape": [50], "dtype": "int64"}]
+    jobs = [cluster(2, 1, subdir=f"job{j}") for j in range(2)]
+    for c in jobs:
+        c.run_workers("sums", {"tensors": specs, "rounds": 3})
+    for c in jobs:
+        codes, scodes, sched = c.wait_all(60)
+        assert codes == [0, 0] and scodes == [0] and sched == 0, c.all_logs()
+    a, b = (c.results()[0]["value"] for c in jobs)
+    assert a == b and len(a) == 3  # same seeds, same sums, no cross-talk
