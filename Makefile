@@ -1,0 +1,33 @@
+# Two commands do all set-up on a fresh machine:
+#   make train   installs everything, then runs a real 2-worker/2-server training job under bpslaunch
+#   make test    installs everything plus test tools, then runs the whole test suite (CI runs this)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is pinned: an open range pulls a multi-GB CUDA build (docs/env.md, "Installing").
+TORCH ?= torch==2.13.0
+
+.PHONY: setup train test test-all bench clean
+
+setup: $(VENV)/.byteps-installed
+
+$(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/include/*.h
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" "setuptools>=64" wheel "cython>=3.0,<3.4" "numpy>=1.26"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+train: setup
+	$(VENV)/bin/bpslaunch --local --workers 2 --servers 2 -- $(PY) examples/train_synthetic.py
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m "slow or not slow"
+
+bench: setup
+	$(PY) bench/bench_sum.py
+
+clean:
+	rm -rf build dist *.egg-info core/*.so core/*.c

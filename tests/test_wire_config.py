@@ -1,0 +1,112 @@
+"""Unit tier: the wire header and the environment parser (no processes)."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from byteps import config
+from byteps.core import wire
+from byteps.errors import ConfigError, ProtocolError
+
+
+def test_header_round_trip():
+    raw = wire.pack(wire.Cmd.PUSHPULL, sender=3, key=wire.make_key(7, 2), round=9, length=4096, dtype=2, arg=1)
+    assert len(raw) == wire.HEADER_SIZE == 40
+    h = wire.unpack(raw)
+    assert (h.cmd, h.sender, h.key, h.round, h.length, h.dtype, h.arg) == (wire.Cmd.PUSHPULL, 3, (7 << 32) | 2, 9,
+                                                                          4096, 2, 1)
+    assert wire.split_key(h.key) == (7, 2)
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda b: b[:-1], "expected 40"),
+    (lambda b: b"XX" + b[2:], "bad magic"),
+    (lambda b: b[:2] + bytes([99]) + b[3:], "wire version 99"),
+    (lambda b: b[:3] + bytes([200]) + b[4:], "unknown command"),
+])
+def test_malformed_headers_are_rejected(mutate, msg):
+    raw = wire.pack(wire.Cmd.PUSHPULL, length=8)
+    with pytest.raises(ProtocolError, match=msg):
+        wire.unpack(mutate(raw))
+
+
+def test_body_lengths_are_bounded():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        wire.unpack(wire.pack(wire.Cmd.DECLARE, length=wire.MAX_CONTROL_BODY + 1))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        wire.unpack(wire.pack(wire.Cmd.PUSHPULL, length=wire.MAX_BODY + 1))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.binary(min_size=0, max_size=64))
+def test_random_bytes_never_crash_the_parser(data):
+    try:
+        h = wire.unpack(data)
+    except ProtocolError:
+        return
+    assert h.length <= wire.MAX_BODY
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_control_bodies(data):
+    try:
+        assert isinstance(wire.decode(data), dict)
+    except ProtocolError:
+        pass
+
+
+BASE = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "1",
+        "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000"}
+
+
+def test_valid_worker_config():
+    cfg = config.load(dict(BASE, BYTEPS_LOCAL_SIZE="2", BYTEPS_LOCAL_RANK="1"))
+    assert (cfg.worker_id, cfg.local_rank, cfg.local_size, cfg.partition_bytes) == (1, 1, 2, 4096000)
+    assert cfg.distributed and cfg.node_host == "127.0.0.1"
+    assert cfg.scheduler_endpoint == "tcp://127.0.0.1:9000"
+
+
+def test_standalone_worker_needs_no_variables():
+    cfg = config.load({})
+    assert (cfg.num_worker, cfg.local_size, cfg.distributed) == (1, 1, False)
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("DMLC_NUM_WORKER", "abc", "DMLC_NUM_WORKER='abc' is not an integer"),
+    ("DMLC_NUM_WORKER", "-1", "DMLC_NUM_WORKER=-1 must be >= 1"),
+    ("DMLC_WORKER_ID", "2", "DMLC_WORKER_ID=2 must be < DMLC_NUM_WORKER=2"),
+    ("DMLC_PS_ROOT_PORT", "70000", "DMLC_PS_ROOT_PORT=70000 must be <= 65535"),
+    ("DMLC_PS_ROOT_PORT", "0", "DMLC_PS_ROOT_PORT=0 must be >= 1"),
+    ("DMLC_ROLE", "boss", "DMLC_ROLE='boss'"),
+    ("BYTEPS_LOCAL_RANK", "3", "BYTEPS_LOCAL_RANK=3 must be < BYTEPS_LOCAL_SIZE=1"),
+    ("BYTEPS_PARTITION_BYTES", "4k", "BYTEPS_PARTITION_BYTES='4k' is not an integer"),
+    ("BYTEPS_TIMEOUT", "-5", "BYTEPS_TIMEOUT=-5 must be > 0"),
+    ("BYTEPS_LOG_LEVEL", "LOUD", "BYTEPS_LOG_LEVEL='LOUD'"),
+    ("BYTEPS_FORCE_DISTRIBUTED", "maybe", "BYTEPS_FORCE_DISTRIBUTED='maybe'"),
+    ("DMLC_INTERFACE", "nonexistent0", "no such interface"),
+])
+def test_malformed_variables_are_named(name, value, needle):
+    env = dict(BASE, **{name: value})
+    with pytest.raises(ConfigError) as e:
+        config.load(env)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("missing", ["DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT",
+                                     "DMLC_WORKER_ID"])
+def test_missing_variables_are_named(missing):
+    env = {k: v for k, v in BASE.items() if k != missing}
+    with pytest.raises(ConfigError, match=f"{missing} is not set"):
+        config.load(env)
+
+
+def test_scheduler_may_bind_any_port():
+    cfg = config.load(dict(BASE, DMLC_ROLE="scheduler", DMLC_PS_ROOT_PORT="0"))
+    assert cfg.root_port == 0
+
+
+def test_every_variable_is_documented():
+    import os
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "env.md")).read()
+    for name in config.VARIABLES:
+        assert f"`{name}`" in doc, f"{name} is missing from docs/env.md"
