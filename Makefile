@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 
 setup: $(VENV)/.byteps-installed
 
-$(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/include/*.h
+$(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/*.h
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" "setuptools>=64" wheel "cython>=3.0,<3.4" "numpy>=1.26"

@@ -60,7 +60,7 @@ def extensions():
         Extension(
             "byteps.core._reduce",
             ["core/_reduce.pyx"],
-            include_dirs=[os.path.join(HERE, "core", "include"), numpy.get_include()],
+            include_dirs=[os.path.join(HERE, "core"), numpy.get_include()],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
         ),
@@ -83,7 +83,7 @@ setup(
     version=read_version(),
     packages=packages(),
     package_dir=PACKAGE_DIR,
-    package_data={"byteps": ["VERSION", "py.typed"], "byteps.core": ["*.pxd", "*.pyi", "include/*.h"]},
+    package_data={"byteps": ["VERSION", "py.typed"], "byteps.core": ["*.pxd", "*.pyi", "*.h"]},
     ext_modules=extensions(),
     zip_safe=False,
 )

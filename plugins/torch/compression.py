@@ -27,7 +27,10 @@ class NoneCompressor(Compressor):
 
 
 class FP16Compressor(Compressor):
-    """Send floating-point tensors as float16 (halves the bytes on the wire); sums are in fp32 on the server."""
+    """Send floating-point tensors as float16 (halves the bytes on the wire).
+
+    The server adds each push in fp32 and rounds the running sum to fp16 after every addition.
+    """
 
     @staticmethod
     def compress(tensor):

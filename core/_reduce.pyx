@@ -1,0 +1,278 @@
+"""Elementwise summation kernels for gradient aggregation (C code in bps_reduce.h).
+
+Buffers are taken through the buffer protocol as raw bytes, so numpy arrays of any dtype, byte
+views, bytearray, memoryview and zmq frames all work; the ``dtype`` code (byteps.core.dtypes) says
+how to interpret them. The arithmetic runs without the GIL, in OpenMP threads for big buffers.
+"""
+import os
+
+import numpy as np
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.stdlib cimport free, malloc
+
+
+cdef extern from "bps_reduce.h" nogil:
+    size_t bps_par_min_bytes
+    int bps_use_avx2, bps_use_f16c, bps_use_avx512, bps_has_avx512bf16
+    void bps_cpu_init()
+    void bps_set_simd_level(int level)
+    int bps_itemsize(int dtype)
+    const char *bps_dtype_name(int dtype)
+    int bps_sum_into(void *dst, const void *src, size_t n, int dtype, int nthreads)
+    int bps_sum_many(void *dst, const void *const *srcs, int nsrc, size_t n, int dtype, int nthreads)
+    int bps_scale(void *buf, double factor, size_t n, int dtype, int nthreads)
+    void bps_copy(void *dst, const void *src, size_t nbytes, int nthreads)
+
+
+bps_cpu_init()
+
+#: page size that aligned_empty() aligns to
+PAGE = 4096
+
+cdef int _nthreads = 1
+
+
+def _default_threads():
+    """BYTEPS_OMP_THREAD_PER_GPU if set (as in original BytePS), else min(4, OMP_NUM_THREADS or usable CPUs).
+
+    bpslaunch sets OMP_NUM_THREADS to CPUs / local processes: every process of a job on one
+    machine asking for all cores made calls wait milliseconds for a thread the OS had not run.
+    """
+    for name in ("BYTEPS_OMP_THREAD_PER_GPU", "OMP_NUM_THREADS"):
+        env = os.environ.get(name, "").strip()
+        if env:
+            try:
+                value = int(env)
+            except ValueError:
+                raise ValueError(f"{name}={env!r} is not an integer") from None
+            if name == "BYTEPS_OMP_THREAD_PER_GPU":
+                return max(1, value)
+            return max(1, min(4, value))
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        ncpu = os.cpu_count() or 1
+    return max(1, min(4, ncpu))
+
+
+_nthreads = _default_threads()
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+cdef inline Py_ssize_t _itemsize(int dtype) except -1:
+    cdef int isz = bps_itemsize(dtype)
+    if isz < 0:
+        raise ValueError(f"unknown dtype code {dtype}; expected 0..7 (see byteps.core.dtypes)")
+    return isz
+
+
+cdef inline str _name(int dtype):
+    return bps_dtype_name(dtype).decode()
+
+
+cdef int _check_lengths(str what, Py_ssize_t dlen, Py_ssize_t slen, Py_ssize_t isz, int dtype) except -1:
+    if dlen != slen or dlen % isz:
+        raise ValueError(
+            f"{what}: dst has {dlen} bytes and src has {slen} bytes; they must be equal and a "
+            f"multiple of {isz} (the size of {_name(dtype)})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+def sum_into(dst, src, int dtype):
+    """Add ``src`` into ``dst`` elementwise: ``dst[i] += src[i]``.
+
+    Args:
+        dst: writable C-contiguous buffer.
+        src: C-contiguous buffer (may be read-only) with the same byte length as ``dst``;
+            it must not partially overlap ``dst``.
+        dtype: element type code from ``byteps.core.dtypes``. Integers wrap around; fp16 and
+            bf16 are added in fp32 and rounded to nearest even.
+
+    Raises:
+        ValueError: unknown dtype, or byte lengths that differ or are not a multiple of the
+            element size.
+    """
+    cdef Py_buffer d, s
+    cdef Py_ssize_t isz = _itemsize(dtype)
+    PyObject_GetBuffer(dst, &d, PyBUF_WRITABLE)
+    try:
+        PyObject_GetBuffer(src, &s, PyBUF_SIMPLE)
+        try:
+            _check_lengths("sum_into", d.len, s.len, isz, dtype)
+            with nogil:
+                bps_sum_into(d.buf, s.buf, <size_t>(d.len // isz), dtype, _nthreads)
+        finally:
+            PyBuffer_Release(&s)
+    finally:
+        PyBuffer_Release(&d)
+
+
+def sum_many(dst, srcs, int dtype):
+    """Write the sum of several buffers: ``dst = srcs[0] + srcs[1] + ...`` in one pass.
+
+    fp16 and bf16 sources are accumulated in fp32 and rounded once at the end, which is both more
+    accurate and faster than repeated :func:`sum_into`.
+
+    Args:
+        dst: writable C-contiguous buffer; may be the same buffer as ``srcs[0]``.
+        srcs: non-empty sequence of C-contiguous buffers, each as long as ``dst`` in bytes.
+        dtype: element type code from ``byteps.core.dtypes``.
+
+    Raises:
+        ValueError: unknown dtype, empty ``srcs``, or mismatched / non-multiple byte lengths.
+    """
+    cdef Py_ssize_t isz = _itemsize(dtype)
+    srcs = tuple(srcs)
+    cdef int nsrc = <int>len(srcs)
+    if nsrc < 1:
+        raise ValueError("sum_many: srcs must hold at least one buffer")
+    cdef Py_buffer d
+    cdef Py_buffer *views = <Py_buffer *>malloc(nsrc * sizeof(Py_buffer))
+    cdef const void **ptrs = <const void **>malloc(nsrc * sizeof(void *))
+    cdef int got = 0, k, rc
+    if views == NULL or ptrs == NULL:
+        free(views)
+        free(ptrs)
+        raise MemoryError()
+    PyObject_GetBuffer(dst, &d, PyBUF_WRITABLE)
+    try:
+        for k in range(nsrc):
+            PyObject_GetBuffer(srcs[k], &views[k], PyBUF_SIMPLE)
+            got += 1
+            _check_lengths(f"sum_many (srcs[{k}])", d.len, views[k].len, isz, dtype)
+            ptrs[k] = views[k].buf
+        with nogil:
+            bps_sum_many(d.buf, ptrs, nsrc, <size_t>(d.len // isz), dtype, _nthreads)
+    finally:
+        for k in range(got):
+            PyBuffer_Release(&views[k])
+        PyBuffer_Release(&d)
+        free(views)
+        free(ptrs)
+
+
+def copy_into(dst, src):
+    """Copy ``src`` into ``dst`` (same byte length), in parallel for big buffers.
+
+    Args:
+        dst: writable C-contiguous buffer.
+        src: C-contiguous buffer with the same byte length; must not overlap ``dst``.
+
+    Raises:
+        ValueError: the byte lengths differ.
+    """
+    cdef Py_buffer d, s
+    PyObject_GetBuffer(dst, &d, PyBUF_WRITABLE)
+    try:
+        PyObject_GetBuffer(src, &s, PyBUF_SIMPLE)
+        try:
+            if d.len != s.len:
+                raise ValueError(f"copy_into: dst has {d.len} bytes and src has {s.len} bytes")
+            with nogil:
+                bps_copy(d.buf, s.buf, <size_t>d.len, _nthreads)
+        finally:
+            PyBuffer_Release(&s)
+    finally:
+        PyBuffer_Release(&d)
+
+
+def scale(buf, double factor, int dtype):
+    """Multiply a float buffer in place: ``buf[i] *= factor`` (used for averaging).
+
+    fp32, fp16 and bf16 multiply in fp32 by ``float32(factor)``; fp64 in fp64.
+
+    Args:
+        buf: writable C-contiguous buffer.
+        factor: the multiplier.
+        dtype: a floating dtype code from ``byteps.core.dtypes``.
+
+    Raises:
+        ValueError: unknown or integer dtype (average integers with floor division instead),
+            or a byte length that is not a multiple of the element size.
+    """
+    cdef Py_buffer b
+    cdef Py_ssize_t isz = _itemsize(dtype)
+    cdef int rc
+    PyObject_GetBuffer(buf, &b, PyBUF_WRITABLE)
+    try:
+        if b.len % isz:
+            raise ValueError(f"scale: buffer has {b.len} bytes, not a multiple of {isz} "
+                             f"(the size of {_name(dtype)})")
+        with nogil:
+            rc = bps_scale(b.buf, factor, <size_t>(b.len // isz), dtype, _nthreads)
+        if rc != 0:
+            raise ValueError(f"scale: {_name(dtype)} is not a floating dtype; "
+                             "integer averaging uses floor division")
+    finally:
+        PyBuffer_Release(&b)
+
+
+def aligned_empty(Py_ssize_t nbytes):
+    """Allocate an uninitialised, page-aligned (4096) uint8 array.
+
+    Args:
+        nbytes: size in bytes (>= 0).
+
+    Returns:
+        numpy.ndarray: a 1-D uint8 view of ``nbytes`` whose data pointer is a multiple of 4096;
+        it keeps its over-allocated base array alive.
+    """
+    if nbytes < 0:
+        raise ValueError(f"aligned_empty: nbytes must be >= 0, got {nbytes}")
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    off = (-raw.ctypes.data) % PAGE
+    return raw[off:off + nbytes + 1][:nbytes]  # an empty slice would keep raw's unaligned pointer
+
+
+def set_num_threads(int n):
+    """Set the OpenMP threads used for buffers above the parallel threshold.
+
+    Args:
+        n: thread count (>= 1).
+    """
+    global _nthreads
+    if n < 1:
+        raise ValueError(f"set_num_threads: n must be >= 1, got {n}")
+    _nthreads = n
+
+
+def get_num_threads():
+    """Return the OpenMP thread count used for big buffers.
+
+    Returns:
+        int: the current thread count.
+    """
+    return _nthreads
+
+
+def cpu_features():
+    """Report which SIMD code paths the kernels use on this CPU.
+
+    Returns:
+        dict: ``avx2`` (fp32/fp64/int loops, bf16 conversions), ``f16c`` (fp16 conversions),
+        ``avx512`` (avx512f+bw: 512-bit loops for every dtype) and ``avx512bf16`` (always False: VCVTNEPS2BF16
+        flushes subnormals, so exact rounding is done with integer ops instead).
+    """
+    return {"avx2": bool(bps_use_avx2), "f16c": bool(bps_use_f16c),
+            "avx512": bool(bps_use_avx512), "avx512bf16": False}
+
+
+def _set_simd_level(int level):
+    """Testing aid: 0 = portable scalar code, 1 = up to AVX2/F16C, 2 = all available."""
+    bps_set_simd_level(level)
+
+
+def _set_parallel_threshold(Py_ssize_t nbytes):
+    """Testing/benchmark aid: buffers of at least ``nbytes`` use several threads."""
+    global bps_par_min_bytes
+    bps_par_min_bytes = <size_t>max(nbytes, 0)
+
+
+def _get_parallel_threshold():
+    return bps_par_min_bytes
