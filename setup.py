@@ -20,6 +20,8 @@ PACKAGE_DIR = {
     "byteps.scheduler": "scheduler",
     "byteps.topology": "topology",
     "byteps.torch": "plugins/torch",
+    "byteps.tensorflow": "plugins/tensorflow",
+    "byteps.mxnet": "plugins/mxnet",
 }
 
 
@@ -63,6 +65,13 @@ def extensions():
             include_dirs=[os.path.join(HERE, "core"), numpy.get_include()],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
+        ),
+        Extension(
+            "byteps.core._pipeline",
+            ["core/_pipeline.pyx"],
+            include_dirs=[os.path.join(HERE, "core")],
+            language="c++",
+            extra_compile_args=["-O2", "-std=c++17"],
         ),
     ]
     return cythonize(

@@ -28,6 +28,7 @@ VARIABLES = {
     "BYTEPS_PARTITION_BYTES": ("4096000", "largest partition of a tensor sent as one message"),
     "BYTEPS_LOG_LEVEL": ("WARNING", "TRACE | DEBUG | INFO | WARNING | ERROR | FATAL"),
     "BYTEPS_FORCE_DISTRIBUTED": ("0", "use the Summation Service even with a single worker process"),
+    "BYTEPS_SCHEDULING_CREDIT": ("4", "partitions a worker may have on the wire at once (0: unlimited)"),
     "BYTEPS_TIMEOUT": ("300", "seconds any blocking wait (startup, declaration, push_pull) may last"),
     "BYTEPS_HEARTBEAT_INTERVAL": ("1", "seconds between heartbeats to and from the scheduler"),
     "BYTEPS_HEARTBEAT_TIMEOUT": ("15", "seconds of silence after which a peer is declared lost"),
@@ -114,6 +115,7 @@ class Config:
     partition_bytes: int
     log_level: int
     force_distributed: bool
+    scheduling_credit: int
     timeout: float
     heartbeat_interval: float
     heartbeat_timeout: float
@@ -187,7 +189,8 @@ def load(env=None, role=None):
         role=role, num_worker=num_worker, num_server=num_server, root_uri=root_uri, root_port=root_port,
         worker_id=worker_id, node_host=node_host, local_rank=local_rank, local_size=local_size,
         partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=64),
-        log_level=log_level, force_distributed=force, timeout=timeout, heartbeat_interval=hb_interval,
+        log_level=log_level, force_distributed=force,
+        scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=0), timeout=timeout, heartbeat_interval=hb_interval,
         heartbeat_timeout=hb_timeout, job_id=_get(env, "BYTEPS_JOB_ID", ""),
     )
 

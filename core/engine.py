@@ -25,6 +25,7 @@ No Python runs per element; Python work is per partition (a header pack and two 
 """
 import collections
 import fcntl
+import itertools
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, Protoc
 from byteps.log import logger
 
 from . import dtypes, wire
+from ._pipeline import PriorityQueue
 from .control import ControlClient
 
 Cmd = wire.Cmd
@@ -102,6 +104,12 @@ class Engine:
         self._requests = {}         # ("barrier"|"leave", name) -> event set on release
         self._left = False
         self.servers = []
+        # Partitions wait here for the network: larger priority first, FIFO among equals, and at
+        # most BYTEPS_SCHEDULING_CREDIT partitions' bytes on the wire, so an urgent tensor can
+        # overtake a large one queued earlier.
+        self._sendq = PriorityQueue(cfg.scheduling_credit * cfg.partition_bytes)
+        self._tasks = {}            # task id -> (op, partition index, offset, nbytes)
+        self._task_ids = itertools.count()
 
     # ---------------------------------------------------------------- training-thread side
 
@@ -178,7 +186,7 @@ class Engine:
 
     def _outstanding_ops(self):
         seen = set()
-        for op, _, _ in self._parts.values():
+        for op in itertools.chain((v[0] for v in self._parts.values()), (v[0] for v in self._tasks.values())):
             if id(op) not in seen:
                 seen.add(id(op))
                 yield op
@@ -314,18 +322,31 @@ class Engine:
             self._declaring[waiting].append(op)
 
     def _dispatch(self, op, tkey):
+        """Cut the op into partitions and queue them for the network."""
         op.tkey = tkey
         nbytes = op.buf.nbytes
         step = self._partition_step(op)
         offsets = range(0, max(nbytes, 1), step)
         op.parts_left = len(offsets)
-        nserv = len(self.servers)
         for i, off in enumerate(offsets):
             length = min(step, nbytes - off)
-            key = wire.make_key(tkey, i)
+            task = next(self._task_ids)
+            self._tasks[task] = (op, i, off, length)
+            self._sendq.push(op.priority, task, length)
+        self._send_ready()
+
+    def _send_ready(self):
+        """Send every queued partition the credit allows, best first."""
+        nserv = len(self.servers)
+        while (task := self._sendq.pop()) is not None:
+            op, i, off, length = self._tasks.pop(task)
+            if op.error is not None:  # failed meanwhile (time-out, abort): don't send the rest
+                self._sendq.release(length)
+                continue
+            key = wire.make_key(op.tkey, i)
             rnd = self._rounds[key]
             self._rounds[key] = rnd + 1
-            server = (tkey + i) % nserv
+            server = (op.tkey + i) % nserv
             self._parts[(key, rnd)] = (op, off, length)
             op.servers[server] += 1
             if op.cmd == Cmd.BROADCAST and op.root != self.rank:
@@ -356,6 +377,7 @@ class Engine:
             self._discard(sock)
             return
         op, off, length = entry
+        self._sendq.release(length)
         server = self._server_index[sock]
         op.servers[server] -= 1
         if header.cmd == Cmd.REPLY:
@@ -377,6 +399,7 @@ class Engine:
         op.parts_left -= 1
         if op.parts_left == 0:
             op._finish()
+        self._send_ready()
 
     @staticmethod
     def _discard(sock):
@@ -400,7 +423,7 @@ class Engine:
             err = BytePSTimeoutError(f"push_pull of tensor {op.name!r} waited {now - op.started:.0f} s "
                                      f"(BYTEPS_TIMEOUT={limit:g}) for {who}")
             for k in [k for k, v in self._parts.items() if v[0] is op]:
-                del self._parts[k]
+                self._sendq.release(self._parts.pop(k)[2])
             for waiting in self._declaring.values():
                 if op in waiting:
                     waiting.remove(op)

@@ -106,6 +106,24 @@ def slow(out, args):
     return t.tolist()[:1]
 
 
+@scenario
+def priority(out, args):
+    """A large low-priority tensor, then a small urgent one: the urgent one must finish first."""
+    big = torch.ones(args["big"])
+    small = torch.ones(4)
+    order = []
+    h_big = bps.push_pull_async_inplace(big, average=False, name="big", priority=0)
+    h_small = bps.push_pull_async_inplace(small, average=False, name="small", priority=10)
+    while len(order) < 2:
+        for name, h in (("big", h_big), ("small", h_small)):
+            if name not in order and bps.poll(h):
+                order.append(name)
+        time.sleep(0.0005)
+    bps.synchronize(h_big)
+    bps.synchronize(h_small)
+    return {"order": order, "big_ok": bool((big == bps.size()).all()), "small": small.tolist()}
+
+
 def _load_more():
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)

@@ -35,3 +35,16 @@ def test_two_jobs_on_one_host_do_not_collide(cluster):
         assert codes == [0, 0] and scodes == [0] and sched == 0, c.all_logs()
     a, b = (c.results()[0]["value"] for c in jobs)
     assert a == b and len(a) == 3  # same seeds, same sums, no cross-talk
+
+
+@pytest.mark.timeout(60)
+def test_urgent_tensor_overtakes_a_large_one_under_credit(cluster):
+    # 200 partitions of 1000 bytes with one partition on the wire at a time: the urgent tensor,
+    # submitted second, must not wait for the other 199.
+    c = cluster(2, 1, env={"BYTEPS_PARTITION_BYTES": "1000", "BYTEPS_SCHEDULING_CREDIT": "1"})
+    c.run_workers("priority", {"big": 50000})
+    codes, scodes, sched = c.wait_all(60)
+    assert codes == [0, 0], c.all_logs()
+    for rank, res in c.results().items():
+        assert res["value"]["order"] == ["small", "big"], res
+        assert res["value"]["big_ok"] and res["value"]["small"] == [2.0] * 4, res

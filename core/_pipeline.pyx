@@ -1,0 +1,73 @@
+# distutils: language = c++
+"""Scheduling primitives of the pipeline: a priority queue with a byte credit.
+
+Every stage of the pipeline takes its work from a :class:`PriorityQueue`: larger priority first,
+FIFO among equal priorities, and at most ``credit`` bytes handed out and not yet released, so a
+large, late tensor cannot starve an urgent one (BYTEPS_SCHEDULING_CREDIT). Waiting happens in C
+with the GIL released. The queue holds integer task ids only; the owner maps them to objects.
+"""
+from libc.stdint cimport int64_t
+
+cdef extern from "bps_queue.h" nogil:
+    cdef cppclass BpsQueue:
+        BpsQueue(int64_t credit)
+        void push(int64_t priority, int64_t id, int64_t nbytes)
+        int pop(int64_t *id, int64_t timeout_ms)
+        void release(int64_t nbytes)
+        void close()
+        int64_t size()
+        int64_t in_flight()
+        int64_t credit()
+
+
+cdef class PriorityQueue:
+    """A thread-safe priority queue of integer task ids with a byte credit.
+
+    Args:
+        credit: the most bytes handed out by :meth:`pop` and not yet :meth:`release`-d; a task
+            larger than the credit still runs when nothing else is in flight. 0 means unlimited.
+    """
+
+    cdef BpsQueue *q
+
+    def __cinit__(self, int64_t credit=0):
+        self.q = new BpsQueue(credit)
+
+    def __dealloc__(self):
+        del self.q
+
+    def push(self, int64_t priority, int64_t task_id, int64_t nbytes=0):
+        """Queue a task."""
+        with nogil:
+            self.q.push(priority, task_id, nbytes)
+
+    def pop(self, double timeout=0.0):
+        """The best task id that fits the credit, or None after ``timeout`` seconds (negative: wait forever)."""
+        cdef int64_t task_id = 0
+        cdef int64_t ms = -1 if timeout < 0 else <int64_t>(timeout * 1000)
+        cdef int ok
+        with nogil:
+            ok = self.q.pop(&task_id, ms)
+        return task_id if ok else None
+
+    def release(self, int64_t nbytes):
+        """Give back the credit of a finished task."""
+        with nogil:
+            self.q.release(nbytes)
+
+    def close(self):
+        """Wake every waiter; pop() returns None once the queue is empty."""
+        with nogil:
+            self.q.close()
+
+    def __len__(self):
+        return self.q.size()
+
+    @property
+    def in_flight(self):
+        """Bytes handed out and not yet released."""
+        return self.q.in_flight()
+
+    @property
+    def credit(self):
+        return self.q.credit()

@@ -1,0 +1,108 @@
+/* A thread-safe priority queue with a byte credit, for the pipeline's stages.
+ *
+ * Order: larger priority first; among equal priorities, earlier arrival first (a strict weak
+ * ordering on (priority, seq), unlike ps-lite's threadsafe_pqueue). A task is handed out only
+ * while the bytes in flight plus its size fit the credit, or when nothing is in flight (so one
+ * task larger than the credit still runs). Tasks are plain integers: the Python side keeps the
+ * objects, so no C thread ever touches a Python object.
+ */
+#ifndef BPS_QUEUE_H
+#define BPS_QUEUE_H
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <queue>
+#include <vector>
+
+struct BpsTask {
+    int64_t priority;
+    uint64_t seq;
+    int64_t id;
+    int64_t nbytes;
+};
+
+struct BpsTaskOrder {
+    // std::priority_queue pops the "largest": larger priority, then smaller seq
+    bool operator()(const BpsTask &a, const BpsTask &b) const {
+        if (a.priority != b.priority) return a.priority < b.priority;
+        return a.seq > b.seq;
+    }
+};
+
+class BpsQueue {
+  public:
+    explicit BpsQueue(int64_t credit) : credit_(credit) {}
+
+    void push(int64_t priority, int64_t id, int64_t nbytes) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            heap_.push(BpsTask{priority, next_seq_++, id, nbytes});
+        }
+        cv_.notify_one();
+    }
+
+    /* Pop the best task if the credit allows; wait up to timeout_ms (0: don't wait, <0: forever).
+     * Returns 1 and sets *id on success, 0 on timeout or when closed and empty. */
+    int pop(int64_t *id, int64_t timeout_ms) {
+        std::unique_lock<std::mutex> lock(mu_);
+        auto ready = [this] { return closed_ || (!heap_.empty() && fits(heap_.top())); };
+        if (timeout_ms < 0) {
+            cv_.wait(lock, ready);
+        } else if (timeout_ms > 0) {
+            cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), ready);
+        }
+        if (heap_.empty() || !fits(heap_.top())) return 0;
+        const BpsTask t = heap_.top();
+        heap_.pop();
+        in_flight_ += t.nbytes;
+        *id = t.id;
+        return 1;
+    }
+
+    /* Return credit when a task's bytes are no longer in flight. */
+    void release(int64_t nbytes) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            in_flight_ -= nbytes;
+            if (in_flight_ < 0) in_flight_ = 0;
+        }
+        cv_.notify_all();
+    }
+
+    void close() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            closed_ = true;
+        }
+        cv_.notify_all();
+    }
+
+    int64_t size() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return (int64_t)heap_.size();
+    }
+
+    int64_t in_flight() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return in_flight_;
+    }
+
+    int64_t credit() const { return credit_; }
+
+  private:
+    bool fits(const BpsTask &t) const {
+        return credit_ <= 0 || in_flight_ == 0 || in_flight_ + t.nbytes <= credit_;
+    }
+
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::priority_queue<BpsTask, std::vector<BpsTask>, BpsTaskOrder> heap_;
+    uint64_t next_seq_ = 0;
+    int64_t in_flight_ = 0;
+    const int64_t credit_;  // <= 0: unlimited
+    bool closed_ = false;
+};
+
+#endif

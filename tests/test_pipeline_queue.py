@@ -1,0 +1,136 @@
+"""Unit tier: the pipeline's priority queue and byte credit (deterministic, no processes)."""
+import random
+import threading
+import time
+
+import pytest
+
+from byteps.core._pipeline import PriorityQueue
+
+
+def drain(q):
+    out = []
+    while (t := q.pop()) is not None:
+        out.append(t)
+    return out
+
+
+def test_priority_then_fifo():
+    q = PriorityQueue()
+    order = [(0, 1), (3, 2), (0, 3), (3, 4), (-1, 5), (3, 6), (1, 7)]
+    for prio, task in order:
+        q.push(prio, task)
+    assert drain(q) == [2, 4, 6, 7, 1, 3, 5]
+
+
+def test_matches_a_reference_sort_for_random_input():
+    rng = random.Random(7)
+    q = PriorityQueue()
+    tasks = [(rng.randint(-3, 3), i) for i in range(2000)]
+    for prio, i in tasks:
+        q.push(prio, i)
+    expected = [i for prio, i in sorted(tasks, key=lambda t: (-t[0], t[1]))]
+    assert drain(q) == expected
+
+
+def test_credit_limits_bytes_in_flight():
+    q = PriorityQueue(credit=100)
+    q.push(0, 1, 60)
+    q.push(0, 2, 50)
+    q.push(0, 3, 30)
+    assert q.pop() == 1 and q.in_flight == 60
+    assert q.pop() is None  # 60 + 50 > 100, and FIFO: task 3 must not overtake task 2
+    q.release(60)
+    assert q.pop() == 2 and q.pop() == 3 and q.in_flight == 80
+    q.release(50)
+    q.release(30)
+    assert q.in_flight == 0
+
+
+def test_task_larger_than_credit_runs_alone():
+    q = PriorityQueue(credit=10)
+    q.push(0, 1, 1000)
+    q.push(0, 2, 5)
+    assert q.pop() == 1
+    assert q.pop() is None
+    q.release(1000)
+    assert q.pop() == 2
+
+
+def test_urgent_task_is_not_starved_by_a_large_late_one():
+    # a large low-priority tensor is queued first; an urgent one arriving later goes first
+    q = PriorityQueue(credit=8)
+    for i in range(10):
+        q.push(0, 100 + i, 4)  # large tensor, 10 partitions
+    assert q.pop() == 100 and q.pop() == 101  # credit now full
+    q.push(5, 1, 4)  # urgent
+    q.release(4)
+    assert q.pop() == 1
+
+
+def test_unlimited_credit():
+    q = PriorityQueue(credit=0)
+    for i in range(5):
+        q.push(0, i, 10 ** 12)
+    assert drain(q) == list(range(5))
+
+
+def test_blocking_pop_wakes_on_push_and_release():
+    q = PriorityQueue(credit=10)
+    got = []
+
+    def consumer():
+        got.append(q.pop(timeout=5))
+        got.append(q.pop(timeout=5))
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    time.sleep(0.05)
+    q.push(0, 1, 10)
+    time.sleep(0.05)
+    q.push(0, 2, 10)  # waits for credit
+    time.sleep(0.05)
+    assert got == [1]
+    q.release(10)
+    t.join(5)
+    assert got == [1, 2]
+
+
+def test_pop_times_out_and_close_wakes_waiters():
+    q = PriorityQueue()
+    start = time.monotonic()
+    assert q.pop(timeout=0.1) is None
+    assert time.monotonic() - start >= 0.09
+    result = []
+    t = threading.Thread(target=lambda: result.append(q.pop(timeout=-1)))
+    t.start()
+    time.sleep(0.05)
+    q.close()
+    t.join(5)
+    assert result == [None] and not t.is_alive()
+
+
+def test_many_producers_one_consumer_loses_nothing():
+    q = PriorityQueue()
+    n, producers = 5000, 4
+
+    def produce(base):
+        for i in range(n):
+            q.push(i % 3, base + i)
+
+    threads = [threading.Thread(target=produce, args=(p * n,)) for p in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(drain(q)) == list(range(n * producers))
+
+
+@pytest.mark.parametrize("credit", [0, 1, 5])
+def test_len_and_in_flight(credit):
+    q = PriorityQueue(credit=credit)
+    q.push(0, 1, 3)
+    q.push(0, 2, 3)
+    assert len(q) == 2
+    q.pop()
+    assert len(q) == 1 and q.in_flight == 3 and q.credit == credit
