@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned: an open range pulls a multi-GB CUDA build (docs/env.md, "Installing").
 TORCH ?= torch==2.13.0
+TENSORFLOW ?= tensorflow-cpu==2.21.0
 
 .PHONY: setup train test test-all bench clean
 
@@ -13,15 +14,21 @@ setup: $(VENV)/.byteps-installed
 $(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/*.h
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)" "setuptools>=64" wheel "cython>=3.0,<3.4" "numpy>=1.26"
+	$(PY) -m pip install -q "$(TORCH)" "$(TENSORFLOW)" "setuptools>=64" wheel "cython>=3.0,<3.4" "numpy>=1.26"
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	touch $@
 
 train: setup
 	$(VENV)/bin/bpslaunch --local --workers 2 --servers 2 -- $(PY) examples/train_synthetic.py
 
-test: setup
+test: setup mxnet-env
 	$(PY) -m pytest -q
+
+# MXNet 1.9.1 imports only with numpy <= 1.23.5, so it gets its own venv, .venv-mxnet (docs/mxnet.md).
+# Idempotent: returns at once when up to date; rebuilds byteps there when its sources changed.
+.PHONY: mxnet-env
+mxnet-env:
+	python3 tests/mxnet_env.py
 
 test-all: setup
 	$(PY) -m pytest -q -m "slow or not slow"

@@ -28,6 +28,7 @@ VARIABLES = {
     "BYTEPS_PARTITION_BYTES": ("4096000", "largest partition of a tensor sent as one message"),
     "BYTEPS_LOG_LEVEL": ("WARNING", "TRACE | DEBUG | INFO | WARNING | ERROR | FATAL"),
     "BYTEPS_FORCE_DISTRIBUTED": ("0", "use the Summation Service even with a single worker process"),
+    "BYTEPS_ENABLE_IPC": ("1", "exchange data with servers on the same machine through shared memory"),
     "BYTEPS_SCHEDULING_CREDIT": ("4", "partitions a worker may have on the wire at once (0: unlimited)"),
     "BYTEPS_TIMEOUT": ("300", "seconds any blocking wait (startup, declaration, push_pull) may last"),
     "BYTEPS_HEARTBEAT_INTERVAL": ("1", "seconds between heartbeats to and from the scheduler"),
@@ -77,8 +78,8 @@ def _float(env, name, default, minimum=0.0):
     return value
 
 
-def _bool(env, name):
-    raw = (_get(env, name, "0")).lower()
+def _bool(env, name, default="0"):
+    raw = (_get(env, name, default)).lower()
     if raw in ("1", "true", "yes", "on"):
         return True
     if raw in ("0", "false", "no", "off"):
@@ -116,6 +117,7 @@ class Config:
     log_level: int
     force_distributed: bool
     scheduling_credit: int
+    enable_ipc: bool
     timeout: float
     heartbeat_interval: float
     heartbeat_timeout: float
@@ -138,6 +140,8 @@ def load(env=None, role=None):
     script also runs unchanged with plain ``python train.py``.
     """
     env = os.environ if env is None else env
+    from .launch_env import translate  # torchrun / mpirun / horovodrun variables -> DMLC_* (docs/launchers.md)
+    env = translate(env, role)
     role = role or _get(env, "DMLC_ROLE", "worker").lower()
     if role not in ROLES:
         raise ConfigError(f"DMLC_ROLE={role!r} must be one of {', '.join(ROLES)}")
@@ -190,7 +194,8 @@ def load(env=None, role=None):
         worker_id=worker_id, node_host=node_host, local_rank=local_rank, local_size=local_size,
         partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=64),
         log_level=log_level, force_distributed=force,
-        scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=0), timeout=timeout, heartbeat_interval=hb_interval,
+        scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=0),
+        enable_ipc=_bool(env, "BYTEPS_ENABLE_IPC", default="1"), timeout=timeout, heartbeat_interval=hb_interval,
         heartbeat_timeout=hb_timeout, job_id=_get(env, "BYTEPS_JOB_ID", ""),
     )
 

@@ -35,8 +35,9 @@ import zmq
 from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, ProtocolError, TensorMismatchError
 from byteps.log import logger
 
-from . import dtypes, wire
+from . import dtypes, shm, wire
 from ._pipeline import PriorityQueue
+from ._reduce import copy_into
 from .control import ControlClient
 
 Cmd = wire.Cmd
@@ -110,6 +111,11 @@ class Engine:
         self._sendq = PriorityQueue(cfg.scheduling_credit * cfg.partition_bytes)
         self._tasks = {}            # task id -> (op, partition index, offset, nbytes)
         self._task_ids = itertools.count()
+        # shared memory with servers on this machine (core/shm.py)
+        self._shm = None
+        self._maps = shm.PeerMaps()
+        self._staging = {}          # wire key -> (shared view, descriptor prefix) of this worker's copy
+        self.colocated = []         # per server: exchange data through shared memory
 
     # ---------------------------------------------------------------- training-thread side
 
@@ -220,6 +226,13 @@ class Engine:
             self.poller.register(sock, zmq.POLLIN)
             self.servers.append(sock)
         self._server_index = {sock: i for i, sock in enumerate(self.servers)}
+        if self.cfg.enable_ipc:
+            self.colocated = [shm.can_share(info.get("shm"), self._maps) for info in self.book["servers"]]
+        else:
+            self.colocated = [False] * len(self.servers)
+        if any(self.colocated):
+            self._shm = shm.Allocator("byteps-worker")
+            logger.info("shared memory with servers %s", [i for i, c in enumerate(self.colocated) if c])
         self._ready.set()
 
     def _loop(self):
@@ -248,6 +261,10 @@ class Engine:
         if ctl is not None:
             ctl.close()
         self.ctx.term()
+        self._staging.clear()
+        self._maps.close()
+        if self._shm is not None:
+            self._shm.close()
 
     # ---------------------------------------------------------------- control messages
 
@@ -349,13 +366,25 @@ class Engine:
             server = (op.tkey + i) % nserv
             self._parts[(key, rnd)] = (op, off, length)
             op.servers[server] += 1
+            flags = 0
             if op.cmd == Cmd.BROADCAST and op.root != self.rank:
                 body = b""
+            elif self.colocated[server]:
+                # hand the server a shared copy; it sums straight from it
+                body, flags = self._stage(key, op.buf[off:off + length]), wire.FLAG_SHM
             else:
                 body = op.buf[off:off + length]
-            header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd, length=len(body),
-                               dtype=op.dtype, arg=op.root)
+            header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,
+                               length=length if flags else len(body), dtype=op.dtype, arg=op.root, flags=flags)
             self.servers[server].send_multipart([header, body], copy=False)
+
+    def _stage(self, key, data):
+        """Copy a partition into this key's shared staging region; return its descriptor."""
+        staged = self._staging.get(key)
+        if staged is None or staged[0].size != data.size:
+            staged = self._staging[key] = self._shm.alloc(data.size)
+        copy_into(staged[0], data)
+        return shm.describe(staged[1], data.size)
 
     def _partition_step(self, op):
         """Partition size in bytes: at most BYTEPS_PARTITION_BYTES, a whole number of elements."""
@@ -382,7 +411,18 @@ class Engine:
         op.servers[server] -= 1
         if header.cmd == Cmd.REPLY:
             expect = 0 if op.cmd == Cmd.BROADCAST and op.root == self.rank else length
-            got = sock.recv_into(op.buf[off:off + expect]) if sock.getsockopt(zmq.RCVMORE) else -1
+            if not sock.getsockopt(zmq.RCVMORE):
+                got = -1
+            elif header.flags & wire.FLAG_SHM:  # the sum is in the server's shared store
+                try:
+                    src = self._maps.view(sock.recv())
+                except ProtocolError as e:
+                    src, op.error = None, op.error or e
+                got = expect if src is None else src.size
+                if src is not None and got == expect:
+                    copy_into(op.buf[off:off + expect], src)
+            else:
+                got = sock.recv_into(op.buf[off:off + expect])
             if got != expect:
                 op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied {got} bytes for "
                                                      f"a partition of {expect}")

@@ -10,7 +10,7 @@ offset type   field
 2      u8     version (:data:`VERSION`)
 3      u8     command (:class:`Cmd`)
 4      u8     dtype code (core/dtypes.py), 255 if none
-5      u8     flags (command specific, e.g. the root rank's low bits are not here: see ``arg``)
+5      u8     flags: :data:`FLAG_SHM` = the body is a shared-memory descriptor (core/shm.py)
 6      u16    reserved, 0
 8      u32    sender: the node id the scheduler assigned (0xFFFFFFFF before assignment)
 12     u32    arg: command argument (root rank for BROADCAST, error code, ...)
@@ -19,7 +19,9 @@ offset type   field
 32     u64    length: byte length of the body that follows
 ====== ====== ===========================================================
 
-Data bodies are raw tensor bytes (never pickled); control bodies are UTF-8 JSON objects.
+Data bodies are raw tensor bytes (never pickled), or, with :data:`FLAG_SHM` between processes of
+one machine, a 24-byte descriptor of a shared-memory region holding them (``length`` is then
+the region's size). Control bodies are UTF-8 JSON objects.
 :func:`unpack` checks every field and bounds every length before anything is allocated.
 """
 import enum
@@ -38,6 +40,8 @@ NO_DTYPE = 255
 MAX_BODY = 1 << 33
 #: largest control (JSON) body accepted
 MAX_CONTROL_BODY = 16 << 20
+#: flag: the body is a shared-memory descriptor, not the data
+FLAG_SHM = 1
 
 
 class Cmd(enum.IntEnum):

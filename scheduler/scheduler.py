@@ -5,7 +5,8 @@ One ROUTER socket at DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT serves every node's DEAL
 1. Registration: servers and worker processes send REGISTER. When DMLC_NUM_SERVER servers and,
    for every DMLC_WORKER_ID, all of its BYTEPS_LOCAL_SIZE processes are in, ranks are assigned
    (workers sorted by (worker id, local rank); servers by (host, port)) and every node gets the
-   address book. Nodes still missing after BYTEPS_TIMEOUT are named in the error.
+   address book: servers first, workers once every server has acknowledged it, so no push can
+   reach a server before it knows the epoch's workers. Nodes still missing after BYTEPS_TIMEOUT are named in the error.
 2. Running: barriers, tensor declarations (every worker declares each tensor name with its
    shape and dtype; when all have, the specs are compared and one key is handed out, or a
    mismatch error naming the ranks goes to all of them), heartbeats both ways.
@@ -66,6 +67,7 @@ class Scheduler:
         self.phase_start = time.monotonic()
         self.idle_since = None    # when every worker had left; bounded by BYTEPS_TIMEOUT
         self.total_workers = None  # worker processes in the job, known once the first epoch starts
+        self._pending_book = None  # (book, workers, servers yet to acknowledge) while an epoch starts
 
     # ---------------------------------------------------------------- helpers
 
@@ -162,13 +164,27 @@ class Scheduler:
             info.update(rank=rank, node_id=rank, role="worker")
         book = {"epoch": self.epoch, "size": len(workers),
                 "servers": [info for _, info in servers], "workers": [info for _, info in workers]}
-        for ident, info in servers + workers:
+        # Two phases: workers get the address book only once every server has acknowledged it,
+        # so no push can reach a server that does not know the epoch's workers yet.
+        for ident, info in servers:
             self._send(ident, Cmd.ADDRBOOK, dict(book, you=info))
+        self._pending_book = (book, workers, {ident for ident, _ in servers})
         self.running = True
         self.total_workers = len(workers)
         self.left.clear()
         self.idle_since = None
-        logger.info("epoch %d running: %d workers, %d servers", self.epoch, len(workers), len(servers))
+
+    def _on_server_ready(self, ident, body):
+        if self._pending_book is None or body.get("epoch") != self.epoch:
+            return
+        book, workers, waiting = self._pending_book
+        waiting.discard(ident)
+        if waiting:
+            return
+        for w_ident, info in workers:
+            self._send(w_ident, Cmd.ADDRBOOK, dict(book, you=info))
+        self._pending_book = None
+        logger.info("epoch %d running: %d workers, %d servers", self.epoch, len(workers), len(self.servers))
 
     # ---------------------------------------------------------------- running
 
@@ -328,6 +344,8 @@ class Scheduler:
             self._on_declare(ident, body)
         elif header.cmd == Cmd.LEAVE:
             self._on_leave(ident)
+        elif header.cmd == Cmd.ADDRBOOK:
+            self._on_server_ready(ident, body)
         elif header.cmd == Cmd.ABORT:
             self._fail(f"{self._describe(ident)} aborted the job: {body.get('reason')}")
         else:

@@ -9,6 +9,10 @@ A worker sends ``[header PUSHPULL(key, round), partition bytes]``; the server
   ``nogil`` kernel; no intermediate copy),
 * answers all workers of the round with the store, zero-copy, once every worker has pushed.
 
+A worker on the same machine sends a shared-memory descriptor instead of the bytes (FLAG_SHM):
+the server sums straight from the worker's region and answers with a descriptor of its store,
+which lives in shared memory too (core/shm.py).
+
 Each key has two stores used by alternate rounds: a worker can push round r+1 as soon as it
 has the reply of round r, while ZeroMQ may still be sending round r's replies to the others
 from the other store. Round r+2 cannot start before every worker has received round r.
@@ -23,8 +27,8 @@ import time
 import zmq
 
 from byteps import config as bps_config
-from byteps.core import dtypes, wire
-from byteps.core._reduce import aligned_empty, sum_into
+from byteps.core import dtypes, shm, wire
+from byteps.core._reduce import aligned_empty, copy_into, sum_into
 from byteps.core.control import ControlClient
 from byteps.errors import BytePSError, ConfigError, PeerLostError, ProtocolError
 from byteps.log import logger, setup as setup_logging
@@ -37,15 +41,27 @@ STALL_WARNING_S = 60.0
 class _Round:
     """State of one key: the current round's arrivals and the two stores."""
 
-    __slots__ = ("round", "nbytes", "dtype", "stores", "senders", "waiters", "first", "since", "error",
+    __slots__ = ("round", "nbytes", "dtype", "stores", "shared", "senders", "waiters", "first", "since", "error",
                  "root", "root_ident", "warned")
 
-    def __init__(self, nbytes, dtype):
+    def __init__(self, nbytes, dtype, alloc):
         self.round = 0
         self.nbytes = nbytes
         self.dtype = dtype
-        self.stores = None if nbytes is None else (aligned_empty(nbytes), aligned_empty(nbytes))
+        self.stores = self.shared = None
+        if nbytes is not None:
+            self.allocate(nbytes, alloc)
         self.reset()
+
+    def allocate(self, nbytes, alloc):
+        """Two stores (alternate rounds), in shared memory when colocated workers may read them."""
+        self.nbytes = nbytes
+        if alloc is None:
+            self.stores = (aligned_empty(nbytes), aligned_empty(nbytes))
+            self.shared = None
+        else:
+            (a, pa), (b, pb) = alloc.alloc(nbytes), alloc.alloc(nbytes)
+            self.stores, self.shared = (a, b), (pa, pb)
 
     def reset(self):
         self.senders = []        # ranks that pushed this round, in arrival order
@@ -61,6 +77,9 @@ class _Round:
     def store(self):
         return self.stores[self.round & 1]
 
+    def store_descriptor(self):
+        return shm.describe(self.shared[self.round & 1], self.nbytes)
+
 
 class Server:
     def __init__(self, cfg, ctx=None):
@@ -70,7 +89,14 @@ class Server:
         self.data.setsockopt(zmq.LINGER, 1000)
         self.data.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.port = self.data.bind_to_random_port(f"tcp://{cfg.node_host}")
-        self.control = ControlClient(self.ctx, cfg, {"role": "server", "host": cfg.node_host, "port": self.port})
+        info = {"role": "server", "host": cfg.node_host, "port": self.port}
+        self.alloc = self.probe = None
+        if cfg.enable_ipc and shm.supported():
+            self.alloc = shm.Allocator("byteps-server")
+            self.probe = shm.Probe()
+            info["shm"] = self.probe.info()
+        self.maps = shm.PeerMaps()
+        self.control = ControlClient(self.ctx, cfg, info)
         self.keys = {}
         self.num_workers = None
         self.index = None
@@ -82,14 +108,21 @@ class Server:
     def _on_control(self):
         header, body = self.control.recv()
         if header.cmd == Cmd.ADDRBOOK:
-            if body["epoch"] != self.epoch:
-                self.keys.clear()  # a new epoch (init after shutdown): workers restart every round at 0
             self.epoch = body["epoch"]
             self.num_workers = body["size"]
             self.index = body["you"]["index"]
             self.control.node_id = body["you"]["node_id"]
             self.ranks = {w["node_id"]: w["rank"] for w in body["workers"]}
             logger.info("server %d serving %d workers (epoch %d)", self.index, self.num_workers, self.epoch)
+            # workers get the address book only after every server has answered this
+            self.control.send(Cmd.ADDRBOOK, {"epoch": self.epoch})
+        elif header.cmd == Cmd.LEAVE:
+            # every worker called shutdown(): they may init() again, restarting every key at round 0
+            self.keys.clear()
+            self.maps.close()
+            if self.alloc is not None:
+                self.alloc.reset()
+            self.num_workers = None
         elif header.cmd == Cmd.TERMINATE:
             return 0
         elif header.cmd == Cmd.ABORT:
@@ -140,7 +173,7 @@ class Server:
         if st is None:
             # a broadcast's size is known only from the root's message
             size = header.length if header.cmd == Cmd.PUSHPULL else None
-            st = self.keys[header.key] = _Round(size, header.dtype)
+            st = self.keys[header.key] = _Round(size, header.dtype, self.alloc)
         if not st.senders:
             st.since = time.monotonic()
         problem = st.error or self._check(st, header, rank)
@@ -151,7 +184,7 @@ class Server:
         if problem is not None and st.error is None:
             st.error = problem
         st.senders.append(rank)
-        st.waiters.append(ident)
+        st.waiters.append((ident, header.flags & wire.FLAG_SHM))
         if len(st.senders) == self.num_workers:
             self._complete(st, header)
 
@@ -188,10 +221,21 @@ class Server:
                 return None
             st.root_ident = ident
             if st.nbytes != h.length or st.dtype != h.dtype:
-                st.nbytes, st.dtype = h.length, h.dtype
-                st.stores = (aligned_empty(h.length), aligned_empty(h.length))
-            got = self.data.recv_into(st.store)
-        elif st.first[0] == rank:
+                st.dtype = h.dtype
+                st.allocate(h.length, self.alloc)
+        first = h.cmd == Cmd.BROADCAST or st.first[0] == rank
+        if h.flags & wire.FLAG_SHM:
+            try:
+                src = self.maps.view(self.data.recv())
+            except ProtocolError as e:
+                self._discard_rest()
+                return f"key {wire.split_key(h.key)}: rank {rank}'s shared memory: {e}"
+            got = src.size
+            if got == h.length and first:
+                copy_into(st.store, src)
+            elif got == h.length:
+                sum_into(st.store, src, h.dtype)
+        elif first:
             got = self.data.recv_into(st.store)
         else:
             frame = self.data.recv(copy=False)
@@ -209,15 +253,20 @@ class Server:
             st.error = f"key {wire.split_key(h.key)}: broadcast root rank {st.root} never sent its data"
         if st.error is not None:
             logger.warning("%s", st.error)
-            for ident in st.waiters:
+            for ident, _ in st.waiters:
                 self._reply_error(ident, h, st.error)
         else:
             store = st.store
-            for ident in st.waiters:
-                # the broadcast root already has the data: it gets an empty reply
-                body = b"" if h.cmd == Cmd.BROADCAST and ident == st.root_ident else store
-                self._send([ident, wire.pack(Cmd.REPLY, sender=node, key=h.key, round=st.round, length=len(body),
-                                             dtype=st.dtype), body], copy=False)
+            for ident, shared in st.waiters:
+                flags = 0
+                if h.cmd == Cmd.BROADCAST and ident == st.root_ident:
+                    body = b""  # the broadcast root already has the data
+                elif shared:
+                    body, flags = st.store_descriptor(), wire.FLAG_SHM  # the worker copies from our store
+                else:
+                    body = store
+                self._send([ident, wire.pack(Cmd.REPLY, sender=node, key=h.key, round=st.round, length=st.nbytes
+                                             if flags else len(body), dtype=st.dtype, flags=flags), body], copy=False)
         st.round += 1
         st.reset()
 
@@ -257,6 +306,7 @@ class Server:
     def close(self):
         self.data.close(linger=1000)
         self.control.close()
+        self.maps.close()
 
 
 def main():

@@ -140,8 +140,11 @@ def main():
         SCENARIOS[name](outdir, args)
         return
     bps.init()
+    from byteps.common import _job
+
     result = {"rank": bps.rank(), "size": bps.size(), "local_rank": bps.local_rank(),
-              "local_size": bps.local_size()}
+              "local_size": bps.local_size(),
+              "colocated": list(_job.engine.colocated) if _job.engine is not None else None}
     try:
         result["value"] = SCENARIOS[name](outdir, args)
     except Exception as e:  # the test reads the error text

@@ -11,7 +11,8 @@ import zipfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUBPACKAGES = ["byteps", "byteps.core", "byteps.core._reduce", "byteps.server", "byteps.scheduler",
+SUBPACKAGES = ["byteps", "byteps.core", "byteps.core._reduce", "byteps.core._pipeline", "byteps.server",
+               "byteps.scheduler", "byteps.tensorflow",
                "byteps.topology", "byteps.torch", "byteps.launcher"]
 
 

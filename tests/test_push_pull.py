@@ -70,8 +70,8 @@ def candidates(spec, n, rnd):
     return out
 
 
-def check_matrix(cluster, n, k, shapes, rounds=2, extreme=True):
-    env = dict(PARTITION_ENV)
+def check_matrix(cluster, n, k, shapes, rounds=2, extreme=True, ipc=True):
+    env = dict(PARTITION_ENV, BYTEPS_ENABLE_IPC="1" if ipc else "0")
     if n == 1:
         env["BYTEPS_FORCE_DISTRIBUTED"] = "1"
     all_specs = specs(shapes, extreme)
@@ -83,6 +83,8 @@ def check_matrix(cluster, n, k, shapes, rounds=2, extreme=True):
                                                         f"{c.all_logs()}"
     res = c.results()
     assert sorted(res) == list(range(n)), f"results from ranks {sorted(res)}\n{c.all_logs()}"
+    for r in range(n):  # the transport under test was really used
+        assert res[r].get("colocated") == [ipc] * k, (r, res[r].get("colocated"))
     for r in range(n):
         assert "error" not in res[r], f"rank {r}: {res[r].get('error')}\n{c.all_logs()}"
         assert res[r]["size"] == n
@@ -119,15 +121,15 @@ SMALL_POINTS = [(n, k) for n in (1, 2, 3, 4) for k in (1, 2, 3) if (n, k) not in
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n,k", FULL_POINTS, ids=[f"{n}w{k}s" for n, k in FULL_POINTS])
 def test_full_matrix(cluster, n, k):
-    """Every dtype x every shape x sum/average, 3 rounds, all in flight at once."""
+    """Every dtype x every shape x sum/average, 3 rounds, all in flight at once (shared memory)."""
     check_matrix(cluster, n, k, FULL_SHAPES, rounds=3)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n,k", SMALL_POINTS, ids=[f"{n}w{k}s" for n, k in SMALL_POINTS])
 def test_small_matrix(cluster, n, k):
-    """Every dtype on a few shapes (scalar, empty, small, multi-partition), 2 rounds."""
-    check_matrix(cluster, n, k, SMALL_SHAPES, rounds=2, extreme=False)
+    """Every dtype on a few shapes (scalar, empty, small, multi-partition), 2 rounds (over TCP)."""
+    check_matrix(cluster, n, k, SMALL_SHAPES, rounds=2, extreme=False, ipc=False)
 
 
 def test_candidates_sanity():

@@ -1,20 +1,75 @@
-"""byteps for PyTorch: ``import byteps.torch as bps``.
+"""byteps for PyTorch: ``import byteps.torch as bps`` -- or, for a Horovod script, ``as hvd``.
 
 BytePS's API (init, push_pull, DistributedOptimizer, broadcast_parameters, ...) over the
-Summation Service. See README.md for a minimal training script.
+Summation Service, plus Horovod's ``horovod.torch`` names and semantics (allreduce, allgather,
+broadcast, grouped_allreduce, join, Average/Sum/Min/Max/Product, ...; see mpi_ops.py), a DDP
+communication hook (:func:`ddp_comm_hook`) and a ``torch.distributed`` backend named
+``"byteps"`` (process_group.py). See README.md and docs/launchers.md.
 """
-from byteps.common import (barrier, init, is_initialized, local_rank, local_size, rank, shutdown, size)
+from byteps import common as _common
+from byteps.common import barrier as _bps_barrier  # noqa: F401  (byteps' own barrier, kept importable)
+from byteps.common import is_initialized, local_rank, local_size, rank, size
 
+from . import completion as _completion
 from .compression import Compression
+from .ddp import ddp_comm_hook
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .mpi_ops import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,
+                      UnsupportedTypeError, add_process_set, allgather, allgather_async, allreduce, allreduce_,
+                      allreduce_async, allreduce_async_, barrier, broadcast, broadcast_async,
+                      ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                      global_process_set, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                      grouped_allreduce_async_, is_homogeneous, join, mpi_built, mpi_enabled, mpi_threads_supported,
+                      nccl_built, reducescatter, reducescatter_async, remove_process_set, rocm_built, start_timeline,
+                      stop_timeline)
 from .ops import (broadcast_, broadcast_async_, declare, poll, push_pull, push_pull_async, push_pull_async_inplace,
                   push_pull_inplace, synchronize)
 from .optimizer import DistributedOptimizer
+from .process_group import ProcessGroupBytePS
+from .process_group import register as _register_backend
 
 byteps_push_pull = push_pull_async_inplace  # BytePS's exported alias
 
-__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "barrier",
+
+def init(comm=None, process_sets=None, lazy=False):
+    """Join the job described by the environment (bpslaunch, torchrun, mpirun, horovodrun; docs/launchers.md).
+
+    ``comm`` and ``process_sets`` are Horovod's; only the whole job is supported (``comm`` may be
+    None or the list of every rank; ``process_sets`` None or empty). ``lazy`` is BytePS's, ignored.
+    """
+    if process_sets:
+        raise NotImplementedError("byteps supports only the global process set; init(process_sets=...) "
+                                  "is not available")
+    _common.init(lazy=lazy)
+    if comm is not None:
+        ranks = sorted(comm) if isinstance(comm, (list, tuple)) else None
+        if ranks != list(range(_common.size())):
+            raise NotImplementedError("byteps: init(comm=...) must name every rank of the job "
+                                      f"(0..{_common.size() - 1}); sub-communicators are not supported")
+
+
+def shutdown():
+    """Leave the job (collective); ``init()`` works again afterwards. Pending handles are forgotten."""
+    _common.shutdown()
+    _completion.reset()
+
+
+_register_backend()
+
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+           "cross_size", "is_homogeneous", "barrier", "join",
+           # BytePS
            "push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace", "byteps_push_pull",
            "broadcast_", "broadcast_async_", "poll", "synchronize", "declare", "broadcast_parameters",
            "broadcast_optimizer_state", "broadcast_object", "allgather_object", "Compression",
-           "DistributedOptimizer"]
+           "DistributedOptimizer",
+           # Horovod
+           "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+           "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast",
+           "broadcast_async", "allgather", "allgather_async", "reducescatter", "reducescatter_async",
+           "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError", "UnsupportedTypeError",
+           "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+           "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
+           "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
+           # DDP
+           "ddp_comm_hook", "ProcessGroupBytePS"]

@@ -39,7 +39,7 @@ def broadcast_parameters(params, root_rank, prefix="Parameter."):
 _object_counter = [0]
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Return root_rank's ``obj`` on every worker (pickled on the root, unpickled elsewhere).
 
     Only authenticated job members can take part (docs/architecture.md); never use it with a
@@ -64,19 +64,21 @@ def broadcast_object(obj, root_rank=0, name=None):
     return pickle.loads(payload.numpy().tobytes())
 
 
-def allgather_object(obj, name=None):
+def allgather_object(obj, name=None, process_set=None):
     """A list with every rank's ``obj``, in rank order (one broadcast per rank)."""
     base = name or f"allgather_object.{_object_counter[0]}"
     _object_counter[0] += 1
     return [broadcast_object(obj, root, name=f"{base}.{root}") for root in range(common.size())]
 
 
-def broadcast_optimizer_state(optimizer, root_rank, prefix="Parameter."):
+def broadcast_optimizer_state(optimizer, root_rank, prefix="Parameter.", model=None):
     """Make every worker's optimizer state (tensors, scalars, hyper-parameters) equal root_rank's.
 
     Works whatever the non-root state holds (even nothing yet, as for a fresh Adam): the root's
     state layout is broadcast as an object, tensors travel as real broadcasts, and each worker
-    loads the result with ``load_state_dict``.
+    loads the result with ``load_state_dict``. Every torch optimizer works, LBFGS included
+    (Horovod rejects LBFGS); ``model`` is accepted for Horovod compatibility and unused, since no
+    dummy step is needed to create the state.
     """
     state = optimizer.state_dict()
     layout = None

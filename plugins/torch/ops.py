@@ -107,26 +107,40 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0, compressio
     return compression.decompress(out, ctx)
 
 
-def broadcast_async_(tensor, root_rank, name=None, priority=0):
+def broadcast_async_(tensor, root_rank, name=None, priority=0, process_set=None):
     """Start replacing ``tensor`` on every worker by root_rank's ``tensor``; returns a handle.
 
     A real broadcast: only the root's bytes travel, so NaN/Inf on other ranks cannot leak.
+    ``process_set`` is Horovod's; only the global set is supported.
     """
+    if process_set is not None:
+        from .mpi_ops import _check_process_set
+
+        _check_process_set(process_set)
     return _start(tensor, name, False, priority, root=root_rank, prefix="broadcast")
 
 
-def broadcast_(tensor, root_rank, name=None):
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+def broadcast_(tensor, root_rank, name=None, process_set=None):
+    """In-place broadcast from root_rank; returns ``tensor``."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set=process_set))
 
 
 def poll(handle):
     """True when the operation behind ``handle`` has finished."""
-    return common.poll(handle)
+    from . import completion
+
+    return completion.poll(handle)
 
 
 def synchronize(handle):
-    """Wait for ``handle`` and return the output tensor (raises the operation's error, if any)."""
-    return common.synchronize(handle)
+    """Wait for ``handle`` and return the output tensor (raises the operation's error, if any).
+
+    Handles of multi-stage operations (Horovod-style allgather, grouped or Min/Max/Product
+    allreduces) return what the operation produces: a tensor, or a tuple for grouped operations.
+    """
+    from . import completion
+
+    return completion.synchronize(handle)
 
 
 def declare(name):

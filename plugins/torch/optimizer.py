@@ -11,12 +11,19 @@ from .ops import push_pull_async_inplace, synchronize
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step):
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op=0,
+                 gradient_predivide_factor=1.0, sparse_as_dense=False):
         super(self.__class__, self).__init__(params)
         self._compression = compression
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
         all_params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             named_parameters = list(named_parameters)
+            if any(not isinstance(item, tuple) for item in named_parameters):
+                raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                                 "usually produced by model.named_parameters().")
             names = [n for n, _ in named_parameters]
             dups = sorted({n for n in names if names.count(n) > 1})
             if dups:
@@ -45,14 +52,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
 
     def _push(self, p):
-        compressed, ctx = self._compression.compress(p.grad)
-        handle = push_pull_async_inplace(compressed, average=True, name="Gradient." + self._names[id(p)])
+        from .mpi_ops import Average, _allreduce_start
+
+        grad = p.grad
+        if grad.is_sparse:  # reduced densely; handed back sparse unless sparse_as_dense
+            grad = grad.to_dense()
+        compressed, ctx = self._compression.compress(grad)
+        name = "Gradient." + self._names[id(p)]
+        if self.op == Average and self.gradient_predivide_factor == 1.0:
+            handle = push_pull_async_inplace(compressed, average=True, name=name)
+        else:  # Horovod: prescale 1/f, postscale f (Average also divides by size)
+            f = self.gradient_predivide_factor if self.op == Average else 1.0
+            handle = _allreduce_start(compressed, name, self.op, 1.0 / f, f)
         self._handles[p] = (handle, compressed, ctx)
 
     def _on_grad(self, p):
         if p in self._handles:
-            raise RuntimeError(f"gradient of {self._names[id(p)]!r} was computed twice before step(); "
-                               "use backward_passes_per_step or call synchronize() between backward passes")
+            raise AssertionError("Gradients were computed more than backward_passes_per_step times before call "
+                                 "to step(). Increase backward_passes_per_step to accumulate gradients locally. "
+                                 f"(parameter {self._names[id(p)]!r})")
         count = self._passes.get(p, 0) + 1
         if count < self.backward_passes_per_step:
             self._passes[p] = count
@@ -70,9 +88,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                             p.grad = torch.zeros_like(p)
                         self._push(p)
         for p, (handle, compressed, ctx) in self._handles.items():
-            synchronize(handle)
-            out = self._compression.decompress(compressed, ctx)
-            if out is not p.grad:
+            out = synchronize(handle)
+            out = self._compression.decompress(out if out is not None else compressed, ctx)
+            if p.grad.is_sparse:
+                p.grad = out if self.sparse_as_dense else out.to_sparse()
+            elif out is not p.grad:
                 p.grad.copy_(out)
         self._handles.clear()
         self._passes.clear()
@@ -87,12 +107,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    def load_state_dict(self, *args, **kwargs):
+        self._handles.clear()
+        self._passes.clear()
+        self._synchronized = False
+        self._should_synchronize = True
+        return super(self.__class__, self).load_state_dict(*args, **kwargs)
+
     def step(self, closure=None):
         if self._should_synchronize:
-            if self._synchronized and not self._handles and not self._warned:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(): gradients may be reduced twice", stacklevel=2)
-                self._warned = True
+            if self._synchronized:  # Horovod: warn on every such step (Python shows it once per call site)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.", stacklevel=2)
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
@@ -100,12 +128,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         if self._handles:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize()")
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                                 "cause a race condition.")
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
-                         backward_passes_per_step=1):
+                         backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0, num_groups=0,
+                         groups=None, sparse_as_dense=False, process_set=None):
     """Wrap ``optimizer`` so that gradients are averaged over all workers before each step.
 
     Each gradient's push_pull starts from a hook as soon as back-propagation has accumulated it,
@@ -116,6 +146,32 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         named_parameters: ``model.named_parameters()``, so gradients get stable, readable names.
         compression: ``Compression.none`` or ``Compression.fp16``.
         backward_passes_per_step: local backward passes accumulated before each push_pull.
+        op: Horovod's reduction, ``Average`` (default) or ``Sum`` (``Min``/``Max``/``Product`` work
+            too); ``Adasum`` is not implemented.
+        gradient_predivide_factor: Horovod's split average: gradients are multiplied by 1/f before
+            the sum and by f/size after. Only with ``op=Average``.
+        num_groups, groups: accepted for Horovod compatibility; byteps reduces every gradient as
+            its own operation as soon as it is ready (there is no fusion to group).
+        sparse_as_dense: sparse gradients are always reduced densely; with this flag they are also
+            left dense afterwards, otherwise they are made sparse again.
+        process_set: only the global process set is supported.
     """
+    from .mpi_ops import Adasum, Average, _OP_NAMES, _check_process_set
+
+    if process_set is not None:
+        _check_process_set(process_set)
+    op = Average if op is None else op
+    if op == Adasum:
+        raise NotImplementedError("byteps does not implement Adasum; use op=hvd.Average or hvd.Sum")
+    if op not in _OP_NAMES:
+        raise ValueError(f"unknown reduction op {op!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                      DeprecationWarning, stacklevel=2)
+    if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step)
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, sparse_as_dense)

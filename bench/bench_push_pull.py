@@ -1,0 +1,212 @@
+"""push_pull goodput against torch.distributed all_reduce (gloo), side by side on the same processes.
+
+One machine, N worker processes plus Summation Service servers, all started by ``bpslaunch
+--local``. Every worker process joins both byteps and a gloo process group; for each tensor size
+the two are timed alternately, after a barrier, several times; medians are reported. Goodput =
+tensor bytes / time per operation (the "algorithm bandwidth" of NCCL-tests). The servers' CPU time
+is sampled to report core-seconds per GB summed.
+
+    python bench/bench_push_pull.py                      # 2 and 4 workers, 1 server, all sizes
+    python bench/bench_push_pull.py --sweep              # partition size x credit sweep at 64 MB
+    python bench/bench_push_pull.py --quick              # a short smoke run
+
+Writes a markdown table to stdout, JSON to bench/results/, and a PNG plot with --plot.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SIZES = {"4KB": 4 << 10, "64KB": 64 << 10, "1MB": 1 << 20, "16MB": 16 << 20, "64MB": 64 << 20, "256MB": 256 << 20}
+
+
+# --------------------------------------------------------------------------------- worker side
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    import byteps.torch as bps
+
+    torch.set_num_threads(1)
+    bps.init()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=bps.rank(),
+                            world_size=bps.size())
+    results = {}
+    for label in args.sizes.split(","):
+        nbytes = SIZES[label]
+        t = torch.ones(nbytes // 4)
+        reps = args.reps if nbytes < (64 << 20) else max(3, args.reps // 2)
+        warm = 2 if nbytes >= (16 << 20) else 10
+        times = {"byteps": [], "gloo": []}
+        inner = 1 if nbytes >= (1 << 20) else 20  # small tensors: time a batch of calls
+        for i in range(warm + reps):
+            for impl in ("byteps", "gloo"):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(inner):
+                    if impl == "byteps":
+                        bps.push_pull_inplace(t, average=False, name=f"bench.{label}")
+                    else:
+                        dist.all_reduce(t)
+                elapsed = (time.perf_counter() - start) / inner
+                if i >= warm:
+                    times[impl].append(elapsed)
+        results[label] = {impl: statistics.median(v) for impl, v in times.items()}
+        results[label]["bytes"] = nbytes
+        if bps.rank() == 0:
+            print(f"BENCH-PROGRESS {label}", flush=True)
+    if bps.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+    bps.shutdown()
+
+
+# --------------------------------------------------------------------------------- driver side
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(workers, servers, sizes, reps, env_extra=None, progress=None):
+    """One bpslaunch job; returns (per-size medians, server core-seconds)."""
+    import psutil
+
+    out = tempfile.mktemp(suffix=".json")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "byteps.launcher", "--local", "--workers", str(workers), "--servers", str(servers),
+           "--no-prefix", "--", sys.executable, os.path.abspath(__file__), "--worker", "--sizes", ",".join(sizes),
+           "--reps", str(reps), "--gloo-port", str(free_port()), "--out", out]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = psutil.Process(proc.pid)
+    server_cpu = {}
+    log = []
+    for line in proc.stdout:
+        log.append(line)
+        if line.startswith("BENCH-PROGRESS") and progress is not None:
+            progress.update(1)
+        try:  # sample the servers' CPU time while they live
+            for child in launcher.children(recursive=True):
+                if "byteps.server" in " ".join(child.cmdline()):
+                    t = child.cpu_times()
+                    server_cpu[child.pid] = t.user + t.system
+        except psutil.Error:
+            pass
+    if proc.wait() != 0 or not os.path.exists(out):
+        raise SystemExit(f"benchmark job failed ({proc.returncode}):\n{''.join(log[-40:])}")
+    with open(out) as f:
+        res = json.load(f)
+    os.unlink(out)
+    return res, sum(server_cpu.values())
+
+
+def table(all_results):
+    lines = ["| workers | size | byteps ms | gloo ms | byteps GB/s | gloo GB/s | byteps / gloo |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for workers, res in all_results:
+        for label, r in res.items():
+            b, g = r["byteps"], r["gloo"]
+            lines.append(f"| {workers} | {label} | {b * 1e3:.3f} | {g * 1e3:.3f} | {r['bytes'] / b / 1e9:.2f} | "
+                         f"{r['bytes'] / g / 1e9:.2f} | {g / b:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(all_results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for workers, res in all_results:
+        labels = list(res)
+        xs = [res[k]["bytes"] for k in labels]
+        for impl, style in (("byteps", "-o"), ("gloo", "--s")):
+            ax.plot(xs, [res[k]["bytes"] / res[k][impl] / 1e9 for k in labels], style,
+                    label=f"{impl}, {workers} workers")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([SIZES[k] for k in SIZES])
+    ax.set_xticklabels(list(SIZES))
+    ax.set_xlabel("tensor size")
+    ax.set_ylabel("goodput (GB/s, tensor bytes / time)")
+    ax.set_title("push_pull vs gloo all_reduce, one machine (2 cores)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--workers", default="2,4", help="worker process counts (comma list)")
+    ap.add_argument("--servers", type=int, default=1)
+    ap.add_argument("--sizes", default=",".join(SIZES))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="2 workers, 3 sizes, 3 reps")
+    ap.add_argument("--sweep", action="store_true", help="partition size x credit sweep at 64 MB, 2 workers")
+    ap.add_argument("--plot", help="write a PNG plot here")
+    ap.add_argument("--json", help="write all results as JSON here")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    from tqdm import tqdm
+
+    if args.sweep:
+        rows = ["| partition | credit | byteps ms | gloo ms | byteps / gloo |", "|---:|---:|---:|---:|---:|"]
+        combos = [(p, c) for p in (256 << 10, 1 << 20, 4096000, 16 << 20) for c in (1, 4, 16)]
+        for part, credit in tqdm(combos, desc="sweep"):
+            res, _ = run_job(2, args.servers, ["64MB"], args.reps,
+                             {"BYTEPS_PARTITION_BYTES": str(part), "BYTEPS_SCHEDULING_CREDIT": str(credit)})
+            r = res["64MB"]
+            rows.append(f"| {part} | {credit} | {r['byteps'] * 1e3:.1f} | {r['gloo'] * 1e3:.1f} | "
+                        f"{r['gloo'] / r['byteps']:.2f} |")
+        print("\n".join(rows))
+        return 0
+
+    counts = [2] if args.quick else [int(w) for w in args.workers.split(",")]
+    sizes = ["4KB", "1MB", "16MB"] if args.quick else args.sizes.split(",")
+    reps = 3 if args.quick else args.reps
+    all_results = []
+    cpu_rows = []
+    with tqdm(total=len(counts) * len(sizes), desc="push_pull vs gloo") as bar:
+        for workers in counts:
+            res, server_cpu = run_job(workers, args.servers, sizes, reps, progress=bar)
+            all_results.append((workers, res))
+            # bytes the servers summed: every worker pushes each size (warm-up + reps) x inner calls
+            summed = 0
+            for label in sizes:
+                nbytes = SIZES[label]
+                r = reps if nbytes < (64 << 20) else max(3, reps // 2)
+                warm = 2 if nbytes >= (16 << 20) else 10
+                inner = 1 if nbytes >= (1 << 20) else 20
+                summed += workers * nbytes * (r + warm) * inner
+            cpu_rows.append((workers, server_cpu, summed))
+    print(table(all_results))
+    print()
+    for workers, cpu, summed in cpu_rows:
+        print(f"server CPU, {workers} workers: {cpu:.2f} core-s for {summed / 1e9:.2f} GB pushed "
+              f"= {cpu / (summed / 1e9):.3f} core-s/GB (includes idle heartbeats during the gloo phases)")
+    if args.plot:
+        plot(all_results, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": all_results, "server_cpu": cpu_rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Shared memory between processes of one machine: memfd arenas and the descriptors that name them.
+
+Colocated workers and servers exchange partitions through shared memory instead of TCP loopback
+(the paper's "+shm" path, §6.2). Memory comes from ``memfd_create`` arenas: anonymous files that
+never appear in /dev/shm and that the kernel frees when the last process holding them exits, so a
+crash cannot leak a segment. A peer opens an arena through ``/proc/<pid>/fd/<fd>``; a probe (a
+small arena holding a random nonce) proves first that both processes share one kernel and may
+open each other's descriptors, otherwise traffic stays on TCP.
+
+A region is named on the wire by a 32-byte :data:`DESCRIPTOR`: (pid, fd, inode, offset, length).
+The inode tells arenas apart when a process closes one and a later one gets the same fd number
+(shutdown() then init() again); a mapping is used only if the inode still matches.
+"""
+import mmap
+import os
+import secrets
+import struct
+
+import numpy as np
+
+from byteps.errors import ProtocolError
+
+PAGE = mmap.PAGESIZE
+ARENA_BYTES = 64 << 20
+DESCRIPTOR = struct.Struct("<iiQQQ")
+
+
+def boot_id():
+    """Identifies this kernel's boot: processes with equal boot ids may share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def supported():
+    return hasattr(os, "memfd_create") and boot_id() is not None
+
+
+class Arena:
+    """One memfd, mapped read-write, handed out in page-aligned pieces by a bump allocator."""
+
+    def __init__(self, nbytes, name="byteps"):
+        self.size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.size)
+        self.inode = os.fstat(self.fd).st_ino
+        self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+        self.used = 0
+
+    def take(self, nbytes):
+        """Offset of a fresh page-aligned region of nbytes, or None if it does not fit."""
+        start = self.used
+        end = start + max(PAGE, -(-nbytes // PAGE) * PAGE)
+        if end > self.size:
+            return None
+        self.used = end
+        return start
+
+
+class Allocator:
+    """Page-aligned shared buffers from a growing list of arenas (nothing is freed before close)."""
+
+    def __init__(self, name="byteps", arena_bytes=ARENA_BYTES):
+        self.name = name
+        self.arena_bytes = arena_bytes
+        self.arenas = []
+        self.pid = os.getpid()
+
+    def alloc(self, nbytes):
+        """(numpy uint8 view, descriptor prefix (pid, fd, inode, offset)) of a new region."""
+        for arena in self.arenas:
+            off = arena.take(nbytes)
+            if off is not None:
+                return arena.array[off:off + nbytes], (self.pid, arena.fd, arena.inode, off)
+        arena = Arena(max(nbytes, self.arena_bytes), self.name)
+        self.arenas.append(arena)
+        off = arena.take(nbytes)
+        return arena.array[off:off + nbytes], (self.pid, arena.fd, arena.inode, off)
+
+    def reset(self):
+        """Reuse every arena from the start (the caller guarantees no region is in use)."""
+        for arena in self.arenas:
+            arena.used = 0
+
+    def close(self):
+        for arena in self.arenas:
+            arena.array = None
+            try:
+                arena.map.close()
+            except BufferError:  # a view is still alive somewhere; the kernel frees it at exit
+                pass
+            os.close(arena.fd)
+        self.arenas = []
+
+
+def describe(prefix, nbytes):
+    pid, fd, inode, off = prefix
+    return DESCRIPTOR.pack(pid, fd, inode, off, nbytes)
+
+
+class PeerMaps:
+    """Mappings of other processes' arenas, opened once through /proc/<pid>/fd/<fd>."""
+
+    def __init__(self):
+        self.maps = {}
+
+    def view(self, body):
+        """The region a descriptor names, as a writable uint8 numpy view; ProtocolError if invalid."""
+        if len(body) != DESCRIPTOR.size:
+            raise ProtocolError(f"shared-memory descriptor of {len(body)} bytes, expected {DESCRIPTOR.size}")
+        pid, fd, inode, off, nbytes = DESCRIPTOR.unpack(body)
+        arr = self.maps.get((pid, fd, inode))
+        if arr is None:
+            arr = self._open(pid, fd, inode)
+        if off + nbytes > arr.size:
+            raise ProtocolError(f"shared-memory region {off}+{nbytes} is outside arena {pid}/{fd} "
+                                f"of {arr.size} bytes")
+        return arr[off:off + nbytes]
+
+    def _open(self, pid, fd, inode):
+        try:
+            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        except OSError as e:
+            raise ProtocolError(f"cannot open shared memory of pid {pid} (fd {fd}): {e}") from None
+        try:
+            st = os.fstat(f)
+            if st.st_ino != inode:
+                raise ProtocolError(f"shared memory of pid {pid} (fd {fd}) is no longer the arena named "
+                                    f"(inode {st.st_ino}, expected {inode})")
+            m = mmap.mmap(f, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(f)
+        arr = np.frombuffer(m, dtype=np.uint8)
+        self.maps[(pid, fd, inode)] = arr
+        return arr
+
+    def close(self):
+        self.maps.clear()
+
+
+class Probe:
+    """A one-page arena holding a nonce: a peer that can read it back may use our shared memory."""
+
+    def __init__(self):
+        self.nonce = secrets.token_hex(16)
+        self.arena = Arena(PAGE, "byteps-probe")
+        data = self.nonce.encode()
+        self.arena.array[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+    def info(self):
+        return {"boot_id": boot_id(), "pid": os.getpid(), "fd": self.arena.fd, "inode": self.arena.inode,
+                "nonce": self.nonce}
+
+
+def can_share(info, maps):
+    """True if the process described by a Probe's info() is on this kernel and its memory opens."""
+    if not info or not supported() or info.get("boot_id") != boot_id():
+        return False
+    nonce = info["nonce"].encode()
+    try:
+        view = maps.view(DESCRIPTOR.pack(info["pid"], info["fd"], info["inode"], 0, len(nonce)))
+    except ProtocolError:
+        return False
+    return view.tobytes() == nonce

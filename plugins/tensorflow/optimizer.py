@@ -1,0 +1,175 @@
+"""DistributedGradientTape (TF2 custom loops) and DistributedOptimizer (Keras 3 optimizers, ``model.fit``)."""
+import tensorflow as tf
+
+from byteps import common
+
+from .compression import Compression
+from .ops import Average, _resolve_op, push_pull_group
+
+__all__ = ["DistributedGradientTape", "DistributedOptimizer"]
+
+
+def _densify(grad):
+    if isinstance(grad, tf.IndexedSlices):  # sparse gradients (embeddings) travel dense
+        return tf.convert_to_tensor(grad)
+    return grad
+
+
+def _reduce_grads(grads, names, op, compression):
+    """push_pull the non-None gradients as one group; None stays None."""
+    live = [i for i, g in enumerate(grads) if g is not None]
+    if not live:
+        return list(grads)
+    reduced = push_pull_group([_densify(grads[i]) for i in live], [names[i] for i in live], op=op,
+                              compression=compression)
+    out = list(grads)
+    for i, r in zip(live, reduced):
+        out[i] = r
+    return out
+
+
+# ------------------------------------------------------------------------------------- gradient tape
+
+
+class _DistributedGradientTapeMixin:
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        if common.size() <= 1:
+            return grads
+        flat = tf.nest.flatten(grads, expand_composites=False)
+        names = [f"{self._bps_prefix}{i}" for i in range(len(flat))]
+        reduced = _reduce_grads(flat, names, self._bps_op, self._bps_compression)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                            sparse_as_dense=True, op=Average, name=None):
+    """Wrap a ``tf.GradientTape`` so that ``gradient()`` returns gradients averaged over all workers.
+
+    Use it after recording (``tape = bps.DistributedGradientTape(tape)``) or around a fresh tape
+    (``with bps.DistributedGradientTape(tf.GradientTape()) as tape:``). In eager mode every
+    gradient's push_pull is started before any is awaited; inside ``tf.function`` they travel in one
+    ``tf.py_function``. Gradient ``i`` (position in the flattened ``sources``) is named
+    ``<name or "DistributedGradientTape">.Gradient.<i>``, so every worker must pass the same sources
+    in the same order. ``None`` gradients are skipped (they must be None on every worker);
+    ``IndexedSlices`` are made dense. ``device_*`` and ``sparse_as_dense`` are accepted for
+    BytePS/Horovod compatibility.
+
+    Returns an instance of a subclass of the tape's class, sharing its recording.
+    """
+    base = gradtape.__class__
+    cls = type(base.__name__, (_DistributedGradientTapeMixin, base), {"__module__": base.__module__})
+    tape = cls(persistent=gradtape._persistent, watch_accessed_variables=gradtape._watch_accessed_variables)
+    tape._tape = gradtape._tape
+    tape._watched_variables = gradtape._watched_variables
+    tape._bps_op = _resolve_op(None, op)
+    tape._bps_compression = compression
+    tape._bps_prefix = f"{name or 'DistributedGradientTape'}.Gradient."
+    return tape
+
+
+# ----------------------------------------------------------------------------------- keras optimizer
+
+
+class _DistributedOptimizerMixin:
+    """Overrides ``apply`` (which ``apply_gradients`` and ``model.fit`` call) to push_pull the gradients
+    first; clipping, loss-scale handling, weight decay and the update are the wrapped class's own."""
+
+    def build(self, variables):
+        was_built = self.built
+        super().build(variables)
+        if self._bps_passes > 1 and not was_built:
+            self._bps_accumulators = [self.add_variable_from_reference(v, name="bps_gradient_accumulator")
+                                      for v in variables]
+            self._bps_pass_count = self.add_variable(shape=(), dtype="int64", initializer="zeros",
+                                                     name="bps_backward_passes")
+
+    def _bps_names(self, variables):
+        return [f"{self._bps_prefix}{self._get_variable_index(v)}" for v in variables]
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if not grads:
+            return super().apply(grads, trainable_variables)
+        if trainable_variables is None:
+            if not self.built:
+                return super().apply(grads, trainable_variables)  # raises Keras' own error
+            variables = list(self._trainable_variables)
+        else:
+            variables = list(trainable_variables)
+            if not self.built:
+                self.build(variables)
+        if self._bps_passes == 1:
+            if common.size() > 1:
+                grads = _reduce_grads(grads, self._bps_names(variables), self._bps_op, self._bps_compression)
+            return super().apply(grads, trainable_variables)
+        return self._bps_apply_accumulated(grads, variables, trainable_variables)
+
+    def _bps_apply_accumulated(self, grads, variables, trainable_variables):
+        """backward_passes_per_step > 1: sum gradients locally; every N-th call push_pull and apply."""
+        acc = [self._bps_accumulators[self._get_variable_index(v)] for v in variables]
+        count = self._bps_pass_count.assign_add(1)
+        is_update = tf.equal(tf.math.floormod(tf.convert_to_tensor(count), self._bps_passes), 0)
+        parent = super()
+
+        def update():
+            total = [None if g is None else _densify(g) + tf.cast(tf.convert_to_tensor(a), g.dtype)
+                     for g, a in zip(grads, acc)]
+            if common.size() > 1:
+                total = _reduce_grads(total, self._bps_names(variables), self._bps_op, self._bps_compression)
+            parent.apply(total, trainable_variables)
+            for a in acc:
+                a.assign(tf.zeros(a.shape, dtype=a.dtype))
+            return tf.constant(True)
+
+        def accumulate():
+            for g, a in zip(grads, acc):
+                if g is not None:
+                    a.assign_add(tf.cast(_densify(g), a.dtype))
+            return tf.constant(False)
+
+        tf.cond(is_update, update, accumulate)
+
+
+def DistributedOptimizer(optimizer, name=None, compression=Compression.none, op=Average,
+                         backward_passes_per_step=1, device_dense="", device_sparse="", sparse_as_dense=True,
+                         use_locking=False):
+    """Wrap a Keras 3 optimizer so that gradients are averaged over all workers before each update.
+
+    Works with ``model.fit`` (``jit_compile=False``: the transfer is a ``tf.py_function``, which XLA
+    cannot compile; Keras already picks ``False`` on CPU-only machines), ``optimizer.apply_gradients``
+    and ``optimizer.apply``, eager or in ``tf.function``. Returns a new optimizer of a subclass of
+    ``optimizer``'s class, made from its config; a built optimizer's state is copied over.
+
+    Args:
+        optimizer: a ``keras.optimizers.Optimizer``.
+        name: prefix of the gradients' tensor names (default ``DistributedOptimizer``); gradient of
+            trainable variable ``i`` is ``<name>.Gradient.<i>``.
+        compression: ``Compression.none`` or ``Compression.fp16``.
+        op: ``Average`` (default) or ``Sum``.
+        backward_passes_per_step: sum the gradients of this many calls locally, then push_pull the
+            sum and update once (as ``byteps.torch`` and Horovod do; divide the loss by N for an
+            average). The wrapped optimizer's ``iterations`` then counts updates.
+        device_dense, device_sparse, sparse_as_dense, use_locking: accepted for compatibility.
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"byteps.tensorflow.DistributedOptimizer needs a Keras 3 optimizer "
+                        f"(keras.optimizers.Optimizer), got {type(optimizer).__name__}; legacy "
+                        "tf.compat.v1.train optimizers are not supported (use DistributedGradientTape)")
+    if int(backward_passes_per_step) < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    base = optimizer.__class__
+    cls = type(base.__name__, (_DistributedOptimizerMixin, base), {"__module__": base.__module__})
+    new = cls.from_config(optimizer.get_config())
+    new._bps_op = _resolve_op(None, op)
+    new._bps_compression = compression
+    new._bps_passes = int(backward_passes_per_step)
+    new._bps_prefix = f"{name or 'DistributedOptimizer'}.Gradient."
+    if optimizer.built:
+        new.build(list(optimizer._trainable_variables))
+        for mine, theirs in zip(new.variables, optimizer.variables):
+            mine.assign(theirs)
+    return new

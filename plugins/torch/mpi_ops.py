@@ -1,0 +1,654 @@
+"""Horovod's ``horovod.torch`` collectives on top of byteps' push_pull and broadcast.
+
+A script written for Horovod runs unchanged with ``import byteps.torch as hvd``. Each collective
+maps onto the two byteps primitives (docs/launchers.md has the full table):
+
+* ``allreduce`` with ``Average``/``Sum``: one push_pull (the Summation Service adds); prescale is
+  applied before, postscale and the ``1/size`` of Average after, as Horovod does.
+* ``allreduce`` with ``Min``/``Max``/``Product``: every rank broadcasts its tensor (``size``
+  broadcasts in flight together, one per root), then each rank reduces the gathered tensors
+  locally: exact, and identical on every rank.
+* ``allgather``: a push_pull of an int64 vector in which each rank fills its own slot (exact)
+  gathers the dim-0 sizes; then one broadcast per rank, rooted at that rank, fills its rows of the
+  output. Broadcasts copy bytes, so the result is bit-exact for every dtype (NaN, -0.0 included).
+* ``broadcast``: a real byteps broadcast. ``grouped_allreduce``: one push_pull per tensor.
+
+Names: ``allreduce.<name>``, ``allgather.<name>``, ``grouped_allreduce.<name>`` (unnamed calls are
+numbered in call order, ``allreduce.noname.<n>``); broadcasts are byteps' own (``broadcast_`` and
+``broadcast_async_`` are the same functions for both APIs) and use the name as given.
+
+A cross-rank mismatch of shape, dtype or root raises :class:`byteps.TensorMismatchError` (a
+``RuntimeError``, and a :class:`HorovodInternalError`) on every rank, and the job goes on; a name
+already in flight raises ``ValueError`` at submit time.
+"""
+import itertools
+import threading
+import time
+import warnings
+
+import torch
+
+from byteps import common
+from byteps.errors import BytePSError
+
+from . import completion
+from .compression import Compression
+from .ops import _byte_view, _host_buffer, broadcast_async_ as _bps_broadcast_async_, dtype_code
+
+Average = 0
+Sum = 1
+Adasum = 2
+Min = 3
+Max = 4
+Product = 5
+
+_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
+
+#: Horovod's error for a failed collective; byteps' errors are all of this type.
+HorovodInternalError = BytePSError
+
+
+class UnsupportedTypeError(TypeError, ValueError):
+    """A tensor dtype byteps cannot send (Horovod raises ValueError here, byteps TypeError: both match)."""
+
+
+class ProcessSet:
+    """Horovod's process set. byteps supports only the global set (every rank)."""
+
+    def __init__(self, ranks=None):
+        self._ranks = None if ranks is None else sorted(int(r) for r in ranks)
+        self.process_set_id = 0 if ranks is None else None
+        self.mpi_comm = None
+
+    @property
+    def ranks(self):
+        return list(range(common.size())) if self._ranks is None else list(self._ranks)
+
+    def size(self):
+        return len(self.ranks)
+
+    def rank(self):
+        return common.rank() if self.included() else None
+
+    def included(self):
+        return common.rank() in self.ranks
+
+    def __repr__(self):
+        return "ProcessSet(global)" if self._ranks is None else f"ProcessSet({self._ranks})"
+
+
+global_process_set = ProcessSet()
+
+
+def add_process_set(process_set):
+    raise NotImplementedError("byteps supports only the global process set (every rank); "
+                              "add_process_set() is not available")
+
+
+def remove_process_set(process_set):
+    return False
+
+
+def _check_process_set(process_set):
+    if process_set is None or process_set is global_process_set:
+        return
+    if isinstance(process_set, ProcessSet) and process_set.ranks == list(range(common.size())):
+        return
+    raise NotImplementedError(f"byteps supports only the global process set, not {process_set!r}")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+_busy = set()               # names of multi-stage operations in flight in this process
+_busy_lock = threading.Lock()
+_join_counter = itertools.count()
+
+
+def _name(prefix, name):
+    return f"{prefix}.{name}" if name is not None else common.auto_name(prefix)
+
+
+def _code(tensor, name):
+    try:
+        return dtype_code(tensor, name)
+    except TypeError as e:
+        raise UnsupportedTypeError(str(e)) from None
+
+
+def _reserve(full):
+    """Mark a multi-stage operation's name as in flight (ValueError if it already is)."""
+    with _busy_lock:
+        if full in _busy:
+            raise ValueError(f"an operation named {full!r} is already in flight; synchronize it before "
+                             "starting another one with the same name")
+        _busy.add(full)
+
+
+def _release(full):
+    with _busy_lock:
+        _busy.discard(full)
+
+
+def _check_inflight(full):
+    job = common._require()
+    with _busy_lock:
+        busy = full in _busy
+    if busy or full in job.inflight:
+        raise ValueError(f"an operation named {full!r} is already in flight; synchronize it before "
+                         "starting another one with the same name")
+
+
+def _resolve_op(op, average):
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    op = Average if op is None else op
+    if op == Adasum:
+        raise NotImplementedError("byteps does not implement Adasum; use hvd.Average or hvd.Sum")
+    if op not in _OP_NAMES:
+        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
+    return op
+
+
+def _scale_(t, factor):
+    """Multiply in place by ``factor``: floats in their own precision (fp16/bf16 via fp32), integers via
+    fp64 and truncation toward zero, as Horovod's ScaleBuffer does."""
+    if factor == 1.0:
+        return t
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t.copy_(t.float().mul_(factor))
+    elif t.dtype.is_floating_point:
+        t.mul_(factor)
+    else:
+        t.copy_(t.double().mul_(factor))
+    return t
+
+
+def _contiguous_copy(tensor):
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------------------------------ allreduce
+
+def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0, priority=0):
+    """Start an in-place allreduce of ``tensor`` under the byteps name ``full``; returns a handle."""
+    if op in (Min, Max, Product):
+        return _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor)
+    code = _code(tensor, full)
+    _check_inflight(full)
+    work, write_back = _host_buffer(tensor)
+    size = common.size()
+    _scale_(work, prescale_factor)
+
+    def finalize():
+        if op == Average and size > 1:
+            if work.dtype.is_floating_point:
+                _scale_(work, postscale_factor)
+                work.div_(size)
+            elif postscale_factor == 1.0:  # exact integer division, truncated toward zero like Horovod
+                work.copy_(torch.div(work, size, rounding_mode="trunc"))
+            else:  # Horovod: postscale / size in fp64, truncated toward zero
+                _scale_(work, postscale_factor / size)
+        else:
+            _scale_(work, postscale_factor)
+        if write_back is not None:
+            write_back.copy_(work)
+            return write_back
+        return work
+
+    return common.submit(full, _byte_view(work), code, tuple(tensor.shape), priority=priority, finalize=finalize)
+
+
+def _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor):
+    """Min/Max/Product: every rank broadcasts its tensor; each reduces the ``size`` tensors locally."""
+    _code(tensor, full)
+    _reserve(full)
+    pending = None
+    try:
+        n, me = common.size(), common.rank()
+        src = _scale_(_contiguous_copy(tensor), prescale_factor)
+        bufs = [src if r == me else torch.empty_like(src) for r in range(n)]
+        pending = completion.Pending(full)
+        handles = _submit_all([lambda r=r: _bps_broadcast_async_(bufs[r], r, name=f"{full}.{r}") for r in range(n)],
+                              pending, full)
+    except BaseException:
+        _release(full)
+        if pending is not None:
+            pending.discard()
+        raise
+
+    def reduce(outcomes):
+        _release(full)
+        err = completion.first_error(outcomes)
+        if err is not None:
+            pending.finish(error=err)
+            return
+        stacked = torch.stack(bufs)
+        if op == Min:
+            res = stacked.amin(0)
+        elif op == Max:
+            res = stacked.amax(0)
+        else:
+            res = stacked.prod(0, dtype=stacked.dtype)
+        _scale_(res, postscale_factor)
+        with torch.no_grad():
+            tensor.copy_(res)
+        pending.finish(result=tensor)
+
+    completion.when_done(handles, pending.guard(reduce))
+    return pending.handle
+
+
+def _submit_all(thunks, pending, full):
+    """Submit operations; if one fails after others started, fail ``pending`` once those finish."""
+    handles = []
+    for i, thunk in enumerate(thunks):
+        try:
+            handles.append(thunk())
+        except BaseException as e:
+            if not handles:
+                raise
+            err = e
+
+            def fail(outcomes, err=err):
+                _release(full)
+                pending.finish(error=err)
+            completion.when_done(handles, fail)
+            raise
+    return handles
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set):
+    """Start an in-place allreduce of ``tensor``; returns a handle for :func:`poll` / :func:`synchronize`.
+
+    ``op``: Average (default), Sum, Min, Max or Product. ``prescale_factor`` multiplies before the
+    reduction, ``postscale_factor`` after (Average also divides by :func:`size`). Integer tensors
+    are scaled in fp64 and truncated toward zero, as in Horovod.
+    """
+    _check_process_set(process_set)
+    op = _resolve_op(op, average)
+    return _allreduce_start(tensor, _name("allreduce", name), op, prescale_factor, postscale_factor)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set):
+    """Out-of-place :func:`allreduce_async_`: ``synchronize`` returns a new tensor; the input is untouched."""
+    _check_process_set(process_set)
+    op = _resolve_op(op, average)
+    return _allreduce_start(_contiguous_copy(tensor), _name("allreduce", name), op, prescale_factor,
+                            postscale_factor)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set):
+    """In-place allreduce; returns ``tensor``."""
+    return completion.synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                                   process_set))
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
+        ctx.name, ctx.op, ctx.scale = name, op, (prescale_factor, postscale_factor)
+        full = _name("allreduce", name)
+        return completion.synchronize(_allreduce_start(_contiguous_copy(tensor), full, op, prescale_factor,
+                                                       postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad):
+        name = None if ctx.name is None else f"{ctx.name}.grad"
+        full = _name("allreduce", name)
+        out = completion.synchronize(_allreduce_start(_contiguous_copy(grad), full, ctx.op, *ctx.scale))
+        return out, None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set):
+    """Reduce ``tensor`` over every rank and return the result as a new tensor (differentiable).
+
+    The gradient is allreduced with the same op (so the gradient of a Sum is ``size`` times the
+    upstream gradient). ``compression`` is applied before and undone after.
+    """
+    _check_process_set(process_set)
+    op = _resolve_op(op, average)
+    compressed, ctx = compression.compress(tensor)
+    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+# ------------------------------------------------------------------------------ grouped allreduce
+
+def _grouped_start(tensors, name, op, prescale_factor, postscale_factor):
+    tensors = list(tensors)
+    full = _name("grouped_allreduce", name)
+    for i, t in enumerate(tensors):
+        _code(t, f"{full}.{i}")
+    _reserve(full)
+    pending = None
+    try:
+        pending = completion.Pending(full)
+        handles = _submit_all([lambda i=i, t=t: _allreduce_start(t, f"{full}.{i}", op, prescale_factor,
+                                                                  postscale_factor)
+                               for i, t in enumerate(tensors)], pending, full)
+    except BaseException:
+        _release(full)
+        if pending is not None:
+            pending.discard()
+        raise
+
+    def collect(outcomes):
+        _release(full)
+        err = completion.first_error(outcomes)
+        if err is not None:
+            pending.finish(error=err)
+        else:
+            pending.finish(result=tuple(r for r, _ in outcomes))
+
+    completion.when_done(handles, pending.guard(collect))
+    return pending.handle
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                             process_set=global_process_set):
+    """In-place allreduce of every tensor of a list (position-wise); ``synchronize`` returns a tuple."""
+    _check_process_set(process_set)
+    op = _resolve_op(op, average)
+    return _grouped_start(tensors, name, op, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=global_process_set):
+    """Out-of-place :func:`grouped_allreduce_async_`."""
+    _check_process_set(process_set)
+    op = _resolve_op(op, average)
+    return _grouped_start([_contiguous_copy(t) for t in tensors], name, op, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set):
+    return list(completion.synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                                postscale_factor, process_set)))
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
+        ctx.name, ctx.op, ctx.scale = name, op, (prescale_factor, postscale_factor)
+        return completion.synchronize(_grouped_start([_contiguous_copy(t) for t in tensors], name, op,
+                                                     prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        name = None if ctx.name is None else f"{ctx.name}.grad"
+        outs = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], name, ctx.op, *ctx.scale))
+        return (None, None, None, None, *outs)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Allreduce every tensor of a list; returns a list of new tensors (differentiable)."""
+    _check_process_set(process_set)
+    op = _resolve_op(op, average)
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, *[c for c, _ in pairs])
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+# ------------------------------------------------------------------------------ broadcast
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    """Out-of-place broadcast: ``synchronize`` returns a new tensor; the input is never modified.
+
+    Named like byteps' :func:`broadcast_async_` (the name as given; unnamed: ``broadcast.noname.<n>``).
+    """
+    return _bps_broadcast_async_(_contiguous_copy(tensor), root_rank, name, process_set=process_set)
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank, ctx.name = root_rank, name
+        return completion.synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        name = None if ctx.name is None else f"{ctx.name}.grad"
+        reduced = completion.synchronize(_allreduce_start(_contiguous_copy(grad), _name("allreduce", name), Average))
+        if common.rank() != ctx.root_rank:
+            reduced = reduced * 0
+        return reduced, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """A new tensor holding root_rank's ``tensor`` (differentiable: the gradient is averaged over ranks
+    and kept on the root only)."""
+    _check_process_set(process_set)
+    return _Broadcast.apply(tensor, root_rank, name)
+
+
+# ------------------------------------------------------------------------------ allgather
+
+def _allgather_start(tensor, name):
+    full = _name("allgather", name)
+    _code(tensor, full)
+    _reserve(full)
+    pending = None
+    try:
+        n, me = common.size(), common.rank()
+        src = _contiguous_copy(tensor)
+        if src.dim() == 0:
+            src = src.reshape(1)
+        sizes = torch.zeros(n, dtype=torch.int64)
+        sizes[me] = src.shape[0]
+        pending = completion.Pending(full)
+        from .ops import push_pull_async_inplace
+
+        first = push_pull_async_inplace(sizes, average=False, name=f"{full}.sizes")
+    except BaseException:
+        _release(full)
+        if pending is not None:
+            pending.discard()
+        raise
+
+    def gather(outcomes):
+        err = completion.first_error(outcomes)
+        if err is not None:
+            _release(full)
+            pending.finish(error=err)
+            return
+        counts = [int(c) for c in sizes.tolist()]
+        pending.extra = counts
+        out = torch.empty((sum(counts),) + tuple(src.shape[1:]), dtype=src.dtype)
+        parts = list(out.split(counts))
+        parts[me].copy_(src)
+        try:
+            handles = [_bps_broadcast_async_(parts[r], r, name=f"{full}.{r}") for r in range(n) if counts[r] > 0]
+        except Exception as e:  # cannot happen for a consistent job; fail rather than hang
+            _release(full)
+            pending.finish(error=e)
+            return
+
+        def done(outs):
+            _release(full)
+            e = completion.first_error(outs)
+            pending.finish(error=e) if e is not None else pending.finish(result=out)
+
+        completion.when_done(handles, pending.guard(done))
+
+    completion.when_done([first], pending.guard(gather))
+    return pending
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set):
+    """Start concatenating every rank's ``tensor`` along dim 0 (dim-0 sizes may differ); returns a handle."""
+    _check_process_set(process_set)
+    return _allgather_start(tensor, name).handle
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.name = name
+        pending = _allgather_start(tensor, name)
+        out = completion.synchronize(pending.handle)
+        ctx.counts = pending.extra
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        name = None if ctx.name is None else f"{ctx.name}.grad"
+        reduced = completion.synchronize(_allreduce_start(_contiguous_copy(grad), _name("allreduce", name), Average))
+        me = common.rank()
+        offset = sum(ctx.counts[:me])
+        return reduced.narrow(0, offset, ctx.counts[me]), None
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Every rank's ``tensor`` concatenated along dim 0, in rank order (differentiable)."""
+    _check_process_set(process_set)
+    return _Allgather.apply(tensor, name)
+
+
+# ------------------------------------------------------------------------------ reducescatter
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Reduce ``tensor`` over all ranks, then keep this rank's block of dim 0 (the first
+    ``dim0 % size`` ranks get one extra row, as in Horovod). Average and Sum only."""
+    _check_process_set(process_set)
+    if op not in (Average, Sum):
+        raise RuntimeError("Reducescatter currently only supports AVERAGE and SUM.")
+    if tensor.dim() == 0:
+        raise ValueError("Reducescatter does not support scalar inputs")
+    full = _name("reducescatter", name)
+    _reserve(full)
+    pending = None
+    try:
+        pending = completion.Pending(full)
+        h = _allreduce_start(_contiguous_copy(tensor), full + ".sum", op, prescale_factor, postscale_factor)
+    except BaseException:
+        _release(full)
+        if pending is not None:
+            pending.discard()
+        raise
+    n, me = common.size(), common.rank()
+    rows = tensor.shape[0]
+    counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
+
+    def cut(outcomes):
+        _release(full)
+        (res, err), = outcomes
+        if err is not None:
+            pending.finish(error=err)
+        else:
+            pending.finish(result=res.narrow(0, sum(counts[:me]), counts[me]).clone())
+
+    completion.when_done([h], pending.guard(cut))
+    return pending.handle
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    compressed, ctx = compression.compress(tensor)
+    out = completion.synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor,
+                                                     postscale_factor))
+    return compression.decompress(out, ctx)
+
+
+# ------------------------------------------------------------------------------ join, barrier, misc
+
+def join(device=-1):
+    """Wait until every rank has called ``join()``; return the rank that joined last (the same on all).
+
+    Difference from Horovod: Horovod lets the ranks that have not joined yet keep running
+    allreduces, to which joined ranks contribute zeros. byteps' push_pull needs every rank's push,
+    so here ``join()`` is a barrier: a rank that joins early waits, and an allreduce started by
+    another rank meanwhile waits for the joined rank until BYTEPS_TIMEOUT and then fails. Use
+    ``join()`` at the end of an epoch on every rank, not to skip steps. The last rank is decided by
+    each rank's wall-clock time of arrival (exact on one machine; across machines it is as good as
+    their clock synchronization; ties go to the higher rank).
+    """
+    n, me = common.size(), common.rank()
+    if n == 1:
+        return 0
+    stamps = torch.zeros(n, dtype=torch.float64)
+    stamps[me] = time.time()
+    from .ops import push_pull_async_inplace
+
+    completion.synchronize(push_pull_async_inplace(stamps, average=False, name=f"join.{next(_join_counter)}"))
+    latest = stamps.max()
+    return max(r for r in range(n) if stamps[r] == latest)
+
+
+def barrier(process_set=global_process_set):
+    """Block until every rank has called ``barrier()``."""
+    _check_process_set(process_set)
+    common.barrier()
+
+
+def cross_rank():
+    """This node's index among the nodes (byteps: DMLC_WORKER_ID)."""
+    return common.config().worker_id
+
+
+def cross_size():
+    """Number of nodes (byteps: DMLC_NUM_WORKER)."""
+    return common.config().num_worker
+
+
+def is_homogeneous():
+    return True
+
+
+def mpi_threads_supported():
+    return False
+
+
+def mpi_enabled():
+    return False
+
+
+def mpi_built():
+    return False
+
+
+def gloo_enabled():
+    return False
+
+
+def gloo_built():
+    return False
+
+
+def nccl_built():
+    """0: byteps does not use NCCL (Horovod returns the NCCL version here)."""
+    return 0
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
+    return False
+
+
+def cuda_built():
+    """False: byteps has no GPU kernels; CUDA tensors are staged through host memory."""
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def start_timeline(file_path, mark_cycles=False):
+    warnings.warn("byteps has no Horovod timeline; start_timeline() does nothing", stacklevel=2)
+
+
+def stop_timeline():
+    pass
