@@ -29,6 +29,7 @@ VARIABLES = {
     "BYTEPS_LOG_LEVEL": ("WARNING", "TRACE | DEBUG | INFO | WARNING | ERROR | FATAL"),
     "BYTEPS_FORCE_DISTRIBUTED": ("0", "use the Summation Service even with a single worker process"),
     "BYTEPS_ENABLE_IPC": ("1", "exchange data with servers on the same machine through shared memory"),
+    "BYTEPS_LOCAL_REDUCE": ("1", "a machine's worker processes sum locally; one copy per machine crosses the network"),
     "BYTEPS_SCHEDULING_CREDIT": ("4", "partitions a worker may have on the wire at once (0: unlimited)"),
     "BYTEPS_TIMEOUT": ("300", "seconds any blocking wait (startup, declaration, push_pull) may last"),
     "BYTEPS_HEARTBEAT_INTERVAL": ("1", "seconds between heartbeats to and from the scheduler"),
@@ -118,6 +119,7 @@ class Config:
     force_distributed: bool
     scheduling_credit: int
     enable_ipc: bool
+    local_reduce: bool
     timeout: float
     heartbeat_interval: float
     heartbeat_timeout: float
@@ -195,7 +197,8 @@ def load(env=None, role=None):
         partition_bytes=_int(env, "BYTEPS_PARTITION_BYTES", 4096000, minimum=64),
         log_level=log_level, force_distributed=force,
         scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=0),
-        enable_ipc=_bool(env, "BYTEPS_ENABLE_IPC", default="1"), timeout=timeout, heartbeat_interval=hb_interval,
+        enable_ipc=_bool(env, "BYTEPS_ENABLE_IPC", default="1"),
+        local_reduce=_bool(env, "BYTEPS_LOCAL_REDUCE", default="1"), timeout=timeout, heartbeat_interval=hb_interval,
         heartbeat_timeout=hb_timeout, job_id=_get(env, "BYTEPS_JOB_ID", ""),
     )
 

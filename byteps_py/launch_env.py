@@ -33,9 +33,11 @@ ends the job then); rank 0 waits for that at its own exit and kills whatever is 
 import atexit
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -45,6 +47,7 @@ from .errors import ConfigError
 _JOB_VARIABLES = ("DMLC_NUM_WORKER", "DMLC_WORKER_ID")
 
 DEFAULT_PORT = 29500  #: base port when a launcher names none (mpirun); the scheduler uses base + 1
+SCHEDULER_START_TIMEOUT = 30.0  #: seconds rank 0 waits for the scheduler it started to listen
 
 _services = []           # Popen objects of the scheduler and servers this process started
 _services_lock = threading.Lock()
@@ -231,12 +234,31 @@ def start_services(job_env):
             base.pop(name, None)  # the services are no launcher's ranks
         argv_s = [sys.executable, "-m", "byteps.scheduler"]
         argv_v = [sys.executable, "-m", "byteps.server"]
-        _services.append(subprocess.Popen(argv_s, env=dict(base, DMLC_ROLE="scheduler"),
-                                          preexec_fn=_make_preexec(), stdin=subprocess.DEVNULL))
+        tmpdir = tempfile.mkdtemp(prefix="byteps-services-")
+        port_file = os.path.join(tmpdir, "port")
+        scheduler = subprocess.Popen(argv_s, preexec_fn=_make_preexec(), stdin=subprocess.DEVNULL,
+                                     env=dict(base, DMLC_ROLE="scheduler", BYTEPS_SCHEDULER_PORT_FILE=port_file))
+        _services.append(scheduler)
+        atexit.register(_stop_services)
+        # Fail fast (rather than after BYTEPS_TIMEOUT) when the scheduler cannot start, e.g. its port is taken.
+        deadline = time.monotonic() + SCHEDULER_START_TIMEOUT
+        try:
+            while not os.path.exists(port_file):
+                if scheduler.poll() is not None:
+                    raise ConfigError(
+                        f"the byteps scheduler that rank 0 started ({job_env['BYTEPS_LAUNCHER']} job) exited with code "
+                        f"{scheduler.returncode} before it was listening on {job_env['DMLC_PS_ROOT_URI']}:"
+                        f"{job_env['DMLC_PS_ROOT_PORT']} (port in use? set DMLC_PS_ROOT_PORT or "
+                        "BYTEPS_SCHEDULER_URI; its message is above). See docs/launchers.md.")
+                if time.monotonic() > deadline:
+                    raise ConfigError("the byteps scheduler rank 0 started did not listen within "
+                                      f"{SCHEDULER_START_TIMEOUT:g} s")
+                time.sleep(0.02)
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
         for _ in range(int(job_env["DMLC_NUM_SERVER"])):
             _services.append(subprocess.Popen(argv_v, env=dict(base, DMLC_ROLE="server"),
                                               preexec_fn=_make_preexec(), stdin=subprocess.DEVNULL))
-        atexit.register(_stop_services)
 
 
 def service_pids():

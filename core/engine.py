@@ -37,7 +37,8 @@ from byteps.log import logger
 
 from . import dtypes, shm, wire
 from ._pipeline import PriorityQueue
-from ._reduce import copy_into
+from ._reduce import copy_into, sum_many
+from .local import ComputeStage, LocalPlan
 from .control import ControlClient
 
 Cmd = wire.Cmd
@@ -116,6 +117,14 @@ class Engine:
         self._maps = shm.PeerMaps()
         self._staging = {}          # wire key -> (shared view, descriptor prefix) of this worker's copy
         self.colocated = []         # per server: exchange data through shared memory
+        # intra-machine aggregation (core/local.py)
+        self.local = None           # LocalPlan when this machine's processes reduce together
+        self._local_sock = None     # ROUTER: LOCAL_READY / LOCAL_DONE from this machine's other processes
+        self._local_peers = {}      # local rank -> DEALER to its ROUTER
+        self._compute = None        # ComputeStage running the owner's sums
+        self._groups = {}           # (wire key, round) -> owner's state of one partition's local reduce
+        self._early = collections.defaultdict(list)  # (wire key, round) -> LOCAL_READY views before the op
+        self._awaiting_done = {}    # (wire key, round) -> (op, offset, nbytes) of a partition another rank owns
 
     # ---------------------------------------------------------------- training-thread side
 
@@ -192,7 +201,10 @@ class Engine:
 
     def _outstanding_ops(self):
         seen = set()
-        for op in itertools.chain((v[0] for v in self._parts.values()), (v[0] for v in self._tasks.values())):
+        for op in itertools.chain((v[0] for v in self._parts.values()),
+                                  (v[0] for v in self._tasks.values() if v[0] != "reduced"),
+                                  (v[0] for v in self._awaiting_done.values()),
+                                  (g["op"] for g in self._groups.values())):
             if id(op) not in seen:
                 seen.add(id(op))
                 yield op
@@ -200,9 +212,14 @@ class Engine:
             yield from ops
 
     def _setup(self):
-        self.control = ControlClient(self.ctx, self.cfg, {
-            "role": "worker", "host": self.cfg.node_host, "worker_id": self.cfg.worker_id,
-            "local_rank": self.cfg.local_rank, "local_size": self.cfg.local_size})
+        info = {"role": "worker", "host": self.cfg.node_host, "worker_id": self.cfg.worker_id,
+                "local_rank": self.cfg.local_rank, "local_size": self.cfg.local_size,
+                "local_reduce": self.cfg.local_reduce and self.cfg.local_size > 1}
+        if info["local_reduce"]:
+            self._local_sock = self.ctx.socket(zmq.ROUTER)
+            self._local_sock.setsockopt(zmq.LINGER, 0)
+            info["local_port"] = self._local_sock.bind_to_random_port("tcp://127.0.0.1")
+        self.control = ControlClient(self.ctx, self.cfg, info)
         self.poller = zmq.Poller()
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
@@ -231,9 +248,28 @@ class Engine:
         else:
             self.colocated = [False] * len(self.servers)
         if any(self.colocated):
-            self._shm = shm.Allocator("byteps-worker")
             logger.info("shared memory with servers %s", [i for i, c in enumerate(self.colocated) if c])
+        if self.book.get("local_reduce"):
+            self._setup_local()
+        if any(self.colocated) or self.local is not None:
+            self._shm = shm.Allocator("byteps-worker")
         self._ready.set()
+
+    def _setup_local(self):
+        """Connect to this machine's other worker processes for the local reduce."""
+        peers = [w for w in self.book["workers"] if w["worker_id"] == self.cfg.worker_id]
+        self.local = LocalPlan(peers, self.cfg.local_rank)
+        for w in self.local.peers:
+            if w["local_rank"] == self.cfg.local_rank:
+                continue
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, str(self.cfg.local_rank).encode())
+            sock.connect(f"tcp://127.0.0.1:{w['local_port']}")
+            self._local_peers[w["local_rank"]] = sock
+        self.poller.register(self._local_sock, zmq.POLLIN)
+        self._compute = ComputeStage(self._wake)
+        logger.info("local reduce with %d processes on this machine", self.local.size)
 
     def _loop(self):
         tick_ms = min(self.cfg.heartbeat_interval, 1.0) * 1000
@@ -246,8 +282,13 @@ class Engine:
                         pass
                 elif sock is self.control.sock:
                     self._on_control()
+                elif sock is self._local_sock:
+                    self._on_local()
                 else:
                     self._on_data(sock)
+            if self._compute is not None:
+                while self._compute.done:
+                    self._on_reduced(*self._compute.done.popleft())
             self._drain_inbox()
             self.control.tick()
             self._check_timeouts()
@@ -256,8 +297,11 @@ class Engine:
 
     def _close(self):
         ctl = getattr(self, "control", None)
-        for sock in self.servers:
-            sock.close(linger=0)
+        if self._compute is not None:
+            self._compute.close()
+        for sock in [*self.servers, *self._local_peers.values(), self._local_sock]:
+            if sock is not None:
+                sock.close(linger=0)
         if ctl is not None:
             ctl.close()
         self.ctx.term()
@@ -353,38 +397,176 @@ class Engine:
         self._send_ready()
 
     def _send_ready(self):
-        """Send every queued partition the credit allows, best first."""
-        nserv = len(self.servers)
+        """Send every queued partition the credit allows, best first.
+
+        Credit is held only by partitions on the network (released when their reply arrives): a
+        local coordination step holds none, or a machine's processes could wait on each other.
+        """
         while (task := self._sendq.pop()) is not None:
-            op, i, off, length = self._tasks.pop(task)
+            item = self._tasks.pop(task)
+            if item[0] == "reduced":  # a machine's sum, ready for its server
+                self._push_reduced(*item[1:])
+                continue
+            op, i, off, length = item
             if op.error is not None:  # failed meanwhile (time-out, abort): don't send the rest
                 self._sendq.release(length)
                 continue
             key = wire.make_key(op.tkey, i)
             rnd = self._rounds[key]
             self._rounds[key] = rnd + 1
-            server = (op.tkey + i) % nserv
-            self._parts[(key, rnd)] = (op, off, length)
-            op.servers[server] += 1
-            flags = 0
-            if op.cmd == Cmd.BROADCAST and op.root != self.rank:
-                body = b""
-            elif self.colocated[server]:
-                # hand the server a shared copy; it sums straight from it
-                body, flags = self._stage(key, op.buf[off:off + length]), wire.FLAG_SHM
-            else:
-                body = op.buf[off:off + length]
-            header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,
-                               length=length if flags else len(body), dtype=op.dtype, arg=op.root, flags=flags)
-            self.servers[server].send_multipart([header, body], copy=False)
+            data = op.buf[off:off + length]
+            if self.local is None or op.cmd != Cmd.PUSHPULL:
+                self._push(op, key, rnd, (op.tkey + i) % len(self.servers), off, data)
+                continue
+            self._sendq.release(length)
+            if self.local.owns(op.tkey, i):
+                self._groups[(key, rnd)] = {"op": op, "i": i, "off": off, "views": self._early.pop((key, rnd), [])}
+                self._maybe_reduce(key, rnd)
+            else:  # COORDINATE: hand the owner a shared copy
+                owner = self.local.owner(op.tkey, i)
+                desc = self._stage(key, data)
+                self._local_peers[owner].send_multipart([
+                    wire.pack(Cmd.LOCAL_READY, sender=self.control.node_id, key=key, round=rnd, length=length,
+                              dtype=op.dtype, arg=self.cfg.local_rank, flags=wire.FLAG_SHM), desc])
+                self._awaiting_done[(key, rnd)] = (op, off, length)
+                op.servers[f"local rank {owner}"] += 1
+
+    def _push(self, op, key, rnd, server, off, data, shared=None):
+        """Send one partition to its server; ``shared`` is the descriptor prefix if data is in our arena."""
+        self._parts[(key, rnd)] = (op, off, data.size)
+        op.servers[f"server {server}"] += 1
+        flags = 0
+        if op.cmd == Cmd.BROADCAST and op.root != self.rank:
+            body = b""
+        elif self.colocated[server]:
+            # the server sums straight from our shared copy
+            body = shm.describe(shared, data.size) if shared is not None else self._stage(key, data)
+            flags = wire.FLAG_SHM
+        else:
+            body = data
+        header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,
+                           length=data.size if flags else len(body), dtype=op.dtype, arg=op.root, flags=flags)
+        self.servers[server].send_multipart([header, body], copy=False)
+
+    def _region(self, key, nbytes):
+        """This key's shared staging region: (view, descriptor prefix), allocated once."""
+        staged = self._staging.get(key)
+        if staged is None or staged[0].size != nbytes:
+            staged = self._staging[key] = self._shm.alloc(nbytes)
+        return staged
 
     def _stage(self, key, data):
         """Copy a partition into this key's shared staging region; return its descriptor."""
-        staged = self._staging.get(key)
-        if staged is None or staged[0].size != data.size:
-            staged = self._staging[key] = self._shm.alloc(data.size)
-        copy_into(staged[0], data)
-        return shm.describe(staged[1], data.size)
+        view, prefix = self._region(key, data.size)
+        copy_into(view, data)
+        return shm.describe(prefix, data.size)
+
+    # ---------------------------------------------------------------- local reduce (core/local.py)
+
+    def _on_local(self):
+        """LOCAL_READY (to an owner) or LOCAL_DONE / ERROR (from an owner) on the local ROUTER."""
+        frames = self._local_sock.recv_multipart(copy=True)
+        if len(frames) != 3:
+            logger.warning("dropped a local message with %d frames", len(frames))
+            return
+        try:
+            header = wire.unpack(frames[1])
+        except ProtocolError as e:
+            logger.warning("dropped a malformed local message: %s", e)
+            return
+        ident = (header.key, header.round)
+        if header.cmd == Cmd.LOCAL_READY:
+            try:
+                view = self._maps.view(frames[2])
+            except ProtocolError as e:
+                view = e
+            group = self._groups.get(ident)
+            (group["views"] if group is not None else self._early[ident]).append(view)
+            if group is not None:
+                self._maybe_reduce(*ident)
+            return
+        entry = self._awaiting_done.pop(ident, None)
+        if entry is None:  # the op timed out or failed already
+            return
+        op, off, length = entry
+        op.servers[f"local rank {header.arg}"] -= 1
+        if header.cmd == Cmd.LOCAL_DONE:
+            try:
+                copy_into(op.buf[off:off + length], self._maps.view(frames[2]))
+            except (ProtocolError, ValueError) as e:
+                op.error = op.error or ProtocolError(f"tensor {op.name!r}: local result unreadable: {e}")
+        else:
+            op.error = op.error or TensorMismatchError(
+                f"push_pull of tensor {op.name!r} failed: {wire.decode(frames[2]).get('error', 'unknown error')}")
+        self._partition_done(op, length)
+
+    def _maybe_reduce(self, key, rnd):
+        """LOCAL_REDUCE once every local rank's copy of this partition is in."""
+        group = self._groups[(key, rnd)]
+        if len(group["views"]) < self.local.size - 1:
+            return
+        op, off = group["op"], group["off"]
+        length = min(self._partition_step(op), op.buf.nbytes - off)
+        bad = [v for v in group["views"] if isinstance(v, Exception)]
+        if bad:
+            self._groups.pop((key, rnd))
+            op.error = op.error or ProtocolError(f"tensor {op.name!r}: a local rank's shared copy: {bad[0]}")
+            self._finish_local(key, rnd, op, length, error=str(op.error))
+            return
+        dst, prefix = self._region(key, length)
+        srcs = [op.buf[off:off + length], *group["views"]]
+
+        def reduce():
+            sum_many(dst, srcs, op.dtype)
+        reduce.ident, reduce.dst, reduce.prefix = (key, rnd), dst, prefix
+        self._compute.submit(op.priority, reduce)
+
+    def _on_reduced(self, fn, error):
+        """PUSH the machine's sum (from the owner's shared region) once the compute stage has it."""
+        key, rnd = fn.ident
+        group = self._groups[(key, rnd)]
+        op, i, off = group["op"], group["i"], group["off"]
+        if error is not None or op.error is not None:
+            self._groups.pop((key, rnd))
+            op.error = op.error or BytePSError(f"tensor {op.name!r}: local reduce failed: {error}")
+            self._finish_local(key, rnd, op, fn.dst.size, error=str(op.error))
+            return
+        group["result"] = (fn.dst, fn.prefix)
+        task = next(self._task_ids)
+        self._tasks[task] = ("reduced", key, rnd)
+        self._sendq.push(op.priority, task, fn.dst.size)
+        self._send_ready()
+
+    def _push_reduced(self, key, rnd):
+        group = self._groups.get((key, rnd))
+        if group is None:  # the op timed out meanwhile
+            return
+        op, i, off = group["op"], group["i"], group["off"]
+        view, prefix = group["result"]
+        if op.error is not None:
+            self._groups.pop((key, rnd))
+            self._finish_local(key, rnd, op, view.size, error=str(op.error))
+            return
+        self._push(op, key, rnd, (op.tkey + i) % len(self.servers), off, view, shared=prefix)
+
+    def _finish_local(self, key, rnd, op, length, desc=None, error=None):
+        """LOCAL_BROADCAST: tell this partition's other local ranks where the result is (or the error)."""
+        if error is None:
+            header = wire.pack(Cmd.LOCAL_DONE, sender=self.control.node_id, key=key, round=rnd, length=length,
+                               arg=self.cfg.local_rank, flags=wire.FLAG_SHM)
+            body = desc
+        else:
+            body = wire.encode({"error": error})
+            header = wire.pack(Cmd.ERROR, sender=self.control.node_id, key=key, round=rnd, length=len(body),
+                               arg=self.cfg.local_rank)
+        for sock in self._local_peers.values():
+            sock.send_multipart([header, body])
+        self._partition_done(op, length)
+
+    def _partition_done(self, op, length):
+        op.parts_left -= 1
+        if op.parts_left == 0:
+            op._finish()
 
     def _partition_step(self, op):
         """Partition size in bytes: at most BYTEPS_PARTITION_BYTES, a whole number of elements."""
@@ -408,24 +590,22 @@ class Engine:
         op, off, length = entry
         self._sendq.release(length)
         server = self._server_index[sock]
-        op.servers[server] -= 1
+        op.servers[f"server {server}"] -= 1
+        group = self._groups.pop((header.key, header.round), None)
         if header.cmd == Cmd.REPLY:
             expect = 0 if op.cmd == Cmd.BROADCAST and op.root == self.rank else length
-            if not sock.getsockopt(zmq.RCVMORE):
-                got = -1
-            elif header.flags & wire.FLAG_SHM:  # the sum is in the server's shared store
-                try:
-                    src = self._maps.view(sock.recv())
-                except ProtocolError as e:
-                    src, op.error = None, op.error or e
-                got = expect if src is None else src.size
-                if src is not None and got == expect:
-                    copy_into(op.buf[off:off + expect], src)
-            else:
-                got = sock.recv_into(op.buf[off:off + expect])
-            if got != expect:
-                op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied {got} bytes for "
-                                                     f"a partition of {expect}")
+            # an owner receives into its shared region, which the other local ranks read next
+            dst = group["result"][0] if group is not None else op.buf[off:off + expect]
+            desc = self._receive(sock, header, op, server, dst, expect, owner=group is not None)
+            if group is not None:
+                if op.error is None:
+                    copy_into(op.buf[off:off + length], dst if desc is None else self._maps.view(desc))
+                    desc = desc or shm.describe(group["result"][1], length)
+                self._finish_local(header.key, header.round, op, length, desc=desc,
+                                   error=None if op.error is None else str(op.error))
+                self._discard(sock)
+                self._send_ready()
+                return
         elif header.cmd == Cmd.ERROR:
             body = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b"{}"
             try:
@@ -436,10 +616,38 @@ class Engine:
         else:
             op.error = op.error or ProtocolError(f"unexpected {Cmd(header.cmd).name} from server {server}")
         self._discard(sock)
-        op.parts_left -= 1
-        if op.parts_left == 0:
-            op._finish()
+        if group is not None:
+            self._finish_local(header.key, header.round, op, length, error=str(op.error))
+        else:
+            self._partition_done(op, length)
         self._send_ready()
+
+    def _receive(self, sock, header, op, server, dst, expect, owner=False):
+        """Take a REPLY's body into ``dst``. With FLAG_SHM an owner gets the server store's descriptor
+        back instead (its local ranks copy from the store directly, saving a copy)."""
+        if not sock.getsockopt(zmq.RCVMORE):
+            op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied without a body")
+            return None
+        if header.flags & wire.FLAG_SHM:  # the sum is in the server's shared store
+            body = sock.recv()
+            try:
+                src = self._maps.view(body)
+            except ProtocolError as e:
+                op.error = op.error or e
+                return None
+            if src.size != expect:
+                op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied {src.size} "
+                                                     f"bytes for a partition of {expect}")
+                return None
+            if owner:
+                return body
+            copy_into(dst, src)
+            return None
+        got = sock.recv_into(dst)
+        if got != expect:
+            op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied {got} bytes for "
+                                                 f"a partition of {expect}")
+        return None
 
     @staticmethod
     def _discard(sock):
@@ -457,13 +665,17 @@ class Engine:
             if op.tkey is None:
                 who = "the scheduler's answer to its declaration (do all workers use this tensor name?)"
             else:
-                late = sorted(s for s, n in op.servers.items() if n > 0)
-                who = (f"servers {late} (they wait for every worker's push of this tensor; their logs name the "
-                       f"ranks that are late)")
+                late = ", ".join(sorted(s for s, n in op.servers.items() if n > 0)) or "its turn to be sent"
+                who = (f"{late} (a server waits for every machine's push of this tensor and logs the ranks that "
+                       "are late; a local rank waits for its machine's other processes)")
             err = BytePSTimeoutError(f"push_pull of tensor {op.name!r} waited {now - op.started:.0f} s "
                                      f"(BYTEPS_TIMEOUT={limit:g}) for {who}")
             for k in [k for k, v in self._parts.items() if v[0] is op]:
                 self._sendq.release(self._parts.pop(k)[2])
+            for k in [k for k, v in self._awaiting_done.items() if v[0] is op]:
+                del self._awaiting_done[k]
+            for k in [k for k, g in self._groups.items() if g["op"] is op]:
+                del self._groups[k]
             for waiting in self._declaring.values():
                 if op in waiting:
                     waiting.remove(op)

@@ -60,10 +60,13 @@ class Cmd(enum.IntEnum):
     BROADCAST = 21     # worker -> server: root sends data, others an empty body; reply: root's data
     REPLY = 22         # server -> worker: the result of PUSHPULL / BROADCAST
     ERROR = 23         # either direction: body is a JSON {"error": msg}
+    # local plane: worker processes of one machine (core/local.py)
+    LOCAL_READY = 24   # -> partition owner: my copy is in shared memory here (FLAG_SHM descriptor)
+    LOCAL_DONE = 25    # owner -> others: the machine's result is in shared memory here
 
 
 _CMDS = frozenset(int(c) for c in Cmd)
-_DATA_CMDS = frozenset({Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.REPLY})
+_DATA_CMDS = frozenset({Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.REPLY, Cmd.LOCAL_READY, Cmd.LOCAL_DONE})
 
 
 def pack(cmd, sender=NO_SENDER, key=0, round=0, length=0, dtype=NO_DTYPE, arg=0, flags=0):

@@ -162,7 +162,13 @@ class Scheduler:
         workers = sorted(self.workers.items(), key=lambda kv: (kv[1]["worker_id"], kv[1]["local_rank"]))
         for rank, (_, info) in enumerate(workers):
             info.update(rank=rank, node_id=rank, role="worker")
-        book = {"epoch": self.epoch, "size": len(workers),
+        # Local reduce only if every machine's processes asked for it (they must agree: servers then
+        # expect one push per machine instead of one per process).
+        local = all(info.get("local_reduce", False) or info["local_size"] == 1 for _, info in workers) and \
+            any(info.get("local_reduce", False) for _, info in workers)
+        machines = len({info["worker_id"] for _, info in workers})
+        book = {"epoch": self.epoch, "size": len(workers), "local_reduce": local,
+                "pushers": machines if local else len(workers),
                 "servers": [info for _, info in servers], "workers": [info for _, info in workers]}
         # Two phases: workers get the address book only once every server has acknowledged it,
         # so no push can reach a server that does not know the epoch's workers yet.

@@ -99,6 +99,7 @@ class Server:
         self.control = ControlClient(self.ctx, cfg, info)
         self.keys = {}
         self.num_workers = None
+        self.pushers = None
         self.index = None
         self.epoch = None
         self.scratch = bytearray()
@@ -110,6 +111,8 @@ class Server:
         if header.cmd == Cmd.ADDRBOOK:
             self.epoch = body["epoch"]
             self.num_workers = body["size"]
+            # one push_pull per machine when machines reduce locally first; broadcasts involve every rank
+            self.pushers = body.get("pushers", self.num_workers)
             self.index = body["you"]["index"]
             self.control.node_id = body["you"]["node_id"]
             self.ranks = {w["node_id"]: w["rank"] for w in body["workers"]}
@@ -185,7 +188,7 @@ class Server:
             st.error = problem
         st.senders.append(rank)
         st.waiters.append((ident, header.flags & wire.FLAG_SHM))
-        if len(st.senders) == self.num_workers:
+        if len(st.senders) == (self.pushers if header.cmd == Cmd.PUSHPULL else self.num_workers):
             self._complete(st, header)
 
     def _check(self, st, h, rank):
@@ -274,9 +277,8 @@ class Server:
         now = time.monotonic()
         for key, st in self.keys.items():
             if st.senders and not st.warned and now - st.since > STALL_WARNING_S:
-                missing = sorted(set(self.ranks.values()) - set(st.senders))
-                logger.warning("key %s round %d has waited %.0f s for ranks %s (have %s)", wire.split_key(key),
-                               st.round, now - st.since, missing, st.senders)
+                logger.warning("key %s round %d has waited %.0f s: pushes from ranks %s are in, %d expected",
+                               wire.split_key(key), st.round, now - st.since, st.senders, self.pushers)
                 st.warned = True
 
     # ---------------------------------------------------------------- loop

@@ -144,7 +144,8 @@ def main():
 
     result = {"rank": bps.rank(), "size": bps.size(), "local_rank": bps.local_rank(),
               "local_size": bps.local_size(),
-              "colocated": list(_job.engine.colocated) if _job.engine is not None else None}
+              "colocated": list(_job.engine.colocated) if _job.engine is not None else None,
+              "local_reduce": _job.engine.local.size if _job.engine is not None and _job.engine.local else None}
     try:
         result["value"] = SCENARIOS[name](outdir, args)
     except Exception as e:  # the test reads the error text

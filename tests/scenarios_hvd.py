@@ -357,6 +357,19 @@ def _misc():
     return res
 
 
+def _reinit():
+    """Horovod's tearDown pattern: barrier, shutdown, init again; multi-stage ops still work."""
+    r = hvd.rank()
+    hvd.barrier()
+    hvd.shutdown()
+    res = {"between": hvd.is_initialized()}
+    hvd.init()
+    res["rank"] = hvd.rank()
+    res["allgather"] = hvd.allgather(torch.full((r + 1,), r), name="again").tolist()
+    res["max"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Max, name="again").tolist()
+    return res
+
+
 @scenario
 def hvd_api(out, args):
     """The Horovod collective API, one section per behaviour group."""
@@ -364,7 +377,7 @@ def hvd_api(out, args):
     for key, fn in [("allreduce", _allreduce_values), ("async", _async_checks), ("broadcast", _broadcasts),
                     ("allgather", _allgathers), ("autograd", _autograd), ("mmp", _min_max_prod),
                     ("scaling", _scaling), ("grouped", _grouped), ("mismatch", _mismatches),
-                    ("duplicate", _duplicates), ("misc", _misc)]:
+                    ("duplicate", _duplicates), ("misc", _misc), ("reinit", _reinit)]:
         try:
             res[key] = fn()
         except Exception as e:  # one section failing must not hide the others

@@ -38,10 +38,14 @@ SMALL_SHAPES = [(), (0,), (5,), (1001,)]
 PARTITION_ENV = {"BYTEPS_PARTITION_BYTES": "1000"}
 
 
-def specs(shapes, extreme=True):
+def specs(shapes, extreme=True, order_free=False):
+    """Every (dtype, kind, shape, sum/average). ``order_free`` drops non-integer floats, whose sum
+    depends on the summation tree (a local reduce adds a machine's values before the server)."""
     out = []
     for dtype in DTYPES:
         kinds = ["int", "rand"] if dtype in FLOATS else (["rand", "extreme"] if extreme else ["rand"])
+        if order_free and dtype in FLOATS:
+            kinds = ["int"]
         for kind in kinds:
             for shape in shapes:
                 if kind == "extreme" and 0 in shape:
@@ -70,12 +74,13 @@ def candidates(spec, n, rnd):
     return out
 
 
-def check_matrix(cluster, n, k, shapes, rounds=2, extreme=True, ipc=True):
+def check_matrix(cluster, machines, k, shapes, rounds=2, extreme=True, ipc=True, local_size=1):
     env = dict(PARTITION_ENV, BYTEPS_ENABLE_IPC="1" if ipc else "0")
+    n = machines * local_size  # ranks
     if n == 1:
         env["BYTEPS_FORCE_DISTRIBUTED"] = "1"
-    all_specs = specs(shapes, extreme)
-    c = cluster(n, k, env=env)
+    all_specs = specs(shapes, extreme, order_free=local_size > 1)
+    c = cluster(machines, k, local_size=local_size, env=env)
     c.run_workers("torch_sums", {"tensors": all_specs, "rounds": rounds})
     codes, server_codes, sched_code = c.wait_all(90)
     assert codes == [0] * n, f"worker exit codes {codes}\n{c.all_logs()}"
@@ -85,6 +90,7 @@ def check_matrix(cluster, n, k, shapes, rounds=2, extreme=True, ipc=True):
     assert sorted(res) == list(range(n)), f"results from ranks {sorted(res)}\n{c.all_logs()}"
     for r in range(n):  # the transport under test was really used
         assert res[r].get("colocated") == [ipc] * k, (r, res[r].get("colocated"))
+        assert res[r].get("local_reduce") == (local_size if local_size > 1 else None), res[r]
     for r in range(n):
         assert "error" not in res[r], f"rank {r}: {res[r].get('error')}\n{c.all_logs()}"
         assert res[r]["size"] == n
@@ -123,6 +129,19 @@ SMALL_POINTS = [(n, k) for n in (1, 2, 3, 4) for k in (1, 2, 3) if (n, k) not in
 def test_full_matrix(cluster, n, k):
     """Every dtype x every shape x sum/average, 3 rounds, all in flight at once (shared memory)."""
     check_matrix(cluster, n, k, FULL_SHAPES, rounds=3)
+
+
+#: (machines, processes per machine, servers, shared memory with servers)
+LOCAL_POINTS = [(1, 2, 1, True), (1, 3, 2, True), (1, 4, 1, True), (2, 2, 2, True), (2, 2, 1, False)]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("m,l,k,ipc", LOCAL_POINTS, ids=[f"{m}x{l}w{k}s{'-shm' if i else '-tcp'}"
+                                                        for m, l, k, i in LOCAL_POINTS])
+def test_local_reduce_matrix(cluster, m, l, k, ipc):
+    """A machine's processes reduce through shared memory first (one push per machine): every dtype,
+    shapes up to several partitions (partition owners spread over local ranks), 3 rounds."""
+    check_matrix(cluster, m, k, FULL_SHAPES, rounds=3, ipc=ipc, local_size=l)
 
 
 @pytest.mark.timeout(120)

@@ -11,6 +11,7 @@ from byteps.common import barrier as _bps_barrier  # noqa: F401  (byteps' own ba
 from byteps.common import is_initialized, local_rank, local_size, rank, size
 
 from . import completion as _completion
+from . import mpi_ops as _mpi_ops
 from .compression import Compression
 from .ddp import ddp_comm_hook
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -52,6 +53,7 @@ def shutdown():
     """Leave the job (collective); ``init()`` works again afterwards. Pending handles are forgotten."""
     _common.shutdown()
     _completion.reset()
+    _mpi_ops._reset()
 
 
 _register_backend()

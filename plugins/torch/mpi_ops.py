@@ -129,6 +129,12 @@ def _release(full):
         _busy.discard(full)
 
 
+def _reset():
+    """Forget in-flight names (at shutdown)."""
+    with _busy_lock:
+        _busy.clear()
+
+
 def _check_inflight(full):
     job = common._require()
     with _busy_lock:
@@ -158,6 +164,11 @@ def _scale_(t, factor):
     fp64 and truncation toward zero, as Horovod's ScaleBuffer does."""
     if factor == 1.0:
         return t
+    with torch.no_grad():
+        return _scale_inplace(t, factor)
+
+
+def _scale_inplace(t, factor):
     if t.dtype in (torch.float16, torch.bfloat16):
         t.copy_(t.float().mul_(factor))
     elif t.dtype.is_floating_point:
@@ -183,6 +194,7 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
     size = common.size()
     _scale_(work, prescale_factor)
 
+    @torch.no_grad()
     def finalize():
         if op == Average and size > 1:
             if work.dtype.is_floating_point:
@@ -475,7 +487,10 @@ def _allgather_start(tensor, name):
         def done(outs):
             _release(full)
             e = completion.first_error(outs)
-            pending.finish(error=e) if e is not None else pending.finish(result=out)
+            if e is not None:
+                pending.finish(error=e)
+            else:
+                pending.finish(result=out)
 
         completion.when_done(handles, pending.guard(done))
 
