@@ -8,7 +8,13 @@ is sampled to report core-seconds per GB summed.
 
     python bench/bench_push_pull.py                      # 2 and 4 workers, 1 server, all sizes
     python bench/bench_push_pull.py --sweep              # partition size x credit sweep at 64 MB
+    python bench/bench_push_pull.py --overhead           # per-partition cost (tiny partitions)
     python bench/bench_push_pull.py --quick              # a short smoke run
+
+Layouts (--layout): "local" = one worker machine with N processes that reduce through shared
+memory first (bpslaunch --workers 1 --local-size N: the paper's one-machine case); "machines" =
+N single-process worker machines (bpslaunch --workers N), each pushing to the colocated server
+through shared memory.
 
 Writes a markdown table to stdout, JSON to bench/results/, and a PNG plot with --plot.
 """
@@ -36,6 +42,8 @@ def worker(args):
 
     torch.set_num_threads(1)
     bps.init()
+    if args.cpu_only:
+        return cpu_worker(args, bps, torch)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=bps.rank(),
                             world_size=bps.size())
     results = {}
@@ -69,6 +77,29 @@ def worker(args):
     bps.shutdown()
 
 
+def cpu_worker(args, bps, torch):
+    """byteps only: rank 0 prints markers around the timed loop so the driver can read server CPU."""
+    for label in args.sizes.split(","):
+        t = torch.ones(SIZES[label] // 4)
+        for _ in range(3):
+            bps.push_pull_inplace(t, average=False, name=f"cpu.{label}")
+        bps.barrier()
+        if bps.rank() == 0:
+            print(f"BENCH-MARK start {label}", flush=True)
+            time.sleep(0.3)  # let the driver sample
+        bps.barrier()
+        start = time.perf_counter()
+        for _ in range(args.reps):
+            bps.push_pull_inplace(t, average=False, name=f"cpu.{label}")
+        elapsed = time.perf_counter() - start
+        bps.barrier()
+        if bps.rank() == 0:
+            print(f"BENCH-MARK end {label} {elapsed}", flush=True)
+            time.sleep(0.3)
+        bps.barrier()
+    bps.shutdown()
+
+
 # --------------------------------------------------------------------------------- driver side
 
 def free_port():
@@ -77,18 +108,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_job(workers, servers, sizes, reps, env_extra=None, progress=None):
+def run_job(workers, servers, sizes, reps, env_extra=None, progress=None, layout="local", extra_args=()):
     """One bpslaunch job; returns (per-size medians, server core-seconds)."""
     import psutil
 
     out = tempfile.mktemp(suffix=".json")
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "byteps.launcher", "--local", "--workers", str(workers), "--servers", str(servers),
+    shape = ["--workers", "1", "--local-size", str(workers)] if layout == "local" else ["--workers", str(workers)]
+    cmd = [sys.executable, "-m", "byteps.launcher", "--local", *shape, "--servers", str(servers),
            "--no-prefix", "--", sys.executable, os.path.abspath(__file__), "--worker", "--sizes", ",".join(sizes),
-           "--reps", str(reps), "--gloo-port", str(free_port()), "--out", out]
+           "--reps", str(reps), "--gloo-port", str(free_port()), "--out", out, *extra_args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     launcher = psutil.Process(proc.pid)
     server_cpu = {}
+    marks = {}
     log = []
     for line in proc.stdout:
         log.append(line)
@@ -101,8 +134,14 @@ def run_job(workers, servers, sizes, reps, env_extra=None, progress=None):
                     server_cpu[child.pid] = t.user + t.system
         except psutil.Error:
             pass
-    if proc.wait() != 0 or not os.path.exists(out):
+        if line.startswith("BENCH-MARK"):
+            _, what, label, *rest = line.split()
+            marks[(what, label)] = (sum(server_cpu.values()), float(rest[0]) if rest else None)
+    if proc.wait() != 0 or not (marks or os.path.exists(out)):
         raise SystemExit(f"benchmark job failed ({proc.returncode}):\n{''.join(log[-40:])}")
+    if marks:
+        return {label: {"server_cpu": marks[("end", label)][0] - marks[("start", label)][0],
+                        "elapsed": marks[("end", label)][1]} for (what, label) in marks if what == "end"}, None
     with open(out) as f:
         res = json.load(f)
     os.unlink(out)
@@ -110,13 +149,13 @@ def run_job(workers, servers, sizes, reps, env_extra=None, progress=None):
 
 
 def table(all_results):
-    lines = ["| workers | size | byteps ms | gloo ms | byteps GB/s | gloo GB/s | byteps / gloo |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
-    for workers, res in all_results:
+    lines = ["| layout | workers | size | byteps ms | gloo ms | byteps GB/s | gloo GB/s | byteps / gloo |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for (layout, workers), res in all_results:
         for label, r in res.items():
             b, g = r["byteps"], r["gloo"]
-            lines.append(f"| {workers} | {label} | {b * 1e3:.3f} | {g * 1e3:.3f} | {r['bytes'] / b / 1e9:.2f} | "
-                         f"{r['bytes'] / g / 1e9:.2f} | {g / b:.2f} |")
+            lines.append(f"| {layout} | {workers} | {label} | {b * 1e3:.3f} | {g * 1e3:.3f} | "
+                         f"{r['bytes'] / b / 1e9:.2f} | {r['bytes'] / g / 1e9:.2f} | {g / b:.2f} |")
     return "\n".join(lines)
 
 
@@ -126,13 +165,15 @@ def plot(all_results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for workers, res in all_results:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for (layout, workers), res in all_results:
         labels = list(res)
         xs = [res[k]["bytes"] for k in labels]
-        for impl, style in (("byteps", "-o"), ("gloo", "--s")):
-            ax.plot(xs, [res[k]["bytes"] / res[k][impl] / 1e9 for k in labels], style,
-                    label=f"{impl}, {workers} workers")
+        ax.plot(xs, [res[k]["bytes"] / res[k]["byteps"] / 1e9 for k in labels], "-o",
+                label=f"byteps, {workers} workers ({layout})")
+        if layout == "local":  # gloo sees the same processes in both layouts
+            ax.plot(xs, [res[k]["bytes"] / res[k]["gloo"] / 1e9 for k in labels], "--s",
+                    label=f"gloo, {workers} workers")
     ax.set_xscale("log", base=2)
     ax.set_xticks([SIZES[k] for k in SIZES])
     ax.set_xticklabels(list(SIZES))
@@ -156,6 +197,10 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="2 workers, 3 sizes, 3 reps")
     ap.add_argument("--sweep", action="store_true", help="partition size x credit sweep at 64 MB, 2 workers")
+    ap.add_argument("--overhead", action="store_true", help="per-partition cost: 16 MB in 4 KB partitions")
+    ap.add_argument("--cpu-cost", action="store_true", help="server core-seconds per GB summed (byteps only)")
+    ap.add_argument("--cpu-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", choices=["local", "machines", "both"], default="both")
     ap.add_argument("--plot", help="write a PNG plot here")
     ap.add_argument("--json", help="write all results as JSON here")
     args = ap.parse_args()
@@ -176,15 +221,43 @@ def main():
         print("\n".join(rows))
         return 0
 
+    if args.cpu_cost:
+        rows = ["| layout | workers | size | pushes to servers | server core-s | core-s per GB summed | "
+                "push_pull GB/s |", "|---|---:|---|---:|---:|---:|---:|"]
+        reps = args.reps * 3
+        for layout in ("machines", "local"):
+            res, _ = run_job(2, args.servers, ["16MB", "64MB"], reps, layout=layout, extra_args=["--cpu-only"])
+            for label, r in res.items():
+                pushes = (1 if layout == "local" else 2) * reps
+                gb = pushes * SIZES[label] / 1e9
+                rows.append(f"| {layout} | 2 | {label} | {pushes} | {r['server_cpu']:.3f} | "
+                            f"{r['server_cpu'] / gb:.3f} | {SIZES[label] * reps / r['elapsed'] / 1e9:.2f} |")
+        print("\n".join(rows))
+        return 0
+
+    if args.overhead:
+        rows = ["| layout | partition | partitions | byteps ms | us per partition |", "|---|---:|---:|---:|---:|"]
+        for layout in ("machines", "local"):
+            for part in (4096, 4096000):
+                res, _ = run_job(2, args.servers, ["16MB"], args.reps, {"BYTEPS_PARTITION_BYTES": str(part),
+                                                                       "BYTEPS_SCHEDULING_CREDIT": "0"},
+                                 layout=layout)
+                parts = -(-(16 << 20) // part)
+                t = res["16MB"]["byteps"]
+                rows.append(f"| {layout} | {part} | {parts} | {t * 1e3:.1f} | {t / parts * 1e6:.1f} |")
+        print("\n".join(rows))
+        return 0
+
     counts = [2] if args.quick else [int(w) for w in args.workers.split(",")]
+    layouts = ["local", "machines"] if args.layout == "both" else [args.layout]
     sizes = ["4KB", "1MB", "16MB"] if args.quick else args.sizes.split(",")
     reps = 3 if args.quick else args.reps
     all_results = []
     cpu_rows = []
-    with tqdm(total=len(counts) * len(sizes), desc="push_pull vs gloo") as bar:
-        for workers in counts:
-            res, server_cpu = run_job(workers, args.servers, sizes, reps, progress=bar)
-            all_results.append((workers, res))
+    with tqdm(total=len(layouts) * len(counts) * len(sizes), desc="push_pull vs gloo") as bar:
+        for layout, workers in [(lay, w) for w in counts for lay in layouts]:
+            res, server_cpu = run_job(workers, args.servers, sizes, reps, progress=bar, layout=layout)
+            all_results.append(((layout, workers), res))
             # bytes the servers summed: every worker pushes each size (warm-up + reps) x inner calls
             summed = 0
             for label in sizes:
@@ -193,7 +266,9 @@ def main():
                 warm = 2 if nbytes >= (16 << 20) else 10
                 inner = 1 if nbytes >= (1 << 20) else 20
                 summed += workers * nbytes * (r + warm) * inner
-            cpu_rows.append((workers, server_cpu, summed))
+            if layout == "local":  # one push per machine reaches the server
+                summed //= workers
+            cpu_rows.append((f"{layout}, {workers}", server_cpu, summed))
     print(table(all_results))
     print()
     for workers, cpu, summed in cpu_rows:

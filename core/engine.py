@@ -273,6 +273,7 @@ class Engine:
 
     def _loop(self):
         tick_ms = min(self.cfg.heartbeat_interval, 1.0) * 1000
+        next_check = 0.0
         while not self._stopped.is_set():
             for sock, _ in self.poller.poll(timeout=tick_ms):
                 if sock == self._wake_r:
@@ -283,17 +284,28 @@ class Engine:
                 elif sock is self.control.sock:
                     self._on_control()
                 elif sock is self._local_sock:
-                    self._on_local()
+                    self._drain(sock, self._on_local)
                 else:
-                    self._on_data(sock)
+                    self._drain(sock, self._on_data)
             if self._compute is not None:
                 while self._compute.done:
                     self._on_reduced(*self._compute.done.popleft())
             self._drain_inbox()
-            self.control.tick()
-            self._check_timeouts()
+            now = time.monotonic()
+            if now >= next_check:  # these walk every outstanding op: not once per message
+                self.control.tick()
+                self._check_timeouts()
+                next_check = now + 0.1
             if self._left:  # shutdown() released by the scheduler
                 return
+
+    @staticmethod
+    def _drain(sock, handle, limit=256):
+        """Handle every message already queued on a socket (bounded, so others get a turn)."""
+        for _ in range(limit):
+            handle(sock)
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
 
     def _close(self):
         ctl = getattr(self, "control", None)
@@ -463,9 +475,9 @@ class Engine:
 
     # ---------------------------------------------------------------- local reduce (core/local.py)
 
-    def _on_local(self):
+    def _on_local(self, sock):
         """LOCAL_READY (to an owner) or LOCAL_DONE / ERROR (from an owner) on the local ROUTER."""
-        frames = self._local_sock.recv_multipart(copy=True)
+        frames = sock.recv_multipart(copy=True)
         if len(frames) != 3:
             logger.warning("dropped a local message with %d frames", len(frames))
             return
