@@ -39,6 +39,10 @@ VARIABLES = {
     "BYTEPS_LOG_HIDE_TIME": ("0", "1 drops the timestamp from log lines"),
     "BYTEPS_OMP_THREAD_PER_GPU": ("min(4, CPUs)", "threads of the summation kernels (core/_reduce.pyx)"),
     "BYTEPS_SCHEDULER_PORT_FILE": ("", "scheduler writes its bound port here (bpslaunch --local)"),
+    # read by byteps_py/launch_env.py for torchrun / mpirun / horovodrun jobs (docs/launchers.md)
+    "BYTEPS_SCHEDULER_URI": ("", "scheduler host for mpirun/horovodrun jobs (default MASTER_ADDR or rank 0's host)"),
+    "BYTEPS_SERVICES_EXIT_TIMEOUT": ("30", "seconds rank 0 waits at exit for the scheduler/server it started"),
+    "BYTEPS_LAUNCHER": ("", "set by byteps: which launcher's environment was translated (informational)"),
 }
 
 

@@ -339,13 +339,13 @@ def _misc():
     res["allgather_object"] = hvd.allgather_object({"rank": r, "x": [r] * r})
     # barrier: rank 0 arrives 1 s late
     if r == 0:
-        time.sleep(1.0)
+        time.sleep(1.5)
     t0 = time.monotonic()
     hvd.barrier()
     res["barrier_waited"] = time.monotonic() - t0
-    # join: the last rank to arrive (rank n-1 is 0.7 s late) is returned everywhere
+    # join: the last rank to arrive (rank n-1 is 1 s late) is returned everywhere
     if r == n - 1:
-        time.sleep(0.7)
+        time.sleep(1.0)
     res["join"] = hvd.join()
     res["join_again"] = hvd.join(device=-1)
     # reducescatter (Horovod's split: the first dim0 % size ranks get an extra row)
