@@ -17,9 +17,12 @@ Flow of one operation (:class:`Op`):
   across workers and returns one tensor key (or a mismatch error for every worker).
 * The tensor's bytes are cut into partitions of at most BYTEPS_PARTITION_BYTES; partition i of
   tensor key t has wire key ``t << 32 | i`` and goes to server ``(t + i) % num_servers``.
-  Each partition is sent zero-copy from the tensor's memory.
-* Each reply is received straight into the tensor's memory (``recv_into``); when the last
-  partition is back the op completes and its event is set.
+  Partitions wait in a priority queue with a byte credit (core/_pipeline.pyx). Each is sent
+  zero-copy from the tensor's memory, or to a server on this machine as a shared-memory
+  descriptor (core/shm.py); with several processes per machine, one process per partition
+  sums the machine's copies first (core/local.py).
+* Each reply is received straight into the tensor's memory (``recv_into``, or a copy from the
+  server's shared store); when the last partition is back the op completes and its event is set.
 
 No Python runs per element; Python work is per partition (a header pack and two socket calls).
 """
@@ -61,7 +64,7 @@ class Op:
         self.spec = (self.shape, dtype, int(cmd))
         self.tkey = None
         self.parts_left = 0
-        self.servers = collections.Counter()  # server index -> partitions outstanding
+        self.servers = collections.Counter()  # "server 1" / "local rank 0" -> replies owed (for time-outs)
         self.error = None
         self.done = threading.Event()
         self.started = time.monotonic()

@@ -11,7 +11,9 @@ A worker sends ``[header PUSHPULL(key, round), partition bytes]``; the server
 
 A worker on the same machine sends a shared-memory descriptor instead of the bytes (FLAG_SHM):
 the server sums straight from the worker's region and answers with a descriptor of its store,
-which lives in shared memory too (core/shm.py).
+which lives in shared memory too (core/shm.py). When a single machine pushes (one worker machine,
+its processes reduced locally), the sum is that push: the server answers with the pusher's own
+region and copies nothing.
 
 Each key has two stores used by alternate rounds: a worker can push round r+1 as soon as it
 has the reply of round r, while ZeroMQ may still be sending round r's replies to the others
@@ -42,7 +44,7 @@ class _Round:
     """State of one key: the current round's arrivals and the two stores."""
 
     __slots__ = ("round", "nbytes", "dtype", "stores", "shared", "senders", "waiters", "first", "since", "error",
-                 "root", "root_ident", "warned")
+                 "root", "root_ident", "warned", "echo")
 
     def __init__(self, nbytes, dtype, alloc):
         self.round = 0
@@ -72,6 +74,7 @@ class _Round:
         self.root = None
         self.root_ident = None
         self.warned = False
+        self.echo = None         # a lone pusher's shared region: the sum is the push itself
 
     @property
     def store(self):
@@ -228,13 +231,16 @@ class Server:
                 st.allocate(h.length, self.alloc)
         first = h.cmd == Cmd.BROADCAST or st.first[0] == rank
         if h.flags & wire.FLAG_SHM:
+            body = self.data.recv()
             try:
-                src = self.maps.view(self.data.recv())
+                src = self.maps.view(body)
             except ProtocolError as e:
                 self._discard_rest()
                 return f"key {wire.split_key(h.key)}: rank {rank}'s shared memory: {e}"
             got = src.size
-            if got == h.length and first:
+            if got == h.length and h.cmd == Cmd.PUSHPULL and self.pushers == 1:
+                st.echo = body  # one machine: answer with its own region, no copy
+            elif got == h.length and first:
                 copy_into(st.store, src)
             elif got == h.length:
                 sum_into(st.store, src, h.dtype)
@@ -264,6 +270,8 @@ class Server:
                 flags = 0
                 if h.cmd == Cmd.BROADCAST and ident == st.root_ident:
                     body = b""  # the broadcast root already has the data
+                elif st.echo is not None:
+                    body, flags = st.echo, wire.FLAG_SHM
                 elif shared:
                     body, flags = st.store_descriptor(), wire.FLAG_SHM  # the worker copies from our store
                 else:

@@ -1,29 +1,7 @@
 """Gradient compressors applied before push_pull and undone after (BytePS/Horovod ``Compression``)."""
 import tensorflow as tf
 
-
-class Compressor:
-    """Interface: compress(tensor) -> (tensor, ctx); decompress(tensor, ctx) -> tensor."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Send the tensor as it is."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+from byteps.compression import Compressor, NoneCompressor
 
 
 class FP16Compressor(Compressor):
