@@ -115,3 +115,39 @@ def test_unreachable_scheduler_is_a_clear_error(tmp_path):
                        text=True, timeout=40)
     assert p.returncode != 0
     assert f"127.0.0.1:{port}" in p.stderr and "did not answer" in p.stderr, p.stderr
+
+
+def _memfd_arenas(pid):
+    """byteps memfd arenas a process holds open (they show as /memfd:byteps-... links)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    out = []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:byteps"):
+            out.append(target)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_no_shared_memory_left_after_a_crash(cluster):
+    before = set(os.listdir("/dev/shm"))
+    c = cluster(1, 1, local_size=2)  # two local processes: local reduce + colocated server, all shm
+    c.run_workers("loop", {"sleep": 0.01})
+    _wait_progress(c, [0, 1])
+    pids = [p.pid for p in [*c.workers, *c.servers]]
+    assert all(_memfd_arenas(pid) for pid in pids), "the job should be using shared-memory arenas"
+    c.workers[1].send_signal(signal.SIGKILL)
+    assert c.workers[0].wait(30) == 0, c.all_logs()
+    err = c.results()[0]["value"]
+    assert err["error_type"] == "PeerLostError" and "lost worker rank 1" in err["error"], err
+    c.servers[0].wait(15)
+    c.scheduler.wait(15)
+    # memfd arenas are never named in /dev/shm, and the kernel frees them with their last holder
+    assert set(os.listdir("/dev/shm")) - before == set()
+    assert not any(os.path.exists(f"/proc/{pid}") and _memfd_arenas(pid) for pid in pids)

@@ -36,6 +36,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._names = {id(p): n for n, p in named_parameters}
         else:
             self._names = {id(p): f"noname.{i}" for i, p in enumerate(all_params)}
+        # Priority by declaration order: parameters nearer the input are needed first by the next
+        # forward pass, so their gradients go first when the network is busy (P3 / ByteScheduler).
+        self._priority = {id(p): -i for i, p in enumerate(all_params)}
         self.backward_passes_per_step = backward_passes_per_step
         self._passes = {}
         self._handles = {}       # param -> (handle, compressed tensor, ctx)
@@ -59,11 +62,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grad = grad.to_dense()
         compressed, ctx = self._compression.compress(grad)
         name = "Gradient." + self._names[id(p)]
+        priority = self._priority[id(p)]
         if self.op == Average and self.gradient_predivide_factor == 1.0:
-            handle = push_pull_async_inplace(compressed, average=True, name=name)
+            handle = push_pull_async_inplace(compressed, average=True, name=name, priority=priority)
         else:  # Horovod: prescale 1/f, postscale f (Average also divides by size)
             f = self.gradient_predivide_factor if self.op == Average else 1.0
-            handle = _allreduce_start(compressed, name, self.op, 1.0 / f, f)
+            handle = _allreduce_start(compressed, name, self.op, 1.0 / f, f, priority=priority)
         self._handles[p] = (handle, compressed, ctx)
 
     def _on_grad(self, p):
