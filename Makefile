@@ -34,7 +34,9 @@ test-all: setup
 	$(PY) -m pytest -q -m "slow or not slow"
 
 bench: setup
-	$(PY) bench/bench_sum.py
+	$(PY) -m pip install -q matplotlib tqdm
+	$(PY) bench/bench_sum.py --threads 1
+	$(PY) bench/bench_push_pull.py --plot docs/img/push_pull_vs_gloo.png
 
 clean:
 	rm -rf build dist *.egg-info core/*.so core/*.c

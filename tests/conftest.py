@@ -118,6 +118,31 @@ class Cluster:
             p.wait(10)
 
 
+class Run:
+    """One cluster job running one scenario to completion; ``value(rank)`` fails the test with the
+    logs if any worker failed. Module-scoped fixtures share one Run between many small tests."""
+
+    def __init__(self, tmp, scenario, n, k, args=None, env=None, timeout=150):
+        self.n, self.k = n, k
+        self.c = Cluster(str(tmp), n, k, env=env).start()
+        try:
+            self.c.run_workers(scenario, args or {})
+            self.codes, self.server_codes, self.sched_code = self.c.wait_all(timeout)
+            self.res = self.c.results()
+        finally:
+            self.c.kill_all()
+
+    def value(self, rank, section=None):
+        assert self.codes == [0] * self.n, f"worker exit codes {self.codes}\n{self.c.all_logs()}"
+        assert rank in self.res, f"no result from rank {rank}\n{self.c.all_logs()}"
+        assert "error" not in self.res[rank], f"rank {rank}: {self.res[rank]['error']}\n{self.c.all_logs()}"
+        v = self.res[rank]["value"]
+        return v if section is None else v[section]
+
+    def values(self, section=None):
+        return [self.value(r, section) for r in range(self.n)]
+
+
 @pytest.fixture
 def cluster(tmp_path):
     made = []

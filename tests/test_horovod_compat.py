@@ -21,7 +21,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # --import-mode=importlib: find conftest / scenarios_hvd
-from conftest import FAST_ENV, Cluster  # noqa: E402
+from conftest import FAST_ENV, Run  # noqa: E402
 from scenarios_hvd import (DTYPES_ALL, DTYPES_REDUCE, all_optimizers, base_tensor, gather_piece,  # noqa: E402
                            hvd_data, hvd_model, rank_tensor)
 
@@ -30,30 +30,6 @@ from byteps.errors import ConfigError  # noqa: E402
 
 TIMEOUT = pytest.mark.timeout(180)
 N = 3  # workers of the API and optimizer jobs (Min/Max/allgather need more than 2 to mean much)
-
-
-class Run:
-    """One cluster job running one scenario; `value(rank)` fails the test with logs on any error."""
-
-    def __init__(self, tmp, scenario, n, k, args=None, env=None):
-        self.n = n
-        self.c = Cluster(str(tmp), n, k, env=env).start()
-        try:
-            self.c.run_workers(scenario, args or {})
-            self.codes = self.c.wait_workers(150)
-            self.res = self.c.results()
-        finally:
-            self.c.kill_all()
-
-    def value(self, rank, section=None):
-        assert self.codes == [0] * self.n, f"worker exit codes {self.codes}\n{self.c.all_logs()}"
-        assert rank in self.res, f"no result from rank {rank}\n{self.c.all_logs()}"
-        assert "error" not in self.res[rank], f"rank {rank}: {self.res[rank]['error']}\n{self.c.all_logs()}"
-        v = self.res[rank]["value"]
-        return v if section is None else v[section]
-
-    def values(self, section=None):
-        return [self.value(r, section) for r in range(self.n)]
 
 
 def hexof(t):

@@ -16,37 +16,16 @@ pytest.importorskip("tensorflow")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # --import-mode=importlib: find conftest / scenarios_tf
-from conftest import Cluster  # noqa: E402
+from conftest import Run  # noqa: E402
 from scenarios_tf import DTYPES, SHAPE, _fit_data, make_array  # noqa: E402
 
 TIMEOUT = pytest.mark.timeout(300)
 N = 2
 
 
-class Run:
-    def __init__(self, tmp, scenario, n, k, args=None, env=None):
-        self.n = n
-        self.c = Cluster(str(tmp), n, k, env=env).start()
-        try:
-            self.c.run_workers(scenario, args or {})
-            self.codes, _, _ = self.c.wait_all(240)
-            self.res = self.c.results()
-        finally:
-            self.c.kill_all()
-
-    def value(self, rank):
-        assert self.codes == [0] * self.n, f"worker exit codes {self.codes}\n{self.c.all_logs()}"
-        assert rank in self.res, f"no result from rank {rank}\n{self.c.all_logs()}"
-        assert "error" not in self.res[rank], f"rank {rank}: {self.res[rank]['error']}\n{self.c.all_logs()}"
-        return self.res[rank]["value"]
-
-    def values(self, key):
-        return [self.value(r)[key] for r in range(self.n)]
-
-
 @pytest.fixture(scope="module")
 def tfjob(tmp_path_factory):
-    return Run(tmp_path_factory.mktemp("tf"), "tf_api", N, 2, env={"BYTEPS_PARTITION_BYTES": "256"})
+    return Run(tmp_path_factory.mktemp("tf"), "tf_api", N, 2, env={"BYTEPS_PARTITION_BYTES": "256"}, timeout=240)
 
 
 def total(dtype, salt=0, shape=SHAPE):

@@ -16,36 +16,13 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # --import-mode=importlib: find conftest / scenarios_torch
-from conftest import Cluster  # noqa: E402
+from conftest import Run  # noqa: E402
 from scenarios_torch import (_params_with_poison, batch_for_step, make_data, make_model,  # noqa: E402
                              make_optimizer, make_tensor, undigest)
 
 import byteps  # noqa: E402
 
 TIMEOUT = pytest.mark.timeout(120)
-
-
-class Run:
-    """One cluster job running one scenario; `value(rank)` fails the test with logs on any error."""
-
-    def __init__(self, tmp, scenario, n, k, args=None, env=None):
-        self.n, self.k = n, k
-        self.c = Cluster(str(tmp), n, k, env=env).start()
-        try:
-            self.c.run_workers(scenario, args or {})
-            self.codes, self.server_codes, self.sched_code = self.c.wait_all(90)
-            self.res = self.c.results()
-        finally:
-            self.c.kill_all()
-
-    def value(self, rank):
-        assert self.codes == [0] * self.n, f"worker exit codes {self.codes}\n{self.c.all_logs()}"
-        assert rank in self.res, f"no result from rank {rank}\n{self.c.all_logs()}"
-        assert "error" not in self.res[rank], f"rank {rank}: {self.res[rank]['error']}\n{self.c.all_logs()}"
-        return self.res[rank]["value"]
-
-    def values(self):
-        return [self.value(r) for r in range(self.n)]
 
 
 def total(spec, n, rnd=0):
