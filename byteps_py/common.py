@@ -216,6 +216,24 @@ def synchronize(handle):
     return finalize() if finalize is not None else None
 
 
+def join():
+    """Horovod's join(): this rank has no more data. Blocks until every rank has joined and returns the
+    rank that joined last (the same on every rank). Meanwhile the other ranks' push_pulls complete
+    with this rank contributing zeros (an average still divides by the full size); broadcasts fail
+    on the ranks still running. Bounded by BYTEPS_TIMEOUT only if no rank makes progress: a rank
+    that keeps training keeps the join open as long as it needs."""
+    job = _require()
+    if job.engine is None:
+        return 0
+    released = job.engine.request("join")
+    while not released.wait(1.0):
+        if job.engine.failure is not None:
+            raise job.engine.failure
+    if job.engine.failure is not None:
+        raise job.engine.failure
+    return job.engine.join_result
+
+
 def barrier():
     """Block until every worker has called barrier() (bounded by BYTEPS_TIMEOUT)."""
     job = _require()

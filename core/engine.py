@@ -40,7 +40,7 @@ from byteps.log import logger
 
 from . import dtypes, shm, wire
 from ._pipeline import PriorityQueue
-from ._reduce import copy_into, sum_many
+from ._reduce import aligned_empty, copy_into, sum_many
 from .local import ComputeStage, LocalPlan
 from .control import ControlClient
 
@@ -127,7 +127,11 @@ class Engine:
         self._compute = None        # ComputeStage running the owner's sums
         self._groups = {}           # (wire key, round) -> owner's state of one partition's local reduce
         self._early = collections.defaultdict(list)  # (wire key, round) -> LOCAL_READY views before the op
+        self._early_meta = {}       # (wire key, round) -> (dtype, nbytes) of those early copies
         self._awaiting_done = {}    # (wire key, round) -> (op, offset, nbytes) of a partition another rank owns
+        # join() (Horovod): ranks that joined add zeros; a joined process still owns its partitions
+        self.joined = frozenset()   # ranks that have joined
+        self.join_result = None     # the last rank to join, once every rank has
 
     # ---------------------------------------------------------------- training-thread side
 
@@ -349,12 +353,35 @@ class Engine:
             ev = self._requests.pop(("leave", ""), None)
             if ev is not None:
                 ev.set()
+        elif cmd == Cmd.JOIN:
+            self._on_join(body)
         elif cmd == Cmd.ABORT:
             raise PeerLostError(body.get("reason", "the scheduler aborted the job"))
         elif cmd == Cmd.ERROR:
             raise BytePSError(f"the scheduler refused this worker: {body.get('error')}")
         else:
             logger.warning("unexpected control message %s", Cmd(cmd).name)
+
+    def _on_join(self, body):
+        if body["done"]:
+            # every rank is in join(), nothing is in flight: a sync point where rounds restart at 0
+            self.joined = frozenset()
+            self._rounds.clear()
+            self._early.clear()
+            self._early_meta.clear()
+            self.join_result = body["last"]
+            ev = self._requests.pop(("join", ""), None)
+            if ev is not None:
+                ev.set()
+            return
+        self.joined = frozenset(body["joined"])
+        if self.local is None:
+            return
+        if self.rank in self.joined:  # copies other ranks sent us before we joined: we own those partitions
+            for ident in list(self._early):
+                self._adopt(*ident)
+        for ident in list(self._groups):  # owners stop waiting for local ranks that joined
+            self._maybe_reduce(*ident)
 
     def _on_declared(self, body):
         ident = (body.get("name"), body.get("seq"))
@@ -377,7 +404,8 @@ class Engine:
             if not isinstance(item, Op):
                 kind, name, ev = item
                 self._requests[(kind, name)] = ev
-                self.control.send(Cmd.BARRIER if kind == "barrier" else Cmd.LEAVE, {"name": name})
+                cmd = {"barrier": Cmd.BARRIER, "leave": Cmd.LEAVE, "join": Cmd.JOIN}[kind]
+                self.control.send(cmd, {"name": name})
                 continue
             op = item
             key = self._keys.get((op.name, op.spec))
@@ -435,6 +463,7 @@ class Engine:
                 continue
             self._sendq.release(length)
             if self.local.owns(op.tkey, i):
+                self._early_meta.pop((key, rnd), None)
                 self._groups[(key, rnd)] = {"op": op, "i": i, "off": off, "views": self._early.pop((key, rnd), [])}
                 self._maybe_reduce(key, rnd)
             else:  # COORDINATE: hand the owner a shared copy
@@ -496,9 +525,14 @@ class Engine:
             except ProtocolError as e:
                 view = e
             group = self._groups.get(ident)
-            (group["views"] if group is not None else self._early[ident]).append(view)
             if group is not None:
+                group["views"].append(view)
                 self._maybe_reduce(*ident)
+                return
+            self._early[ident].append(view)
+            self._early_meta.setdefault(ident, (header.dtype, header.length))
+            if self.rank in self.joined:
+                self._adopt(*ident)
             return
         entry = self._awaiting_done.pop(ident, None)
         if entry is None:  # the op timed out or failed already
@@ -518,8 +552,10 @@ class Engine:
     def _maybe_reduce(self, key, rnd):
         """LOCAL_REDUCE once every local rank's copy of this partition is in."""
         group = self._groups[(key, rnd)]
-        if len(group["views"]) < self.local.size - 1:
+        others = [w["rank"] for w in self.local.peers if w["rank"] != self.rank and w["rank"] not in self.joined]
+        if group.get("reducing") or len(group["views"]) < len(others):
             return
+        group["reducing"] = True
         op, off = group["op"], group["off"]
         length = min(self._partition_step(op), op.buf.nbytes - off)
         bad = [v for v in group["views"] if isinstance(v, Exception)]
@@ -529,12 +565,26 @@ class Engine:
             self._finish_local(key, rnd, op, length, error=str(op.error))
             return
         dst, prefix = self._region(key, length)
-        srcs = [op.buf[off:off + length], *group["views"]]
+        # a joined owner adds nothing of its own (zeros); an empty sum stays the zeros of a fresh region
+        srcs = [*([] if group.get("joined") else [op.buf[off:off + length]]), *group["views"]]
+        if not srcs:
+            srcs = [op.buf[off:off + length]]
 
         def reduce():
             sum_many(dst, srcs, op.dtype)
         reduce.ident, reduce.dst, reduce.prefix = (key, rnd), dst, prefix
         self._compute.submit(op.priority, reduce)
+
+    def _adopt(self, key, rnd):
+        """A joined process owns a partition its local peers still reduce: it reduces their copies
+        (adding nothing of its own), pushes the sum and hands the result back, as for its own ops."""
+        views = self._early.pop((key, rnd), [])
+        dtype, nbytes = self._early_meta.pop((key, rnd))
+        tkey, part = wire.split_key(key)
+        op = Op(f"join.{tkey}.{part}", aligned_empty(nbytes), dtype, (nbytes // dtypes.itemsize(dtype),))
+        op.tkey, op.parts_left = tkey, 1
+        self._groups[(key, rnd)] = {"op": op, "i": part, "off": 0, "views": views, "joined": True}
+        self._maybe_reduce(key, rnd)
 
     def _on_reduced(self, fn, error):
         """PUSH the machine's sum (from the owner's shared region) once the compute stage has it."""

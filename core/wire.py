@@ -55,6 +55,7 @@ class Cmd(enum.IntEnum):
     EXIT = 7           # worker -> scheduler: the worker process is exiting
     ABORT = 8          # scheduler -> node: the job failed (body names the lost peer / reason)
     TERMINATE = 9      # scheduler -> server: the job is complete, exit 0
+    JOIN = 10          # worker -> scheduler: join(); scheduler -> all: who has joined / the release
     # data plane: worker <-> server
     PUSHPULL = 20      # worker -> server: this round's partition; reply: the sum
     BROADCAST = 21     # worker -> server: root sends data, others an empty body; reply: root's data

@@ -68,6 +68,9 @@ class Scheduler:
         self.idle_since = None    # when every worker had left; bounded by BYTEPS_TIMEOUT
         self.total_workers = None  # worker processes in the job, known once the first epoch starts
         self._pending_book = None  # (book, workers, servers yet to acknowledge) while an epoch starts
+        self.joined = []          # worker identities that called join(), in order (Horovod's join)
+        self.missed = {}          # joined worker -> {(name, spec)} keyed while it was in join()
+        self.local_reduce = False
 
     # ---------------------------------------------------------------- helpers
 
@@ -167,6 +170,7 @@ class Scheduler:
         local = all(info.get("local_reduce", False) or info["local_size"] == 1 for _, info in workers) and \
             any(info.get("local_reduce", False) for _, info in workers)
         machines = len({info["worker_id"] for _, info in workers})
+        self.local_reduce = local
         book = {"epoch": self.epoch, "size": len(workers), "local_reduce": local,
                 "pushers": machines if local else len(workers),
                 "servers": [info for _, info in servers], "workers": [info for _, info in workers]}
@@ -216,9 +220,30 @@ class Scheduler:
         # Keyed by (name, per-worker declaration count) so a worker's second declaration of the same
         # name (a resized tensor) meets the other workers' second declaration, never their first.
         seq = body.get("seq", 0)
+        if spec["kind"] == "broadcast" and self.joined:
+            self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": (
+                f"broadcast of {name!r} is not supported while ranks {self._joined_ranks()} have joined (join())")},
+                arg=1)
+            return
+        agreed = (name, (tuple(spec["shape"]), spec["dtype"], spec["kind"]))
+        if agreed in self.missed.get(ident, ()):  # declared by the others while this rank was in join()
+            self.missed[ident].discard(agreed)
+            self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "key": self.keys[agreed]})
+            return
         pending = self.declares.setdefault((name, seq), {"since": time.monotonic(), "specs": {}})
         pending["specs"][ident] = spec
-        if set(pending["specs"]) >= set(self._active_workers()):
+        self._maybe_declared(name, seq)
+
+    def _declarers(self):
+        """Workers whose declarations a tensor waits for: every active one not in join()."""
+        return set(self._active_workers()) - set(self.joined)
+
+    def _joined_ranks(self):
+        return [self.workers[i]["rank"] for i in self.joined]
+
+    def _maybe_declared(self, name, seq):
+        pending = self.declares[(name, seq)]
+        if set(pending["specs"]) >= self._declarers():
             del self.declares[(name, seq)]
             self._answer_declare(name, seq, pending["specs"])
 
@@ -229,6 +254,8 @@ class Scheduler:
             key = self.keys.setdefault((name, spec), len(self.keys) + 1)
             for ident in specs:
                 self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "key": key})
+            for ident in self.joined:  # they will use the name after join(): answer them at once then
+                self.missed.setdefault(ident, set()).add((name, spec))
             return
         show_kind = len({s["kind"] for s in specs.values()}) > 1
         detail = "; ".join(f"rank {self.workers[i]['rank']}: {s['dtype']}{list(s['shape'])}"
@@ -238,6 +265,27 @@ class Scheduler:
         logger.warning(msg)
         for ident in specs:
             self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": msg}, arg=1)
+
+    def _on_join(self, ident):
+        """Horovod's join(): joined ranks contribute zeros to the others' push_pulls until all have joined.
+
+        Every change goes to servers (how many machines still push) and workers (whose copies a
+        local reduce no longer waits for). When the last rank joins, everyone is released with
+        its rank; that is a sync point at which every key's round count restarts at 0.
+        """
+        if ident not in self.joined:
+            self.joined.append(ident)
+        ranks = self._joined_ranks()
+        done = set(self.joined) >= set(self._active_workers())
+        active = [info for i, info in self.workers.items() if i not in self.joined]
+        pushers = len({w["worker_id"] for w in active}) if self.local_reduce else len(active)
+        body = {"joined": ranks, "pushers": pushers, "done": done, "last": ranks[-1]}
+        for target in [*self.servers, *self.workers]:
+            self._send(target, Cmd.JOIN, body)
+        if done:
+            self.joined = []
+        for name, seq in list(self.declares):  # declarations that waited only for this rank
+            self._maybe_declared(name, seq)
 
     def _on_leave(self, ident):
         self.left.add(ident)
@@ -253,6 +301,7 @@ class Scheduler:
             self.left = set()
             self.barriers.clear()
             self.declares.clear()
+            self.joined, self.missed = [], {}
             self.running = False
             self.idle_since = time.monotonic()
             self.phase_start = self.idle_since
@@ -352,6 +401,8 @@ class Scheduler:
             self._on_leave(ident)
         elif header.cmd == Cmd.ADDRBOOK:
             self._on_server_ready(ident, body)
+        elif header.cmd == Cmd.JOIN:
+            self._on_join(ident)
         elif header.cmd == Cmd.ABORT:
             self._fail(f"{self._describe(ident)} aborted the job: {body.get('reason')}")
         else:

@@ -43,7 +43,7 @@ class _Round:
     """State of one key: the current round's arrivals and the two stores."""
 
     __slots__ = ("round", "nbytes", "dtype", "stores", "shared", "senders", "waiters", "first", "since", "error",
-                 "root", "root_ident", "warned", "echo", "held")
+                 "root", "root_ident", "warned", "echo", "held", "header")
 
     def __init__(self, nbytes, dtype, alloc):
         self.round = 0
@@ -75,6 +75,7 @@ class _Round:
         self.warned = False
         self.echo = None         # a lone pusher's shared region: the sum is the push itself
         self.held = None         # the round's first push, not yet copied (a shared view or a zmq Frame)
+        self.header = None       # the round's last header (to complete it when a rank joins)
 
     @property
     def store(self):
@@ -103,6 +104,8 @@ class Server:
         self.keys = {}
         self.num_workers = None
         self.pushers = None
+        self.joined = ()         # ranks in join(): push_pulls complete without them (they add zeros)
+        self.active_pushers = None
         self.index = None
         self.epoch = None
         self.scratch = bytearray()
@@ -124,11 +127,10 @@ class Server:
             self.control.send(Cmd.ADDRBOOK, {"epoch": self.epoch})
         elif header.cmd == Cmd.LEAVE:
             # every worker called shutdown(): they may init() again, restarting every key at round 0
-            self.keys.clear()
-            self.maps.close()
-            if self.alloc is not None:
-                self.alloc.reset()
+            self._reset_keys()
             self.num_workers = None
+        elif header.cmd == Cmd.JOIN:
+            self._on_join(body)
         elif header.cmd == Cmd.TERMINATE:
             return 0
         elif header.cmd == Cmd.ABORT:
@@ -136,6 +138,30 @@ class Server:
         elif header.cmd == Cmd.ERROR:
             raise BytePSError(f"the scheduler refused this server: {body.get('error')}")
         return None
+
+    def _reset_keys(self):
+        self.keys.clear()
+        self.maps.close()
+        if self.alloc is not None:
+            self.alloc.reset()
+
+    def _on_join(self, body):
+        if body["done"]:  # everyone joined: a sync point, every key restarts at round 0
+            self.joined = ()
+            self._reset_keys()
+            return
+        self.joined = tuple(body["joined"])
+        self.active_pushers = body["pushers"]
+        for st in self.keys.values():  # rounds that were waiting only for a rank that just joined
+            h = st.header
+            if h is not None and h.cmd == Cmd.PUSHPULL and st.senders and len(st.senders) >= self.active_pushers:
+                self._complete(st, h)
+
+    def _expected(self, cmd):
+        """Messages that complete a round: one push_pull per machine still pushing; every rank for a broadcast."""
+        if cmd != Cmd.PUSHPULL:
+            return self.num_workers
+        return self.active_pushers if self.joined else self.pushers
 
     # ---------------------------------------------------------------- data plane
 
@@ -175,6 +201,11 @@ class Server:
             logger.warning("rejected a malformed data message: %s", e)
             return
         rank = self.ranks.get(header.sender, f"node {header.sender}")
+        if self.joined and header.cmd == Cmd.BROADCAST:  # as in Horovod: not while ranks have joined
+            self._discard_rest()
+            self._reply_error(ident, header, f"broadcast is not supported while ranks {list(self.joined)} have "
+                                             "joined (join()); it works again once every rank has joined")
+            return
         st = self.keys.get(header.key)
         if st is None:
             # a broadcast's size is known only from the root's message
@@ -191,7 +222,8 @@ class Server:
             st.error = problem
         st.senders.append(rank)
         st.waiters.append((ident, header.flags & wire.FLAG_SHM))
-        if len(st.senders) == (self.pushers if header.cmd == Cmd.PUSHPULL else self.num_workers):
+        st.header = header
+        if len(st.senders) >= self._expected(header.cmd):
             self._complete(st, header)
 
     def _check(self, st, h, rank):

@@ -124,6 +124,28 @@ def priority(out, args):
     return {"order": order, "big_ok": bool((big == bps.size()).all()), "small": small.tolist()}
 
 
+@scenario
+def join(out, args):
+    """Horovod's join: rank r runs r + 1 steps of an averaged allreduce, then joins; joined ranks add
+    zeros. The last rank also tries a broadcast while the others have joined (it must fail), and
+    after everyone joined, a normal allreduce works again (rounds restart)."""
+    r, n = bps.rank(), bps.size()
+    got = {"steps": []}
+    for step in range(r + 1):
+        t = torch.full((3, 1001), float(r + 1))  # several partitions: owners spread over local ranks
+        got["steps"].append(bps.allreduce(t, name="j", op=bps.Average)[0, 0].item())
+    if r == n - 1:
+        time.sleep(0.5)  # let the others join first
+        try:
+            bps.broadcast(torch.ones(4), root_rank=0, name="b")
+            got["broadcast"] = "no error"
+        except Exception as e:
+            got["broadcast"] = f"{type(e).__name__}: {e}"
+    got["last"] = bps.join()
+    got["after"] = bps.allreduce(torch.full((3, 1001), float(r + 1)), name="j", op=bps.Sum)[0, 0].item()
+    return got
+
+
 def _load_more():
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)

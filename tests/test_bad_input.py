@@ -48,3 +48,28 @@ def test_urgent_tensor_overtakes_a_large_one_under_credit(cluster):
     for rank, res in c.results().items():
         assert res["value"]["order"] == ["small", "big"], res
         assert res["value"]["big_ok"] and res["value"]["small"] == [2.0] * 4, res
+
+
+#: (machines, processes per machine): plain, and local reduce where joined processes own partitions
+JOIN_POINTS = [(3, 1), (1, 3), (2, 2)]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("m,l", JOIN_POINTS, ids=[f"{m}x{l}" for m, l in JOIN_POINTS])
+def test_join_ranks_contribute_zeros(cluster, m, l):
+    import torch
+
+    c = cluster(m, 2, local_size=l, env={"BYTEPS_PARTITION_BYTES": "4000"})
+    c.run_workers("join")
+    codes, scodes, sched = c.wait_all(60)
+    n = m * l
+    assert codes == [0] * n and scodes == [0, 0] and sched == 0, c.all_logs()
+    res = c.results()
+    for r in range(n):
+        v = res[r]["value"] if "value" in res[r] else pytest.fail(f"rank {r}: {res[r]}\n{c.all_logs()}")
+        # step s: the ranks still running are those with r >= s; joined ones add zeros; / full size
+        want = [(torch.tensor(float(sum(q + 1 for q in range(s, n)))) / n).item() for s in range(r + 1)]
+        assert v["steps"] == want, (r, v["steps"], want)
+        assert v["last"] == n - 1, v
+        assert v["after"] == sum(q + 1 for q in range(n)), v
+    assert "not supported while ranks" in res[n - 1]["value"]["broadcast"], res[n - 1]

@@ -21,7 +21,6 @@ A cross-rank mismatch of shape, dtype or root raises :class:`byteps.TensorMismat
 ``RuntimeError``, and a :class:`HorovodInternalError`) on every rank, and the job goes on; a name
 already in flight raises ``ValueError`` at submit time.
 """
-import itertools
 import threading
 import time
 import warnings
@@ -101,7 +100,6 @@ def _check_process_set(process_set):
 
 _busy = set()               # names of multi-stage operations in flight in this process
 _busy_lock = threading.Lock()
-_join_counter = itertools.count()
 
 
 def _name(prefix, name):
@@ -577,26 +575,13 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 # ------------------------------------------------------------------------------ join, barrier, misc
 
 def join(device=-1):
-    """Wait until every rank has called ``join()``; return the rank that joined last (the same on all).
+    """This rank has no more data: wait until every rank has joined; return the last rank to join.
 
-    Difference from Horovod: Horovod lets the ranks that have not joined yet keep running
-    allreduces, to which joined ranks contribute zeros. byteps' push_pull needs every rank's push,
-    so here ``join()`` is a barrier: a rank that joins early waits, and an allreduce started by
-    another rank meanwhile waits for the joined rank until BYTEPS_TIMEOUT and then fails. Use
-    ``join()`` at the end of an epoch on every rank, not to skip steps. The last rank is decided by
-    each rank's wall-clock time of arrival (exact on one machine; across machines it is as good as
-    their clock synchronization; ties go to the higher rank).
+    As in Horovod, the other ranks' allreduces meanwhile complete with this rank contributing
+    zeros (Average still divides by the full size), and broadcasts/allgathers raise on the ranks
+    still running. ``device`` is accepted for compatibility.
     """
-    n, me = common.size(), common.rank()
-    if n == 1:
-        return 0
-    stamps = torch.zeros(n, dtype=torch.float64)
-    stamps[me] = time.time()
-    from .ops import push_pull_async_inplace
-
-    completion.synchronize(push_pull_async_inplace(stamps, average=False, name=f"join.{next(_join_counter)}"))
-    latest = stamps.max()
-    return max(r for r in range(n) if stamps[r] == latest)
+    return common.join()
 
 
 def barrier(process_set=global_process_set):
