@@ -30,6 +30,7 @@ VARIABLES = {
     "BYTEPS_FORCE_DISTRIBUTED": ("0", "use the Summation Service even with a single worker process"),
     "BYTEPS_ENABLE_IPC": ("1", "exchange data with servers on the same machine through shared memory"),
     "BYTEPS_LOCAL_REDUCE": ("1", "a machine's worker processes sum locally; one copy per machine crosses the network"),
+    "BYTEPS_LOCAL_PUSH": ("owners", "owners | root: which local processes sum and push a machine's partitions"),
     "BYTEPS_SCHEDULING_CREDIT": ("4", "partitions a worker may have on the wire at once (0: unlimited)"),
     "BYTEPS_TIMEOUT": ("300", "seconds any blocking wait (startup, declaration, push_pull) may last"),
     "BYTEPS_HEARTBEAT_INTERVAL": ("1", "seconds between heartbeats to and from the scheduler"),
@@ -92,6 +93,13 @@ def _bool(env, name, default="0"):
     raise ConfigError(f"{name}={raw!r} is not a boolean (use 0 or 1)")
 
 
+def _choice(env, name, allowed):
+    value = _get(env, name, allowed[0]).lower()
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+    return value
+
+
 def interface_address(name):
     """IPv4 address of network interface `name` (DMLC_INTERFACE)."""
     import psutil
@@ -124,6 +132,7 @@ class Config:
     scheduling_credit: int
     enable_ipc: bool
     local_reduce: bool
+    local_push: str
     timeout: float
     heartbeat_interval: float
     heartbeat_timeout: float
@@ -202,7 +211,8 @@ def load(env=None, role=None):
         log_level=log_level, force_distributed=force,
         scheduling_credit=_int(env, "BYTEPS_SCHEDULING_CREDIT", 4, minimum=0),
         enable_ipc=_bool(env, "BYTEPS_ENABLE_IPC", default="1"),
-        local_reduce=_bool(env, "BYTEPS_LOCAL_REDUCE", default="1"), timeout=timeout, heartbeat_interval=hb_interval,
+        local_reduce=_bool(env, "BYTEPS_LOCAL_REDUCE", default="1"),
+        local_push=_choice(env, "BYTEPS_LOCAL_PUSH", ("owners", "root")), timeout=timeout, heartbeat_interval=hb_interval,
         heartbeat_timeout=hb_timeout, job_id=_get(env, "BYTEPS_JOB_ID", ""),
     )
 

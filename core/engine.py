@@ -265,7 +265,7 @@ class Engine:
     def _setup_local(self):
         """Connect to this machine's other worker processes for the local reduce."""
         peers = [w for w in self.book["workers"] if w["worker_id"] == self.cfg.worker_id]
-        self.local = LocalPlan(peers, self.cfg.local_rank)
+        self.local = LocalPlan(peers, self.cfg.local_rank, self.cfg.local_push)
         for w in self.local.peers:
             if w["local_rank"] == self.cfg.local_rank:
                 continue

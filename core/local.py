@@ -4,7 +4,7 @@ reduce, with §6.2's shared memory).
 
 Partition ``i`` of tensor key ``t`` is owned by local rank ``(t + i) % L``, so the partitions of a
 tensor, and single-partition tensors across a model, spread over the machine's processes (a
-reduce-scatter at partition granularity). For each partition and round:
+reduce-scatter at partition granularity); BYTEPS_LOCAL_PUSH=root makes local rank 0 own all. For each partition and round:
 
 1. COORDINATE: every other local rank copies its partition into its shared staging region and
    sends the owner LOCAL_READY with a descriptor of it.
@@ -27,15 +27,17 @@ from ._pipeline import PriorityQueue
 
 
 class LocalPlan:
-    """Who owns what on this machine."""
+    """Who owns what on this machine: every local rank in turn ("owners"), or local rank 0 ("root",
+    BytePS's choice; BYTEPS_LOCAL_PUSH=root). docs/benchmarks.md compares the two."""
 
-    def __init__(self, peers, my_local_rank):
+    def __init__(self, peers, my_local_rank, mode="owners"):
         self.peers = sorted(peers, key=lambda w: w["local_rank"])  # address-book entries, this machine
         self.size = len(self.peers)
         self.local_rank = my_local_rank
+        self.root_only = mode == "root"
 
     def owner(self, tkey, partition):
-        return (tkey + partition) % self.size
+        return 0 if self.root_only else (tkey + partition) % self.size
 
     def owns(self, tkey, partition):
         return self.owner(tkey, partition) == self.local_rank

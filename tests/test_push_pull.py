@@ -74,8 +74,8 @@ def candidates(spec, n, rnd):
     return out
 
 
-def check_matrix(cluster, machines, k, shapes, rounds=2, extreme=True, ipc=True, local_size=1):
-    env = dict(PARTITION_ENV, BYTEPS_ENABLE_IPC="1" if ipc else "0")
+def check_matrix(cluster, machines, k, shapes, rounds=2, extreme=True, ipc=True, local_size=1, push="owners"):
+    env = dict(PARTITION_ENV, BYTEPS_ENABLE_IPC="1" if ipc else "0", BYTEPS_LOCAL_PUSH=push)
     n = machines * local_size  # ranks
     if n == 1:
         env["BYTEPS_FORCE_DISTRIBUTED"] = "1"
@@ -133,6 +133,7 @@ def test_full_matrix(cluster, n, k):
 
 #: (machines, processes per machine, servers, shared memory with servers)
 LOCAL_POINTS = [(1, 2, 1, True), (1, 3, 2, True), (1, 4, 1, True), (2, 2, 2, True), (2, 2, 1, False)]
+ROOT_POINTS = [(1, 3, 1, True), (2, 2, 2, False)]
 
 
 @pytest.mark.timeout(150)
@@ -142,6 +143,14 @@ def test_local_reduce_matrix(cluster, m, l, k, ipc):
     """A machine's processes reduce through shared memory first (one push per machine): every dtype,
     shapes up to several partitions (partition owners spread over local ranks), 3 rounds."""
     check_matrix(cluster, m, k, FULL_SHAPES, rounds=3, ipc=ipc, local_size=l)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("m,l,k,ipc", ROOT_POINTS, ids=[f"{m}x{l}w{k}s{'-shm' if i else '-tcp'}"
+                                                       for m, l, k, i in ROOT_POINTS])
+def test_local_reduce_by_root(cluster, m, l, k, ipc):
+    """BYTEPS_LOCAL_PUSH=root: local rank 0 sums and pushes every partition of its machine."""
+    check_matrix(cluster, m, k, FULL_SHAPES, rounds=2, ipc=ipc, local_size=l, push="root")
 
 
 @pytest.mark.timeout(120)
