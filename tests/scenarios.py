@@ -146,6 +146,28 @@ def join(out, args):
     return got
 
 
+@scenario
+def edge_inputs(out, args):
+    """NaN/Inf pass through untouched; 10,000 small tensors in one step; a tensor resized between
+    steps; an overlapping (expanded) view; each reported with its exact result or error text."""
+    r, n = bps.rank(), bps.size()
+    got = {}
+    t = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0]) if r == 0 else torch.ones(4)
+    got["nan_inf"] = [str(v) for v in bps.push_pull(t, average=False, name="nan_inf").tolist()]
+    handles = [bps.push_pull_async_inplace(torch.full((1,), float(i + r)), average=False, name=f"small.{i}")
+               for i in range(args["many"])]
+    sums = [bps.synchronize(h).item() for h in handles]
+    got["many_ok"] = sums == [float(n * i + sum(range(n))) for i in range(args["many"])]
+    got["resized"] = [bps.push_pull(torch.ones(k), average=False, name="resized").sum().item() for k in (3, 5, 3)]
+    try:
+        bps.push_pull_inplace(torch.ones(1).expand(4), average=False, name="overlap")
+        got["overlap"] = "no error"
+    except Exception as e:
+        got["overlap"] = f"{type(e).__name__}: {e}"
+    got["after"] = bps.push_pull(torch.ones(2), average=False, name="after").tolist()
+    return got
+
+
 def _load_more():
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)

@@ -73,3 +73,38 @@ def test_join_ranks_contribute_zeros(cluster, m, l):
         assert v["last"] == n - 1, v
         assert v["after"] == sum(q + 1 for q in range(n)), v
     assert "not supported while ranks" in res[n - 1]["value"]["broadcast"], res[n - 1]
+
+
+@pytest.mark.timeout(120)
+def test_edge_inputs(cluster):
+    """The docs/bad_input.md rows that need a running job, in one job."""
+    c = cluster(2, 2)
+    c.run_workers("edge_inputs", {"many": 10000})
+    codes, scodes, sched = c.wait_all(100)
+    assert codes == [0, 0] and scodes == [0, 0] and sched == 0, c.all_logs()
+    for r, res in c.results().items():
+        v = res["value"]
+        assert v["nan_inf"] == ["nan", "inf", "-inf", "2.0"], v["nan_inf"]  # passed through, never "fixed"
+        assert v["many_ok"], "10,000 small tensors in one step summed wrong"
+        assert v["resized"] == [6.0, 10.0, 6.0], v["resized"]  # a resized tensor simply gets a new key
+        assert "more than one element" in v["overlap"] or "overlap" in v["overlap"].lower(), v["overlap"]
+        assert v["after"] == [2.0, 2.0], v
+
+
+@pytest.mark.timeout(60)
+def test_scheduler_port_in_use_is_a_clear_error(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ, DMLC_ROLE="scheduler", DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1",
+                   DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port))
+        p = subprocess.run([sys.executable, "-m", "byteps.scheduler"], env=env, capture_output=True, text=True,
+                           timeout=30)
+    assert p.returncode == 2, p.stderr
+    assert f"127.0.0.1:{port}" in p.stderr and "in use" in p.stderr.lower(), p.stderr
