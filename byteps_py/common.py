@@ -102,15 +102,32 @@ def _notify_exit(cfg):
 
     from byteps.core import wire
 
+    from byteps.core import auth
+
+    body = {"worker_id": cfg.worker_id, "local_rank": cfg.local_rank, "pid": os.getpid()}
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
+        identity = auth.new_identity()
+        sock.setsockopt(zmq.IDENTITY, identity)
         sock.connect(cfg.scheduler_endpoint)
-        sock.send_multipart(wire.control(wire.Cmd.EXIT, body={"worker_id": cfg.worker_id,
-                                                             "local_rank": cfg.local_rank, "pid": os.getpid()}))
+        secret = auth.job_secret()
+        if secret is not None:  # prove we belong to the job (bounded: the process is exiting)
+            knock = auth.Knock(secret, identity)
+            sock.send_multipart(wire.control(wire.Cmd.HELLO, body=knock.hello()))
+            if not sock.poll(2000):
+                logger.warning("the scheduler did not answer this worker's exit notice")
+                return
+            header, reply = sock.recv_multipart()
+            try:
+                body["auth"] = knock.answer(wire.decode(reply), "the scheduler")
+            except auth.AuthError as e:
+                logger.warning("%s", e)
+                return
+        sock.send_multipart(wire.control(wire.Cmd.EXIT, body=body))
         sock.close(linger=2000)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def is_initialized():

@@ -36,6 +36,7 @@ VARIABLES = {
     "BYTEPS_HEARTBEAT_INTERVAL": ("1", "seconds between heartbeats to and from the scheduler"),
     "BYTEPS_HEARTBEAT_TIMEOUT": ("15", "seconds of silence after which a peer is declared lost"),
     "BYTEPS_JOB_ID": ("", "job identifier used in logs and local resource names (bpslaunch sets it)"),
+    "BYTEPS_JOB_SECRET": ("", "per-job secret every connection proves it knows (HMAC challenge-response)"),
     # read outside this module, listed so docs/env.md stays complete
     "BYTEPS_LOG_HIDE_TIME": ("0", "1 drops the timestamp from log lines"),
     "BYTEPS_OMP_THREAD_PER_GPU": ("min(4, CPUs)", "threads of the summation kernels (core/_reduce.pyx)"),

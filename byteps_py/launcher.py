@@ -508,6 +508,8 @@ def _plan_local(opts, command):
         base.pop(name, None)
     base.update(DMLC_NUM_WORKER=str(nw), DMLC_NUM_SERVER=str(ns), DMLC_PS_ROOT_URI="127.0.0.1",
                 DMLC_NODE_HOST="127.0.0.1", BYTEPS_JOB_ID=job_id, PYTHONUNBUFFERED="1")
+    # every connection of the job proves it knows this secret (core/auth.py); never printed
+    base.setdefault("BYTEPS_JOB_SECRET", secrets.token_hex(32))
     _thread_env(base, nw * nl)
 
     def worker_env(i, j, port):

@@ -12,7 +12,7 @@ import zmq
 from byteps.errors import PeerLostError, ProtocolError
 from byteps.log import logger
 
-from . import wire
+from . import auth, wire
 
 
 class ControlClient:
@@ -23,7 +23,11 @@ class ControlClient:
         self.info = dict(info, pid=os.getpid(), hostname=socket.gethostname(), job_id=cfg.job_id)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        self.identity = auth.new_identity()
+        self.sock.setsockopt(zmq.IDENTITY, self.identity)
         self.sock.connect(cfg.scheduler_endpoint)
+        self.secret = auth.job_secret()
+        self._knock = auth.Knock(self.secret, self.identity) if self.secret else None
         self.node_id = wire.NO_SENDER
         now = time.monotonic()
         self._last_sent = 0.0
@@ -35,7 +39,21 @@ class ControlClient:
         self._last_sent = time.monotonic()
 
     def register(self):
-        self.send(wire.Cmd.REGISTER, self.info)
+        """Register with the scheduler; with a job secret, first prove it (see core/auth.py)."""
+        if self._knock is None:
+            self.send(wire.Cmd.REGISTER, self.info)
+        else:
+            self.send(wire.Cmd.HELLO, self._knock.hello())
+
+    def on_challenge(self, body):
+        """The scheduler's CHALLENGE: check its proof, then register with our MAC."""
+        if self._knock is None:
+            raise ProtocolError("the scheduler sent a CHALLENGE but this node has no BYTEPS_JOB_SECRET")
+        try:
+            mac = self._knock.answer(body, f"the scheduler at {self.cfg.scheduler_endpoint}")
+        except auth.AuthError as e:
+            raise PeerLostError(str(e)) from None
+        self.send(wire.Cmd.REGISTER, dict(self.info, auth=mac))
 
     def recv(self):
         """Receive one control message (call when the socket is readable): (header, body dict)."""

@@ -38,7 +38,7 @@ import zmq
 from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, ProtocolError, TensorMismatchError
 from byteps.log import logger
 
-from . import dtypes, shm, wire
+from . import auth, dtypes, shm, wire
 from ._pipeline import PriorityQueue
 from ._reduce import aligned_empty, copy_into, sum_many
 from .local import ComputeStage, LocalPlan
@@ -131,6 +131,7 @@ class Engine:
         self._awaiting_done = {}    # (wire key, round) -> (op, offset, nbytes) of a partition another rank owns
         # join() (Horovod): ranks that joined add zeros; a joined process still owns its partitions
         self.joined = frozenset()   # ranks that have joined
+        self._gate = auth.Gate(None)  # who may send to our local ROUTER (set up in _knock_all)
         self.join_result = None     # the last rank to join, once every rank has
 
     # ---------------------------------------------------------------- training-thread side
@@ -245,7 +246,7 @@ class Engine:
         for info in self.book["servers"]:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, f"w{self.rank}".encode())
+            sock.setsockopt(zmq.IDENTITY, auth.new_identity())  # unguessable: see core/auth.py
             sock.connect(f"tcp://{info['host']}:{info['port']}")
             self.poller.register(sock, zmq.POLLIN)
             self.servers.append(sock)
@@ -258,9 +259,56 @@ class Engine:
             logger.info("shared memory with servers %s", [i for i, c in enumerate(self.colocated) if c])
         if self.book.get("local_reduce"):
             self._setup_local()
+        self._knock_all()
         if any(self.colocated) or self.local is not None:
             self._shm = shm.Allocator("byteps-worker")
         self._ready.set()
+
+    def _knock_all(self):
+        """Authenticate to every server and local peer (core/auth.py) before sending them anything.
+
+        Our own local ROUTER is served meanwhile: the machine's other processes knock on it too.
+        """
+        secret = auth.job_secret()
+        self._gate = auth.Gate(secret)
+        if secret is None:
+            return
+        waiting = {}
+        for i, sock in enumerate(self.servers):
+            waiting[sock] = (auth.Knock(secret, sock.getsockopt(zmq.IDENTITY)), f"server {i}")
+        for lr, sock in self._local_peers.items():
+            waiting[sock] = (auth.Knock(secret, sock.getsockopt(zmq.IDENTITY)), f"local rank {lr}")
+        for sock, (knock, _) in waiting.items():
+            sock.send_multipart(wire.control(Cmd.HELLO, self.control.node_id, knock.hello()))
+        for sock in self._local_peers.values():  # only the CHALLENGE ever comes back on these
+            self.poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + self.cfg.timeout
+        while waiting:
+            if time.monotonic() > deadline:
+                raise BytePSTimeoutError("no authentication answer within BYTEPS_TIMEOUT from "
+                                         + ", ".join(who for _, who in waiting.values()))
+            for sock, _ in self.poller.poll(timeout=100):
+                if sock is self._local_sock:
+                    self._on_local(sock)
+                elif sock is self.control.sock:
+                    self._on_control()
+                elif sock in waiting:
+                    header, body = wire.unpack(sock.recv()), {}
+                    if sock.getsockopt(zmq.RCVMORE):
+                        body = wire.decode(sock.recv())
+                    self._discard(sock)
+                    knock, who = waiting.pop(sock)
+                    if header.cmd != Cmd.CHALLENGE:
+                        raise BytePSError(f"{who} answered {Cmd(header.cmd).name} to our HELLO: "
+                                          f"{body.get('error', 'does it use the same BYTEPS_JOB_SECRET?')}")
+                    try:
+                        mac = knock.answer(body, who)
+                    except auth.AuthError as e:
+                        raise PeerLostError(str(e)) from None
+                    sock.send_multipart(wire.control(Cmd.AUTH, self.control.node_id, {"mac": mac}))
+            self.control.tick()
+        for sock in self._local_peers.values():
+            self.poller.unregister(sock)
 
     def _setup_local(self):
         """Connect to this machine's other worker processes for the local reduce."""
@@ -271,7 +319,7 @@ class Engine:
                 continue
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, str(self.cfg.local_rank).encode())
+            sock.setsockopt(zmq.IDENTITY, auth.new_identity())
             sock.connect(f"tcp://127.0.0.1:{w['local_port']}")
             self._local_peers[w["local_rank"]] = sock
         self.poller.register(self._local_sock, zmq.POLLIN)
@@ -289,7 +337,7 @@ class Engine:
                     except BlockingIOError:
                         pass
                 elif sock is self.control.sock:
-                    self._on_control()
+                    self._drain(sock, lambda _: self._on_control())
                 elif sock is self._local_sock:
                     self._drain(sock, self._on_local)
                 else:
@@ -335,6 +383,9 @@ class Engine:
         header, body = self.control.recv()
         cmd = header.cmd
         if cmd == Cmd.HEARTBEAT:
+            return
+        if cmd == Cmd.CHALLENGE:
+            self.control.on_challenge(body)
             return
         if cmd == Cmd.ADDRBOOK:
             self.book = body
@@ -518,6 +569,15 @@ class Engine:
         except ProtocolError as e:
             logger.warning("dropped a malformed local message: %s", e)
             return
+        peer = frames[0]
+        if header.cmd in (Cmd.HELLO, Cmd.AUTH):
+            self._local_handshake(sock, peer, header, frames[2])
+            return
+        if not self._gate.allows(peer):
+            if peer not in self._gate.refused:
+                self._gate.refused.add(peer)
+                logger.warning("ignored a local message from an unauthenticated peer %r", peer)
+            return
         ident = (header.key, header.round)
         if header.cmd == Cmd.LOCAL_READY:
             try:
@@ -548,6 +608,19 @@ class Engine:
             op.error = op.error or TensorMismatchError(
                 f"push_pull of tensor {op.name!r} failed: {wire.decode(frames[2]).get('error', 'unknown error')}")
         self._partition_done(op, length)
+
+    def _local_handshake(self, sock, peer, header, raw):
+        if self._gate.secret is None:
+            return
+        try:
+            body = wire.decode(raw)
+        except ProtocolError:
+            body = {}
+        if header.cmd == Cmd.HELLO:
+            sock.send_multipart([peer] + wire.control(Cmd.CHALLENGE, self.control.node_id,
+                                                      self._gate.challenge(peer, body)))
+        elif not self._gate.check(peer, body.get("mac")):
+            logger.warning("refused local peer %r: authentication failed", peer)
 
     def _maybe_reduce(self, key, rnd):
         """LOCAL_REDUCE once every local rank's copy of this partition is in."""

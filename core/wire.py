@@ -56,6 +56,10 @@ class Cmd(enum.IntEnum):
     ABORT = 8          # scheduler -> node: the job failed (body names the lost peer / reason)
     TERMINATE = 9      # scheduler -> server: the job is complete, exit 0
     JOIN = 10          # worker -> scheduler: join(); scheduler -> all: who has joined / the release
+    # authentication handshake on every connection (core/auth.py)
+    HELLO = 11         # client -> server: {nonce}
+    CHALLENGE = 12     # server -> client: {nonce, proof}
+    AUTH = 13          # client -> server (data and local planes): {mac}
     # data plane: worker <-> server
     PUSHPULL = 20      # worker -> server: this round's partition; reply: the sum
     BROADCAST = 21     # worker -> server: root sends data, others an empty body; reply: root's data

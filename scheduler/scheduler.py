@@ -24,7 +24,7 @@ import time
 import zmq
 
 from byteps import config as bps_config
-from byteps.core import wire
+from byteps.core import auth, wire
 from byteps.core.control import describe_node
 from byteps.errors import BytePSError, ConfigError, ProtocolError
 from byteps.log import logger, setup as setup_logging
@@ -54,6 +54,7 @@ class Scheduler:
                 raise ConfigError(f"scheduler cannot bind DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT = "
                                   f"{cfg.root_uri}:{cfg.root_port}: {e}") from None
             self.port = cfg.root_port
+        self.gate = auth.Gate(auth.job_secret())
         self.epoch = 0
         self.servers = {}         # identity -> info (registered, stays across epochs)
         self.workers = {}         # identity -> info, this epoch's registrations
@@ -349,15 +350,25 @@ class Scheduler:
         last_beat = 0.0
         tick = min(self.cfg.heartbeat_interval, 1.0)
         while True:
+            backlog = False
             if poller.poll(timeout=tick * 1000):
-                frames = self.sock.recv_multipart()
-                self._dispatch(frames)
+                # drain in slices of at most 50 ms: a burst (10,000 declarations) must not delay
+                # our heartbeats, and nobody is judged lost while its messages are still queued
+                until = time.monotonic() + 0.05
+                while True:
+                    self._dispatch(self.sock.recv_multipart())
+                    if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    if time.monotonic() > until:
+                        backlog = True
+                        break
             now = time.monotonic()
             if now - last_beat >= self.cfg.heartbeat_interval:
                 for ident in self._nodes():
                     self._send(ident, Cmd.HEARTBEAT)
                 last_beat = now
-            self._check_timeouts()
+            if not backlog:
+                self._check_timeouts()
             if self._job_complete():
                 for s in self.servers:
                     self._send(s, Cmd.TERMINATE)
@@ -380,6 +391,19 @@ class Scheduler:
             body = wire.decode(raw_body)
         except ProtocolError as e:
             logger.warning("dropped a malformed control message: %s", e)
+            return
+        if header.cmd == Cmd.HELLO:
+            if self.gate.secret is None:
+                self._send(ident, Cmd.ERROR, {"error": "this scheduler has no BYTEPS_JOB_SECRET but the node uses one"})
+            else:
+                self._send(ident, Cmd.CHALLENGE, self.gate.challenge(ident, body))
+            return
+        if header.cmd in (Cmd.REGISTER, Cmd.EXIT) and self.gate.secret is not None \
+                and not self.gate.check(ident, body.get("auth")):
+            logger.warning("refused %s from pid %s on %s: authentication failed (wrong or missing "
+                           "BYTEPS_JOB_SECRET)", Cmd(header.cmd).name, body.get("pid"), body.get("hostname"))
+            self._send(ident, Cmd.ERROR, {"error": "authentication failed: this node's BYTEPS_JOB_SECRET does not "
+                                                   "match the scheduler's"})
             return
         if header.cmd == Cmd.REGISTER:
             self._on_register(ident, body)

@@ -28,7 +28,7 @@ import time
 import zmq
 
 from byteps import config as bps_config
-from byteps.core import dtypes, shm, wire
+from byteps.core import auth, dtypes, shm, wire
 from byteps.core._reduce import aligned_empty, copy_into, sum_into, sum_many
 from byteps.core.control import ControlClient
 from byteps.errors import BytePSError, ConfigError, PeerLostError, ProtocolError
@@ -100,6 +100,7 @@ class Server:
             self.probe = shm.Probe()
             info["shm"] = self.probe.info()
         self.maps = shm.PeerMaps()
+        self.gate = auth.Gate(auth.job_secret())  # workers prove they know the job's secret first
         self.control = ControlClient(self.ctx, cfg, info)
         self.keys = {}
         self.num_workers = None
@@ -114,7 +115,9 @@ class Server:
 
     def _on_control(self):
         header, body = self.control.recv()
-        if header.cmd == Cmd.ADDRBOOK:
+        if header.cmd == Cmd.CHALLENGE:
+            self.control.on_challenge(body)
+        elif header.cmd == Cmd.ADDRBOOK:
             self.epoch = body["epoch"]
             self.num_workers = body["size"]
             # one push_pull per machine when machines reduce locally first; broadcasts involve every rank
@@ -190,6 +193,16 @@ class Server:
         raw = self.data.recv()
         try:
             header = wire.unpack(raw)
+            if header.cmd in (Cmd.HELLO, Cmd.AUTH):
+                self._on_handshake(ident, header)
+                return
+            if not self.gate.allows(ident):
+                self._discard_rest()
+                if ident not in self.gate.refused:
+                    self.gate.refused.add(ident)
+                    logger.warning("ignored data from an unauthenticated peer %r (it never proved it knows "
+                                   "BYTEPS_JOB_SECRET)", ident)
+                return
             if header.cmd not in (Cmd.PUSHPULL, Cmd.BROADCAST):
                 raise ProtocolError(f"{Cmd(header.cmd).name} is not a data request")
             if self.num_workers is None:
@@ -225,6 +238,19 @@ class Server:
         st.header = header
         if len(st.senders) >= self._expected(header.cmd):
             self._complete(st, header)
+
+    def _on_handshake(self, ident, header):
+        try:
+            body = wire.decode(self.data.recv()) if self.data.getsockopt(zmq.RCVMORE) else {}
+        except ProtocolError:
+            body = {}
+        self._discard_rest()
+        if self.gate.secret is None:
+            return  # no secret configured: nothing to prove (the worker then refuses us, naming why)
+        if header.cmd == Cmd.HELLO:
+            self._send([ident] + wire.control(Cmd.CHALLENGE, self.control.node_id, self.gate.challenge(ident, body)))
+        elif not self.gate.check(ident, body.get("mac")):
+            logger.warning("refused worker connection %r: authentication failed", ident)
 
     def _check(self, st, h, rank):
         """Why this message cannot join the round, or None."""

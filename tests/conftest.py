@@ -18,7 +18,9 @@ SCENARIOS = os.path.join(HERE, "scenarios.py")
 
 #: fast failure detection for tests (real clusters use the defaults in docs/env.md)
 FAST_ENV = {"BYTEPS_HEARTBEAT_INTERVAL": "0.2", "BYTEPS_HEARTBEAT_TIMEOUT": "3", "BYTEPS_TIMEOUT": "30",
-            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+            # every test job authenticates its connections, as bpslaunch jobs do
+            "BYTEPS_JOB_SECRET": "test-secret-0123456789abcdef"}
 
 
 class Cluster:
