@@ -246,7 +246,10 @@ class Server:
             body = {}
         self._discard_rest()
         if self.gate.secret is None:
-            return  # no secret configured: nothing to prove (the worker then refuses us, naming why)
+            if header.cmd == Cmd.HELLO:  # say why at once rather than let the worker time out
+                self._send([ident] + wire.control(Cmd.ERROR, self.control.node_id, {
+                    "error": "this server has no BYTEPS_JOB_SECRET but the worker uses one"}))
+            return
         if header.cmd == Cmd.HELLO:
             self._send([ident] + wire.control(Cmd.CHALLENGE, self.control.node_id, self.gate.challenge(ident, body)))
         elif not self.gate.check(ident, body.get("mac")):

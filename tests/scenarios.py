@@ -33,6 +33,23 @@ def seeded(rank, shape, dtype, salt=0):
     return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype)
 
 
+def error_text(fn):
+    """Run fn; return None, or 'ExcType: message' for the test to read."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def write_result(outdir, rank, result):
+    """OUTDIR/result.<rank>.json, written atomically (the harness reads it)."""
+    path = os.path.join(outdir, f"result.{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
 def digest(t):
     """Exact, JSON-friendly form of a tensor's bytes."""
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex()
@@ -194,10 +211,7 @@ def main():
         result["value"] = SCENARIOS[name](outdir, args)
     except Exception as e:  # the test reads the error text
         result["error"] = f"{type(e).__name__}: {e}"
-    path = os.path.join(outdir, f"result.{result['rank']}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
+    write_result(outdir, result["rank"], result)
     bps.shutdown()
 
 

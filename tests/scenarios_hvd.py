@@ -7,7 +7,6 @@ Horovod spelling, ``import byteps.torch as hvd``.
 Also runnable directly (no harness): ``python tests/scenarios_hvd.py launcher OUTDIR`` under
 torchrun / mpirun / horovodrun-style environments, for the launcher-environment tests.
 """
-import json
 import os
 import sys
 import time
@@ -15,24 +14,10 @@ import warnings
 
 import torch
 
-if __name__ != "__main__":
-    from scenarios import digest, scenario
-else:  # run directly by a launcher (no harness)
-    def scenario(fn):
-        return fn
-
-    def digest(t):
-        return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex()
+from scenarios import digest, scenario, write_result  # tests/ is on sys.path also when run directly
+from scenarios import error_text as _err
 
 import byteps.torch as hvd
-
-
-def _err(fn):
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _etype(fn):
@@ -728,10 +713,7 @@ def _launcher_main(outdir):
            "service_pids": launch_env.service_pids()}
     res["allreduce"] = hvd.allreduce(torch.full((4,), float(r + 1)), op=hvd.Sum, name="launch").tolist()
     res["allgather"] = hvd.allgather(torch.full((r + 1,), r), name="launch.g").tolist()
-    path = os.path.join(outdir, f"result.{r}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(res, f)
-    os.replace(path + ".tmp", path)
+    write_result(outdir, r, res)
     hvd.shutdown()
 
 

@@ -11,6 +11,7 @@ import time
 import torch
 
 from scenarios import digest, scenario, seeded
+from scenarios import error_text as _err
 
 import byteps
 import byteps.torch as bps
@@ -88,15 +89,6 @@ def state_digests(sd):
     if isinstance(sd, (list, tuple)):
         return [state_digests(v) for v in sd]
     return sd
-
-
-def _err(fn):
-    """Run fn; return None or 'ExcType: message'."""
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 # ------------------------------------------------------------------------------ push_pull matrix

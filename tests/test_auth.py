@@ -120,3 +120,20 @@ def test_secret_never_appears_on_the_wire():
     with pytest.raises(auth.AuthError):
         other.answer(gate.challenge(b"x", other.hello()), "test")
     assert not gate.check(b"x", auth.client_mac(b"wrong", "00", b"x"))
+
+
+@pytest.mark.timeout(60)
+def test_secret_only_on_workers_is_reported_at_once(cluster):
+    # scheduler and server without a secret, workers with one: the workers learn why immediately
+    # (the scheduler answers their HELLO with an error naming BYTEPS_JOB_SECRET), no time-out
+    c = cluster(2, 1, start=False)
+    c.env.pop("BYTEPS_JOB_SECRET")
+    c.start(servers=False)
+    c.start_server(0)
+    start = time.monotonic()
+    c.run_workers("sums", {"tensors": []}, env={"BYTEPS_JOB_SECRET": "s"}, machines=[0, 1])
+    for p in c.workers:
+        assert p.wait(25) != 0
+    assert time.monotonic() - start < 20  # BYTEPS_TIMEOUT is 30 in tests
+    log = c.log("worker0.0")
+    assert "BYTEPS_JOB_SECRET" in log, log
