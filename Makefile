@@ -38,5 +38,10 @@ bench: setup
 	$(PY) bench/bench_sum.py --threads 1
 	$(PY) bench/bench_push_pull.py --plot docs/img/push_pull_vs_gloo.png
 
+# 10,000 training steps; every process's memory, fds and throughput must stay flat (docs/benchmarks.md)
+.PHONY: soak
+soak: setup
+	$(PY) bench/soak.py
+
 clean:
 	rm -rf build dist *.egg-info core/*.so core/*.c

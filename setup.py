@@ -92,7 +92,8 @@ setup(
     version=read_version(),
     packages=packages(),
     package_dir=PACKAGE_DIR,
-    package_data={"byteps": ["VERSION", "py.typed"], "byteps.core": ["*.pxd", "*.pyi", "*.h"]},
+    package_data={"byteps": ["VERSION", "py.typed"], "byteps.core": ["*.pxd", "*.pyi", "*.h"],
+                  "byteps.topology": ["fixtures/*.json"]},  # example machines (docs/topology.md)
     ext_modules=extensions(),
     zip_safe=False,
 )

@@ -160,7 +160,8 @@ def auto_name(prefix):
     return f"{prefix}.noname.{next(_require().noname)}"
 
 
-def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=None):
+def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=None, asynchronous=False,
+           compression=None):
     """Start a push_pull (or, with ``broadcast_root``, a broadcast) of a flat byte buffer, in place.
 
     Args:
@@ -172,6 +173,12 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         priority: scheduling priority (larger first); used by the pipeline.
         finalize: called with no arguments on the caller's thread by :func:`synchronize`; its
             result is what :func:`synchronize` returns.
+        asynchronous: an asynchronous-training exchange (BYTEPS_ENABLE_ASYNC): the first call
+            per name hands the servers the parameters (rank 0's are kept), later calls push a
+            delta; each returns the servers' latest parameters (docs/async.md).
+        compression: the wire compressor of a push_pull's partitions that cross the network
+            (a :class:`byteps.compression.WireCompressor`); None: the job's default
+            (BYTEPS_COMPRESSOR, usually none); False: none (docs/compression.md).
 
     Returns:
         An integer handle for :func:`poll` / :func:`synchronize`.
@@ -188,7 +195,15 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
     if broadcast_root is not None and not 0 <= broadcast_root < job.size:
         raise ValueError(f"root rank {broadcast_root} for tensor {name!r} is outside 0..{job.size - 1}")
     cmd = Cmd.PUSHPULL if broadcast_root is None else Cmd.BROADCAST
+    if asynchronous:
+        if not job.cfg.enable_async:
+            raise ValueError(f"asynchronous push_pull of {name!r} needs BYTEPS_ENABLE_ASYNC=1 on every node")
+        cmd = Cmd.ASYNC_PUSHPULL
     op = Op(name, buf, dtype, shape, cmd=cmd, root=broadcast_root or 0, priority=priority)
+    if cmd == Cmd.PUSHPULL:
+        from . import compression as _compression
+
+        op.codec = _compression.resolve(compression)
     handle = next(job.next_handle)
     job.handles[handle] = (op, finalize)
     if job.engine is None:  # alone: the sum over one worker is the tensor itself
@@ -262,3 +277,17 @@ def barrier():
         raise BytePSTimeoutError(f"barrier() waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the other workers")
     if job.engine.failure is not None:
         raise job.engine.failure
+
+
+def transport_bytes():
+    """Bytes this worker sent to and received from each server on its data sockets (headers and
+    bodies, shared-memory descriptors included): ``{"sent": {server: n}, "received": {server: n}}``.
+    Used to measure what compression saves (docs/compression.md)."""
+    job = _require()
+    if job.engine is None:
+        return {"sent": {}, "received": {}}
+    while True:
+        try:  # the engine thread may add a server's first count meanwhile
+            return {"sent": dict(job.engine.bytes_sent), "received": dict(job.engine.bytes_received)}
+        except RuntimeError:
+            continue

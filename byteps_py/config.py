@@ -37,7 +37,24 @@ VARIABLES = {
     "BYTEPS_HEARTBEAT_TIMEOUT": ("15", "seconds of silence after which a peer is declared lost"),
     "BYTEPS_JOB_ID": ("", "job identifier used in logs and local resource names (bpslaunch sets it)"),
     "BYTEPS_JOB_SECRET": ("", "per-job secret every connection proves it knows (HMAC challenge-response)"),
+    "BYTEPS_PLACEMENT": ("balanced", "balanced | hash: how partitions are split over servers (byteps/placement.py)"),
+    "BYTEPS_SERVER_ROLE": ("auto", "auto | colocated | standalone: a server's role in the k/n workload split"),
+    "BYTEPS_SERVER_ENGINE_THREAD": ("0", "server threads that sum pushes (0: the network thread sums inline)"),
+    "BYTEPS_ENABLE_ASYNC": ("0", "asynchronous training: servers keep the parameters, workers push deltas, no barrier"),
     # read outside this module, listed so docs/env.md stays complete
+    "BYTEPS_PIPELINE": ("", "optional pipeline stages to drop, e.g. -stage,-local_reduce (core/stages.py)"),
+    # wire compression, read by byteps_py/compression.py (docs/compression.md)
+    "BYTEPS_COMPRESSOR": ("none", "job-wide wire compressor: none | fp16 | bf16 | onebit | topk | randomk | dithering"),
+    "BYTEPS_COMPRESSOR_K": ("0.01 / 7", "topk/randomk: fraction (<1) or count of elements sent; dithering: levels"),
+    "BYTEPS_ERROR_FEEDBACK": ("0", "1: keep what compression lost on the worker and add it to the next round"),
+    "BYTEPS_MOMENTUM_MU": ("0", "momentum correction on the worker before compressing (0: off)"),
+    "BYTEPS_COMPRESSOR_SEED": ("0", "seed of randomk/dithering's random streams; the same on every worker"),
+    "BYTEPS_MIN_COMPRESS_BYTES": ("65536", "tensors smaller than this are never compressed"),
+    # intra-machine topology, read by topology/ (docs/topology.md)
+    "BYTEPS_TOPOLOGY_FILE": ("", "machine description (JSON) to plan for instead of detecting this machine"),
+    "BYTEPS_INTRA_STRATEGY": ("auto", "auto | reduce_broadcast | reduce_scatter | cpu_assisted: force the local strategy"),
+    "BYTEPS_REDUCE_ROOTS": ("", "comma-separated local ranks used as reduce/broadcast roots (forces reduce_broadcast)"),
+    "BYTEPS_PCIE_SWITCH_SIZE": ("", "GPUs (or processes) per PCIe switch group, overriding detection"),
     "BYTEPS_LOG_HIDE_TIME": ("0", "1 drops the timestamp from log lines"),
     "BYTEPS_OMP_THREAD_PER_GPU": ("min(4, CPUs)", "threads of the summation kernels (core/_reduce.pyx)"),
     "BYTEPS_SCHEDULER_PORT_FILE": ("", "scheduler writes its bound port here (bpslaunch --local)"),
@@ -138,6 +155,10 @@ class Config:
     heartbeat_interval: float
     heartbeat_timeout: float
     job_id: str
+    placement: str = "balanced"
+    server_role: str = "auto"
+    enable_async: bool = False
+    server_engine_threads: int = 0
 
     @property
     def distributed(self):
@@ -200,6 +221,9 @@ def load(env=None, role=None):
         # that routes to the scheduler, never 0.0.0.0.
         node_host = _route_address(root_uri) if distributed else "127.0.0.1"
 
+    from byteps.core.stages import parse_override
+    parse_override(_get(env, "BYTEPS_PIPELINE", ""))  # fail at start-up, naming the bad stage
+
     timeout = _float(env, "BYTEPS_TIMEOUT", VARIABLES["BYTEPS_TIMEOUT"][0])
     hb_interval = _float(env, "BYTEPS_HEARTBEAT_INTERVAL", VARIABLES["BYTEPS_HEARTBEAT_INTERVAL"][0])
     hb_timeout = _float(env, "BYTEPS_HEARTBEAT_TIMEOUT", VARIABLES["BYTEPS_HEARTBEAT_TIMEOUT"][0])
@@ -215,6 +239,10 @@ def load(env=None, role=None):
         local_reduce=_bool(env, "BYTEPS_LOCAL_REDUCE", default="1"),
         local_push=_choice(env, "BYTEPS_LOCAL_PUSH", ("owners", "root")), timeout=timeout, heartbeat_interval=hb_interval,
         heartbeat_timeout=hb_timeout, job_id=_get(env, "BYTEPS_JOB_ID", ""),
+        placement=_choice(env, "BYTEPS_PLACEMENT", ("balanced", "hash")),
+        server_role=_choice(env, "BYTEPS_SERVER_ROLE", ("auto", "colocated", "standalone")),
+        enable_async=_bool(env, "BYTEPS_ENABLE_ASYNC"),
+        server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 0, minimum=0, maximum=64),
     )
 
 

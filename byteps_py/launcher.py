@@ -628,6 +628,22 @@ def _parser():
     p.add_argument("--no-prefix", dest="prefix", action="store_false",
                    help="pass the children's output through unchanged instead of prefixing "
                         "each line with its process tag")
+    diag = p.add_argument_group("placement diagnostics (byteps.placement.plan; starts nothing)")
+    diag.add_argument("--plan", action="store_true",
+                      help="print the optimal k/n split of the BytePS paper (Eq. 1-7): bytes each server "
+                           "sums, bytes each machine sends and receives, t_opt, gamma_a, gamma_p")
+    diag.add_argument("--worker-machines", type=_positive_int, default=None, metavar="N",
+                      help="worker machines, each with a colocated server (--plan; default DMLC_NUM_WORKER)")
+    diag.add_argument("--extra", type=int, default=0, metavar="K",
+                      help="extra machines, each with a standalone server (--plan; default 0)")
+    diag.add_argument("--model-bytes", default="256MB", metavar="SIZE",
+                      help="bytes pushed per step, e.g. 64MB, 256MiB (--plan; default 256MB)")
+    diag.add_argument("--bandwidth", default="10Gbit", metavar="RATE",
+                      help="each machine's NIC rate per direction, e.g. 100Mbit, 25Gbit (--plan; default 10Gbit)")
+    p.add_argument("--topology", nargs="?", const="", default=None, metavar="FILE",
+                   help="print the intra-machine aggregation plan of docs/topology.md (strategy and why, "
+                        "per-link traffic, J, x*, ring all-reduce) for this machine, or for a machine "
+                        "description FILE or fixture name, and exit; --local-size sets the processes")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD ...",
                    help="the worker command and its arguments (put -- before it)")
     return p
@@ -649,6 +665,35 @@ def _parse(argv):
     return opts, command
 
 
+def _print_plan(opts):
+    """bpslaunch --plan: the k/n placement of byteps.placement.plan for the given job shape."""
+    from . import placement
+
+    try:
+        n = opts.worker_machines or int(os.environ.get("DMLC_NUM_WORKER", "0") or 0)
+        if n < 1 or opts.extra < 0:
+            raise ValueError("--plan needs --worker-machines N >= 1 (or DMLC_NUM_WORKER) and --extra K >= 0")
+        plan = placement.plan(n, opts.extra, placement.parse_bytes(opts.model_bytes),
+                              placement.parse_rate(opts.bandwidth))
+    except ValueError as e:
+        _say(f"error: {e}")
+        return 2
+    print(plan.table())
+    return 0
+
+
+def _print_topology(opts):
+    """bpslaunch --topology [FILE]: the §4.2.3 plan for this machine or a description (docs/topology.md)."""
+    from .topology import TopologyError, plan_text
+
+    try:
+        print(plan_text(opts.topology or None, local_size=opts.local_size))
+    except TopologyError as e:
+        _say(f"error: {e}")
+        return 2
+    return 0
+
+
 def main(argv=None):
     """Entry point of ``bpslaunch`` / ``python -m byteps.launcher``; returns the exit status.
 
@@ -660,6 +705,10 @@ def main(argv=None):
         opts, command = _parse(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else 2
+    if opts.plan:
+        return _print_plan(opts)
+    if opts.topology is not None:
+        return _print_topology(opts)
     try:
         run = _plan_local(opts, command) if opts.local else _plan_role(opts, command)
     except ConfigError as e:

@@ -20,7 +20,8 @@ class ControlClient:
 
     def __init__(self, ctx, cfg, info):
         self.cfg = cfg
-        self.info = dict(info, pid=os.getpid(), hostname=socket.gethostname(), job_id=cfg.job_id)
+        self.info = dict(info, pid=os.getpid(), hostname=socket.gethostname(), job_id=cfg.job_id,
+                         enable_async=cfg.enable_async)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.identity = auth.new_identity()

@@ -16,11 +16,15 @@ Flow of one operation (:class:`Op`):
 * New (name, shape, dtype) combinations are declared to the scheduler, which compares them
   across workers and returns one tensor key (or a mismatch error for every worker).
 * The tensor's bytes are cut into partitions of at most BYTEPS_PARTITION_BYTES; partition i of
-  tensor key t has wire key ``t << 32 | i`` and goes to server ``(t + i) % num_servers``.
+  tensor key t has wire key ``t << 32 | i``; which server sums it, and how long it is, is decided
+  by byteps/placement.py (BYTEPS_PLACEMENT), in the paper's optimal k/n proportions.
   Partitions wait in a priority queue with a byte credit (core/_pipeline.pyx). Each is sent
   zero-copy from the tensor's memory, or to a server on this machine as a shared-memory
   descriptor (core/shm.py); with several processes per machine, one process per partition
   sums the machine's copies first (core/local.py).
+* With a wire compressor (``Op.codec``, byteps/compression.py), a partition for a server on another
+  machine is encoded (with its error-feedback state) and sent with FLAG_COMPRESSED; a compressed
+  reply is decoded into the tensor.
 * Each reply is received straight into the tensor's memory (``recv_into``, or a copy from the
   server's shared store); when the last partition is back the op completes and its event is set.
 
@@ -35,13 +39,20 @@ import time
 
 import zmq
 
+from byteps import compression
 from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, ProtocolError, TensorMismatchError
 from byteps.log import logger
+from byteps.placement import Placement
 
-from . import auth, dtypes, shm, wire
+from . import auth, dtypes, shm, stages, wire
 from ._pipeline import PriorityQueue
 from ._reduce import aligned_empty, copy_into, sum_many
 from .local import ComputeStage, LocalPlan
+from .stages import Stage
+
+#: partitions at least this large are copied into shared memory by the copy stage's thread (STAGE);
+#: smaller ones inline, where a thread hand-off would cost more than the copy
+STAGE_THREAD_MIN_BYTES = 256 << 10
 from .control import ControlClient
 
 Cmd = wire.Cmd
@@ -51,7 +62,7 @@ class Op:
     """One push_pull or broadcast of one tensor, in flight."""
 
     __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey", "parts_left",
-                 "servers", "error", "done", "started", "callbacks")
+                 "servers", "error", "done", "started", "callbacks", "codec")
 
     def __init__(self, name, buf, dtype, shape, cmd=Cmd.PUSHPULL, root=0, priority=0):
         self.name = name
@@ -69,6 +80,7 @@ class Op:
         self.done = threading.Event()
         self.started = time.monotonic()
         self.callbacks = []
+        self.codec = None           # byteps.compression.WireCompressor for partitions sent over the network
 
     def fail(self, error):
         if self.error is None:
@@ -109,6 +121,9 @@ class Engine:
         self._requests = {}         # ("barrier"|"leave", name) -> event set on release
         self._left = False
         self.servers = []
+        # bytes (header + body frames) sent to / received from each server index on the data sockets
+        self.bytes_sent = collections.Counter()
+        self.bytes_received = collections.Counter()
         # Partitions wait here for the network: larger priority first, FIFO among equals, and at
         # most BYTEPS_SCHEDULING_CREDIT partitions' bytes on the wire, so an urgent tensor can
         # overtake a large one queued earlier.
@@ -124,7 +139,10 @@ class Engine:
         self.local = None           # LocalPlan when this machine's processes reduce together
         self._local_sock = None     # ROUTER: LOCAL_READY / LOCAL_DONE from this machine's other processes
         self._local_peers = {}      # local rank -> DEALER to its ROUTER
-        self._compute = None        # ComputeStage running the owner's sums
+        self._compute = None        # ComputeStage running the owner's sums (LOCAL_REDUCE)
+        self._copier = None         # ComputeStage copying partitions into shared memory (STAGE)
+        self._dropped = stages.from_env()  # optional stages switched off by BYTEPS_PIPELINE
+        self._stage_lists = {}      # (owner, colocated, kind) -> the partition's stages (core/stages.py)
         self._groups = {}           # (wire key, round) -> owner's state of one partition's local reduce
         self._early = collections.defaultdict(list)  # (wire key, round) -> LOCAL_READY views before the op
         self._early_meta = {}       # (wire key, round) -> (dtype, nbytes) of those early copies
@@ -222,7 +240,8 @@ class Engine:
     def _setup(self):
         info = {"role": "worker", "host": self.cfg.node_host, "worker_id": self.cfg.worker_id,
                 "local_rank": self.cfg.local_rank, "local_size": self.cfg.local_size,
-                "local_reduce": self.cfg.local_reduce and self.cfg.local_size > 1}
+                "local_reduce": self.cfg.local_reduce and self.cfg.local_size > 1 and not self.cfg.enable_async
+                and Stage.LOCAL_REDUCE not in self._dropped}
         if info["local_reduce"]:
             self._local_sock = self.ctx.socket(zmq.ROUTER)
             self._local_sock.setsockopt(zmq.LINGER, 0)
@@ -251,17 +270,27 @@ class Engine:
             self.poller.register(sock, zmq.POLLIN)
             self.servers.append(sock)
         self._server_index = {sock: i for i, sock in enumerate(self.servers)}
+        # which server sums which bytes: the k/n split of byteps/placement.py, the same on every worker
+        self.placement = Placement.from_book(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
+        logger.info("%s", self.placement.describe())
         if self.cfg.enable_ipc:
-            self.colocated = [shm.can_share(info.get("shm"), self._maps) for info in self.book["servers"]]
+            # same host address too: network namespaces share a kernel (the probe passes) but are
+            # separate hosts, whose traffic must cross their network (bench/netns.py)
+            self.colocated = [shm.can_share(info.get("shm"), self._maps) and info["host"] == self.cfg.node_host
+                              for info in self.book["servers"]]
         else:
             self.colocated = [False] * len(self.servers)
         if any(self.colocated):
             logger.info("shared memory with servers %s", [i for i, c in enumerate(self.colocated) if c])
-        if self.book.get("local_reduce"):
+        if self.book.get("local_reduce") and self._local_sock is not None:  # a 1-process machine pushes itself
             self._setup_local()
         self._knock_all()
+        if Stage.STAGE in self._dropped:  # BYTEPS_PIPELINE=-stage: colocated servers over TCP too
+            self.colocated = [False] * len(self.servers)
         if any(self.colocated) or self.local is not None:
             self._shm = shm.Allocator("byteps-worker")
+        if any(self.colocated):
+            self._copier = ComputeStage(self._wake, name="byteps-copy")
         self._ready.set()
 
     def _knock_all(self):
@@ -345,6 +374,9 @@ class Engine:
             if self._compute is not None:
                 while self._compute.done:
                     self._on_reduced(*self._compute.done.popleft())
+            if self._copier is not None:
+                while self._copier.done:
+                    self._on_staged(*self._copier.done.popleft())
             self._drain_inbox()
             now = time.monotonic()
             if now >= next_check:  # these walk every outstanding op: not once per message
@@ -364,8 +396,9 @@ class Engine:
 
     def _close(self):
         ctl = getattr(self, "control", None)
-        if self._compute is not None:
-            self._compute.close()
+        for stage in (self._compute, self._copier):
+            if stage is not None:
+                stage.close()
         for sock in [*self.servers, *self._local_peers.values(), self._local_sock]:
             if sock is not None:
                 sock.close(linger=0)
@@ -473,18 +506,16 @@ class Engine:
                 self._declaring[waiting] = []
                 self.control.send(Cmd.DECLARE, {"name": op.name, "seq": seq, "shape": list(op.shape),
                                                 "dtype": dtypes.name(op.dtype),
-                                                "kind": "broadcast" if op.cmd == Cmd.BROADCAST else "push_pull"})
+                                                "kind": {Cmd.BROADCAST: "broadcast", Cmd.ASYNC_PUSHPULL: "async push_pull"}
+                                                .get(op.cmd, "push_pull")})
             self._declaring[waiting].append(op)
 
     def _dispatch(self, op, tkey):
         """Cut the op into partitions and queue them for the network."""
         op.tkey = tkey
-        nbytes = op.buf.nbytes
-        step = self._partition_step(op)
-        offsets = range(0, max(nbytes, 1), step)
-        op.parts_left = len(offsets)
-        for i, off in enumerate(offsets):
-            length = min(step, nbytes - off)
+        parts = self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype))
+        op.parts_left = len(parts)
+        for i, off, length, _ in parts:
             task = next(self._task_ids)
             self._tasks[task] = (op, i, off, length)
             self._sendq.push(op.priority, task, length)
@@ -509,13 +540,19 @@ class Engine:
             rnd = self._rounds[key]
             self._rounds[key] = rnd + 1
             data = op.buf[off:off + length]
-            if self.local is None or op.cmd != Cmd.PUSHPULL:
-                self._push(op, key, rnd, (op.tkey + i) % len(self.servers), off, data)
+            server = self.placement.server(op.tkey, i)
+            first = self.stages_of(op, i, server)[0]
+            if first == Stage.STAGE and length >= STAGE_THREAD_MIN_BYTES:
+                self._stage_async(op, key, rnd, server, off, data)
+                continue
+            if first in (Stage.STAGE, Stage.PUSH):  # a small STAGE copy runs inline, in _push
+                self._push(op, key, rnd, server, off, data)
                 continue
             self._sendq.release(length)
-            if self.local.owns(op.tkey, i):
+            if first == Stage.LOCAL_REDUCE:
                 self._early_meta.pop((key, rnd), None)
-                self._groups[(key, rnd)] = {"op": op, "i": i, "off": off, "views": self._early.pop((key, rnd), [])}
+                self._groups[(key, rnd)] = {"op": op, "i": i, "off": off, "len": length,
+                                            "views": self._early.pop((key, rnd), [])}
                 self._maybe_reduce(key, rnd)
             else:  # COORDINATE: hand the owner a shared copy
                 owner = self.local.owner(op.tkey, i)
@@ -525,6 +562,42 @@ class Engine:
                               dtype=op.dtype, arg=self.cfg.local_rank, flags=wire.FLAG_SHM), desc])
                 self._awaiting_done[(key, rnd)] = (op, off, length)
                 op.servers[f"local rank {owner}"] += 1
+
+    def stages_of(self, op, i, server):
+        """The ordered stages of partition ``i`` of ``op`` on this process (core/stages.py)."""
+        kind = {Cmd.PUSHPULL: "push_pull", Cmd.BROADCAST: "broadcast"}.get(op.cmd, "async push_pull")
+        owner = self.local is None or self.local.owns(op.tkey, i)
+        ident = (owner, self.colocated[server], kind)
+        got = self._stage_lists.get(ident)
+        if got is None:
+            got = self._stage_lists[ident] = stages.stage_list(
+                owner=owner, local_size=self.cfg.local_size, local_reduce=self.local is not None,
+                colocated=self.colocated[server] and not (op.cmd == Cmd.BROADCAST and op.root != self.rank),
+                kind=kind)
+            logger.info("pipeline of a %s partition (%s, %s server): %s", kind, "owner" if owner else "not owner",
+                        "colocated" if ident[1] else "remote", stages.describe(got))
+        return got
+
+    def _stage_async(self, op, key, rnd, server, off, data):
+        """STAGE on the copy thread: copy the partition into shared memory, then PUSH (_on_staged)."""
+        view, prefix = self._region(key, data.size)
+
+        def stage():
+            copy_into(view, data)
+        stage.ident = (op, key, rnd, server, off, view, prefix)
+        op.servers["the copy stage"] += 1
+        self._copier.submit(op.priority, stage)
+
+    def _on_staged(self, fn, error):
+        op, key, rnd, server, off, view, prefix = fn.ident
+        op.servers["the copy stage"] -= 1
+        if error is not None or op.error is not None:
+            self._sendq.release(view.size)
+            op.error = op.error or BytePSError(f"tensor {op.name!r}: copy into shared memory failed: {error}")
+            self._partition_done(op, view.size)
+            self._send_ready()
+            return
+        self._push(op, key, rnd, server, off, view, shared=prefix)
 
     def _push(self, op, key, rnd, server, off, data, shared=None):
         """Send one partition to its server; ``shared`` is the descriptor prefix if data is in our arena."""
@@ -537,11 +610,16 @@ class Engine:
             # the server sums straight from our shared copy
             body = shm.describe(shared, data.size) if shared is not None else self._stage(key, data)
             flags = wire.FLAG_SHM
+        elif op.codec is not None and op.cmd == Cmd.PUSHPULL and op.codec.applies(op.dtype, op.buf.nbytes, data.size):
+            # compressed on the wire (byteps/compression.py); the header keeps the dense length
+            body = op.codec.encode(data, op.dtype, key, rnd, self.rank)
+            flags = wire.FLAG_COMPRESSED
         else:
             body = data
         header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,
                            length=data.size if flags else len(body), dtype=op.dtype, arg=op.root, flags=flags)
         self.servers[server].send_multipart([header, body], copy=False)
+        self.bytes_sent[server] += len(header) + (body.nbytes if hasattr(body, "nbytes") else len(body))
 
     def _region(self, key, nbytes):
         """This key's shared staging region: (view, descriptor prefix), allocated once."""
@@ -630,7 +708,8 @@ class Engine:
             return
         group["reducing"] = True
         op, off = group["op"], group["off"]
-        length = min(self._partition_step(op), op.buf.nbytes - off)
+        # partitions differ in length (byteps/placement.py); an adopted one (join()) is its whole op
+        length = group.get("len", op.buf.nbytes - off)
         bad = [v for v in group["views"] if isinstance(v, Exception)]
         if bad:
             self._groups.pop((key, rnd))
@@ -685,7 +764,7 @@ class Engine:
             self._groups.pop((key, rnd))
             self._finish_local(key, rnd, op, view.size, error=str(op.error))
             return
-        self._push(op, key, rnd, (op.tkey + i) % len(self.servers), off, view, shared=prefix)
+        self._push(op, key, rnd, self.placement.server(op.tkey, i), off, view, shared=prefix)
 
     def _finish_local(self, key, rnd, op, length, desc=None, error=None):
         """LOCAL_BROADCAST: tell this partition's other local ranks where the result is (or the error)."""
@@ -705,11 +784,6 @@ class Engine:
         op.parts_left -= 1
         if op.parts_left == 0:
             op._finish()
-
-    def _partition_step(self, op):
-        """Partition size in bytes: at most BYTEPS_PARTITION_BYTES, a whole number of elements."""
-        size = dtypes.itemsize(op.dtype)
-        return max(size, self.cfg.partition_bytes // size * size)
 
     # ---------------------------------------------------------------- receiving
 
@@ -766,8 +840,11 @@ class Engine:
         if not sock.getsockopt(zmq.RCVMORE):
             op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied without a body")
             return None
+        if header.flags & wire.FLAG_COMPRESSED:  # the sum, encoded (byteps/compression.py)
+            return self._receive_compressed(sock, header, op, server, dst, expect)
         if header.flags & wire.FLAG_SHM:  # the sum is in the server's shared store
             body = sock.recv()
+            self.bytes_received[server] += wire.HEADER_SIZE + len(body)
             try:
                 src = self._maps.view(body)
             except ProtocolError as e:
@@ -781,10 +858,31 @@ class Engine:
                 return body
             copy_into(dst, src)
             return None
-        got = sock.recv_into(dst)
+        if expect < (1 << 31) - 1:
+            got = sock.recv_into(dst)
+        else:  # zmq_recv (under recv_into) reports at most INT_MAX bytes and truncates bigger frames
+            frame = sock.recv(copy=False)
+            got = len(frame)
+            if got == expect:
+                copy_into(dst, frame.buffer)
+        self.bytes_received[server] += wire.HEADER_SIZE + got
         if got != expect:
             op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied {got} bytes for "
                                                  f"a partition of {expect}")
+        return None
+
+    def _receive_compressed(self, sock, header, op, server, dst, expect):
+        """Decode a compressed REPLY straight into ``dst`` (vectorised; byteps/compression.py)."""
+        body = sock.recv(copy=False)
+        self.bytes_received[server] += wire.HEADER_SIZE + len(body)
+        try:
+            info = compression.parse(body.buffer)
+            if header.length != expect or info.nbytes != expect or info.dtype != op.dtype:
+                raise ProtocolError(f"it decodes to {info.nbytes} bytes of dtype code {info.dtype}, the partition "
+                                    f"is {expect} bytes of {dtypes.name(op.dtype)}")
+            compression.decode_into(info, dst.view(dtypes.numpy_view_dtype(op.dtype)))
+        except ProtocolError as e:
+            op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server}'s compressed reply: {e}")
         return None
 
     @staticmethod

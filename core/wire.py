@@ -10,7 +10,8 @@ offset type   field
 2      u8     version (:data:`VERSION`)
 3      u8     command (:class:`Cmd`)
 4      u8     dtype code (core/dtypes.py), 255 if none
-5      u8     flags: :data:`FLAG_SHM` = the body is a shared-memory descriptor (core/shm.py)
+5      u8     flags: :data:`FLAG_SHM` = the body is a shared-memory descriptor (core/shm.py);
+              :data:`FLAG_COMPRESSED` = the body is a compressed partition (byteps/compression.py)
 6      u16    reserved, 0
 8      u32    sender: the node id the scheduler assigned (0xFFFFFFFF before assignment)
 12     u32    arg: command argument (root rank for BROADCAST, error code, ...)
@@ -42,6 +43,8 @@ MAX_BODY = 1 << 33
 MAX_CONTROL_BODY = 16 << 20
 #: flag: the body is a shared-memory descriptor, not the data
 FLAG_SHM = 1
+#: flag: the body is a compressed partition (byteps/compression.py); ``length`` stays the dense byte count
+FLAG_COMPRESSED = 2
 
 
 class Cmd(enum.IntEnum):
@@ -68,10 +71,12 @@ class Cmd(enum.IntEnum):
     # local plane: worker processes of one machine (core/local.py)
     LOCAL_READY = 24   # -> partition owner: my copy is in shared memory here (FLAG_SHM descriptor)
     LOCAL_DONE = 25    # owner -> others: the machine's result is in shared memory here
+    ASYNC_PUSHPULL = 26  # worker -> server (BYTEPS_ENABLE_ASYNC): round 0 the parameters, then a delta;
+                         # reply: the server's latest parameters (docs/async.md)
 
 
 _CMDS = frozenset(int(c) for c in Cmd)
-_DATA_CMDS = frozenset({Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.REPLY, Cmd.LOCAL_READY, Cmd.LOCAL_DONE})
+_DATA_CMDS = frozenset({Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.REPLY, Cmd.LOCAL_READY, Cmd.LOCAL_DONE, Cmd.ASYNC_PUSHPULL})
 
 
 def pack(cmd, sender=NO_SENDER, key=0, round=0, length=0, dtype=NO_DTYPE, arg=0, flags=0):

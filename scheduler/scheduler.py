@@ -121,6 +121,14 @@ class Scheduler:
                                                    f"not {body['job_id']!r}"})
             logger.warning("refused a node of another job (%r)", body.get("job_id"))
             return
+        if bool(body.get("enable_async", False)) != self.cfg.enable_async:
+            # sync and async nodes cannot share a job: a server would sum where it should apply
+            mode = {True: "BYTEPS_ENABLE_ASYNC=1 (asynchronous)", False: "BYTEPS_ENABLE_ASYNC=0 (synchronous)"}
+            who = f"{role} {body.get('worker_id', '')} (pid {body.get('pid')} on {body.get('hostname')})"
+            reason = (f"mixing synchronous and asynchronous nodes in one job: {who} has "
+                      f"{mode[bool(body.get('enable_async'))]} but the scheduler has {mode[self.cfg.enable_async]}")
+            self._send(ident, Cmd.ERROR, {"error": reason})
+            self._fail(reason)
         if role == "server":
             if self.epoch == 0 and not self.running and len(self.servers) < self.cfg.num_server:
                 self.servers[ident] = dict(body)

@@ -14,6 +14,11 @@ which lives in shared memory too (core/shm.py). When a single machine pushes (on
 its processes reduced locally), the sum is that push: the server answers with the pusher's own
 region and copies nothing.
 
+A worker on another machine may send a compressed partition (FLAG_COMPRESSED, byteps/compression.py):
+the server decodes it into the store (which stays in the tensor's dtype), checks that every network
+push of the round is compressed alike, and answers those workers with the re-encoded sum where the
+method allows (raw otherwise).
+
 Each key has two stores used by alternate rounds: a worker can push round r+1 as soon as it
 has the reply of round r, while ZeroMQ may still be sending round r's replies to the others
 from the other store. Round r+2 cannot start before every worker has received round r.
@@ -27,12 +32,14 @@ import time
 
 import zmq
 
-from byteps import config as bps_config
+from byteps import compression, config as bps_config, placement
 from byteps.core import auth, dtypes, shm, wire
 from byteps.core._reduce import aligned_empty, copy_into, sum_into, sum_many
 from byteps.core.control import ControlClient
 from byteps.errors import BytePSError, ConfigError, PeerLostError, ProtocolError
 from byteps.log import logger, setup as setup_logging
+
+from .sum_pool import SumPool
 
 Cmd = wire.Cmd
 #: log a stall warning when a round has waited this long for its last pushes
@@ -42,27 +49,43 @@ STALL_WARNING_S = 60.0
 class _Round:
     """State of one key: the current round's arrivals and the two stores."""
 
-    __slots__ = ("round", "nbytes", "dtype", "stores", "shared", "senders", "waiters", "first", "since", "error",
-                 "root", "root_ident", "warned", "echo", "held", "header")
+    __slots__ = ("round", "nbytes", "dtype", "alloc", "_stores", "_shared", "senders", "waiters", "first", "since",
+                 "error", "root", "root_ident", "warned", "echo", "held", "header", "codec", "compressed", "residual",
+                 "key", "pending", "ready")
 
     def __init__(self, nbytes, dtype, alloc):
         self.round = 0
         self.nbytes = nbytes
         self.dtype = dtype
-        self.stores = self.shared = None
-        if nbytes is not None:
-            self.allocate(nbytes, alloc)
+        self.alloc = alloc
+        # the stores are allocated at first use, once a body of nbytes has arrived: never from a
+        # header's length field alone (a malformed header must not reserve gigabytes)
+        self._stores = self._shared = None
+        self.residual = None     # error feedback of this key's recompressed replies (byteps/compression.py)
+        self.key = 0
+        self.pending = 0         # sums of this round still running on an engine thread (summation/sum_pool.py)
         self.reset()
 
     def allocate(self, nbytes, alloc):
         """Two stores (alternate rounds), in shared memory when colocated workers may read them."""
         self.nbytes = nbytes
         if alloc is None:
-            self.stores = (aligned_empty(nbytes), aligned_empty(nbytes))
-            self.shared = None
+            self._stores = (aligned_empty(nbytes), aligned_empty(nbytes))
+            self._shared = None
         else:
             (a, pa), (b, pb) = alloc.alloc(nbytes), alloc.alloc(nbytes)
-            self.stores, self.shared = (a, b), (pa, pb)
+            self._stores, self._shared = (a, b), (pa, pb)
+
+    @property
+    def stores(self):
+        if self._stores is None:
+            self.allocate(self.nbytes, self.alloc)
+        return self._stores
+
+    @property
+    def shared(self):
+        _ = self.stores  # allocated together
+        return self._shared
 
     def reset(self):
         self.senders = []        # ranks that pushed this round, in arrival order
@@ -76,6 +99,9 @@ class _Round:
         self.echo = None         # a lone pusher's shared region: the sum is the push itself
         self.held = None         # the round's first push, not yet copied (a shared view or a zmq Frame)
         self.header = None       # the round's last header (to complete it when a rank joins)
+        self.codec = None        # (rank, parsed codec header or None) of the round's first network push
+        self.compressed = set()  # identities of the workers that pushed compressed (they get it back so)
+        self.ready = None        # header of a round whose messages are all in but whose sums still run
 
     @property
     def store(self):
@@ -93,7 +119,8 @@ class Server:
         self.data.setsockopt(zmq.LINGER, 1000)
         self.data.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.port = self.data.bind_to_random_port(f"tcp://{cfg.node_host}")
-        info = {"role": "server", "host": cfg.node_host, "port": self.port}
+        # ss_role: BYTEPS_SERVER_ROLE; "auto" is resolved from the address book (byteps/placement.py)
+        info = {"role": "server", "host": cfg.node_host, "port": self.port, "ss_role": cfg.server_role}
         self.alloc = self.probe = None
         if cfg.enable_ipc and shm.supported():
             self.alloc = shm.Allocator("byteps-server")
@@ -110,6 +137,7 @@ class Server:
         self.index = None
         self.epoch = None
         self.scratch = bytearray()
+        self.pool = SumPool(cfg.server_engine_threads)  # BYTEPS_SERVER_ENGINE_THREAD
 
     # ---------------------------------------------------------------- control plane
 
@@ -126,6 +154,7 @@ class Server:
             self.control.node_id = body["you"]["node_id"]
             self.ranks = {w["node_id"]: w["rank"] for w in body["workers"]}
             logger.info("server %d serving %d workers (epoch %d)", self.index, self.num_workers, self.epoch)
+            self._log_role(body)
             # workers get the address book only after every server has answered this
             self.control.send(Cmd.ADDRBOOK, {"epoch": self.epoch})
         elif header.cmd == Cmd.LEAVE:
@@ -141,6 +170,16 @@ class Server:
         elif header.cmd == Cmd.ERROR:
             raise BytePSError(f"the scheduler refused this server: {body.get('error')}")
         return None
+
+    def _log_role(self, book):
+        """Say which role (colocated SS_GPU / standalone SS_CPU) and share of the model this server has."""
+        roles = placement.server_roles(book)
+        weights = placement.weights_for_book(book, roles)
+        logger.info("server %d on %s is %s (%s): sums %d/%d of every partition's bytes", self.index,
+                    self.cfg.node_host, roles[self.index],
+                    "BYTEPS_SERVER_ROLE" if self.cfg.server_role != "auto" else "same host as a worker"
+                    if roles[self.index] == "colocated" else "no worker on its host", weights[self.index],
+                    sum(weights))
 
     def _reset_keys(self):
         self.keys.clear()
@@ -158,7 +197,7 @@ class Server:
         for st in self.keys.values():  # rounds that were waiting only for a rank that just joined
             h = st.header
             if h is not None and h.cmd == Cmd.PUSHPULL and st.senders and len(st.senders) >= self.active_pushers:
-                self._complete(st, h)
+                self._maybe_complete(st, h)
 
     def _expected(self, cmd):
         """Messages that complete a round: one push_pull per machine still pushing; every rank for a broadcast."""
@@ -203,7 +242,7 @@ class Server:
                     logger.warning("ignored data from an unauthenticated peer %r (it never proved it knows "
                                    "BYTEPS_JOB_SECRET)", ident)
                 return
-            if header.cmd not in (Cmd.PUSHPULL, Cmd.BROADCAST):
+            if header.cmd not in (Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.ASYNC_PUSHPULL):
                 raise ProtocolError(f"{Cmd(header.cmd).name} is not a data request")
             if self.num_workers is None:
                 raise ProtocolError("data arrived before the address book")
@@ -214,6 +253,13 @@ class Server:
             logger.warning("rejected a malformed data message: %s", e)
             return
         rank = self.ranks.get(header.sender, f"node {header.sender}")
+        # before any state exists for the key: an unknown dtype code must not become the key's dtype,
+        # and a length that is not whole elements must not reach the sum kernels (both found by fuzzing)
+        if header.dtype not in dtypes.INFO or header.length % dtypes.itemsize(header.dtype):
+            self._discard_rest()
+            self._reply_error(ident, header, f"key {wire.split_key(header.key)}: rank {rank} sent {header.length} "
+                                             f"bytes of dtype code {header.dtype}: not whole elements of a known dtype")
+            return
         if self.joined and header.cmd == Cmd.BROADCAST:  # as in Horovod: not while ranks have joined
             self._discard_rest()
             self._reply_error(ident, header, f"broadcast is not supported while ranks {list(self.joined)} have "
@@ -222,8 +268,17 @@ class Server:
         st = self.keys.get(header.key)
         if st is None:
             # a broadcast's size is known only from the root's message
-            size = header.length if header.cmd == Cmd.PUSHPULL else None
+            size = header.length if header.cmd != Cmd.BROADCAST else None
             st = self.keys[header.key] = _Round(size, header.dtype, self.alloc)
+            st.key = header.key
+        if header.cmd == Cmd.ASYNC_PUSHPULL:
+            if not self.cfg.enable_async:  # the scheduler refuses such jobs; never sum parameters
+                self._discard_rest()
+                self._reply_error(ident, header, "asynchronous push_pull sent to a synchronous server "
+                                                 "(BYTEPS_ENABLE_ASYNC differs)")
+                return
+            self._on_async(st, header, rank, ident)
+            return
         if not st.senders:
             st.since = time.monotonic()
         problem = st.error or self._check(st, header, rank)
@@ -237,7 +292,91 @@ class Server:
         st.waiters.append((ident, header.flags & wire.FLAG_SHM))
         st.header = header
         if len(st.senders) >= self._expected(header.cmd):
-            self._complete(st, header)
+            self._maybe_complete(st, header)
+
+    # ---------------------------------------------------------------- asynchronous training
+
+    def _on_async(self, st, h, rank, ident):
+        """BYTEPS_ENABLE_ASYNC: the store holds the parameters, not a round's sum (docs/async.md).
+
+        Round 0 of a key initialises it: every worker sends its parameters, the store takes rank
+        0's (never zeros: the defect of BytePS's async mode), and all get them back. From round 1
+        each push is a delta, applied and answered at once, with no barrier between workers. The
+        reply is a snapshot (a copy): the store changes with the next delta, so a zero-copy or
+        shared-memory reply could be read half-updated.
+        """
+        if st.round == 0:
+            if not st.senders:
+                st.since = time.monotonic()
+            problem = st.error or self._check(st, h, rank)
+            if problem is None:
+                problem = self._take_async(st, h, rank, initial=True)
+            else:
+                self._discard_rest()
+            if problem is not None and st.error is None:
+                st.error = problem
+            st.senders.append(rank)
+            st.waiters.append((ident, 0))
+            if len(st.senders) >= self.num_workers:
+                if st.error is None and 0 not in st.senders:
+                    st.error = f"key {wire.split_key(h.key)}: rank 0 never sent the initial parameters"
+                if st.error is not None:
+                    logger.warning("%s", st.error)
+                    for waiter, _ in st.waiters:
+                        self._reply_error(waiter, h, st.error)
+                    st.reset()  # a failed initialisation may be retried
+                    return
+                snapshot = st.stores[0].tobytes()
+                for waiter, _ in st.waiters:
+                    self._async_reply(waiter, h, st, snapshot)
+                st.round = 1
+                st.reset()
+            return
+        name = f"key {wire.split_key(h.key)}"
+        if h.round == 0:
+            problem = f"{name}: rank {rank} sent its initial parameters twice"
+        elif (h.length, h.dtype) != (st.nbytes, st.dtype):
+            problem = (f"{name}: rank {rank} pushed a delta of {h.length} bytes of {dtypes.name(h.dtype)} but the "
+                       f"parameters are {st.nbytes} bytes of {dtypes.name(st.dtype)}")
+        else:
+            problem = self._take_async(st, h, rank, initial=False)
+        if problem is not None:
+            self._discard_rest()
+            logger.warning("%s", problem)
+            self._reply_error(ident, h, problem)
+            return
+        self._async_reply(ident, h, st, st.stores[0].tobytes())
+
+    def _take_async(self, st, h, rank, initial):
+        """Receive one async message: rank 0's initial parameters are copied into the store, other
+        ranks' are only checked; a delta is added to the store. Returns an error message or None."""
+        store = st.stores[0]
+        if initial and st.first is None:
+            st.first = (rank, h.length, h.dtype)
+        if h.flags & wire.FLAG_SHM:
+            try:
+                src = self.maps.view(self.data.recv())
+            except ProtocolError as e:
+                self._discard_rest()
+                return f"key {wire.split_key(h.key)}: rank {rank}'s shared memory: {e}"
+            data = src
+        else:
+            frame = self.data.recv(copy=False)
+            data = frame.buffer
+        self._discard_rest()
+        got = len(data) if not hasattr(data, "nbytes") else data.nbytes
+        if got != h.length:
+            return f"key {wire.split_key(h.key)}: rank {rank}'s header says {h.length} bytes but {got} arrived"
+        if initial:
+            if rank == 0:
+                copy_into(store, data)
+        else:
+            sum_into(store, data, h.dtype)
+        return None
+
+    def _async_reply(self, ident, h, st, snapshot):
+        self._send([ident, wire.pack(Cmd.REPLY, sender=self.control.node_id, key=h.key, round=h.round,
+                                     length=len(snapshot), dtype=st.dtype), snapshot], copy=False)
 
     def _on_handshake(self, ident, header):
         try:
@@ -287,9 +426,13 @@ class Server:
                 self._discard_rest()
                 return None
             st.root_ident = ident
-            if st.nbytes != h.length or st.dtype != h.dtype:
-                st.dtype = h.dtype
-                st.allocate(h.length, self.alloc)
+            if st.nbytes != h.length or st.dtype != h.dtype:  # new stores at first use (_Round.stores)
+                st.nbytes, st.dtype, st._stores, st._shared = h.length, h.dtype, None, None
+        if h.flags & wire.FLAG_COMPRESSED or (h.cmd == Cmd.PUSHPULL and not h.flags & wire.FLAG_SHM):
+            problem = self._accept_compressed(st, h, rank, ident)
+            if problem is not None or h.flags & wire.FLAG_COMPRESSED:
+                self._discard_rest()
+                return problem
         if h.flags & wire.FLAG_SHM:
             body = self.data.recv()
             try:
@@ -305,7 +448,10 @@ class Server:
             elif got == h.length:
                 self._add(st, src, src, h.dtype)
         elif h.cmd == Cmd.BROADCAST:
-            got = self.data.recv_into(st.store)
+            frame = self.data.recv(copy=False)
+            got = len(frame)
+            if got == h.length:  # the store is allocated only for a body of the announced size
+                copy_into(st.store, frame.buffer)
         else:
             frame = self.data.recv(copy=False)
             got = len(frame)
@@ -316,18 +462,99 @@ class Server:
             return f"key {wire.split_key(h.key)}: rank {rank}'s header says {h.length} bytes but {got} arrived"
         return None
 
-    @staticmethod
-    def _add(st, keep, data, dtype):
+    def _add(self, st, keep, data, dtype):
         """Fold one push into the round. The first is only held (its shared region or zmq frame stays
         valid until the round's replies); the second makes store = first + second in one pass
         (sum_many: 3 buffers of traffic instead of a copy then a sum, 5); later ones add in place."""
+        store = st.store
         if st.senders == [] and st.held is None:
             st.held = (keep, data)
         elif st.held is not None:
-            sum_many(st.store, [st.held[1], data], dtype)
-            st.held = None
+            first, st.held = st.held, None
+            self._sum(st, lambda: sum_many(store, [first[1], data], dtype), first, keep)
         else:
-            sum_into(st.store, data, dtype)
+            self._sum(st, lambda: sum_into(store, data, dtype), keep)
+
+    def _sum(self, st, fn, *keep):
+        """Run a summation into the round's store: inline, or on the key's engine thread (the closure
+        keeps the pushes' frames or shared views alive until it has run)."""
+        if self.pool.threads <= 0:
+            fn()
+            return
+        st.pending += 1
+        self.pool.submit(st.key, fn)
+
+    def _on_summed(self):
+        """Engine threads finished sums: complete the rounds that were waiting only for them."""
+        self.pool.drain_wakeups()
+        while self.pool.done:
+            key, error = self.pool.done.popleft()
+            st = self.keys.get(key)
+            if st is None:
+                continue
+            st.pending -= 1
+            if error is not None and st.error is None:
+                st.error = f"key {wire.split_key(key)}: summation failed: {error!r}"
+            if st.pending == 0 and st.ready is not None:
+                h, st.ready = st.ready, None
+                self._complete(st, h)
+
+    def _maybe_complete(self, st, h):
+        if st.pending:
+            st.ready = h  # _on_summed completes it
+            return
+        self._complete(st, h)
+
+    def _accept_compressed(self, st, h, rank, ident):
+        """Compression of a network push (byteps/compression.py). Every push of a round that crosses
+        the network must be compressed alike (shared-memory pushes from this machine never are);
+        a compressed body is decoded (vectorised) and added into the store, which stays in the
+        tensor's dtype. Returns an error message or None; a raw push is left for _accept to take."""
+        name = f"key {wire.split_key(h.key)}"
+        info = None
+        if h.flags & wire.FLAG_COMPRESSED:
+            frame = self.data.recv(copy=False)
+            if h.cmd != Cmd.PUSHPULL or h.flags & wire.FLAG_SHM:
+                return f"{name}: rank {rank} sent a compressed {Cmd(h.cmd).name}; only push_pull is compressed"
+            try:
+                info = compression.parse(frame.buffer)
+            except ProtocolError as e:
+                return f"{name}: rank {rank}'s compressed push: {e}"
+            if info.nbytes != h.length or info.dtype != h.dtype:
+                return (f"{name}: rank {rank}'s compressed push decodes to {info.nbytes} bytes of dtype code "
+                        f"{info.dtype} but its header says {h.length} bytes of {dtypes.name(h.dtype)}")
+        if st.codec is None:
+            st.codec = (rank, info)
+        elif (None if st.codec[1] is None else st.codec[1].identity()) != (None if info is None else info.identity()):
+            return (f"{name}: compression differs across workers: rank {st.codec[0]} pushed "
+                    f"{compression.describe(st.codec[1])}, rank {rank} pushed {compression.describe(info)}; "
+                    "every worker must compress this tensor alike (same method, options, seed and "
+                    "BYTEPS_MIN_COMPRESS_BYTES)")
+        if info is None:
+            return None
+        store = st.store
+        out = store.view(dtypes.numpy_view_dtype(h.dtype))
+        first = not st.senders and st.held is None
+        held, st.held = st.held, None
+
+        def decode():
+            if held is not None:  # a raw first push is held, not yet in the store
+                copy_into(store, held[1])
+            compression.decode_into(info, out, accumulate=not first)
+        self._sum(st, decode, held, frame)
+        st.compressed.add(ident)
+        return None
+
+    def _recompress(self, st, h):
+        """The reply for workers that pushed compressed: the re-encoded sum, or None (send it raw)."""
+        try:
+            blob, st.residual = compression.recompress(st.codec[1], st.store.view(dtypes.numpy_view_dtype(st.dtype)),
+                                                       h.key, st.round, self.control.node_id, st.residual)
+        except ProtocolError as e:  # cannot happen for a blob that parsed; answer raw rather than fail
+            logger.warning("key %s: recompressing the sum failed (%s); replying uncompressed",
+                           wire.split_key(h.key), e)
+            return None
+        return blob
 
     def _complete(self, st, h):
         node = self.control.node_id
@@ -342,10 +569,13 @@ class Server:
                 self._reply_error(ident, h, st.error)
         else:
             store = st.store
+            packed = self._recompress(st, h) if st.compressed else None
             for ident, shared in st.waiters:
                 flags = 0
                 if h.cmd == Cmd.BROADCAST and ident == st.root_ident:
                     body = b""  # the broadcast root already has the data
+                elif packed is not None and ident in st.compressed:
+                    body, flags = packed, wire.FLAG_COMPRESSED  # length stays the dense size
                 elif st.echo is not None:
                     body, flags = st.echo, wire.FLAG_SHM
                 elif shared:
@@ -372,6 +602,8 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.data, zmq.POLLIN)
         poller.register(self.control.sock, zmq.POLLIN)
+        if self.pool.fd is not None:
+            poller.register(self.pool.fd, zmq.POLLIN)
         tick_ms = min(self.cfg.heartbeat_interval, 1.0) * 1000
         while True:
             events = dict(poller.poll(timeout=tick_ms))
@@ -380,6 +612,8 @@ class Server:
                 if code is not None:
                     logger.info("job complete; server exiting")
                     return code
+            if self.pool.fd in events:
+                self._on_summed()
             if self.data in events:
                 # drain a burst of data messages before looking at the clock again
                 for _ in range(64):
@@ -390,6 +624,7 @@ class Server:
             self._warn_stalls()
 
     def close(self):
+        self.pool.close()
         self.data.close(linger=1000)
         self.control.close()
         self.maps.close()

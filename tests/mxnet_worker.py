@@ -243,8 +243,42 @@ def check_errors(out):
     out["errors"] = errors
 
 
+def check_async(out, numel=700, steps=15):
+    """BYTEPS_ENABLE_ASYNC: SGD(lr=1) on gradients -delta with integer deltas; returns this rank's
+    delta sum and the final values, which must be rank 0's start plus every rank's deltas."""
+    r = bps.rank()
+    param = mx.gluon.Parameter("w", shape=(numel,), dtype="float64")
+    param.initialize(mx.init.Constant(0))
+    param.set_data(mx.nd.array(np.arange(numel) * (r + 1) - 3 * r, dtype="float64"))
+    trainer = bps.DistributedTrainer([param], "sgd", {"learning_rate": 1.0})
+    g = np.random.default_rng(31 + r)
+    total = np.zeros(numel)
+    for _ in range(steps):
+        delta = g.integers(-1000, 1001, numel).astype(np.float64)
+        with autograd.record():  # gradient of sum(w * -delta) is -delta
+            loss = (param.data() * mx.nd.array(-delta, dtype="float64")).sum()
+        loss.backward()
+        trainer.step(1)
+        total += delta
+    bps.barrier()
+    with autograd.record():
+        loss = (param.data() * 0).sum()
+    loss.backward()
+    trainer.step(1)  # a zero delta pulls the latest values
+    out["async_total"] = total.tolist()
+    out["async_final"] = param.data().asnumpy().tolist()
+
+
 def main():
     outdir = sys.argv[1]
+    if sys.argv[2:] == ["async"]:
+        bps.init()
+        out = {"rank": bps.rank()}
+        check_async(out)
+        with open(os.path.join(outdir, f"result.{bps.rank()}.json"), "w") as f:
+            json.dump(out, f)
+        bps.shutdown()
+        return
     t0 = time.monotonic()
     bps.init()
     out = {"rank": bps.rank(), "size": bps.size(), "local_rank": bps.local_rank(), "local_size": bps.local_size(),

@@ -304,3 +304,32 @@ def _fit_more(keras, bps, r):
             "opt_vars": [np.asarray(v).astype(np.float64).tolist() for v in model.optimizer.variables],
             "loss": [float(v) for v in hist.history["loss"]],
             "iterations": int(model.optimizer.iterations.numpy())}
+
+
+@scenario
+def tf_async(out, args):
+    """BYTEPS_ENABLE_ASYNC: integer deltas applied by SGD(lr=1) with gradients -delta, eagerly and
+    inside tf.function; returns the sum of this rank's deltas and the final values."""
+    tf = _tf()
+    import keras
+
+    import byteps.tensorflow as bps
+
+    r, numel = bps.rank(), args["numel"]
+    var = tf.Variable(np.arange(numel, dtype=np.float64) * (r + 1) - 3 * r)
+    opt = bps.DistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0))
+    total = np.zeros(numel)
+    g = np.random.default_rng(31 + r)
+
+    @tf.function
+    def traced(grad):
+        opt.apply_gradients([(grad, var)])
+
+    for step in range(args["steps"]):
+        delta = g.integers(-1000, 1001, numel).astype(np.float64)
+        apply = traced if step % 2 else (lambda grad: opt.apply_gradients([(grad, var)]))
+        apply(tf.constant(-delta))
+        total += delta
+    bps.barrier()
+    opt.apply_gradients([(tf.zeros(numel, dtype=tf.float64), var)])  # a zero delta pulls the latest
+    return {"total": total.tolist(), "final": var.numpy().tolist()}

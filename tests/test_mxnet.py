@@ -61,12 +61,12 @@ def _clean_env():
     return env
 
 
-def launch(argv, cwd, workers=2, servers=2, timeout=240):
+def launch(argv, cwd, workers=2, servers=2, timeout=240, env=None):
     """Run argv under .venv-mxnet's bpslaunch; returns the CompletedProcess (output merged)."""
     cmd = [PYTHON, "-m", "byteps.launcher", "--local", "--workers", str(workers), "--servers", str(servers),
            "--timeout", str(timeout - 20), "--", PYTHON, *argv]
-    return subprocess.run(cmd, cwd=cwd, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env={**_clean_env(), **(env or {})}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +239,18 @@ def test_single_process_without_launcher(fresh_env, tmp_path):
                        timeout=100)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "single ok" in p.stdout
+
+
+def test_async_trainer_keeps_every_update(fresh_env, tmp_path):
+    """BYTEPS_ENABLE_ASYNC with DistributedTrainer: start from rank 0's values, end at them plus
+    every delta of every worker (exact: integer deltas in float64)."""
+    p = launch([WORKER, str(tmp_path), "async"], cwd=tmp_path, env={"BYTEPS_ENABLE_ASYNC": "1",
+                                                                   "BYTEPS_PARTITION_BYTES": "1024"})
+    assert p.returncode == 0, p.stdout[-8000:]
+    res = {}
+    for r in (0, 1):
+        with open(tmp_path / f"result.{r}.json") as f:
+            res[r] = json.load(f)
+    want = np.arange(700, dtype=np.float64) + sum(np.array(res[r]["async_total"]) for r in (0, 1))
+    for r in (0, 1):
+        np.testing.assert_array_equal(np.array(res[r]["async_final"]), want)

@@ -134,3 +134,40 @@ def test_len_and_in_flight(credit):
     assert len(q) == 2
     q.pop()
     assert len(q) == 1 and q.in_flight == 3 and q.credit == credit
+
+
+# ---------------------------------------------------------------- stage lists (core/stages.py)
+
+def test_stage_lists_per_role():
+    from byteps.core.stages import Stage, stage_list
+
+    S = Stage
+    assert stage_list(owner=True, local_size=1, local_reduce=False, colocated=False) == (S.PUSH, S.PULL)
+    assert stage_list(owner=True, local_size=1, local_reduce=False, colocated=True) == (S.STAGE, S.PUSH, S.PULL)
+    assert stage_list(owner=True, local_size=4, local_reduce=True, colocated=True) == \
+        (S.LOCAL_REDUCE, S.PUSH, S.PULL, S.LOCAL_BROADCAST)
+    assert stage_list(owner=False, local_size=4, local_reduce=True, colocated=True) == \
+        (S.COORDINATE, S.LOCAL_BROADCAST)
+    # broadcasts never reduce locally
+    assert stage_list(owner=False, local_size=4, local_reduce=True, colocated=False, kind="broadcast") == \
+        (S.PUSH, S.PULL)
+    gpu = ((S.COPYD2H,), (S.COPYH2D,))
+    assert stage_list(owner=True, local_size=1, local_reduce=False, colocated=False, device="cuda",
+                      gpu_stages=gpu) == (S.COPYD2H, S.PUSH, S.PULL, S.COPYH2D)
+
+
+@pytest.mark.parametrize("raw,needle", [("stage", "must name a stage to drop"), ("-bogus", "unknown stage 'bogus'"),
+                                        ("-push", "cannot be dropped")])
+def test_pipeline_override_errors(raw, needle):
+    from byteps.config import load
+    from byteps.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        load({"BYTEPS_PIPELINE": raw})
+
+
+def test_pipeline_override_parses():
+    from byteps.core.stages import Stage, parse_override
+
+    assert parse_override("") == set()
+    assert parse_override("-stage, -LOCAL_REDUCE") == {Stage.STAGE, Stage.LOCAL_REDUCE}

@@ -74,8 +74,10 @@ def candidates(spec, n, rnd):
     return out
 
 
-def check_matrix(cluster, machines, k, shapes, rounds=2, extreme=True, ipc=True, local_size=1, push="owners"):
-    env = dict(PARTITION_ENV, BYTEPS_ENABLE_IPC="1" if ipc else "0", BYTEPS_LOCAL_PUSH=push)
+def check_matrix(cluster, machines, k, shapes, rounds=2, extreme=True, ipc=True, local_size=1, push="owners",
+                 extra_env=None, colocated=None):
+    env = dict(PARTITION_ENV, BYTEPS_ENABLE_IPC="1" if ipc else "0", BYTEPS_LOCAL_PUSH=push, **(extra_env or {}))
+    colocated = ipc if colocated is None else colocated
     n = machines * local_size  # ranks
     if n == 1:
         env["BYTEPS_FORCE_DISTRIBUTED"] = "1"
@@ -89,7 +91,7 @@ def check_matrix(cluster, machines, k, shapes, rounds=2, extreme=True, ipc=True,
     res = c.results()
     assert sorted(res) == list(range(n)), f"results from ranks {sorted(res)}\n{c.all_logs()}"
     for r in range(n):  # the transport under test was really used
-        assert res[r].get("colocated") == [ipc] * k, (r, res[r].get("colocated"))
+        assert res[r].get("colocated") == [colocated] * k, (r, res[r].get("colocated"))
         assert res[r].get("local_reduce") == (local_size if local_size > 1 else None), res[r]
     for r in range(n):
         assert "error" not in res[r], f"rank {r}: {res[r].get('error')}\n{c.all_logs()}"
@@ -172,3 +174,41 @@ def test_candidates_sanity():
     assert torch.equal(candidates(spec, 3, 0)[0].int(), torch.div(wrapped, 3, rounding_mode="floor"))
     spec = {"dtype": "float16", "shape": [50], "kind": "int", "average": False}
     assert torch.equal(candidates(spec, 4, 1)[0].double(), sum(make_tensor(r, spec, 1).double() for r in range(4)))
+
+
+# Pipeline variants (core/stages.py, summation/sum_pool.py): server engine threads, the STAGE copy
+# on its own thread (partitions >= 256 KB), and BYTEPS_PIPELINE dropping optional stages.
+BIG_SHAPES = [(1001,), (200000,), (3, 70001)]  # 800 KB and 840 KB of float32: 300 KB pieces per server
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("n,k,threads,ipc", [(3, 2, 2, True), (2, 1, 3, False), (4, 2, 1, True)],
+                         ids=["3w2s-2threads-shm", "2w1s-3threads-tcp", "4w2s-1thread-shm"])
+def test_server_engine_threads(cluster, n, k, threads, ipc):
+    check_matrix(cluster, n, k, SMALL_SHAPES + [(3, 257)], rounds=3, ipc=ipc,
+                 extra_env={"BYTEPS_SERVER_ENGINE_THREAD": str(threads)})
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("threads", [0, 2])
+def test_copy_stage_thread_with_large_partitions(cluster, threads):
+    check_matrix(cluster, 2, 2, BIG_SHAPES, rounds=3, extreme=False,
+                 extra_env={"BYTEPS_PARTITION_BYTES": "600000", "BYTEPS_SERVER_ENGINE_THREAD": str(threads)})
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_without_stage_copy_uses_tcp(cluster):
+    check_matrix(cluster, 2, 1, SMALL_SHAPES, ipc=True, colocated=False, extra_env={"BYTEPS_PIPELINE": "-stage"})
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_without_local_reduce(cluster):
+    """BYTEPS_PIPELINE=-local_reduce: a machine's processes push separately (no local reduce)."""
+    env = dict(PARTITION_ENV, BYTEPS_PIPELINE="-local_reduce")
+    c = cluster(1, 1, local_size=2, env=env)
+    c.run_workers("torch_sums", {"tensors": specs([(5,), (1001,)], order_free=True), "rounds": 1})
+    codes, _, _ = c.wait_all(90)
+    assert codes == [0, 0], c.all_logs()
+    res = c.results()
+    assert [res[r]["local_reduce"] for r in (0, 1)] == [None, None], res
+    assert res[0]["value"] == res[1]["value"]

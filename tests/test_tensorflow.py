@@ -249,3 +249,14 @@ def test_fit_adam_embedding_batchnorm_passes(tfjob):
         assert fits[r]["opt_vars"] == fits[0]["opt_vars"], f"rank {r}'s optimizer state differs from rank 0's"
     assert all(np.isfinite(fits[0]["loss"]))
     assert fits[0]["iterations"] == 2 * (96 // 8) // 2  # one update per two backward passes
+
+
+def test_async_mode_keeps_every_update(tmp_path):
+    """BYTEPS_ENABLE_ASYNC with the Keras DistributedOptimizer (eager and tf.function): the servers
+    start from rank 0's values and end at them plus every delta every worker pushed."""
+    n, numel = 2, 700
+    run = Run(tmp_path, "tf_async", n, 2, {"numel": numel, "steps": 20},
+              env={"BYTEPS_ENABLE_ASYNC": "1", "BYTEPS_PARTITION_BYTES": "1024"}, timeout=240)
+    want = np.arange(numel, dtype=np.float64) + sum(np.array(run.value(r)["total"]) for r in range(n))
+    for r in range(n):
+        np.testing.assert_array_equal(np.array(run.value(r)["final"]), want)

@@ -6,6 +6,7 @@ numpy 1.23.5 in their own virtual environment (``make mxnet-env``); see docs/mxn
 """
 from byteps.common import barrier, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
+from .compression import Compression
 from .functions import broadcast_parameters
 from .ops import (broadcast_, broadcast_async_, byteps_declare_tensor, byteps_push_pull, poll, push_pull,
                   push_pull_async, synchronize)
@@ -14,4 +15,4 @@ from .optimizer import DistributedOptimizer, DistributedTrainer
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "barrier",
            "push_pull", "push_pull_async", "byteps_push_pull", "byteps_declare_tensor", "broadcast_",
            "broadcast_async_", "poll", "synchronize", "broadcast_parameters", "DistributedOptimizer",
-           "DistributedTrainer"]
+           "DistributedTrainer", "Compression"]

@@ -12,6 +12,8 @@ import numpy as np
 from byteps import common
 from byteps.core import dtypes
 
+from .compression import wire_codec
+
 __all__ = ["push_pull", "push_pull_async", "byteps_push_pull", "byteps_declare_tensor", "broadcast_",
            "broadcast_async_", "poll", "synchronize"]
 
@@ -41,7 +43,7 @@ def _check(tensor, name):
         raise TypeError(f"byteps: tensor {name!r} has storage type {stype!r}; only dense NDArrays are supported")
 
 
-def _start(tensor, name, average, priority, root=None, prefix="push_pull"):
+def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None):
     name = name if name is not None else common.auto_name(prefix)
     _check(tensor, name)
     code = dtype_code(tensor, name)
@@ -60,10 +62,11 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull"):
         return tensor
 
     return common.submit(name, work.reshape(-1).view(np.uint8), code, tuple(tensor.shape), broadcast_root=root,
-                         priority=priority, finalize=finalize)
+                         priority=priority, finalize=finalize, asynchronous=asynchronous,
+                         compression=wire_codec(compression) if compression not in (None, False) else compression)
 
 
-def push_pull_async(tensor, average=True, name=None, priority=0):
+def push_pull_async(tensor, average=True, name=None, priority=0, compression=None):
     """Start summing ``tensor`` over all workers; returns a handle.
 
     The result is written into ``tensor`` (in place) by :func:`synchronize`, which returns it.
@@ -74,13 +77,15 @@ def push_pull_async(tensor, average=True, name=None, priority=0):
         name: the same on every worker and unique among in-flight operations; unnamed calls get
             ``push_pull.noname.<n>``, numbered in call order.
         priority: larger runs earlier when the pipeline has a choice.
+        compression: a wire compressor (``Compression.onebit(...)``, ...; docs/compression.md) for
+            the partitions that cross the network; None: the job's default (BYTEPS_COMPRESSOR).
     """
-    return _start(tensor, name, average, priority)
+    return _start(tensor, name, average, priority, compression=compression)
 
 
-def push_pull(tensor, average=True, name=None, priority=0):
+def push_pull(tensor, average=True, name=None, priority=0, compression=None):
     """Sum (or average) ``tensor`` over all workers, in place; returns ``tensor``."""
-    return synchronize(push_pull_async(tensor, average, name, priority))
+    return synchronize(push_pull_async(tensor, average, name, priority, compression))
 
 
 def byteps_push_pull(tensor, version=0, priority=0, name=None, is_average=True):
@@ -92,7 +97,8 @@ def byteps_push_pull(tensor, version=0, priority=0, name=None, is_average=True):
 def byteps_declare_tensor(name, **kwargs):
     """Accepted for BytePS compatibility; does nothing. Keys do not depend on declaration order:
     the scheduler assigns one per name when every worker first uses it and checks shapes and dtypes
-    agree. Compressor keyword arguments are ignored (no compression yet)."""
+    agree. Compressor keyword arguments are ignored here: pass ``compression=`` to push_pull, or
+    ``compression_params`` to DistributedTrainer (docs/compression.md)."""
     common._require()
 
 

@@ -3,7 +3,8 @@ import mxnet as mx
 
 from byteps import common
 
-from .ops import broadcast_async_, push_pull_async, synchronize
+from .compression import from_params
+from .ops import _start, broadcast_async_, push_pull_async, synchronize
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
@@ -18,11 +19,12 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     :func:`broadcast_parameters` first (or use :class:`DistributedTrainer`).
     """
 
-    def __init__(self, optimizer):  # pylint: disable=super-init-not-called
+    def __init__(self, optimizer, compression=None):  # pylint: disable=super-init-not-called
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, not {type(optimizer).__name__}")
         # No Optimizer.__init__: all state lives in the wrapped optimizer.
         self.__dict__["_optimizer"] = optimizer
+        self.__dict__["_bps_compression"] = compression  # a wire compressor (docs/compression.md) or None
 
     def __getattr__(self, item):
         if item == "_optimizer":  # during unpickling, before __setstate__
@@ -41,11 +43,13 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     def _do_push_pull(self, index, grad):
         if common.size() == 1:
             return
+        comp = self.__dict__.get("_bps_compression")
         if isinstance(index, (tuple, list)):
-            handles = [push_pull_async(g, average=True, name=f"gradient_{i}", priority=-i)
+            handles = [push_pull_async(g, average=True, name=f"gradient_{i}", priority=-i, compression=comp)
                        for i, g in zip(index, grad)]
         else:
-            handles = [push_pull_async(grad, average=True, name=f"gradient_{index}", priority=-index)]
+            handles = [push_pull_async(grad, average=True, name=f"gradient_{index}", priority=-index,
+                                       compression=comp)]
         for h in handles:
             synchronize(h)
 
@@ -126,13 +130,17 @@ class DistributedTrainer(mx.gluon.Trainer):
         optimizer: an optimizer name or an ``mx.optimizer.Optimizer`` (not a DistributedOptimizer).
         optimizer_params: keyword arguments for a named optimizer.
         root_rank: the rank whose initial parameters every worker receives.
-        compression_params: BytePS's gradient compression; not implemented yet, must be None.
+        compression_params: BytePS's gradient compression, a dict such as ``{"compressor": "onebit",
+            "ef": "vanilla"}`` (keys: byteps.compression.from_params; docs/compression.md); applied
+            to every gradient on the wire.
+
+    With ``BYTEPS_ENABLE_ASYNC=1`` the trainer trains asynchronously (docs/async.md): parameters
+    start from rank 0's (kept by the servers), ``step()`` updates locally from this worker's own
+    gradients, pushes each parameter's delta and continues from the servers' latest values.
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, root_rank=0, compression_params=None):
-        if compression_params:
-            raise NotImplementedError("byteps.mxnet.DistributedTrainer: gradient compression (compression_params) "
-                                      "is not implemented yet")
+        codec = from_params(compression_params)  # ValueError naming a bad key before anything starts
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("DistributedTrainer already sums gradients; pass the plain optimizer, "
                             "not a DistributedOptimizer (that would reduce every gradient twice)")
@@ -142,9 +150,13 @@ class DistributedTrainer(mx.gluon.Trainer):
             params = sorted(params, key=lambda p: getattr(p, "name", ""))
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
         self._bps_size = common.size()
-        # Trainer.step() sets rescale_grad = _scale / batch_size: dividing by size() turns the
-        # push_pull sum into the average over every worker's batch.
-        self._scale /= self._bps_size
+        self._bps_codec = codec
+        self._bps_async = common.config().enable_async and common.config().distributed
+        self._bps_pulled = {}  # asynchronous mode: parameter -> values last pulled from the servers
+        if not self._bps_async:
+            # Trainer.step() sets rescale_grad = _scale / batch_size: dividing by size() turns the
+            # push_pull sum into the average over every worker's batch.
+            self._scale /= self._bps_size
         self._root_rank = root_rank
         self._bps_names = {id(p): n for p, n in zip(self._params, _unique_names(self._params))}
         self._init_params()
@@ -157,7 +169,11 @@ class DistributedTrainer(mx.gluon.Trainer):
                 deferred.append(param)
                 continue
             arrays = param.list_data()
-            if self._bps_size > 1:
+            if self._bps_async:  # round 0 of the parameter's asynchronous key: rank 0's values win
+                pulled = arrays[0].copy()
+                self._bps_pulled[id(param)] = pulled
+                pending.append((self._async_start(param, pulled), [pulled, *arrays]))
+            elif self._bps_size > 1:
                 handle = broadcast_async_(arrays[0], self._root_rank, name="Parameter." + self._bps_names[id(param)])
                 pending.append((handle, arrays))
         for handle, arrays in pending:
@@ -166,7 +182,35 @@ class DistributedTrainer(mx.gluon.Trainer):
                 arrays[0].copyto(other)
         self._params_to_init = deferred
 
+    def _async_start(self, param, array):
+        return _start(array, "AsyncParameter." + self._bps_names[id(param)], False, 0, asynchronous=True)
+
+    def _update(self, ignore_stale_grad=False):
+        super()._update(ignore_stale_grad)
+        if not self._bps_async:
+            return
+        pending = []
+        for param in self._params:
+            pulled = self._bps_pulled.get(id(param))
+            if pulled is None or param.grad_req == "null":
+                continue
+            arrays = param.list_data()
+            pulled[:] = arrays[0] - pulled          # the delta of this step
+            pending.append((self._async_start(param, pulled), [pulled, *arrays]))
+        for handle, arrays in pending:               # continue from the servers' latest parameters
+            synchronize(handle)
+            for other in arrays[1:]:
+                arrays[0].copyto(other)
+
     def _allreduce_grads(self):
+        if self._bps_async:  # each worker updates from its own gradients; deltas go out in _update
+            for param in self._params:
+                grads = param.list_grad() if param.grad_req != "null" else []
+                for other in grads[1:]:
+                    grads[0] += other.as_in_context(grads[0].context)
+                for other in grads[1:]:
+                    grads[0].copyto(other)
+            return
         pending = []
         for i, param in enumerate(self._params):
             if param.grad_req == "null":
@@ -179,7 +223,7 @@ class DistributedTrainer(mx.gluon.Trainer):
                 grads[0] += other.as_in_context(grads[0].context)
             if self._bps_size > 1:
                 handle = push_pull_async(grads[0], average=False, name="Gradient." + self._bps_names[id(param)],
-                                         priority=-i)
+                                         priority=-i, compression=self._bps_codec)
                 pending.append((handle, grads))
             else:
                 pending.append((None, grads))

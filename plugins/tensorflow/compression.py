@@ -1,7 +1,13 @@
-"""Gradient compressors applied before push_pull and undone after (BytePS/Horovod ``Compression``)."""
+"""Gradient compressors (BytePS/Horovod ``Compression``): tensor casts and wire codecs.
+
+``Compression.none`` and ``Compression.fp16`` are Horovod's: applied to the tensor before
+push_pull and undone after. The others are wire codecs (byteps/compression.py): the tensor is
+left alone and each partition is encoded only while it crosses the network; call them to set
+options, e.g. ``Compression.onebit(error_feedback=True)``. docs/compression.md.
+"""
 import tensorflow as tf
 
-from byteps.compression import Compressor, NoneCompressor
+from byteps.compression import Compressor, NoneCompressor, WireCompressor, wire_codec
 
 
 class FP16Compressor(Compressor):
@@ -22,7 +28,21 @@ class FP16Compressor(Compressor):
 
 
 class Compression:
-    """Available compressors: ``Compression.none``, ``Compression.fp16``."""
+    """Available compressors: ``none``, ``fp16`` (Horovod's, on the tensor); wire codecs ``bf16``,
+    ``onebit``, ``topk``, ``randomk``, ``dithering`` and ``wire(method, **options)`` (as in
+    ``byteps.torch.Compression``)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    bf16 = WireCompressor("bf16")
+    onebit = WireCompressor("onebit")
+    topk = WireCompressor("topk")
+    randomk = WireCompressor("randomk")
+    dithering = WireCompressor("dithering")
+
+    @staticmethod
+    def wire(method, **options):
+        return WireCompressor(method, **options)
+
+
+__all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor", "WireCompressor", "wire_codec"]

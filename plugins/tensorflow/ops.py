@@ -21,7 +21,7 @@ import tensorflow as tf
 from byteps import common
 from byteps.core import dtypes
 
-from .compression import Compression
+from .compression import Compression, wire_codec
 
 __all__ = ["Average", "Sum", "push_pull", "allreduce", "broadcast", "push_pull_group", "broadcast_group",
            "dtype_code"]
@@ -75,15 +75,16 @@ def _check_not_xla():
 # ---------------------------------------------------------------------------------------- eager core
 
 
-def _submit(value, name, root):
+def _submit(value, name, root, asynchronous=False, codec=None):
     """Start one operation on an eager tensor; synchronize() returns the result as a numpy array."""
     arr = np.array(value.numpy() if hasattr(value, "numpy") else value, copy=True, order="C")
     code = dtype_code(value.dtype, name)
     buf = arr.reshape(-1).view(np.uint8)
-    return common.submit(name, buf, code, tuple(arr.shape), broadcast_root=root, finalize=lambda: arr)
+    return common.submit(name, buf, code, tuple(arr.shape), broadcast_root=root, finalize=lambda: arr,
+                         asynchronous=asynchronous, compression=codec)
 
 
-def _run_eager(values, names, root, prefix):
+def _run_eager(values, names, root, prefix, asynchronous=False, codec=None):
     """Submit every tensor, then wait for all of them; returns eager tensors in the same order."""
     names = [n if n is not None else common.auto_name(prefix) for n in names]
     for v, n in zip(values, names):  # refuse bad dtypes before anything is in flight
@@ -91,7 +92,7 @@ def _run_eager(values, names, root, prefix):
     handles, error = [], None
     try:
         for v, n in zip(values, names):
-            handles.append(_submit(v, n, root))
+            handles.append(_submit(v, n, root, asynchronous, codec))
     except BaseException as e:  # still wait for what was started, so no handle leaks
         error = e
     results = []
@@ -105,19 +106,19 @@ def _run_eager(values, names, root, prefix):
     return [tf.convert_to_tensor(r, dtype=v.dtype) for r, v in zip(results, values)]
 
 
-def _transfer(tensors, names, root, prefix, op_name):
+def _transfer(tensors, names, root, prefix, op_name, asynchronous=False, codec=None):
     """Sum (root None) or broadcast a list of tensors; eager or through one tf.py_function."""
     if not tensors:
         return []
     if tf.executing_eagerly():
-        return _run_eager(tensors, names, root, prefix)
+        return _run_eager(tensors, names, root, prefix, asynchronous, codec)
     for t, n in zip(tensors, names):  # fail at trace time, naming the tensor
         dtype_code(t.dtype, _display_name(t, n))
     _check_not_xla()
     names = list(names)
 
     def body(*values):
-        return _run_eager(values, names, root, prefix)
+        return _run_eager(values, names, root, prefix, asynchronous, codec)
 
     outs = tf.py_function(body, inp=list(tensors), Tout=[t.dtype for t in tensors], name=op_name)
     for o, t in zip(outs, tensors):
@@ -156,7 +157,7 @@ def _reduce_group(tensors, names, op, prescale, postscale, compression, prefix="
         c, ctx = compression.compress(_scale(t, prescale))
         compressed.append(c)
         ctxs.append(ctx)
-    summed = _transfer(compressed, names, None, prefix, "BytePSPushPull")
+    summed = _transfer(compressed, names, None, prefix, "BytePSPushPull", codec=wire_codec(compression))
     out = []
     for s, ctx in zip(summed, ctxs):
         s = compression.decompress(s, ctx)
@@ -190,7 +191,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         name: the same on every worker. Unnamed calls get ``tf.push_pull.noname.<n>``, numbered in
             call order (inside tf.function: at each execution), so they never collide; name
             tensors that are push_pulled repeatedly, or every call declares a new tensor.
-        compression: ``Compression.none`` or ``Compression.fp16``.
+        compression: ``Compression.none`` or ``Compression.fp16`` (on the tensor), or a wire compressor
+            (``Compression.onebit(error_feedback=True)``, ``.topk``, ...; docs/compression.md).
         op: ``Average`` (default) or ``Sum``.
         prescale_factor, postscale_factor: multiply before the sum / after the average.
 

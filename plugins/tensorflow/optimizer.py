@@ -4,7 +4,7 @@ import tensorflow as tf
 from byteps import common
 
 from .compression import Compression
-from .ops import Average, _resolve_op, push_pull_group
+from .ops import Average, _resolve_op, _transfer, push_pull_group
 
 __all__ = ["DistributedGradientTape", "DistributedOptimizer"]
 
@@ -79,6 +79,11 @@ class _DistributedOptimizerMixin:
     def build(self, variables):
         was_built = self.built
         super().build(variables)
+        if self._bps_async and not was_built:
+            # asynchronous training: the parameters last pulled from the servers (docs/async.md)
+            self._bps_old = [self.add_variable_from_reference(v, name="bps_async_pulled") for v in variables]
+            self._bps_async_ready = self.add_variable(shape=(), dtype="bool", initializer="zeros",
+                                                      name="bps_async_initialised")
         if self._bps_passes > 1 and not was_built:
             self._bps_accumulators = [self.add_variable_from_reference(v, name="bps_gradient_accumulator")
                                       for v in variables]
@@ -100,11 +105,35 @@ class _DistributedOptimizerMixin:
             variables = list(trainable_variables)
             if not self.built:
                 self.build(variables)
+        if self._bps_async:
+            return self._bps_apply_async(grads, variables, trainable_variables)
         if self._bps_passes == 1:
             if common.size() > 1:
                 grads = _reduce_grads(grads, self._bps_names(variables), self._bps_op, self._bps_compression)
             return super().apply(grads, trainable_variables)
         return self._bps_apply_accumulated(grads, variables, trainable_variables)
+
+    def _bps_apply_async(self, grads, variables, trainable_variables):
+        """BYTEPS_ENABLE_ASYNC: update locally, push ``new - old`` and continue from the servers' latest
+        parameters. The first call first adopts rank 0's parameters (the servers keep them)."""
+        names = [f"{self._bps_prefix}Async.{self._get_variable_index(v)}" for v in variables]
+        old = [self._bps_old[self._get_variable_index(v)] for v in variables]
+
+        def adopt(values):
+            for v, o, x in zip(variables, old, values):
+                v.assign(x)
+                o.assign(x)
+
+        def initialise():
+            adopt(_transfer([tf.convert_to_tensor(v) for v in variables], names, None, "tf.async", "bps_async_init",
+                            asynchronous=True))
+            self._bps_async_ready.assign(True)
+            return tf.constant(True)
+
+        tf.cond(tf.convert_to_tensor(self._bps_async_ready), lambda: tf.constant(False), initialise)
+        super().apply(grads, trainable_variables)
+        deltas = [tf.convert_to_tensor(v) - tf.convert_to_tensor(o) for v, o in zip(variables, old)]
+        adopt(_transfer(deltas, names, None, "tf.async", "bps_async_push", asynchronous=True))
 
     def _bps_apply_accumulated(self, grads, variables, trainable_variables):
         """backward_passes_per_step > 1: sum gradients locally; every N-th call push_pull and apply."""
@@ -134,7 +163,7 @@ class _DistributedOptimizerMixin:
 
 def DistributedOptimizer(optimizer, name=None, compression=Compression.none, op=Average,
                          backward_passes_per_step=1, device_dense="", device_sparse="", sparse_as_dense=True,
-                         use_locking=False):
+                         use_locking=False, asynchronous=None):
     """Wrap a Keras 3 optimizer so that gradients are averaged over all workers before each update.
 
     Works with ``model.fit`` (``jit_compile=False``: the transfer is a ``tf.py_function``, which XLA
@@ -146,12 +175,16 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none, op=
         optimizer: a ``keras.optimizers.Optimizer``.
         name: prefix of the gradients' tensor names (default ``DistributedOptimizer``); gradient of
             trainable variable ``i`` is ``<name>.Gradient.<i>``.
-        compression: ``Compression.none`` or ``Compression.fp16``.
+        compression: ``Compression.none`` or ``Compression.fp16`` (on the tensor), or a wire compressor
+            (``Compression.onebit(error_feedback=True)``, ``.topk``, ...; docs/compression.md).
         op: ``Average`` (default) or ``Sum``.
         backward_passes_per_step: sum the gradients of this many calls locally, then push_pull the
             sum and update once (as ``byteps.torch`` and Horovod do; divide the loss by N for an
             average). The wrapped optimizer's ``iterations`` then counts updates.
         device_dense, device_sparse, sparse_as_dense, use_locking: accepted for compatibility.
+        asynchronous: ``None`` follows the job (``BYTEPS_ENABLE_ASYNC``); ``True`` insists on it. In
+            asynchronous mode each update is applied locally and its delta pushed; the worker then
+            continues from the servers' latest parameters, starting from rank 0's (docs/async.md).
     """
     import keras
 
@@ -167,6 +200,13 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none, op=
     new._bps_op = _resolve_op(None, op)
     new._bps_compression = compression
     new._bps_passes = int(backward_passes_per_step)
+    job_async = common.is_initialized() and common.config().enable_async
+    if asynchronous and not job_async:
+        raise ValueError("asynchronous DistributedOptimizer needs BYTEPS_ENABLE_ASYNC=1 on every scheduler, "
+                         "server and worker of the job (the servers must keep parameters instead of summing)")
+    if job_async and int(backward_passes_per_step) != 1:
+        raise ValueError("backward_passes_per_step > 1 is not supported in asynchronous mode")
+    new._bps_async = bool(job_async and common.config().distributed and asynchronous is not False)
     new._bps_prefix = f"{name or 'DistributedOptimizer'}.Gradient."
     if optimizer.built:
         new.build(list(optimizer._trainable_variables))

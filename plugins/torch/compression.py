@@ -1,7 +1,17 @@
-"""Gradient compressors applied before push_pull and undone after (BytePS/Horovod ``Compression``)."""
+"""Gradient compressors (BytePS/Horovod ``Compression``): tensor casts and wire codecs.
+
+``Compression.none`` and ``Compression.fp16`` are Horovod's: applied to the tensor before
+push_pull and undone after. The others are wire codecs (byteps/compression.py): the tensor is
+left alone and each partition is encoded only while it crosses the network; call them to set
+options, e.g. ``Compression.onebit(error_feedback=True)`` or ``Compression.topk(ratio=0.001)``.
+``DistributedOptimizer(compression=...)`` also takes a dict ``{parameter name or fnmatch pattern:
+compressor}`` for per-tensor choices (unmatched parameters: ``Compression.none``).
+"""
+import fnmatch
+
 import torch
 
-from byteps.compression import Compressor, NoneCompressor
+from byteps.compression import Compressor, NoneCompressor, WireCompressor, wire_codec
 
 
 class FP16Compressor(Compressor):
@@ -22,7 +32,44 @@ class FP16Compressor(Compressor):
 
 
 class Compression:
-    """Available compressors: ``Compression.none``, ``Compression.fp16``."""
+    """Available compressors.
+
+    * ``none``, ``fp16``: Horovod's tensor compressors.
+    * ``wire(method, **options)``: any wire codec; the named ones below are its defaults.
+    * ``bf16``: bfloat16 on the wire (the sum is recast); ``wire("fp16")`` is the fp16 equivalent.
+    * ``onebit``: signs and one scale (mean |x|), ~32x smaller for float32.
+    * ``topk``: the k largest magnitudes of each partition (``k``/``ratio``; default 1%).
+    * ``randomk``: k elements at indices drawn from a seed every worker shares (default 1%).
+    * ``dithering``: stochastic quantisation (``levels``, ``partition``, ``normalize``).
+
+    Wire codec options: ``error_feedback``, ``momentum`` (momentum correction, mu), ``seed``,
+    ``min_bytes`` (default BYTEPS_MIN_COMPRESS_BYTES); docs/compression.md.
+    """
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    bf16 = WireCompressor("bf16")
+    onebit = WireCompressor("onebit")
+    topk = WireCompressor("topk")
+    randomk = WireCompressor("randomk")
+    dithering = WireCompressor("dithering")
+
+    @staticmethod
+    def wire(method, **options):
+        return WireCompressor(method, **options)
+
+
+def select(compression, name):
+    """The compressor for tensor ``name``: ``compression`` itself, or from a per-tensor dict
+    (exact name first, then the first matching fnmatch pattern; Compression.none otherwise)."""
+    if not isinstance(compression, dict):
+        return compression
+    if name in compression:
+        return compression[name]
+    for pattern, comp in compression.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return comp
+    return NoneCompressor
+
+
+__all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor", "WireCompressor", "select", "wire_codec"]

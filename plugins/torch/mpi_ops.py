@@ -31,7 +31,7 @@ from byteps import common
 from byteps.errors import BytePSError
 
 from . import completion
-from .compression import Compression
+from .compression import Compression, wire_codec
 from .ops import _byte_view, _host_buffer, broadcast_async_ as _bps_broadcast_async_, dtype_code
 
 Average = 0
@@ -182,7 +182,7 @@ def _contiguous_copy(tensor):
 
 # ------------------------------------------------------------------------------ allreduce
 
-def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0, priority=0):
+def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0, priority=0, compression=None):
     """Start an in-place allreduce of ``tensor`` under the byteps name ``full``; returns a handle."""
     if op in (Min, Max, Product):
         return _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor)
@@ -209,7 +209,8 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
             return write_back
         return work
 
-    return common.submit(full, _byte_view(work), code, tuple(tensor.shape), priority=priority, finalize=finalize)
+    return common.submit(full, _byte_view(work), code, tuple(tensor.shape), priority=priority, finalize=finalize,
+                         compression=compression)
 
 
 def _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor):
@@ -302,18 +303,19 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.name, ctx.op, ctx.scale = name, op, (prescale_factor, postscale_factor)
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, codec=None):
+        ctx.name, ctx.op, ctx.scale, ctx.codec = name, op, (prescale_factor, postscale_factor), codec
         full = _name("allreduce", name)
         return completion.synchronize(_allreduce_start(_contiguous_copy(tensor), full, op, prescale_factor,
-                                                       postscale_factor))
+                                                       postscale_factor, compression=codec))
 
     @staticmethod
     def backward(ctx, grad):
         name = None if ctx.name is None else f"{ctx.name}.grad"
         full = _name("allreduce", name)
-        out = completion.synchronize(_allreduce_start(_contiguous_copy(grad), full, ctx.op, *ctx.scale))
-        return out, None, None, None, None
+        out = completion.synchronize(_allreduce_start(_contiguous_copy(grad), full, ctx.op, *ctx.scale,
+                                                      compression=ctx.codec))
+        return out, None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -326,7 +328,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     _check_process_set(process_set)
     op = _resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
+    # a wire compressor (byteps.compression) is the identity on the tensor and travels to the engine
+    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, wire_codec(compression))
     return compression.decompress(out, ctx)
 
 

@@ -38,7 +38,7 @@ def _byte_view(work):
     return work.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _start(tensor, name, average, priority, root=None, prefix="push_pull"):
+def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None):
     name = name if name is not None else common.auto_name(prefix)
     code = dtype_code(tensor, name)
     work, write_back = _host_buffer(tensor)
@@ -56,10 +56,10 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull"):
         return work
 
     return common.submit(name, _byte_view(work), code, tuple(tensor.shape), broadcast_root=root, priority=priority,
-                         finalize=finalize)
+                         finalize=finalize, asynchronous=asynchronous, compression=compression)
 
 
-def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority=0):
+def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority=0, compression=None):
     """Start summing ``tensor`` over all workers, in place; returns a handle.
 
     Args:
@@ -69,29 +69,42 @@ def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority
             get ``push_pull.noname.<n>``, numbered in call order.
         version: accepted for BytePS compatibility; unused.
         priority: larger runs earlier when the pipeline has a choice.
+        compression: a wire compressor (``Compression.onebit(...)``, ...) for the partitions that
+            cross the network; None: the job's default (BYTEPS_COMPRESSOR); False: none.
     """
-    return _start(tensor, name, average, priority)
+    return _start(tensor, name, average, priority, compression=_wire(compression))
 
 
-def push_pull_async(tensor, average=True, name=None, version=0, priority=0):
+def _wire(compression):
+    """What common.submit takes: a wire codec, None (the job's default) or False."""
+    if compression is None or compression is False:
+        return compression
+    from .compression import wire_codec
+
+    return wire_codec(compression)
+
+
+def push_pull_async(tensor, average=True, name=None, version=0, priority=0, compression=None):
     """Out-of-place :func:`push_pull_async_inplace`: ``synchronize`` returns a new tensor."""
-    return _start(tensor.detach().clone(memory_format=torch.contiguous_format), name, average, priority)
+    return _start(tensor.detach().clone(memory_format=torch.contiguous_format), name, average, priority,
+                  compression=_wire(compression))
 
 
-def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0):
-    return synchronize(push_pull_async_inplace(tensor, average, name, version, priority))
+def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0, compression=None):
+    return synchronize(push_pull_async_inplace(tensor, average, name, version, priority, compression))
 
 
 class _PushPull(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, average, name, version, priority):
-        ctx.average, ctx.name = average, name
-        return synchronize(push_pull_async(tensor, average, name, version, priority))
+    def forward(ctx, tensor, average, name, version, priority, codec=None):
+        ctx.average, ctx.name, ctx.codec = average, name, codec
+        return synchronize(push_pull_async(tensor, average, name, version, priority, codec))
 
     @staticmethod
     def backward(ctx, grad):
         name = None if ctx.name is None else f"{ctx.name}.grad"
-        return synchronize(push_pull_async(grad, ctx.average, name)), None, None, None, None
+        out = synchronize(push_pull_async(grad, ctx.average, name, compression=ctx.codec))
+        return out, None, None, None, None, None
 
 
 def push_pull(tensor, average=True, name=None, version=0, priority=0, compression=None):
@@ -101,9 +114,10 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0, compressio
     """
     from .compression import Compression
 
+    codec = _wire(compression)
     compression = compression or Compression.none
     compressed, ctx = compression.compress(tensor)
-    out = _PushPull.apply(compressed, average, name, version, priority)
+    out = _PushPull.apply(compressed, average, name, version, priority, codec)
     return compression.decompress(out, ctx)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from byteps import common
 
-from .compression import Compression
+from .compression import Compression, select, wire_codec
 from .ops import push_pull_async_inplace, synchronize
 
 
@@ -60,14 +60,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad.is_sparse:  # reduced densely; handed back sparse unless sparse_as_dense
             grad = grad.to_dense()
-        compressed, ctx = self._compression.compress(grad)
+        compressor = select(self._compression, self._names[id(p)])  # per-tensor dicts (compression.py)
+        compressed, ctx = compressor.compress(grad)
         name = "Gradient." + self._names[id(p)]
         priority = self._priority[id(p)]
         if self.op == Average and self.gradient_predivide_factor == 1.0:
-            handle = push_pull_async_inplace(compressed, average=True, name=name, priority=priority)
+            handle = push_pull_async_inplace(compressed, average=True, name=name, priority=priority,
+                                             compression=wire_codec(compressor))
         else:  # Horovod: prescale 1/f, postscale f (Average also divides by size)
             f = self.gradient_predivide_factor if self.op == Average else 1.0
-            handle = _allreduce_start(compressed, name, self.op, 1.0 / f, f, priority=priority)
+            handle = _allreduce_start(compressed, name, self.op, 1.0 / f, f, priority=priority,
+                                      compression=wire_codec(compressor))
         self._handles[p] = (handle, compressed, ctx)
 
     def _on_grad(self, p):
@@ -93,7 +96,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         self._push(p)
         for p, (handle, compressed, ctx) in self._handles.items():
             out = synchronize(handle)
-            out = self._compression.decompress(out if out is not None else compressed, ctx)
+            out = select(self._compression, self._names[id(p)]).decompress(out if out is not None else compressed, ctx)
             if p.grad.is_sparse:
                 p.grad = out if self.sparse_as_dense else out.to_sparse()
             elif out is not p.grad:
@@ -139,7 +142,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0, num_groups=0,
-                         groups=None, sparse_as_dense=False, process_set=None):
+                         groups=None, sparse_as_dense=False, process_set=None, asynchronous=None):
     """Wrap ``optimizer`` so that gradients are averaged over all workers before each step.
 
     Each gradient's push_pull starts from a hook as soon as back-propagation has accumulated it,
@@ -148,7 +151,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Args:
         optimizer: a torch optimizer (its class is subclassed; its param groups are reused).
         named_parameters: ``model.named_parameters()``, so gradients get stable, readable names.
-        compression: ``Compression.none`` or ``Compression.fp16``.
+        compression: ``Compression.none`` or ``Compression.fp16`` (Horovod's, on the tensor), a wire
+            compressor (``Compression.onebit(error_feedback=True)``, ``.topk``, ``.randomk``,
+            ``.dithering``, ``.bf16``; docs/compression.md), or a dict {parameter name or fnmatch
+            pattern: compressor}.
         backward_passes_per_step: local backward passes accumulated before each push_pull.
         op: Horovod's reduction, ``Average`` (default) or ``Sum`` (``Min``/``Max``/``Product`` work
             too); ``Adasum`` is not implemented.
@@ -159,8 +165,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         sparse_as_dense: sparse gradients are always reduced densely; with this flag they are also
             left dense afterwards, otherwise they are made sparse again.
         process_set: only the global process set is supported.
+        asynchronous: ``None`` follows the job (``BYTEPS_ENABLE_ASYNC``); ``True`` insists on
+            asynchronous training and raises if the job is synchronous. In asynchronous mode the
+            result is :func:`byteps.torch.async_optimizer.AsyncDistributedOptimizer`: workers push
+            parameter deltas and pull the latest parameters, with no barrier (docs/async.md).
     """
     from .mpi_ops import Adasum, Average, _OP_NAMES, _check_process_set
+
+    if asynchronous or (asynchronous is None and common.is_initialized() and common.config().enable_async):
+        from .async_optimizer import AsyncDistributedOptimizer
+        return AsyncDistributedOptimizer(optimizer, named_parameters)
 
     if process_set is not None:
         _check_process_set(process_set)

@@ -1,0 +1,117 @@
+"""The pipeline's stage lists: which stages one partition of a tensor goes through, in order.
+
+The paper (§6.1) runs every partition through a fixed sequence of stages, each with its own
+thread and priority queue, chosen for the machine. Here a stage list is built per tensor from
+the process's role on its machine (the partition's local owner or not), the local size, whether
+the server is on this machine (shared memory), the tensor's operation and the topology plan; it
+is plain data, so it is configured from the environment without recompiling
+(``BYTEPS_PIPELINE``: drop optional stages, or insist on a list), printed by ``bpslaunch
+--stages`` and checked by the engine at every step of a partition.
+
+Stages and the thread that runs them (core/engine.py):
+
+===================  =================================================  =====================
+stage                work                                               thread (queue)
+===================  =================================================  =====================
+COORDINATE           a non-owner hands its copy to the partition's      network (engine loop)
+                     owner (LOCAL_READY with a shared-memory descriptor)
+LOCAL_REDUCE         the owner sums the machine's copies (``sum_many``)  ``byteps-reduce``
+                                                                         (ComputeStage, by
+                                                                         priority)
+STAGE                the partition is copied into this process's shared  ``byteps-copy``
+                     region for a colocated server (the server then      (ComputeStage, by
+                     sums straight from it)                              priority)
+PUSH                 send the partition (or descriptor) to its server    network (send queue:
+                                                                         priority + credit)
+PULL                 receive the reply into the tensor (``recv_into``    network
+                     or a copy from the server's shared store)
+LOCAL_BROADCAST      the owner tells the others where the result is;     network
+                     each copies it into its tensor
+===================  =================================================  =====================
+
+GPU stages (COPYD2H, NCCL_REDUCE, PCIE_REDUCE, COPYH2D, NCCL_BROADCAST) come from the topology
+plan (byteps/topology, core/gpu.py) and are placed around this list for CUDA tensors.
+"""
+import enum
+import os
+
+from byteps.errors import ConfigError
+
+
+class Stage(enum.Enum):
+    COPYD2H = "copyd2h"
+    NCCL_REDUCE = "nccl_reduce"
+    PCIE_REDUCE = "pcie_reduce"
+    COORDINATE = "coordinate"
+    LOCAL_REDUCE = "local_reduce"
+    STAGE = "stage"
+    PUSH = "push"
+    PULL = "pull"
+    LOCAL_BROADCAST = "local_broadcast"
+    NCCL_BROADCAST = "nccl_broadcast"
+    COPYH2D = "copyh2d"
+
+
+#: stages a user may leave out with BYTEPS_PIPELINE=-name (they are optimisations, not steps of the sum)
+OPTIONAL = {Stage.STAGE: "copy into shared memory for a colocated server (without it: TCP loopback)",
+            Stage.LOCAL_REDUCE: "sum a machine's copies first (without it: every process pushes its own)"}
+
+
+def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", device="cpu", gpu_stages=()):
+    """The ordered stages of one partition of a tensor on this process.
+
+    Args:
+        owner: this process reduces and pushes the partition for its machine (core/local.py).
+        local_size: worker processes on this machine.
+        local_reduce: the machine's processes sum locally first (BYTEPS_LOCAL_REDUCE and > 1 process).
+        colocated: the partition's server is on this machine and shares memory with us.
+        kind: "push_pull", "broadcast" or "async push_pull" (the last two never reduce locally).
+        device: "cpu" or "cuda"; for "cuda", ``gpu_stages`` = (before, after) from the topology plan.
+    """
+    before, after = gpu_stages if device == "cuda" and gpu_stages else ((), ())
+    stages = list(before)
+    if kind == "push_pull" and local_reduce and local_size > 1:
+        if not owner:
+            return tuple(stages + [Stage.COORDINATE, Stage.LOCAL_BROADCAST] + list(after))
+        stages += [Stage.LOCAL_REDUCE]
+        # the owner's sum is already in its shared region: no STAGE copy before a colocated push
+        stages += [Stage.PUSH, Stage.PULL, Stage.LOCAL_BROADCAST]
+    else:
+        if colocated:
+            stages.append(Stage.STAGE)
+        stages += [Stage.PUSH, Stage.PULL]
+    return tuple(stages + list(after))
+
+
+def parse_override(raw):
+    """BYTEPS_PIPELINE: a comma-separated list of optional stages to drop (``-stage``), e.g.
+    ``-stage`` (push colocated partitions over TCP), ``-local_reduce``. Returns the set dropped."""
+    dropped = set()
+    if not raw:
+        return dropped
+    for item in raw.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        if not item.startswith("-"):
+            raise ConfigError(f"BYTEPS_PIPELINE={raw!r}: {item!r} must name a stage to drop, like '-stage' "
+                              f"(optional stages: {', '.join('-' + s.value for s in OPTIONAL)})")
+        try:
+            stage = Stage(item[1:])
+        except ValueError:
+            raise ConfigError(f"BYTEPS_PIPELINE={raw!r}: unknown stage {item[1:]!r} (stages: "
+                              f"{', '.join(s.value for s in Stage)})") from None
+        if stage not in OPTIONAL:
+            raise ConfigError(f"BYTEPS_PIPELINE={raw!r}: stage {stage.value!r} cannot be dropped; optional stages: "
+                              + "; ".join(f"{s.value} ({why})" for s, why in OPTIONAL.items()))
+        dropped.add(stage)
+    return dropped
+
+
+def from_env(env=None):
+    """The stages dropped by BYTEPS_PIPELINE in ``env`` (default: this process's environment)."""
+    return parse_override((os.environ if env is None else env).get("BYTEPS_PIPELINE", ""))
+
+
+def describe(stages):
+    return " -> ".join(s.value.upper() for s in stages)

@@ -1,0 +1,88 @@
+"""Asynchronous training (BYTEPS_ENABLE_ASYNC=1): the optimizer's flow when servers keep the parameters.
+
+Synchronous training sums gradients; asynchronous training, as in the BytePS paper §5, lets each
+worker move at its own pace:
+
+1. At construction every worker push_pulls its parameters once ("round 0" of each key). The server
+   keeps rank 0's values and returns them to everyone, so all workers start from rank 0's
+   parameters and the servers never start from zeros (original BytePS's defect).
+2. ``step()`` runs the wrapped optimizer locally on the local gradients, then pushes the update
+   ``delta = new - old`` of each parameter. The server adds the delta to its parameters and
+   answers at once with the latest values (no barrier: a slow worker delays nobody), which
+   become both the worker's parameters and its new ``old``.
+
+This is Asynchronous Parallel with f(g) computed by the worker; the paper's Theorem 2 shows the
+two are equivalent, and tests/test_async.py checks it exactly for a scripted interleaving.
+"""
+import torch
+
+from byteps import common
+
+from .ops import _start, synchronize
+
+
+class _AsyncDistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, named_parameters):
+        super(self.__class__, self).__init__(params)
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            names = {id(p): n for n, p in named_parameters}
+            missing = [i for i, p in enumerate(all_params) if id(p) not in names]
+            if missing:
+                raise ValueError(f"DistributedOptimizer: named_parameters lacks optimizer parameter(s) at "
+                                 f"positions {missing[:10]}; pass model.named_parameters()")
+        else:
+            names = {id(p): f"noname.{i}" for i, p in enumerate(all_params)}
+        self._names = names
+        # parameters nearer the input first, as for gradients in synchronous mode
+        self._priority = {id(p): -i for i, p in enumerate(all_params)}
+        self._old = {}          # param -> the values last pulled from the servers
+        if not common.config().distributed:  # a lone process without servers: plain local training
+            return
+        with torch.no_grad():
+            pending = []
+            for p in all_params:
+                old = p.detach().clone(memory_format=torch.contiguous_format)
+                self._old[p] = old
+                pending.append((p, old, self._start(p, old)))
+            for p, old, handle in pending:  # every worker now holds rank 0's parameters
+                synchronize(handle)
+                p.copy_(old)
+
+    def _start(self, p, tensor):
+        return _start(tensor, "AsyncParameter." + self._names[id(p)], False, self._priority[id(p)], asynchronous=True)
+
+    def synchronize(self):
+        """Nothing to wait for: asynchronous mode exchanges parameters in ``step()``."""
+
+    def skip_synchronize(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def step(self, closure=None):
+        """Update locally, push each parameter's delta, and continue from the servers' latest values."""
+        loss = super(self.__class__, self).step(closure)
+        with torch.no_grad():
+            pending = []
+            for p, old in self._old.items():
+                torch.sub(p.detach(), old, out=old)          # old now holds delta = new - old
+                pending.append((p, old, self._start(p, old)))
+            for p, old, handle in pending:
+                synchronize(handle)                          # old now holds the latest parameters
+                p.copy_(old)
+        return loss
+
+
+def AsyncDistributedOptimizer(optimizer, named_parameters=None):
+    """Wrap ``optimizer`` for asynchronous training (requires BYTEPS_ENABLE_ASYNC=1 on every node).
+
+    Constructing it exchanges the parameters once: every worker starts from rank 0's values.
+    Use :func:`byteps.torch.DistributedOptimizer`, which returns this in asynchronous jobs.
+    """
+    if not common.config().enable_async:
+        raise ValueError("asynchronous DistributedOptimizer needs BYTEPS_ENABLE_ASYNC=1 on every scheduler, "
+                         "server and worker of the job (the servers must keep parameters instead of summing)")
+    named_parameters = list(named_parameters) if named_parameters is not None else None
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_AsyncDistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters)

@@ -1,0 +1,102 @@
+"""One local process of a topology executor test: ``python topology_worker.py SPEC.json RANK OUTDIR``.
+
+SPEC (written by tests/test_topology_exec.py / test_gpu_stages.py):
+  {"mode": "cpu" | "gpu" | "ids", "token": str, "local_size": L, "timeout": s,
+   "cases": [{"name": str, "machine": fixture name, "overrides": {...}, "sizes": [...],
+              "dtype": "float32", "partition_bytes": int, "hook": bool, "skip_op": bool}]}
+
+Every process builds its plan from the same inputs (so the test also checks that they agree),
+runs each case's operations on inputs that depend on (rank, operation), and saves the results as
+OUTDIR/<case>-<rank>-<op>.npy, plus OUTDIR/<case>-<rank>.json with the hook calls or the error
+("error": "TypeName: message"). The parent computes the expected sums locally.
+"""
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+
+
+def inputs(rank, op, count, dtype):
+    """Small integers, exact in every dtype, different per rank and operation."""
+    base = (np.arange(count, dtype=np.int64) * 7 + rank * 13 + op * 5) % 23 - 11
+    return base.astype(dtype)
+
+
+def main(spec_path, rank, outdir):
+    with open(spec_path) as f:
+        spec = json.load(f)
+    rank = int(rank)
+    import byteps.topology as topology
+
+    for case in spec["cases"]:
+        record = {"hooks": [], "error": None, "plan": None}
+        try:
+            plan = topology.plan(machine=case["machine"], local_size=case.get("plan_local_size", spec["local_size"]),
+                                 overrides=case.get("overrides") or {}, env={})
+            record["plan"] = [plan.strategy, [list(g) for g in plan.groups], list(plan.roots)]
+            token = f"{spec['token']}-{case['name']}"
+            if spec["mode"] == "ids":
+                from byteps.core.gpu_stages import communicators, exchange_ids
+                from byteps.topology.localsync import LocalGroup
+
+                group = LocalGroup(token, rank, plan.local_size, 4096 * 2, spec["timeout"])
+                try:
+                    ids = exchange_ids(group, communicators(plan), lambda: os.urandom(128))
+                    record["ids"] = {str(k): v.hex() for k, v in ids.items()}
+                finally:
+                    group.close()
+            else:
+                run_ops(spec, case, plan, rank, token, outdir, record)
+        except Exception as e:  # reported to the parent, which checks it
+            record["error"] = f"{type(e).__name__}: {e}"
+            record["trace"] = traceback.format_exc()
+        with open(os.path.join(outdir, f"{case['name']}-{rank}.json"), "w") as f:
+            json.dump(record, f)
+
+
+def run_ops(spec, case, plan, rank, token, outdir, record):
+    dtype = np.dtype(case.get("dtype", "float32"))
+    sizes = case["sizes"]
+    cap = max(sizes) * dtype.itemsize if sizes else 8
+    if spec["mode"] == "gpu":
+        import torch
+
+        from byteps.core.gpu_stages import GpuExecutor
+        torch.cuda.set_device(plan.devices[rank])
+        ex = GpuExecutor(plan, rank, token, cap, timeout=spec["timeout"],
+                         partition_bytes=case.get("partition_bytes", 4096000))
+    else:
+        from byteps.topology.cpu_exec import CpuExecutor
+        ex = CpuExecutor(plan, rank, token, cap, timeout=spec["timeout"],
+                         partition_bytes=case.get("partition_bytes", 4096000))
+
+    current = {"op": -1}
+
+    def hook(view, start, stop, nic):
+        record["hooks"].append([current["op"], start, stop, nic])
+        view += np.asarray(1000, dtype=view.dtype)  # "the other machines' contribution"
+
+    try:
+        for op, count in enumerate(sizes):
+            current["op"] = op
+            if case.get("skip_op") and rank == plan.local_size - 1 and op == 0:
+                continue  # this rank never joins: the others must time out naming it
+            if case.get("mismatch") and rank == 1:
+                count += 1
+            x = inputs(rank, op, count, dtype)
+            if spec["mode"] == "gpu":
+                t = torch.from_numpy(x).cuda()
+                ex.push_pull(t, network=hook if case.get("hook") else None)
+                torch.cuda.synchronize()
+                x = t.cpu().numpy()
+            else:
+                ex.push_pull(x, network=hook if case.get("hook") else None)
+            np.save(os.path.join(outdir, f"{case['name']}-{rank}-{op}.npy"), x)
+    finally:
+        ex.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

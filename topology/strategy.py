@@ -1,0 +1,401 @@
+"""Choosing the intra-machine aggregation strategy by the BytePS paper's rules (§4.2.3).
+
+Two principles (§4.2.3): 1) never copy GPU-to-GPU across PCIe switches, it is slow; 2) keep the
+switch-to-CPU link that a NIC shares with GPUs free for the NIC. With S_n the switches holding
+GPUs *and* a NIC, and S_g those holding only GPUs:
+
+* **asymmetric** (S_n > 0 and S_g > 0, like the DGX-1 of Fig. 8): ``reduce_broadcast``: reduce to
+  roots on GPU-only switches (preferably on the NIC's CPU socket), copy the sum to host memory
+  from there, and broadcast the pulled result back from the same roots (§4.2.2);
+* **symmetric** (S_n = 0 or S_g = 0): reduce-scatter + all-gather so every switch carries the same
+  traffic. Without NVLink that is ``cpu_assisted`` aggregation (§4.2.1): reduce-scatter only
+  *inside* each switch, copy the slices to host memory, let the CPU sum the switch groups
+  (PCIE_REDUCE), and go back the same way. With NVLink joining all GPUs it is ``reduce_scatter``
+  over NVLink across all GPUs.
+* several NICs ("multi-NIC", Fairring's rails): each slice (or root) leaves through the NIC under
+  its own switch, else one on its socket; S_n/S_g change accordingly (§4.2.3).
+* no GPUs (the CPU analogue): worker processes are grouped by NUMA node as if the nodes were
+  switches, and run ``cpu_assisted`` through shared memory (topology/cpu_exec.py).
+
+A :class:`Plan` says which strategy, which local ranks form each group, the roots, each rank's
+NIC, and *why* in plain text. Its schedule helpers (:func:`slice_bounds`, :meth:`Plan.reduce_ranges`,
+:meth:`Plan.root_for`) are shared by the CPU executor and the GPU stages (core/gpu_stages.py), so
+both cut tensors the same way.
+
+Experts can override through the environment (validated, clear errors): ``BYTEPS_INTRA_STRATEGY``,
+``BYTEPS_REDUCE_ROOTS``, ``BYTEPS_PCIE_SWITCH_SIZE`` (docs/env.md).
+"""
+import dataclasses
+import os
+from typing import Optional
+
+from .model import Machine, TopologyError
+
+STRATEGIES = ("none", "reduce_broadcast", "reduce_scatter", "cpu_assisted")
+#: env variable -> override key
+ENV_OVERRIDES = {"BYTEPS_INTRA_STRATEGY": "strategy", "BYTEPS_REDUCE_ROOTS": "roots",
+                 "BYTEPS_PCIE_SWITCH_SIZE": "switch_size"}
+_ENV_OF = {v: k for k, v in ENV_OVERRIDES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one machine's local processes aggregate a tensor. Ranks are *local* ranks."""
+
+    machine: Machine
+    strategy: str  #: one of STRATEGIES
+    local_size: int
+    device: str  #: "gpu" (local rank r drives GPU devices[r]) or "cpu" (the CPU analogue)
+    devices: tuple  #: GPU index per local rank ("gpu" plans)
+    groups: tuple  #: tuples of local ranks: switch groups (NUMA groups on the CPU)
+    group_names: tuple  #: the switch id / NUMA node of each group
+    roots: tuple  #: reduce/broadcast roots (reduce_broadcast), local ranks
+    rails: tuple  #: NIC name per local rank: where its slice (or, for roots, its partitions) leaves
+    s_n: int  #: switches with local GPUs and a NIC
+    s_g: int  #: switches with local GPUs only
+    nvlink: bool  #: NVLink/NVSwitch joins all local GPUs
+    reasons: tuple
+    overrides: tuple = ()  #: (key, value) pairs that were applied
+    cost: Optional[object] = None  #: byteps.topology.cost.Cost, attached by plan()
+
+    # -- schedule shared by the executors ------------------------------------------------
+    def group_of(self, rank):
+        """(group index, position in the group) of a local rank."""
+        for gi, members in enumerate(self.groups):
+            if rank in members:
+                return gi, members.index(rank)
+        raise ValueError(f"local rank {rank} is in no group of this plan ({self.groups})")
+
+    def group_slices(self, rank, count):
+        """(start, stop) element range of the slice this rank reduces inside its group."""
+        gi, pos = self.group_of(rank)
+        return slice_bounds(count, len(self.groups[gi]))[pos]
+
+    def reduce_ranges(self, count):
+        """Element ranges of the cross-group sum (PCIE_REDUCE): rank r sums range r."""
+        return slice_bounds(count, self.local_size)
+
+    def root_for(self, partition):
+        """The root that reduces and broadcasts a partition (round-robin over the roots)."""
+        return self.roots[partition % len(self.roots)]
+
+    def with_cost(self, cost):
+        return dataclasses.replace(self, cost=cost)
+
+    def describe(self):
+        from .report import describe
+        return describe(self)
+
+
+def slice_bounds(count, parts):
+    """Cut ``count`` elements into ``parts`` contiguous slices: equal ones, the remainder on the
+    last (so NCCL's equal-count reduce-scatter covers all but the last slice's tail)."""
+    if parts < 1:
+        raise ValueError(f"slice_bounds: parts must be >= 1, got {parts}")
+    q = count // parts
+    bounds = [(k * q, (k + 1) * q) for k in range(parts)]
+    bounds[-1] = ((parts - 1) * q, count)
+    return bounds
+
+
+def partition_bounds(count, itemsize, partition_bytes):
+    """Element ranges of the partitions of a tensor (at most ``partition_bytes``, whole elements)."""
+    per = max(1, partition_bytes // itemsize)
+    return [(s, min(s + per, count)) for s in range(0, count, per)] or [(0, 0)]
+
+
+# ---------------------------------------------------------------------------------------
+# overrides
+
+
+def overrides_from_env(env=None):
+    """The expert overrides set in the environment, parsed and checked (TopologyError if malformed)."""
+    env = os.environ if env is None else env
+    found = {}
+    for name, key in ENV_OVERRIDES.items():
+        raw = env.get(name, "").strip()
+        if raw:
+            found[key] = raw
+    return parse_overrides(found, from_env=True)
+
+
+def parse_overrides(overrides, from_env=False):
+    """Validate an overrides dict: ``strategy`` (str), ``roots`` (ints or "2,3"), ``switch_size`` (int)."""
+    out = {}
+    for key, value in (overrides or {}).items():
+        name = _ENV_OF.get(key, key) if from_env else key
+        if key == "strategy":
+            value = str(value).strip().lower()
+            if value == "auto":
+                continue
+            if value not in STRATEGIES[1:]:
+                raise TopologyError(f"{name}={value!r} must be auto or one of {', '.join(STRATEGIES[1:])}")
+            out[key] = value
+        elif key == "roots":
+            if isinstance(value, str):
+                parts = [p.strip() for p in value.split(",")]
+                try:
+                    value = tuple(int(p, 10) for p in parts)
+                except ValueError:
+                    bad = next(p for p in parts if not p.lstrip("-").isdigit())
+                    raise TopologyError(f"{name}={overrides[key]!r}: {bad!r} is not a local rank "
+                                        "(use comma-separated integers, e.g. 2,3)") from None
+            value = tuple(value)
+            if not value:
+                raise TopologyError(f"{name} is empty; list at least one local rank, e.g. 2,3")
+            if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in value):
+                raise TopologyError(f"{name}={value!r}: roots are local ranks, integers >= 0")
+            dup = sorted({r for r in value if value.count(r) > 1})
+            if dup:
+                raise TopologyError(f"{name}={overrides[key]!r} lists local rank(s) {dup} more than once")
+            out[key] = value
+        elif key == "switch_size":
+            try:
+                size = int(str(value).strip(), 10)
+            except ValueError:
+                raise TopologyError(f"{name}={value!r} is not an integer (GPUs or processes per PCIe switch)") from None
+            if size < 1:
+                raise TopologyError(f"{name}={size} must be >= 1 (GPUs or processes per PCIe switch)")
+            out[key] = size
+        else:
+            raise TopologyError(f"unknown topology override {key!r} (known: strategy, roots, switch_size)")
+    if "roots" in out and out.get("strategy", "reduce_broadcast") != "reduce_broadcast":
+        raise TopologyError(f"{_ENV_OF['roots'] if from_env else 'roots'} only applies to reduce_broadcast, "
+                            f"but the strategy is forced to {out['strategy']}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the rules
+
+
+def _ranks(ranks):
+    return ", ".join(map(str, ranks))
+
+
+def choose(machine, local_size=None, devices=None, overrides=None):
+    """Apply §4.2.3 to ``machine`` for ``local_size`` local processes; return a :class:`Plan`.
+
+    ``devices``: the GPU index each local rank drives (default: CUDA_VISIBLE_DEVICES order is the
+    caller's business; here the first ``local_size`` GPUs). ``overrides``: a validated dict from
+    :func:`parse_overrides` / :func:`overrides_from_env`.
+    """
+    overrides = dict(overrides or {})
+    if machine.gpus:
+        if devices is None:
+            devices = tuple(g.index for g in machine.gpus)[:local_size or len(machine.gpus)]
+        devices = tuple(devices)
+        bad = [d for d in devices if d not in {g.index for g in machine.gpus}]
+        if bad:
+            raise TopologyError(f"GPU(s) {bad} are not in machine {machine.name} "
+                                f"(GPUs 0..{len(machine.gpus) - 1})")
+        if len(set(devices)) != len(devices):
+            raise TopologyError(f"each local process needs its own GPU; got devices {list(devices)}")
+        if local_size is not None and local_size != len(devices):
+            raise TopologyError(f"{local_size} local processes but {len(devices)} GPU(s) to drive "
+                                f"({list(devices)}) on machine {machine.name}")
+        return _choose_gpu(machine, devices, overrides)
+    if local_size is None:
+        local_size = max(1, 2 * len(machine.numas))
+    return _choose_cpu(machine, local_size, overrides)
+
+
+def _switch_groups(machine, devices, switch_size, reasons):
+    """Local ranks grouped by PCIe switch (or in runs of switch_size when overridden)."""
+    n = len(devices)
+    if switch_size:
+        if n % switch_size:
+            raise TopologyError(f"BYTEPS_PCIE_SWITCH_SIZE={switch_size} does not divide the {n} local "
+                                "GPUs into equal switch groups")
+        groups = tuple(tuple(range(s, s + switch_size)) for s in range(0, n, switch_size))
+        names = tuple(machine.gpu(devices[g[0]]).switch for g in groups)
+        reasons.append(f"switch groups overridden (BYTEPS_PCIE_SWITCH_SIZE={switch_size}): "
+                       + " ".join(f"[{_ranks(g)}]" for g in groups))
+        return groups, names
+    order, by_switch = [], {}
+    for rank, d in enumerate(devices):
+        sw = machine.gpu(d).switch
+        if sw not in by_switch:
+            order.append(sw)
+            by_switch[sw] = []
+        by_switch[sw].append(rank)
+    return tuple(tuple(by_switch[s]) for s in order), tuple(order)
+
+
+def _rails(machine, devices):
+    """NIC for each local rank: one under its switch (spread over the switch's GPUs), else one
+    on its socket, else any; round-robin so several NICs share the load (Fairring's rails)."""
+    if not machine.nics:
+        return ("",) * len(devices)
+    rails = []
+    for rank, d in enumerate(devices):
+        gpu = machine.gpu(d)
+        under = machine.nics_on(gpu.switch)
+        if under:
+            peers = [r for r, dd in enumerate(devices) if machine.gpu(dd).switch == gpu.switch]
+            rails.append(under[peers.index(rank) % len(under)].name)
+            continue
+        numa = machine.switch(gpu.switch).numa
+        near = [n for n in machine.nics if n.numa == numa] or list(machine.nics)
+        rails.append(near[rank % len(near)].name)
+    return tuple(rails)
+
+
+def _choose_gpu(machine, devices, overrides):
+    n = len(devices)
+    reasons = []
+    groups, names = _switch_groups(machine, devices, overrides.get("switch_size"), reasons)
+    used_switches = sorted({machine.gpu(d).switch for d in devices})
+    with_nic = [s for s in used_switches if machine.nics_on(s)]
+    gpu_only = [s for s in used_switches if not machine.nics_on(s)]
+    s_n, s_g = len(with_nic), len(gpu_only)
+    nvlink = machine.nvlink_connected(devices)
+    rails = _rails(machine, devices)
+    base = dict(machine=machine, local_size=n, device="gpu", devices=devices, s_n=s_n, s_g=s_g, nvlink=nvlink,
+                overrides=tuple(sorted(overrides.items())))
+    if n == 1:
+        reasons.append("one local GPU: nothing to aggregate on this machine; it copies its tensor to "
+                       "host memory and pushes it")
+        return Plan(strategy="none", groups=groups, group_names=names, roots=(0,), rails=rails,
+                    reasons=tuple(reasons), **base)
+
+    nic_desc = ", ".join(f"{nic.name} ({'switch ' + nic.switch if nic.switch else 'CPU ' + str(nic.numa) + ' lanes'})"
+                         for nic in machine.nics) or "none"
+    reasons.append(f"NICs: {nic_desc}. S_n = {s_n} switch(es) with GPUs and a NIC"
+                   f"{' (' + ', '.join(with_nic) + ')' if with_nic else ''}, S_g = {s_g} with GPUs only"
+                   f"{' (' + ', '.join(gpu_only) + ')' if gpu_only else ''}")
+    reasons.append("NVLink/NVSwitch joins all local GPUs" if nvlink else
+                   "no NVLink joining all local GPUs: GPU-to-GPU traffic goes over PCIe")
+
+    forced = overrides.get("strategy")
+    if "roots" in overrides:
+        forced = "reduce_broadcast"
+    if forced:
+        strategy = forced
+        reasons.append(f"strategy forced to {forced} by an override (BYTEPS_INTRA_STRATEGY / BYTEPS_REDUCE_ROOTS); "
+                       f"the rules would choose {_rule_strategy(s_n, s_g, nvlink)}")
+    else:
+        strategy = _rule_strategy(s_n, s_g, nvlink)
+        if s_n > 0 and s_g > 0:
+            reasons.append("S_n > 0 and S_g > 0: asymmetric (§4.2.3 rule 1): reduce + broadcast, with roots "
+                           "that do not compete with a NIC for its switch uplink (§4.2.2)")
+            if not nvlink:
+                reasons.append("warning: without NVLink the reduce crosses PCIe switches (principle 1); compare "
+                               "cpu_assisted below (BYTEPS_INTRA_STRATEGY=cpu_assisted)")
+        elif nvlink:
+            reasons.append(f"S_n = {s_n}, S_g = {s_g}: symmetric (§4.2.3 rule 2): reduce-scatter + all-gather over "
+                           "NVLink across all GPUs balances the PCIe switches; no CPU-assisted aggregation is needed")
+        elif len(groups) > 1:
+            reasons.append(f"S_n = {s_n}, S_g = {s_g}: symmetric (§4.2.3 rule 2) without NVLink: CPU-assisted "
+                           f"aggregation (§4.2.1): reduce-scatter inside each switch, copy slices to host memory, "
+                           f"the CPU sums the {len(groups)} switch groups, so no GPU-to-GPU copy crosses a switch")
+        else:
+            reasons.append(f"S_n = {s_n}, S_g = {s_g}: symmetric (§4.2.3 rule 2) without NVLink, all GPUs under one "
+                           "switch: reduce-scatter inside it and copy the slices to host memory (CPU-assisted "
+                           "aggregation with a single group: nothing for the CPU to add)")
+
+    roots = ()
+    if strategy == "reduce_broadcast":
+        roots = _roots(machine, devices, overrides.get("roots"), gpu_only, reasons)
+        groups, names = (tuple(range(n)),), ("all",)
+    elif strategy == "reduce_scatter":
+        groups, names = (tuple(range(n)),), ("all",)
+        reasons.append(f"reduce-scatter over all {n} GPUs: local rank r holds slice r of the sum, copies it to "
+                       "host memory and pushes it")
+    else:  # cpu_assisted
+        reasons.append("groups: " + " ".join(f"{nm}=[{_ranks(g)}]" for nm, g in zip(names, groups))
+                       + "; PCIE_REDUCE: local rank r sums range r of the machine's tensor across groups")
+        reasons.append("brute-force copy is not used (x = 0, §4.2.1): the cost model below gives the optimal mix "
+                       "x* for reference only, since brute force costs n times the CPU memory bandwidth")
+    if len(machine.nics) > 1:
+        used = sorted(set(rails[r] for r in (roots or range(n))))
+        reasons.append(f"{len(machine.nics)} NICs: multi-NIC, traffic is sharded across {len(used)} of them, each "
+                       f"{'root' if roots else 'slice'} leaving through the NIC nearest its GPU (rails: "
+                       + ", ".join(f"{r}->{rails[r]}" for r in (roots or range(n))) + ")")
+    return Plan(strategy=strategy, groups=groups, group_names=names, roots=roots, rails=rails,
+                reasons=tuple(reasons), **base)
+
+
+def _rule_strategy(s_n, s_g, nvlink):
+    if s_n > 0 and s_g > 0:
+        return "reduce_broadcast"
+    return "reduce_scatter" if nvlink else "cpu_assisted"
+
+
+def _roots(machine, devices, forced_roots, gpu_only, reasons):
+    n = len(devices)
+    if forced_roots:
+        bad = [r for r in forced_roots if r >= n]
+        if bad:
+            raise TopologyError(f"BYTEPS_REDUCE_ROOTS: local rank(s) {bad} do not exist (this machine has {n} local "
+                                f"processes, ranks 0..{n - 1})")
+        roots = tuple(forced_roots)
+        near_nic = [r for r in roots if machine.nics_on(machine.gpu(devices[r]).switch)]
+        reasons.append(f"roots overridden: local rank(s) {_ranks(roots)}"
+                       + (f"; warning: {_ranks(near_nic)} share a switch with a NIC" if near_nic else ""))
+        return roots
+    if not gpu_only:  # forced on a machine where every switch has a NIC: least NIC-loaded GPUs
+        roots = tuple(range(n))
+        reasons.append("every switch holds a NIC, so no root avoids one: roots = all local ranks in turn")
+        return roots
+    nic_numas = {nic.numa for nic in machine.nics}
+    near = [s for s in gpu_only if machine.switch(s).numa in nic_numas]
+    chosen = near or gpu_only
+    roots = tuple(r for r, d in enumerate(devices) if machine.gpu(d).switch in chosen)
+    reasons.append(f"roots = local rank(s) {_ranks(roots)} (GPUs {_ranks(devices[r] for r in roots)} on switch(es) "
+                   f"{', '.join(chosen)}{', on the NIC socket' if near else ''}), partitions round-robin over "
+                   "them; the sum reaches host memory through an uplink no NIC uses")
+    return roots
+
+
+def _choose_cpu(machine, local_size, overrides):
+    """The CPU analogue: processes grouped by NUMA node (or by BYTEPS_PCIE_SWITCH_SIZE)."""
+    reasons = ["no GPUs on this machine: the CPU analogue; worker processes stand in for GPUs and sum "
+               "through shared memory"]
+    n = local_size
+    size = overrides.get("switch_size")
+    if size:
+        if n % size:
+            raise TopologyError(f"BYTEPS_PCIE_SWITCH_SIZE={size} does not divide the {n} local processes into "
+                                "equal groups")
+        groups = tuple(tuple(range(s, s + size)) for s in range(0, n, size))
+        names = tuple(f"group{i}" for i in range(len(groups)))
+        reasons.append(f"groups overridden (BYTEPS_PCIE_SWITCH_SIZE={size})")
+    else:
+        numas = [nd.id for nd in machine.numas] or [0]
+        per = -(-n // len(numas))  # contiguous blocks, as a NUMA-pinned launcher would place them
+        groups = tuple(tuple(range(s, min(s + per, n))) for s in range(0, n, per))
+        names = tuple(f"numa{numas[i]}" for i in range(len(groups)))
+        reasons.append(f"{len(numas)} NUMA node(s): processes grouped by node, so only one partial sum per node "
+                       "crosses the socket interconnect")
+    forced = overrides.get("strategy")
+    if "roots" in overrides:
+        forced = "reduce_broadcast"
+    strategy = "none" if n == 1 else (forced or "cpu_assisted")
+    roots = ()
+    if strategy == "reduce_broadcast":
+        roots = overrides.get("roots") or (0,)
+        bad = [r for r in roots if r >= n]
+        if bad:
+            raise TopologyError(f"BYTEPS_REDUCE_ROOTS: local rank(s) {bad} do not exist ({n} local processes)")
+        groups, names = (tuple(range(n)),), ("all",)
+        reasons.append(f"reduce + broadcast forced: roots {_ranks(roots)}")
+    elif strategy == "reduce_scatter":
+        groups, names = (tuple(range(n)),), ("all",)
+        reasons.append("reduce-scatter + all-gather forced: one group of all processes")
+    elif strategy == "cpu_assisted":
+        reasons.append("shared-memory reduce-scatter inside each group, then the groups' copies are summed "
+                       "(range r by local rank r), then copied back and gathered")
+    else:
+        reasons.append("one local process: nothing to aggregate")
+        roots = (0,)
+    # each process's NIC: one on its NUMA node (processes fill the nodes in contiguous blocks), else any
+    numas = [nd.id for nd in machine.numas] or [0]
+    per_node = -(-n // len(numas))
+    rails = []
+    for r in range(n):
+        near = [nic for nic in machine.nics if nic.numa == numas[r // per_node]] or list(machine.nics)
+        rails.append(near[r % len(near)].name if near else "")
+    return Plan(machine=machine, strategy=strategy, local_size=n, device="cpu", devices=(), groups=groups,
+                group_names=names, roots=tuple(roots), rails=tuple(rails), s_n=0, s_g=0, nvlink=False,
+                reasons=tuple(reasons), overrides=tuple(sorted(overrides.items())))
