@@ -98,7 +98,6 @@ def _marker(rundir, what, rank, barrier):
 
 
 def worker(args):
-    import numpy as np
     import torch
 
     torch.set_num_threads(1)
@@ -174,7 +173,7 @@ def worker(args):
     _marker(args.rundir, "end", rank, barrier)
     result = {"rank": rank, "times": times, "correct": correct}
     if args.system != "gloo" and rank == 0:
-        result["placed"] = _placed_bytes(common, names, tensors, fusion, np)
+        result["placed"] = _placed_bytes(common, names, tensors, fusion)
     with open(os.path.join(args.rundir, f"result.{rank}.json"), "w") as f:
         json.dump(result, f)
     if args.system == "gloo":
@@ -183,7 +182,7 @@ def worker(args):
         bps.shutdown()
 
 
-def _placed_bytes(common, names, tensors, fusion, np):
+def _placed_bytes(common, names, tensors, fusion):
     """Bytes each server summed per step under the placement the engine really used (its keys)."""
     engine = common._job.engine
     keys = {name: key for (name, _), key in engine._keys.items()}

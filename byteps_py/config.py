@@ -39,6 +39,7 @@ VARIABLES = {
     "BYTEPS_JOB_SECRET": ("", "per-job secret every connection proves it knows (HMAC challenge-response)"),
     "BYTEPS_PLACEMENT": ("balanced", "balanced | hash: how partitions are split over servers (byteps/placement.py)"),
     "BYTEPS_SERVER_ROLE": ("auto", "auto | colocated | standalone: a server's role in the k/n workload split"),
+    "BYTEPS_FUSION": ("0", "1: DistributedOptimizer sends gradients through balanced fusion buffers (byteps/fusion.py)"),
     "BYTEPS_SERVER_ENGINE_THREAD": ("0", "server threads that sum pushes (0: the network thread sums inline)"),
     "BYTEPS_ENABLE_ASYNC": ("0", "asynchronous training: servers keep the parameters, workers push deltas, no barrier"),
     # read outside this module, listed so docs/env.md stays complete
@@ -159,6 +160,7 @@ class Config:
     server_role: str = "auto"
     enable_async: bool = False
     server_engine_threads: int = 0
+    fusion: bool = False
 
     @property
     def distributed(self):
@@ -243,6 +245,7 @@ def load(env=None, role=None):
         server_role=_choice(env, "BYTEPS_SERVER_ROLE", ("auto", "colocated", "standalone")),
         enable_async=_bool(env, "BYTEPS_ENABLE_ASYNC"),
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 0, minimum=0, maximum=64),
+        fusion=_bool(env, "BYTEPS_FUSION"),
     )
 
 

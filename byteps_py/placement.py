@@ -56,7 +56,7 @@ from fractions import Fraction
 
 #: bytes: pieces are cut at multiples of this (a multiple of every element size; a cache line)
 ALIGN = 64
-#: bytes: a tensor smaller than this per server goes whole to one server instead of being cut
+#: bytes: a partition whose smallest piece would be smaller than this goes whole to one server
 MIN_PIECE = 16 << 10
 MODES = ("balanced", "hash")
 ROLES = ("colocated", "standalone")
@@ -444,8 +444,10 @@ def expected_traffic(server_bytes, server_hosts, worker_hosts):
 
     A worker pushes every byte not summed on its own host and pulls it back; a server receives
     its bytes from every worker host but its own and answers each. ``server_hosts[s]`` is server
-    s's host; ``worker_hosts`` lists the worker machines' hosts (one worker machine per host).
+    s's host; ``worker_hosts`` lists the worker machines' hosts (one worker machine per host; a host
+    listed once per process counts once).
     """
+    worker_hosts = list(dict.fromkeys(worker_hosts))
     model = sum(server_bytes)
     traffic = {h: 0 for h in [*worker_hosts, *server_hosts]}
     for h in worker_hosts:

@@ -65,6 +65,12 @@ class ControlClient:
             raise ProtocolError(f"control message from the scheduler has {len(frames)} frames, expected 2")
         return wire.unpack(frames[0]), wire.decode(frames[1])
 
+    def beat(self):
+        """Send a heartbeat if one is due. Long bursts of work call this between items: the silence
+        check (tick) must wait until we have read what the scheduler sent meanwhile."""
+        if time.monotonic() - self._last_sent >= self.cfg.heartbeat_interval:
+            self.send(wire.Cmd.HEARTBEAT)
+
     def tick(self):
         """Send a heartbeat when due; raise PeerLostError if the scheduler has gone silent."""
         now = time.monotonic()

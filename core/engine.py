@@ -115,6 +115,7 @@ class Engine:
         self._parts = {}            # (wire key, round) -> (op, offset, nbytes)
         self._declaring = {}        # (name, seq) -> [ops waiting for the key]
         self._decl_spec = {}        # (name, seq) -> spec
+        self._decl_pending = {}     # (name, spec) -> (name, seq) of its declaration in flight
         self._decl_seq = collections.Counter()
         self._keys = {}             # (name, spec) -> tensor key
         self._rounds = collections.Counter()  # wire key -> next round
@@ -359,7 +360,9 @@ class Engine:
         tick_ms = min(self.cfg.heartbeat_interval, 1.0) * 1000
         next_check = 0.0
         while not self._stopped.is_set():
-            for sock, _ in self.poller.poll(timeout=tick_ms):
+            events = self.poller.poll(timeout=tick_ms)
+            began = time.monotonic()
+            for sock, _ in events:
                 if sock == self._wake_r:
                     try:
                         os.read(self._wake_r, 4096)
@@ -379,10 +382,13 @@ class Engine:
                     self._on_staged(*self._copier.done.popleft())
             self._drain_inbox()
             now = time.monotonic()
-            if now >= next_check:  # these walk every outstanding op: not once per message
-                self.control.tick()
+            if now - began > self.cfg.heartbeat_timeout / 3:  # heartbeats wait on this loop: say why they were late
+                logger.warning("the engine loop was busy for %.1f s (%d outstanding partitions)", now - began,
+                               len(self._parts))
+            self.control.tick()
+            if now >= next_check:  # walks every outstanding op: not once per message
                 self._check_timeouts()
-                next_check = now + 0.1
+                next_check = now + 0.5
             if self._left:  # shutdown() released by the scheduler
                 return
 
@@ -471,6 +477,7 @@ class Engine:
         ident = (body.get("name"), body.get("seq"))
         ops = self._declaring.pop(ident, [])
         spec = self._decl_spec.pop(ident, None)
+        self._decl_pending.pop((ident[0], spec), None)
         if "error" in body:
             err = TensorMismatchError(body["error"])
             for op in ops:
@@ -483,7 +490,11 @@ class Engine:
     # ---------------------------------------------------------------- sending
 
     def _drain_inbox(self):
+        done = 0
         while self._inbox:
+            done += 1
+            if done % 128 == 0:  # a burst (10,000 tensors in one step) must not stop our heartbeats
+                self.control.beat()
             item = self._inbox.popleft()
             if not isinstance(item, Op):
                 kind, name, ev = item
@@ -496,13 +507,13 @@ class Engine:
             if key is not None:
                 self._dispatch(op, key)
                 continue
-            waiting = next((ident for ident, spec in self._decl_spec.items()
-                            if ident[0] == op.name and spec == op.spec), None)
+            waiting = self._decl_pending.get((op.name, op.spec))  # a dict: 10,000 new tensors stay linear
             if waiting is None:
                 seq = self._decl_seq[op.name]
                 self._decl_seq[op.name] += 1
                 waiting = (op.name, seq)
                 self._decl_spec[waiting] = op.spec
+                self._decl_pending[(op.name, op.spec)] = waiting
                 self._declaring[waiting] = []
                 self.control.send(Cmd.DECLARE, {"name": op.name, "seq": seq, "shape": list(op.shape),
                                                 "dtype": dtypes.name(op.dtype),
@@ -527,7 +538,12 @@ class Engine:
         Credit is held only by partitions on the network (released when their reply arrives): a
         local coordination step holds none, or a machine's processes could wait on each other.
         """
+        self.control.beat()  # bursts of replies and declarations end here: keep heartbeats flowing
+        sent = 0
         while (task := self._sendq.pop()) is not None:
+            sent += 1
+            if sent % 128 == 0:
+                self.control.beat()
             item = self._tasks.pop(task)
             if item[0] == "reduced":  # a machine's sum, ready for its server
                 self._push_reduced(*item[1:])

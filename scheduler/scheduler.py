@@ -422,7 +422,12 @@ class Scheduler:
         if ident not in self._nodes():
             logger.debug("message %s from an unregistered peer ignored", Cmd(header.cmd).name)
             return
-        self.last_seen[ident] = time.monotonic()
+        now = time.monotonic()
+        gap = now - self.last_seen.get(ident, now)
+        if gap > self.cfg.heartbeat_timeout / 2:  # early warning of a node about to be declared lost
+            logger.warning("%s was silent for %.1f s (BYTEPS_HEARTBEAT_TIMEOUT=%g)", self._describe(ident), gap,
+                           self.cfg.heartbeat_timeout)
+        self.last_seen[ident] = now
         if header.cmd == Cmd.HEARTBEAT:
             return
         if header.cmd == Cmd.BARRIER:

@@ -628,6 +628,10 @@ class Server:
         self.data.close(linger=1000)
         self.control.close()
         self.maps.close()
+        # replies are sent zero-copy from the stores: let ZeroMQ's I/O thread finish with them (at
+        # most the linger above) before the interpreter frees them at exit, or it aborts on a send
+        # from freed memory ("Bad address (src/tcp.cpp)"; found by tests/test_stress.py)
+        self.ctx.term()
 
 
 def main():

@@ -135,7 +135,7 @@ def _train(cfg):
     passes = cfg.get("passes", 1)
     named = [(f"{tag}.{n}", p) for n, p in model.named_parameters()]
     dopt = bps.DistributedOptimizer(opt, named_parameters=named, compression=compression,
-                                    backward_passes_per_step=passes)
+                                    backward_passes_per_step=passes, fusion=cfg.get("fusion", False))
     per_step = cfg["per_step"]
     for step in range(cfg["steps"]):
         xb, yb = batch_for_step(x, y, step, per_step)

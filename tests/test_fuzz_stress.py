@@ -10,9 +10,11 @@
   reach: the servers' data sockets, the workers' local-reduce sockets and the scheduler, from an
   unauthenticated peer and from an authenticated one (it knows the job's secret, so it is a
   buggy job member, not a stranger). Frames have random commands, dtypes, flags, senders, keys,
-  rounds, frame counts, bodies, and length fields up to 2^64-1 with tiny bodies. Afterwards every
-  process must still run, its memory must not have grown (a length field never allocates), the
-  stranger must never have had an answer, and real push_pulls must still give the exact sums.
+  rounds, frame counts, bodies, and length fields up to 2^64-1 with tiny bodies; the member also
+  sends well-formed pairs of pushes that complete rounds. Afterwards every process must still run,
+  its memory (RSS, and address space: a length field never allocates) must not have grown, the
+  stranger must have had nothing but handshake answers (a CHALLENGE; the scheduler's refusal),
+  and real push_pulls must still give the exact sums. ``-m slow`` sends 20,000 messages per peer.
   The authenticated fuzzer uses tensor keys the job does not use (a job member can break its own
   job's rounds; that is not a parser property).
 """

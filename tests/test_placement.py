@@ -281,7 +281,8 @@ def test_expected_traffic_matches_the_plan():
 
 def test_bpslaunch_plan_prints_the_plan():
     out = subprocess.run([sys.executable, "-m", "byteps.launcher", "--plan", "--worker-machines", "4", "--extra", "2",
-                          "--model-bytes", "64MB", "--bandwidth", "100Mbit"], capture_output=True, text=True, timeout=60)
+                          "--model-bytes", "64MB", "--bandwidth", "100Mbit"],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "n=4" in out.stdout and "k=2" in out.stdout and "t_opt" in out.stdout
     assert "0.300000" in out.stdout and "0.100000" in out.stdout  # Eq. 1 and Eq. 2 for n=4, k=2
@@ -302,7 +303,8 @@ HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
 
 def run_hosts(tmp_path, scenario, args, env):
-    c = Cluster(str(tmp_path), len(HOSTS), len(HOSTS) + 1, env=dict(env, BYTEPS_LOG_LEVEL="INFO")).start(servers=False)
+    env = dict(env, BYTEPS_LOG_LEVEL="INFO")
+    c = Cluster(str(tmp_path), len(HOSTS), len(HOSTS) + 1, env=env).start(servers=False)
     try:
         for i, host in enumerate([*HOSTS, "127.0.0.4"]):
             c.servers.append(c._spawn([sys.executable, "-m", "byteps.server"], "server", {"DMLC_NODE_HOST": host},

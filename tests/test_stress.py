@@ -19,8 +19,9 @@ exit 137 (128 + SIGKILL) and take every other process down.
 
 Every choice of a trial (layout, transport, partition size, victim, delay) comes from its seed,
 which is in the test id (``test_kill_stress[server-3]`` has seed ``seed_of("server", 3)``) and is
-printed, so ``pytest -m slow -k 'server-3'`` replays it. The default suite runs one trial per
-role (``test_kill_quick``); ``-m slow`` runs 20 per role plus 10 through bpslaunch.
+printed; ``pytest -m slow 'tests/test_stress.py::test_kill_stress[server-3]'`` replays it.
+The default suite runs one trial per role (``test_kill_quick``) and one through bpslaunch;
+``-m slow`` runs 20 per role plus 10 through bpslaunch.
 """
 import os
 import random

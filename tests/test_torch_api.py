@@ -200,6 +200,10 @@ RUNS = [
     dict(tag="passes2", opt="momentum", lr=0.05, passes=2),
     dict(tag="sgd32", opt="sgd", lr=0.1, dtype="float32"),
     dict(tag="fp16", opt="sgd", lr=0.1, dtype="float32", fp16=True),
+    dict(tag="momentum", opt="momentum", lr=0.05),
+    dict(tag="momentum_fused", opt="momentum", lr=0.05, fusion=True),
+    dict(tag="passes2_fused", opt="momentum", lr=0.05, passes=2, fusion=True),
+    dict(tag="fp16_fused", opt="sgd", lr=0.1, dtype="float32", fp16=True, fusion=True),
 ]
 for _r in RUNS:
     _r.update(steps=6, data=24, per_step=8, seed=1)
@@ -234,7 +238,8 @@ def trained(train, tag):
 
 
 @TIMEOUT
-@pytest.mark.parametrize("tag", ["sgd", "momentum_bcast", "adam_bcast", "passes2", "sgd32"])
+@pytest.mark.parametrize("tag", ["sgd", "momentum_bcast", "adam_bcast", "passes2", "sgd32", "momentum_fused",
+                                 "passes2_fused"])
 def test_distributed_optimizer_matches_combined_batch(train, tag):
     got, ref = trained(train, tag)
     init = make_model(1, ref[next(iter(ref))].dtype).state_dict()
@@ -242,6 +247,15 @@ def test_distributed_optimizer_matches_combined_batch(train, tag):
     for n in ref:
         assert not torch.equal(ref[n], init[n]), f"{tag}: {n} did not train"
         torch.testing.assert_close(got[n], ref[n], **tol, msg=lambda m, n=n: f"run {tag}, parameter {n}: {m}")
+
+
+@TIMEOUT
+@pytest.mark.parametrize("fused,plain", [("momentum_fused", "momentum"), ("passes2_fused", "passes2"),
+                                         ("fp16_fused", "fp16")])
+def test_fusion_gives_the_same_bits(train, fused, plain):
+    """Balanced fusion buffers (byteps/fusion.py) change how gradients travel, not the sums: with
+    two workers every sum is order-free, so fused training ends bit-identical to per-tensor."""
+    assert train.value(0)[fused] == train.value(0)[plain], f"{fused} differs from {plain}"
 
 
 @TIMEOUT

@@ -7,12 +7,12 @@ import torch
 from byteps import common
 
 from .compression import Compression, select, wire_codec
-from .ops import push_pull_async_inplace, synchronize
+from .ops import dtype_code, push_pull_async_inplace, synchronize
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op=0,
-                 gradient_predivide_factor=1.0, sparse_as_dense=False):
+                 gradient_predivide_factor=1.0, sparse_as_dense=False, fusion=False):
         super(self.__class__, self).__init__(params)
         self._compression = compression
         self.op = op
@@ -46,6 +46,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._warned = False
         self._hooks = []
+        self._fused = None
+        if fusion and common.size() > 1:
+            from byteps.fusion import FusedPushPull
+            # balanced fusion buffers (byteps/fusion.py): small gradients share buffers in rank 0's
+            # first-step order, and every buffer is split over the servers in the k/n proportions
+            self._fused = FusedPushPull("DistributedOptimizer.fused")
         if common.size() > 1:
             for p in all_params:
                 if p.requires_grad:
@@ -64,6 +70,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressed, ctx = compressor.compress(grad)
         name = "Gradient." + self._names[id(p)]
         priority = self._priority[id(p)]
+        if self._fused is not None:
+            if compressed.device.type != "cpu" or not compressed.is_contiguous():
+                raise ValueError(f"DistributedOptimizer(fusion=True): gradient {name!r} is not a contiguous CPU "
+                                 "tensor; fusion is for CPU training (use fusion=False)")
+            self._fused.add(name, compressed.detach().reshape(-1).view(torch.uint8).numpy(),
+                            dtype_code(compressed, name))
+            self._handles[p] = (None, compressed, ctx)
+            return
         if self.op == Average and self.gradient_predivide_factor == 1.0:
             handle = push_pull_async_inplace(compressed, average=True, name=name, priority=priority,
                                              compression=wire_codec(compressor))
@@ -94,8 +108,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         if p.grad is None:
                             p.grad = torch.zeros_like(p)
                         self._push(p)
+        from .mpi_ops import Average
+
+        if self._fused is not None and self._handles:
+            self._fused.synchronize()  # every gradient now holds the sum
         for p, (handle, compressed, ctx) in self._handles.items():
-            out = synchronize(handle)
+            if handle is None:  # fused: average here (integer gradients: floor division, as push_pull)
+                out = compressed
+                if self.op == Average:
+                    if out.dtype.is_floating_point:
+                        out.div_(common.size())
+                    else:
+                        out.floor_divide_(common.size())
+            else:
+                out = synchronize(handle)
             out = select(self._compression, self._names[id(p)]).decompress(out if out is not None else compressed, ctx)
             if p.grad.is_sparse:
                 p.grad = out if self.sparse_as_dense else out.to_sparse()
@@ -142,7 +168,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0, num_groups=0,
-                         groups=None, sparse_as_dense=False, process_set=None, asynchronous=None):
+                         groups=None, sparse_as_dense=False, process_set=None, asynchronous=None, fusion=None):
     """Wrap ``optimizer`` so that gradients are averaged over all workers before each step.
 
     Each gradient's push_pull starts from a hook as soon as back-propagation has accumulated it,
@@ -165,6 +191,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         sparse_as_dense: sparse gradients are always reduced densely; with this flag they are also
             left dense afterwards, otherwise they are made sparse again.
         process_set: only the global process set is supported.
+        fusion: send gradients through balanced fusion buffers (byteps/fusion.py, Herring's):
+            small gradients share buffers laid out once in rank 0's first-step order, and each
+            buffer is split over the servers in the optimal k/n proportions. ``None`` follows
+            ``BYTEPS_FUSION`` (default off: every gradient is its own priority-scheduled push_pull).
+            CPU gradients, ``op`` Average or Sum, no predivide factor, and no wire compressor.
         asynchronous: ``None`` follows the job (``BYTEPS_ENABLE_ASYNC``); ``True`` insists on
             asynchronous training and raises if the job is synchronous. In asynchronous mode the
             result is :func:`byteps.torch.async_optimizer.AsyncDistributedOptimizer`: workers push
@@ -190,6 +221,19 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                       DeprecationWarning, stacklevel=2)
     if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
         raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+    if fusion is None:
+        fusion = common.is_initialized() and common.config().fusion
+    if fusion:
+        from byteps.compression import WireCompressor
+
+        from .mpi_ops import Sum
+
+        if op not in (Average, Sum) or gradient_predivide_factor != 1.0:
+            raise ValueError("DistributedOptimizer(fusion=True) supports op=Average or Sum without "
+                             "gradient_predivide_factor")
+        if isinstance(compression, (dict, WireCompressor)):
+            raise ValueError("DistributedOptimizer(fusion=True) cannot be combined with a wire compressor or "
+                             "per-tensor compression; use Compression.none or Compression.fp16")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, sparse_as_dense)
+               gradient_predivide_factor, sparse_as_dense, bool(fusion))
