@@ -769,6 +769,22 @@ def resolve(compression):
                     f"got {compression!r}")
 
 
+class WireCompressions:
+    """The compressors every framework plugin offers (each plugin's ``Compression`` subclasses this
+    and adds its tensor casts): ``none``, the wire codecs, and ``wire(method, **options)``."""
+
+    none = NoneCompressor
+    bf16 = WireCompressor("bf16")
+    onebit = WireCompressor("onebit")
+    topk = WireCompressor("topk")
+    randomk = WireCompressor("randomk")
+    dithering = WireCompressor("dithering")
+
+    @staticmethod
+    def wire(method, **options):
+        return WireCompressor(method, **options)
+
+
 def wire_codec(compression):
     """The :class:`WireCompressor` in ``compression`` or None (what plugins pass to push_pull)."""
     return compression if isinstance(compression, WireCompressor) else None

@@ -13,7 +13,7 @@ cdef extern from "bps_queue.h" nogil:
         BpsQueue(int64_t credit)
         void push(int64_t priority, int64_t id, int64_t nbytes)
         int pop(int64_t *id, int64_t timeout_ms)
-        void release(int64_t nbytes)
+        void release(int64_t nbytes, int64_t priority)
         void close()
         int64_t size()
         int64_t in_flight()
@@ -25,7 +25,8 @@ cdef class PriorityQueue:
 
     Args:
         credit: the most bytes handed out by :meth:`pop` and not yet :meth:`release`-d; a task
-            larger than the credit still runs when nothing else is in flight. 0 means unlimited.
+            larger than the credit still runs when nothing else is in flight, and a task more
+            urgent than everything in flight always runs (bps_queue.h says why). 0: unlimited.
     """
 
     cdef BpsQueue *q
@@ -50,10 +51,10 @@ cdef class PriorityQueue:
             ok = self.q.pop(&task_id, ms)
         return task_id if ok else None
 
-    def release(self, int64_t nbytes):
-        """Give back the credit of a finished task."""
+    def release(self, int64_t nbytes, int64_t priority=0):
+        """Give back the credit of a finished task (``priority``: the one it was pushed with)."""
         with nogil:
-            self.q.release(nbytes)
+            self.q.release(nbytes, priority)
 
     def close(self):
         """Wake every waiter; pop() returns None once the queue is empty."""

@@ -3,7 +3,13 @@
  * Order: larger priority first; among equal priorities, earlier arrival first (a strict weak
  * ordering on (priority, seq), unlike ps-lite's threadsafe_pqueue). A task is handed out only
  * while the bytes in flight plus its size fit the credit, or when nothing is in flight (so one
- * task larger than the credit still runs). Tasks are plain integers: the Python side keeps the
+ * task larger than the credit still runs), or when its priority is above every priority in flight.
+ *
+ * That last rule prevents a deadlock between workers: worker A may fill its credit with tensor X
+ * before the more urgent Y was queued, while worker B, which saw Y first, fills its credit with
+ * Y; each server round then waits for the other worker's push, which its credit holds back. With
+ * the rule, the most urgent unfinished tensor can always go out on every worker, one partition at
+ * a time, so the job always progresses. Tasks are plain integers: the Python side keeps the
  * objects, so no C thread ever touches a Python object.
  */
 #ifndef BPS_QUEUE_H
@@ -12,6 +18,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <queue>
 #include <vector>
@@ -57,16 +64,19 @@ class BpsQueue {
         const BpsTask t = heap_.top();
         heap_.pop();
         in_flight_ += t.nbytes;
+        if (credit_ > 0) ++priorities_[t.priority];
         *id = t.id;
         return 1;
     }
 
-    /* Return credit when a task's bytes are no longer in flight. */
-    void release(int64_t nbytes) {
+    /* Return credit when a task's bytes are no longer in flight (priority: the task's). */
+    void release(int64_t nbytes, int64_t priority) {
         {
             std::lock_guard<std::mutex> lock(mu_);
             in_flight_ -= nbytes;
             if (in_flight_ < 0) in_flight_ = 0;
+            auto it = priorities_.find(priority);
+            if (it != priorities_.end() && --it->second <= 0) priorities_.erase(it);
         }
         cv_.notify_all();
     }
@@ -93,7 +103,8 @@ class BpsQueue {
 
   private:
     bool fits(const BpsTask &t) const {
-        return credit_ <= 0 || in_flight_ == 0 || in_flight_ + t.nbytes <= credit_;
+        return credit_ <= 0 || in_flight_ == 0 || in_flight_ + t.nbytes <= credit_ ||
+               priorities_.empty() || t.priority > priorities_.rbegin()->first;
     }
 
     std::mutex mu_;
@@ -101,6 +112,7 @@ class BpsQueue {
     std::priority_queue<BpsTask, std::vector<BpsTask>, BpsTaskOrder> heap_;
     uint64_t next_seq_ = 0;
     int64_t in_flight_ = 0;
+    std::map<int64_t, int64_t> priorities_;  // priority -> tasks in flight (only with a credit)
     const int64_t credit_;  // <= 0: unlimited
     bool closed_ = false;
 };

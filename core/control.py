@@ -10,7 +10,6 @@ import time
 import zmq
 
 from byteps.errors import PeerLostError, ProtocolError
-from byteps.log import logger
 
 from . import auth, wire
 

@@ -47,13 +47,13 @@ from byteps.placement import Placement
 from . import auth, dtypes, shm, stages, wire
 from ._pipeline import PriorityQueue
 from ._reduce import aligned_empty, copy_into, sum_many
+from .control import ControlClient
 from .local import ComputeStage, LocalPlan
 from .stages import Stage
 
 #: partitions at least this large are copied into shared memory by the copy stage's thread (STAGE);
 #: smaller ones inline, where a thread hand-off would cost more than the copy
 STAGE_THREAD_MIN_BYTES = 256 << 10
-from .control import ControlClient
 
 Cmd = wire.Cmd
 
@@ -550,7 +550,7 @@ class Engine:
                 continue
             op, i, off, length = item
             if op.error is not None:  # failed meanwhile (time-out, abort): don't send the rest
-                self._sendq.release(length)
+                self._sendq.release(length, op.priority)
                 continue
             key = wire.make_key(op.tkey, i)
             rnd = self._rounds[key]
@@ -564,7 +564,7 @@ class Engine:
             if first in (Stage.STAGE, Stage.PUSH):  # a small STAGE copy runs inline, in _push
                 self._push(op, key, rnd, server, off, data)
                 continue
-            self._sendq.release(length)
+            self._sendq.release(length, op.priority)
             if first == Stage.LOCAL_REDUCE:
                 self._early_meta.pop((key, rnd), None)
                 self._groups[(key, rnd)] = {"op": op, "i": i, "off": off, "len": length,
@@ -608,7 +608,7 @@ class Engine:
         op, key, rnd, server, off, view, prefix = fn.ident
         op.servers["the copy stage"] -= 1
         if error is not None or op.error is not None:
-            self._sendq.release(view.size)
+            self._sendq.release(view.size, op.priority)
             op.error = op.error or BytePSError(f"tensor {op.name!r}: copy into shared memory failed: {error}")
             self._partition_done(op, view.size)
             self._send_ready()
@@ -758,7 +758,7 @@ class Engine:
         """PUSH the machine's sum (from the owner's shared region) once the compute stage has it."""
         key, rnd = fn.ident
         group = self._groups[(key, rnd)]
-        op, i, off = group["op"], group["i"], group["off"]
+        op = group["op"]
         if error is not None or op.error is not None:
             self._groups.pop((key, rnd))
             op.error = op.error or BytePSError(f"tensor {op.name!r}: local reduce failed: {error}")
@@ -766,17 +766,19 @@ class Engine:
             return
         group["result"] = (fn.dst, fn.prefix)
         task = next(self._task_ids)
-        self._tasks[task] = ("reduced", key, rnd)
+        self._tasks[task] = ("reduced", key, rnd, fn.dst.size, op.priority)
         self._sendq.push(op.priority, task, fn.dst.size)
         self._send_ready()
 
-    def _push_reduced(self, key, rnd):
+    def _push_reduced(self, key, rnd, nbytes, priority):
         group = self._groups.get((key, rnd))
         if group is None:  # the op timed out meanwhile
+            self._sendq.release(nbytes, priority)
             return
         op, i, off = group["op"], group["i"], group["off"]
         view, prefix = group["result"]
         if op.error is not None:
+            self._sendq.release(nbytes, priority)
             self._groups.pop((key, rnd))
             self._finish_local(key, rnd, op, view.size, error=str(op.error))
             return
@@ -816,7 +818,7 @@ class Engine:
             self._discard(sock)
             return
         op, off, length = entry
-        self._sendq.release(length)
+        self._sendq.release(length, op.priority)
         server = self._server_index[sock]
         op.servers[f"server {server}"] -= 1
         group = self._groups.pop((header.key, header.round), None)
@@ -923,7 +925,7 @@ class Engine:
             err = BytePSTimeoutError(f"push_pull of tensor {op.name!r} waited {now - op.started:.0f} s "
                                      f"(BYTEPS_TIMEOUT={limit:g}) for {who}")
             for k in [k for k, v in self._parts.items() if v[0] is op]:
-                self._sendq.release(self._parts.pop(k)[2])
+                self._sendq.release(self._parts.pop(k)[2], op.priority)
             for k in [k for k, v in self._awaiting_done.items() if v[0] is op]:
                 del self._awaiting_done[k]
             for k in [k for k, g in self._groups.items() if g["op"] is op]:

@@ -121,8 +121,13 @@ class PeerMaps:
         return arr[off:off + nbytes]
 
     def _open(self, pid, fd, inode):
+        path = f"/proc/{pid}/fd/{fd}"
         try:
-            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+            target = os.readlink(path)
+            # only byteps's own memfd arenas: a descriptor must not map any file the peer has open
+            if not target.startswith("/memfd:byteps"):
+                raise ProtocolError(f"fd {fd} of pid {pid} is {target!r}, not a byteps shared-memory arena")
+            f = os.open(path, os.O_RDWR)
         except OSError as e:
             raise ProtocolError(f"cannot open shared memory of pid {pid} (fd {fd}): {e}") from None
         try:
@@ -131,6 +136,8 @@ class PeerMaps:
                 raise ProtocolError(f"shared memory of pid {pid} (fd {fd}) is no longer the arena named "
                                     f"(inode {st.st_ino}, expected {inode})")
             m = mmap.mmap(f, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as e:  # not mappable: empty, a device, read-only
+            raise ProtocolError(f"shared memory of pid {pid} (fd {fd}) cannot be mapped: {e}") from None
         finally:
             os.close(f)
         arr = np.frombuffer(m, dtype=np.uint8)

@@ -110,7 +110,20 @@ class Scheduler:
         logger.error("job failed: %s", reason)
         for ident in self._nodes():
             self._send(ident, Cmd.ABORT, {"reason": reason})
+        if not self.running:
+            self._refuse_stragglers(reason)
         raise JobFailed(reason)
+
+    def _refuse_stragglers(self, reason, seconds=2.0):
+        """A job that fails at start-up: nodes still registering get the reason at once, instead of
+        waiting BYTEPS_TIMEOUT for a scheduler that has gone."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.sock.poll(left * 1000):
+                break
+            frames = self.sock.recv_multipart()
+            if len(frames) == 3:
+                self._send(frames[0], Cmd.ERROR, {"error": f"the job failed at start-up: {reason}"})
 
     # ---------------------------------------------------------------- registration
 
@@ -128,7 +141,10 @@ class Scheduler:
             reason = (f"mixing synchronous and asynchronous nodes in one job: {who} has "
                       f"{mode[bool(body.get('enable_async'))]} but the scheduler has {mode[self.cfg.enable_async]}")
             self._send(ident, Cmd.ERROR, {"error": reason})
-            self._fail(reason)
+            if self.running:  # a stray node: refuse it, keep the running job
+                logger.warning("refused a node: %s", reason)
+                return
+            self._fail(reason)  # the job cannot start without this node: fail now, naming it
         if role == "server":
             if self.epoch == 0 and not self.running and len(self.servers) < self.cfg.num_server:
                 self.servers[ident] = dict(body)

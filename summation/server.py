@@ -118,6 +118,10 @@ class Server:
         self.data = self.ctx.socket(zmq.ROUTER)
         self.data.setsockopt(zmq.LINGER, 1000)
         self.data.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # no send high-water mark: a reply must never block the loop (a worker that stops reading
+        # would freeze every other worker and our heartbeats); what queues is bounded by what that
+        # worker pushed, since each reply answers one of its pushes
+        self.data.setsockopt(zmq.SNDHWM, 0)
         self.port = self.data.bind_to_random_port(f"tcp://{cfg.node_host}")
         # ss_role: BYTEPS_SERVER_ROLE; "auto" is resolved from the address book (byteps/placement.py)
         info = {"role": "server", "host": cfg.node_host, "port": self.port, "ss_role": cfg.server_role}
@@ -350,7 +354,6 @@ class Server:
     def _take_async(self, st, h, rank, initial):
         """Receive one async message: rank 0's initial parameters are copied into the store, other
         ranks' are only checked; a delta is added to the store. Returns an error message or None."""
-        store = st.stores[0]
         if initial and st.first is None:
             st.first = (rank, h.length, h.dtype)
         if h.flags & wire.FLAG_SHM:
@@ -367,6 +370,7 @@ class Server:
         got = len(data) if not hasattr(data, "nbytes") else data.nbytes
         if got != h.length:
             return f"key {wire.split_key(h.key)}: rank {rank}'s header says {h.length} bytes but {got} arrived"
+        store = st.stores[0]  # allocated only now that a body of that size has arrived
         if initial:
             if rank == 0:
                 copy_into(store, data)

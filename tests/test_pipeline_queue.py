@@ -68,6 +68,26 @@ def test_urgent_task_is_not_starved_by_a_large_late_one():
     assert q.pop() == 1
 
 
+def test_more_urgent_than_everything_in_flight_goes_past_the_credit():
+    """The rule that keeps workers from deadlocking (bps_queue.h): with the credit full of
+    priority-0 partitions, the first partition of a more urgent tensor still goes out; its second
+    waits for credit (the urgent tensor is then in flight); the lower tensor waits throughout."""
+    q = PriorityQueue(credit=8)
+    for i in range(4):
+        q.push(0, 100 + i, 4)
+    assert q.pop() == 100 and q.pop() == 101 and q.pop() is None  # credit full
+    q.push(5, 1, 4)
+    q.push(5, 2, 4)
+    assert q.pop() == 1  # above every priority in flight: past the credit
+    assert q.pop() is None  # priority 5 is in flight now: task 2 waits for credit
+    q.release(4, 5)
+    assert q.pop() == 2  # again above everything in flight (0, 0)
+    q.release(4, 0)
+    q.release(4, 0)
+    q.release(4, 5)
+    assert q.pop() == 102 and q.pop() == 103 and q.in_flight == 8
+
+
 def test_unlimited_credit():
     q = PriorityQueue(credit=0)
     for i in range(5):

@@ -5,23 +5,12 @@ server on another machine. Pass one as ``compression=`` to :func:`push_pull` /
 ``DistributedOptimizer``, or configure ``DistributedTrainer`` with BytePS's ``compression_params``
 dict ({"compressor": "onebit", "ef": "vanilla", ...}). docs/compression.md.
 """
-from byteps.compression import Compressor, NoneCompressor, WireCompressor, from_params, wire_codec
+from byteps.compression import Compressor, NoneCompressor, WireCompressions, WireCompressor, from_params, wire_codec
 
 
-class Compression:
+class Compression(WireCompressions):
     """``none`` (the job's default, BYTEPS_COMPRESSOR) and the wire codecs ``bf16``, ``onebit``,
     ``topk``, ``randomk``, ``dithering``; ``wire(method, **options)`` for any (``wire("fp16")``)."""
-
-    none = NoneCompressor
-    bf16 = WireCompressor("bf16")
-    onebit = WireCompressor("onebit")
-    topk = WireCompressor("topk")
-    randomk = WireCompressor("randomk")
-    dithering = WireCompressor("dithering")
-
-    @staticmethod
-    def wire(method, **options):
-        return WireCompressor(method, **options)
 
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "WireCompressor", "from_params", "wire_codec"]

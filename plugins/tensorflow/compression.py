@@ -7,7 +7,7 @@ options, e.g. ``Compression.onebit(error_feedback=True)``. docs/compression.md.
 """
 import tensorflow as tf
 
-from byteps.compression import Compressor, NoneCompressor, WireCompressor, wire_codec
+from byteps.compression import Compressor, NoneCompressor, WireCompressions, WireCompressor, wire_codec
 
 
 class FP16Compressor(Compressor):
@@ -27,22 +27,12 @@ class FP16Compressor(Compressor):
         return tensor if ctx is None else tf.cast(tensor, ctx)
 
 
-class Compression:
+class Compression(WireCompressions):
     """Available compressors: ``none``, ``fp16`` (Horovod's, on the tensor); wire codecs ``bf16``,
     ``onebit``, ``topk``, ``randomk``, ``dithering`` and ``wire(method, **options)`` (as in
     ``byteps.torch.Compression``)."""
 
-    none = NoneCompressor
     fp16 = FP16Compressor
-    bf16 = WireCompressor("bf16")
-    onebit = WireCompressor("onebit")
-    topk = WireCompressor("topk")
-    randomk = WireCompressor("randomk")
-    dithering = WireCompressor("dithering")
-
-    @staticmethod
-    def wire(method, **options):
-        return WireCompressor(method, **options)
 
 
 __all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor", "WireCompressor", "wire_codec"]

@@ -11,7 +11,7 @@ import fnmatch
 
 import torch
 
-from byteps.compression import Compressor, NoneCompressor, WireCompressor, wire_codec
+from byteps.compression import Compressor, NoneCompressor, WireCompressions, WireCompressor, wire_codec
 
 
 class FP16Compressor(Compressor):
@@ -31,7 +31,7 @@ class FP16Compressor(Compressor):
         return tensor if ctx is None else tensor.to(ctx)
 
 
-class Compression:
+class Compression(WireCompressions):
     """Available compressors.
 
     * ``none``, ``fp16``: Horovod's tensor compressors.
@@ -46,17 +46,7 @@ class Compression:
     ``min_bytes`` (default BYTEPS_MIN_COMPRESS_BYTES); docs/compression.md.
     """
 
-    none = NoneCompressor
     fp16 = FP16Compressor
-    bf16 = WireCompressor("bf16")
-    onebit = WireCompressor("onebit")
-    topk = WireCompressor("topk")
-    randomk = WireCompressor("randomk")
-    dithering = WireCompressor("dithering")
-
-    @staticmethod
-    def wire(method, **options):
-        return WireCompressor(method, **options)
 
 
 def select(compression, name):

@@ -22,7 +22,6 @@ A cross-rank mismatch of shape, dtype or root raises :class:`byteps.TensorMismat
 already in flight raises ``ValueError`` at submit time.
 """
 import threading
-import time
 import warnings
 
 import torch
