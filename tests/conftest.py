@@ -145,6 +145,23 @@ class Run:
         return [self.value(r, section) for r in range(self.n)]
 
 
+def memfd_arenas(pid):
+    """byteps memfd arenas a process holds open (they show as /memfd:byteps-... links)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    out = []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:byteps"):
+            out.append(target)
+    return out
+
+
 @pytest.fixture
 def cluster(tmp_path):
     made = []

@@ -1,9 +1,13 @@
 """A process killed mid-run: every survivor fails within the heartbeat timeout, naming the lost peer."""
 import os
 import signal
+import sys
 import time
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
+from conftest import memfd_arenas  # noqa: E402
 
 
 def _wait_progress(c, ranks, timeout=30):
@@ -117,23 +121,6 @@ def test_unreachable_scheduler_is_a_clear_error(tmp_path):
     assert f"127.0.0.1:{port}" in p.stderr and "did not answer" in p.stderr, p.stderr
 
 
-def _memfd_arenas(pid):
-    """byteps memfd arenas a process holds open (they show as /memfd:byteps-... links)."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return []
-    out = []
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:byteps"):
-            out.append(target)
-    return out
-
-
 @pytest.mark.timeout(90)
 def test_no_shared_memory_left_after_a_crash(cluster):
     before = set(os.listdir("/dev/shm"))
@@ -141,7 +128,7 @@ def test_no_shared_memory_left_after_a_crash(cluster):
     c.run_workers("loop", {"sleep": 0.01})
     _wait_progress(c, [0, 1])
     pids = [p.pid for p in [*c.workers, *c.servers]]
-    assert all(_memfd_arenas(pid) for pid in pids), "the job should be using shared-memory arenas"
+    assert all(memfd_arenas(pid) for pid in pids), "the job should be using shared-memory arenas"
     c.workers[1].send_signal(signal.SIGKILL)
     assert c.workers[0].wait(30) == 0, c.all_logs()
     err = c.results()[0]["value"]
@@ -150,4 +137,4 @@ def test_no_shared_memory_left_after_a_crash(cluster):
     c.scheduler.wait(15)
     # memfd arenas are never named in /dev/shm, and the kernel frees them with their last holder
     assert set(os.listdir("/dev/shm")) - before == set()
-    assert not any(os.path.exists(f"/proc/{pid}") and _memfd_arenas(pid) for pid in pids)
+    assert not any(os.path.exists(f"/proc/{pid}") and memfd_arenas(pid) for pid in pids)

@@ -35,7 +35,7 @@ import psutil
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
-from conftest import FAST_ENV, SCENARIOS  # noqa: E402
+from conftest import FAST_ENV, SCENARIOS, memfd_arenas  # noqa: E402
 
 #: heartbeats in these trials: a killed peer is noticed after HB_TIMEOUT seconds
 HB_INTERVAL, HB_TIMEOUT = 0.2, 2.0
@@ -100,18 +100,7 @@ def _memfd_holders(pids):
     """pid -> byteps memfd arenas it holds open, for every pid that still exists."""
     out = {}
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        names = []
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("/memfd:byteps"):
-                names.append(target)
+        names = memfd_arenas(pid)
         if names:
             out[pid] = names
     return out
