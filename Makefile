@@ -39,9 +39,15 @@ bench: setup
 	$(PY) bench/bench_push_pull.py --plot docs/img/push_pull_vs_gloo.png
 
 # 10,000 training steps; every process's memory, fds and throughput must stay flat (docs/benchmarks.md)
-.PHONY: soak
+.PHONY: soak bench-cluster
 soak: setup
 	$(PY) bench/soak.py
+
+# needs root (network namespaces, tc): the k/n placement against gloo and plain PS, then compression
+bench-cluster: setup
+	$(PY) -m pip install -q matplotlib tqdm
+	$(PY) bench/emulated_cluster.py
+	$(PY) bench/bench_compression.py
 
 clean:
 	rm -rf build dist *.egg-info core/*.so core/*.c
