@@ -56,6 +56,8 @@ from .stages import Stage
 STAGE_THREAD_MIN_BYTES = 256 << 10
 
 Cmd = wire.Cmd
+#: the operation kinds of core/stages.py and of tensor declarations (the scheduler compares them)
+KINDS = {Cmd.PUSHPULL: "push_pull", Cmd.BROADCAST: "broadcast", Cmd.ASYNC_PUSHPULL: "async push_pull"}
 
 
 class Op:
@@ -517,8 +519,7 @@ class Engine:
                 self._declaring[waiting] = []
                 self.control.send(Cmd.DECLARE, {"name": op.name, "seq": seq, "shape": list(op.shape),
                                                 "dtype": dtypes.name(op.dtype),
-                                                "kind": {Cmd.BROADCAST: "broadcast", Cmd.ASYNC_PUSHPULL: "async push_pull"}
-                                                .get(op.cmd, "push_pull")})
+                                                "kind": KINDS[op.cmd]})
             self._declaring[waiting].append(op)
 
     def _dispatch(self, op, tkey):
@@ -581,7 +582,7 @@ class Engine:
 
     def stages_of(self, op, i, server):
         """The ordered stages of partition ``i`` of ``op`` on this process (core/stages.py)."""
-        kind = {Cmd.PUSHPULL: "push_pull", Cmd.BROADCAST: "broadcast"}.get(op.cmd, "async push_pull")
+        kind = KINDS[op.cmd]
         owner = self.local is None or self.local.owns(op.tkey, i)
         ident = (owner, self.colocated[server], kind)
         got = self._stage_lists.get(ident)

@@ -367,7 +367,7 @@ class Server:
             frame = self.data.recv(copy=False)
             data = frame.buffer
         self._discard_rest()
-        got = len(data) if not hasattr(data, "nbytes") else data.nbytes
+        got = memoryview(data).nbytes
         if got != h.length:
             return f"key {wire.split_key(h.key)}: rank {rank}'s header says {h.length} bytes but {got} arrived"
         store = st.stores[0]  # allocated only now that a body of that size has arrived
