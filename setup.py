@@ -73,6 +73,11 @@ def extensions():
             language="c++",
             extra_compile_args=["-O2", "-std=c++17"],
         ),
+        Extension(  # libzmq is looked up at run time in the copy pyzmq loaded (no zmq.h needed)
+            "byteps.core._transport",
+            ["core/_transport.pyx"],
+            extra_compile_args=["-O2"],
+        ),
     ]
     return cythonize(
         exts,

@@ -10,6 +10,8 @@ is sampled to report core-seconds per GB summed.
     python bench/bench_push_pull.py --sweep              # partition size x credit sweep at 64 MB
     python bench/bench_push_pull.py --overhead           # per-partition cost (tiny partitions)
     python bench/bench_push_pull.py --quick              # a short smoke run
+    python bench/bench_push_pull.py --layout local --local-strategy owners,topology --repeat 3
+                                                         # BYTEPS_LOCAL_STRATEGY side by side, alternating
 
 Layouts (--layout): "local" = one worker machine with N processes that reduce through shared
 memory first (bpslaunch --workers 1 --local-size N: the paper's one-machine case); "machines" =
@@ -44,6 +46,8 @@ def worker(args):
     bps.init()
     if args.cpu_only:
         return cpu_worker(args, bps, torch)
+    if args.thread_cpu:
+        return thread_cpu_worker(args, bps, torch)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=bps.rank(),
                             world_size=bps.size())
     results = {}
@@ -100,6 +104,55 @@ def cpu_worker(args, bps, torch):
     bps.shutdown()
 
 
+def thread_cpus(pid):
+    """CPU seconds (user + system) of each named thread of a process, from /proc (core/threads.py names them)."""
+    import glob
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            with open(f"{task}/comm") as f:
+                name = f.read().strip()
+            with open(f"{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread exited meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def thread_cpu_worker(args, bps, torch):
+    """--overhead: push_pull one tensor in tiny partitions ``--ops`` times; rank 0 reports the CPU time
+    of every thread of itself and of the servers, per partition of its tensor."""
+    import psutil
+
+    label = args.sizes.split(",")[0]
+    t = torch.ones(SIZES[label] // 4)
+    for _ in range(3):
+        bps.push_pull_inplace(t, average=False, name="overhead")
+    servers = [p.pid for p in psutil.Process(os.getppid()).children()
+               if "byteps.server" in " ".join(p.cmdline())]
+    procs = {"worker": os.getpid(), **{f"server{i}": pid for i, pid in enumerate(servers)}}
+    bps.barrier()
+    before = {name: thread_cpus(pid) for name, pid in procs.items()}
+    start = time.perf_counter()
+    for _ in range(args.ops):
+        bps.push_pull_inplace(t, average=False, name="overhead")
+    elapsed = time.perf_counter() - start
+    after = {name: thread_cpus(pid) for name, pid in procs.items()}
+    if bps.rank() == 0:
+        parts = args.ops * -(-SIZES[label] // int(os.environ["BYTEPS_PARTITION_BYTES"]))
+        cpu = {proc: {th: (after[proc].get(th, 0.0) - v) / parts * 1e6 for th, v in threads.items()
+                      if after[proc].get(th, 0.0) - v > 0.005}
+               for proc, threads in before.items()}
+        with open(args.out, "w") as f:
+            json.dump({label: {"us_per_partition": elapsed / parts * 1e6, "thread_us_per_partition": cpu,
+                               "partitions": parts}}, f)
+    bps.barrier()
+    bps.shutdown()
+
+
 # --------------------------------------------------------------------------------- driver side
 
 def free_port():
@@ -146,6 +199,37 @@ def run_job(workers, servers, sizes, reps, env_extra=None, progress=None, layout
         res = json.load(f)
     os.unlink(out)
     return res, sum(server_cpu.values())
+
+
+def compare_strategies(args):
+    """BYTEPS_LOCAL_STRATEGY values side by side (one machine, N processes): the jobs alternate
+    between strategies ``--repeat`` times, and each cell is the median over those jobs of the
+    per-job medians, so load that comes and goes on the machine hits every strategy alike."""
+    strategies = args.local_strategy.split(",")
+    counts = [int(w) for w in args.workers.split(",")]
+    sizes = args.sizes.split(",")
+    runs = {}  # (strategy, workers, size) -> [(byteps s, gloo s) per job]
+    for _ in range(args.repeat):
+        for workers in counts:
+            for strategy in strategies:
+                res, _ = run_job(workers, args.servers, sizes, args.reps, {"BYTEPS_LOCAL_STRATEGY": strategy})
+                for label, r in res.items():
+                    runs.setdefault((strategy, workers, label), []).append((r["byteps"], r["gloo"]))
+    head = " | ".join(f"{s} ms | {s} / gloo" for s in strategies)
+    lines = [f"| processes | size | {head} | {strategies[-1]} / {strategies[0]} |",
+             "|---:|---|" + "---:|" * (2 * len(strategies) + 1)]
+    for workers in counts:
+        for label in sizes:
+            cells, times = [], []
+            for strategy in strategies:
+                got = runs[(strategy, workers, label)]
+                t = statistics.median(b for b, _ in got)
+                ratio = statistics.median(g / b for b, g in got)
+                cells.append(f"{t * 1e3:.2f} | {ratio:.2f}")
+                times.append(t)
+            lines.append(f"| {workers} | {label} | {' | '.join(cells)} | {times[-1] / times[0]:.2f} |")
+    print("\n".join(lines))
+    return 0
 
 
 def table(all_results):
@@ -200,7 +284,12 @@ def main():
     ap.add_argument("--overhead", action="store_true", help="per-partition cost: 16 MB in 4 KB partitions")
     ap.add_argument("--cpu-cost", action="store_true", help="server core-seconds per GB summed (byteps only)")
     ap.add_argument("--cpu-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--thread-cpu", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ops", type=int, default=40, help="--overhead: push_pulls per measurement")
     ap.add_argument("--layout", choices=["local", "machines", "both"], default="both")
+    ap.add_argument("--local-strategy", help="compare BYTEPS_LOCAL_STRATEGY values, e.g. owners,topology "
+                    "(one machine with --workers processes each)")
+    ap.add_argument("--repeat", type=int, default=1, help="with --local-strategy: jobs per strategy, alternating")
     ap.add_argument("--plot", help="write a PNG plot here")
     ap.add_argument("--json", help="write all results as JSON here")
     args = ap.parse_args()
@@ -208,6 +297,9 @@ def main():
         return worker(args)
 
     from tqdm import tqdm
+
+    if args.local_strategy:
+        return compare_strategies(args)
 
     if args.sweep:
         rows = ["| partition | credit | byteps ms | gloo ms | byteps / gloo |", "|---:|---:|---:|---:|---:|"]
@@ -236,16 +328,33 @@ def main():
         return 0
 
     if args.overhead:
-        rows = ["| layout | partition | partitions | byteps ms | us per partition |", "|---|---:|---:|---:|---:|"]
+        # 16 MB in 4 KB partitions, 2 workers, credit unlimited: the cost of a partition, not of its bytes.
+        # Per-thread CPU per partition of one worker's tensor: the engine thread runs the PUSH and PULL
+        # stages (and STAGE inline at this size), a local-reduce owner's byteps-reduce thread its
+        # LOCAL_REDUCE, the server's main thread receives, sums and replies to every worker's push.
+        rows = ["| layout | transport | wall us / partition | engine thread | reduce thread | worker zmq I/O | "
+                "server thread | server zmq I/O |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        out = {}
         for layout in ("machines", "local"):
-            for part in (4096, 4096000):
-                res, _ = run_job(2, args.servers, ["16MB"], args.reps, {"BYTEPS_PARTITION_BYTES": str(part),
-                                                                       "BYTEPS_SCHEDULING_CREDIT": "0"},
-                                 layout=layout)
-                parts = -(-(16 << 20) // part)
-                t = res["16MB"]["byteps"]
-                rows.append(f"| {layout} | {part} | {parts} | {t * 1e3:.1f} | {t / parts * 1e6:.1f} |")
+            for direct in ("1", "0"):
+                res, _ = run_job(2, args.servers, ["16MB"], 1, {"BYTEPS_PARTITION_BYTES": "4096",
+                                                               "BYTEPS_SCHEDULING_CREDIT": "0",
+                                                               "BYTEPS_ZMQ_DIRECT": direct},
+                                 layout=layout, extra_args=["--thread-cpu", "--ops", str(args.ops)])
+                r = res["16MB"]
+                th = r["thread_us_per_partition"]
+                w, srv = th["worker"], th.get("server0", {})
+                zmq_io = sum(v for k, v in w.items() if k.startswith("ZMQbg"))
+                srv_io = sum(v for k, v in srv.items() if k.startswith("ZMQbg"))
+                srv_main = sum(v for k, v in srv.items() if not k.startswith("ZMQbg"))
+                rows.append(f"| {layout} | {'libzmq direct' if direct == '1' else 'pyzmq'} | "
+                            f"{r['us_per_partition']:.1f} | {w.get('byteps-engine', 0):.1f} | "
+                            f"{w.get('byteps-reduce', 0):.1f} | {zmq_io:.1f} | {srv_main:.1f} | {srv_io:.1f} |")
+                out[f"{layout},{direct}"] = r
         print("\n".join(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
         return 0
 
     counts = [2] if args.quick else [int(w) for w in args.workers.split(",")]

@@ -31,6 +31,8 @@ VARIABLES = {
     "BYTEPS_ENABLE_IPC": ("1", "exchange data with servers on the same machine through shared memory"),
     "BYTEPS_LOCAL_REDUCE": ("1", "a machine's worker processes sum locally; one copy per machine crosses the network"),
     "BYTEPS_LOCAL_PUSH": ("owners", "owners | root: which local processes sum and push a machine's partitions"),
+    "BYTEPS_LOCAL_STRATEGY": ("owners", "owners | topology: local sums by partition owners, or by the machine's "
+                                        "topology plan (core/local_exec.py)"),
     "BYTEPS_SCHEDULING_CREDIT": ("4", "partitions a worker may have on the wire at once (0: unlimited)"),
     "BYTEPS_TIMEOUT": ("300", "seconds any blocking wait (startup, declaration, push_pull) may last"),
     "BYTEPS_HEARTBEAT_INTERVAL": ("1", "seconds between heartbeats to and from the scheduler"),
@@ -42,6 +44,7 @@ VARIABLES = {
     "BYTEPS_FUSION": ("0", "1: DistributedOptimizer sends gradients through balanced fusion buffers (byteps/fusion.py)"),
     "BYTEPS_SERVER_ENGINE_THREAD": ("0", "server threads that sum pushes (0: the network thread sums inline)"),
     "BYTEPS_ENABLE_ASYNC": ("0", "asynchronous training: servers keep the parameters, workers push deltas, no barrier"),
+    "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # read outside this module, listed so docs/env.md stays complete
     "BYTEPS_PIPELINE": ("", "optional pipeline stages to drop, e.g. -stage,-local_reduce (core/stages.py)"),
     # wire compression, read by byteps_py/compression.py (docs/compression.md)
@@ -161,6 +164,8 @@ class Config:
     enable_async: bool = False
     server_engine_threads: int = 0
     fusion: bool = False
+    local_strategy: str = "owners"
+    zmq_direct: bool = True
 
     @property
     def distributed(self):
@@ -246,6 +251,8 @@ def load(env=None, role=None):
         enable_async=_bool(env, "BYTEPS_ENABLE_ASYNC"),
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 0, minimum=0, maximum=64),
         fusion=_bool(env, "BYTEPS_FUSION"),
+        local_strategy=_choice(env, "BYTEPS_LOCAL_STRATEGY", ("owners", "topology")),
+        zmq_direct=_bool(env, "BYTEPS_ZMQ_DIRECT", default="1"),
     )
 
 

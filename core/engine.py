@@ -21,14 +21,17 @@ Flow of one operation (:class:`Op`):
   Partitions wait in a priority queue with a byte credit (core/_pipeline.pyx). Each is sent
   zero-copy from the tensor's memory, or to a server on this machine as a shared-memory
   descriptor (core/shm.py); with several processes per machine, one process per partition
-  sums the machine's copies first (core/local.py).
+  sums the machine's copies first (core/local.py), or, with BYTEPS_LOCAL_STRATEGY=topology, the
+  machine's topology plan does on its own thread and hands the engine its ranges (core/local_exec.py,
+  :meth:`Engine.push_range`).
 * With a wire compressor (``Op.codec``, byteps/compression.py), a partition for a server on another
   machine is encoded (with its error-feedback state) and sent with FLAG_COMPRESSED; a compressed
   reply is decoded into the tensor.
-* Each reply is received straight into the tensor's memory (``recv_into``, or a copy from the
-  server's shared store); when the last partition is back the op completes and its event is set.
+* Each reply is copied once into the tensor's memory, from ZeroMQ's message buffer or from the
+  server's shared store; when the last partition is back the op completes and its event is set.
 
-No Python runs per element; Python work is per partition (a header pack and two socket calls).
+No Python runs per element; Python work is per partition: a header, a few dict operations, and
+one C call per message (core/transport.py: libzmq called directly, not pyzmq per frame).
 """
 import collections
 import fcntl
@@ -44,19 +47,23 @@ from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, Protoc
 from byteps.log import logger
 from byteps.placement import Placement
 
-from . import auth, dtypes, shm, stages, wire
+from . import auth, dtypes, shm, stages, transport, wire
 from ._pipeline import PriorityQueue
 from ._reduce import aligned_empty, copy_into, sum_many
 from .control import ControlClient
 from .local import ComputeStage, LocalPlan
 from .stages import Stage
+from .threads import name_native
 
-#: partitions at least this large are copied into shared memory by the copy stage's thread (STAGE);
-#: smaller ones inline, where a thread hand-off would cost more than the copy
+#: partitions at least this large are copied into shared memory (STAGE) and summed (LOCAL_REDUCE) on
+#: their stage's thread; smaller ones inline, where the thread hand-off (a GIL round trip between two
+#: threads) would cost more than the copy or sum (bench_push_pull.py --overhead)
 STAGE_THREAD_MIN_BYTES = 256 << 10
 
 Cmd = wire.Cmd
 #: the operation kinds of core/stages.py and of tensor declarations (the scheduler compares them)
+#: plain ints: pyzmq's flag enums cost a microsecond per operation
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 KINDS = {Cmd.PUSHPULL: "push_pull", Cmd.BROADCAST: "broadcast", Cmd.ASYNC_PUSHPULL: "async push_pull"}
 
 
@@ -77,7 +84,7 @@ class Op:
         self.spec = (self.shape, dtype, int(cmd))
         self.tkey = None
         self.parts_left = 0
-        self.servers = collections.Counter()  # "server 1" / "local rank 0" -> replies owed (for time-outs)
+        self.servers = collections.Counter()  # ("server", 1) / ("local rank", 0) / "the copy stage" -> replies owed
         self.error = None
         self.done = threading.Event()
         self.started = time.monotonic()
@@ -97,6 +104,20 @@ class Op:
                 cb(self)
             except Exception:  # a callback must not kill the engine thread
                 logger.exception("completion callback of %r failed", self.name)
+
+
+class RangeOp(Op):
+    """One element range of a machine's sum that this process pushes and pulls for its machine
+    (BYTEPS_LOCAL_STRATEGY=topology, core/local_exec.py). Its bytes are the executor's buffer; its
+    partition ``j`` has wire key ``tkey << 32 | range_index << 16 | j`` and the server that the
+    placement gives piece ``j`` of key ``place_key``; no local reduce (the executor did it)."""
+
+    __slots__ = ("range_index", "place_key", "shared")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.range_index = self.place_key = 0
+        self.shared = None          # (pid, fd, inode, offset) of buf in a memfd arena, or None
 
 
 class Engine:
@@ -142,6 +163,8 @@ class Engine:
         self.local = None           # LocalPlan when this machine's processes reduce together
         self._local_sock = None     # ROUTER: LOCAL_READY / LOCAL_DONE from this machine's other processes
         self._local_peers = {}      # local rank -> DEALER to its ROUTER
+        self._io = {}               # data-plane socket -> its message I/O (core/transport.py)
+        self._expected_for, self._expected_copies = None, 0  # see _local_copies_expected
         self._compute = None        # ComputeStage running the owner's sums (LOCAL_REDUCE)
         self._copier = None         # ComputeStage copying partitions into shared memory (STAGE)
         self._dropped = stages.from_env()  # optional stages switched off by BYTEPS_PIPELINE
@@ -154,6 +177,8 @@ class Engine:
         self.joined = frozenset()   # ranks that have joined
         self._gate = auth.Gate(None)  # who may send to our local ROUTER (set up in _knock_all)
         self.join_result = None     # the last rank to join, once every rank has
+        # BYTEPS_LOCAL_STRATEGY=topology: the thread running the plan's executor (core/local_exec.py)
+        self._local_exec = None
 
     # ---------------------------------------------------------------- training-thread side
 
@@ -171,9 +196,20 @@ class Engine:
     def submit(self, op):
         if self.failure is not None:
             raise self.failure
+        if self._local_exec is not None and self._local_exec.takes(op):
+            self._local_exec.enqueue(op)  # in submission order; it runs once the key is known
         self._inbox.append(op)
         self._wake()
         return op
+
+    def push_range(self, rop):
+        """Push a RangeOp and pull the global sum into its buffer (any thread; core/local_exec.py).
+        ``rop.done`` is set when every partition is back or the range failed (``rop.error``)."""
+        if self.failure is not None:
+            raise self.failure
+        self._inbox.append(rop)
+        self._wake()
+        return rop
 
     def request(self, kind, name=""):
         """Run a control-plane collective ("barrier" or "leave"); return an event set on release."""
@@ -203,6 +239,7 @@ class Engine:
     # ---------------------------------------------------------------- engine thread
 
     def _main(self):
+        name_native()
         try:
             self._setup()
             self._loop()
@@ -249,6 +286,7 @@ class Engine:
             self._local_sock = self.ctx.socket(zmq.ROUTER)
             self._local_sock.setsockopt(zmq.LINGER, 0)
             info["local_port"] = self._local_sock.bind_to_random_port("tcp://127.0.0.1")
+            self._io[self._local_sock] = transport.wrap(self._local_sock, self.cfg.zmq_direct)
         self.control = ControlClient(self.ctx, self.cfg, info)
         self.poller = zmq.Poller()
         self.poller.register(self.control.sock, zmq.POLLIN)
@@ -272,6 +310,7 @@ class Engine:
             sock.connect(f"tcp://{info['host']}:{info['port']}")
             self.poller.register(sock, zmq.POLLIN)
             self.servers.append(sock)
+            self._io[sock] = transport.wrap(sock, self.cfg.zmq_direct)
         self._server_index = {sock: i for i, sock in enumerate(self.servers)}
         # which server sums which bytes: the k/n split of byteps/placement.py, the same on every worker
         self.placement = Placement.from_book(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
@@ -294,6 +333,8 @@ class Engine:
             self._shm = shm.Allocator("byteps-worker")
         if any(self.colocated):
             self._copier = ComputeStage(self._wake, name="byteps-copy")
+        from . import local_exec
+        self._local_exec = local_exec.start(self)  # None unless BYTEPS_LOCAL_STRATEGY=topology applies
         self._ready.set()
 
     def _knock_all(self):
@@ -321,7 +362,7 @@ class Engine:
                                          + ", ".join(who for _, who in waiting.values()))
             for sock, _ in self.poller.poll(timeout=100):
                 if sock is self._local_sock:
-                    self._on_local(sock)
+                    self._drain_data(sock, self._on_local)
                 elif sock is self.control.sock:
                     self._on_control()
                 elif sock in waiting:
@@ -354,6 +395,7 @@ class Engine:
             sock.setsockopt(zmq.IDENTITY, auth.new_identity())
             sock.connect(f"tcp://127.0.0.1:{w['local_port']}")
             self._local_peers[w["local_rank"]] = sock
+            self._io[sock] = transport.wrap(sock, self.cfg.zmq_direct)
         self.poller.register(self._local_sock, zmq.POLLIN)
         self._compute = ComputeStage(self._wake)
         logger.info("local reduce with %d processes on this machine", self.local.size)
@@ -362,7 +404,10 @@ class Engine:
         tick_ms = min(self.cfg.heartbeat_interval, 1.0) * 1000
         next_check = 0.0
         while not self._stopped.is_set():
-            events = self.poller.poll(timeout=tick_ms)
+            # results of inline stages wait in the done queues: look at the sockets, but do not sleep
+            ready = ((self._compute is not None and self._compute.done)
+                     or (self._copier is not None and self._copier.done))
+            events = self.poller.poll(timeout=0 if ready else tick_ms)
             began = time.monotonic()
             for sock, _ in events:
                 if sock == self._wake_r:
@@ -373,9 +418,9 @@ class Engine:
                 elif sock is self.control.sock:
                     self._drain(sock, lambda _: self._on_control())
                 elif sock is self._local_sock:
-                    self._drain(sock, self._on_local)
+                    self._drain_data(sock, self._on_local)
                 else:
-                    self._drain(sock, self._on_data)
+                    self._drain_data(sock, self._on_data)
             if self._compute is not None:
                 while self._compute.done:
                     self._on_reduced(*self._compute.done.popleft())
@@ -399,11 +444,22 @@ class Engine:
         """Handle every message already queued on a socket (bounded, so others get a turn)."""
         for _ in range(limit):
             handle(sock)
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not sock.getsockopt(_EVENTS) & _POLLIN:
                 break
+
+    def _drain_data(self, sock, handle, limit=256):
+        """As _drain, for data-plane sockets: each message is taken whole, in one C call."""
+        io = self._io[sock]
+        for _ in range(limit):
+            frames = io.recv_multipart()
+            if frames is None:
+                break
+            handle(sock, frames)
 
     def _close(self):
         ctl = getattr(self, "control", None)
+        if self._local_exec is not None:
+            self._local_exec.close()
         for stage in (self._compute, self._copier):
             if stage is not None:
                 stage.close()
@@ -505,6 +561,9 @@ class Engine:
                 self.control.send(cmd, {"name": name})
                 continue
             op = item
+            if isinstance(op, RangeOp):  # a range of the topology executor: its key is known
+                self._dispatch_range(op)
+                continue
             key = self._keys.get((op.name, op.spec))
             if key is not None:
                 self._dispatch(op, key)
@@ -519,13 +578,19 @@ class Engine:
                 self._declaring[waiting] = []
                 self.control.send(Cmd.DECLARE, {"name": op.name, "seq": seq, "shape": list(op.shape),
                                                 "dtype": dtypes.name(op.dtype),
-                                                "kind": KINDS[op.cmd]})
+                                                "kind": self._declared_kind(op)})
             self._declaring[waiting].append(op)
 
     def _dispatch(self, op, tkey):
         """Cut the op into partitions and queue them for the network."""
+        if self._local_exec is not None and self._local_exec.owns(op):
+            self._local_exec.keyed(op, tkey)  # the topology executor runs it (core/local_exec.py)
+            return
         op.tkey = tkey
-        parts = self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype))
+        self._queue(op, self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype)))
+
+    def _queue(self, op, parts):
+        """Put an op's partitions [(index, offset, length, server)] on the send queue; send what fits."""
         op.parts_left = len(parts)
         for i, off, length, _ in parts:
             task = next(self._task_ids)
@@ -553,6 +618,9 @@ class Engine:
             if op.error is not None:  # failed meanwhile (time-out, abort): don't send the rest
                 self._sendq.release(length, op.priority)
                 continue
+            if isinstance(op, RangeOp):
+                self._push_range(op, i, off, length)
+                continue
             key = wire.make_key(op.tkey, i)
             rnd = self._rounds[key]
             self._rounds[key] = rnd + 1
@@ -574,11 +642,40 @@ class Engine:
             else:  # COORDINATE: hand the owner a shared copy
                 owner = self.local.owner(op.tkey, i)
                 desc = self._stage(key, data)
-                self._local_peers[owner].send_multipart([
+                self._io[self._local_peers[owner]].send_multipart([
                     wire.pack(Cmd.LOCAL_READY, sender=self.control.node_id, key=key, round=rnd, length=length,
                               dtype=op.dtype, arg=self.cfg.local_rank, flags=wire.FLAG_SHM), desc])
                 self._awaiting_done[(key, rnd)] = (op, off, length)
-                op.servers[f"local rank {owner}"] += 1
+                op.servers[("local rank", owner)] += 1
+
+    # ---------------------------------------------------------------- topology executor ranges
+
+    def _declared_kind(self, op):
+        """The operation a declaration names; topology ops add their cut into ranges, so workers
+        that would cut a tensor differently get the scheduler's mismatch error (core/local_exec.py)."""
+        if self._local_exec is not None and self._local_exec.owns(op):
+            return self._local_exec.kind(op)
+        return KINDS[op.cmd]
+
+    def _dispatch_range(self, rop):
+        """Queue a RangeOp's partitions (the placement's pieces of the range) for the network."""
+        parts = self.placement.partitions(rop.place_key, rop.buf.nbytes, dtypes.itemsize(rop.dtype))
+        if max(p[0] for p in parts) >> 16:
+            rop.fail(BytePSError(f"push_pull of tensor {rop.name!r}: a range of {rop.buf.nbytes} bytes has "
+                                 f"{len(parts)} partitions, more than its wire keys can number"))
+            return
+        self._queue(rop, parts)
+
+    def _push_range(self, rop, j, off, length):
+        key = wire.make_key(rop.tkey, rop.range_index << 16 | j)
+        rnd = self._rounds[key]
+        self._rounds[key] = rnd + 1
+        shared = None
+        if rop.shared is not None:  # the executor's buffer is in a memfd arena: a colocated server reads it there
+            pid, fd, inode, base = rop.shared
+            shared = (pid, fd, inode, base + off)
+        self._push(rop, key, rnd, self.placement.server(rop.place_key, j), off, rop.buf[off:off + length],
+                   shared=shared)
 
     def stages_of(self, op, i, server):
         """The ordered stages of partition ``i`` of ``op`` on this process (core/stages.py)."""
@@ -619,7 +716,7 @@ class Engine:
     def _push(self, op, key, rnd, server, off, data, shared=None):
         """Send one partition to its server; ``shared`` is the descriptor prefix if data is in our arena."""
         self._parts[(key, rnd)] = (op, off, data.size)
-        op.servers[f"server {server}"] += 1
+        op.servers[("server", server)] += 1
         flags = 0
         if op.cmd == Cmd.BROADCAST and op.root != self.rank:
             body = b""
@@ -633,10 +730,15 @@ class Engine:
             flags = wire.FLAG_COMPRESSED
         else:
             body = data
+        nbytes = body.nbytes if hasattr(body, "nbytes") else len(body)
         header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,
-                           length=data.size if flags else len(body), dtype=op.dtype, arg=op.root, flags=flags)
-        self.servers[server].send_multipart([header, body], copy=False)
-        self.bytes_sent[server] += len(header) + (body.nbytes if hasattr(body, "nbytes") else len(body))
+                           length=data.size if flags else nbytes, dtype=op.dtype, arg=op.root, flags=flags)
+        sock = self.servers[server]
+        if nbytes < transport.COPY_BELOW:
+            self._io[sock].send_multipart([header, body])
+        else:  # zero-copy from the tensor: ZeroMQ reads it while it is on the wire
+            sock.send_multipart([header, body], copy=False)
+        self.bytes_sent[server] += len(header) + nbytes
 
     def _region(self, key, nbytes):
         """This key's shared staging region: (view, descriptor prefix), allocated once."""
@@ -653,9 +755,8 @@ class Engine:
 
     # ---------------------------------------------------------------- local reduce (core/local.py)
 
-    def _on_local(self, sock):
+    def _on_local(self, sock, frames):
         """LOCAL_READY (to an owner) or LOCAL_DONE / ERROR (from an owner) on the local ROUTER."""
-        frames = sock.recv_multipart(copy=True)
         if len(frames) != 3:
             logger.warning("dropped a local message with %d frames", len(frames))
             return
@@ -693,7 +794,7 @@ class Engine:
         if entry is None:  # the op timed out or failed already
             return
         op, off, length = entry
-        op.servers[f"local rank {header.arg}"] -= 1
+        op.servers[("local rank", header.arg)] -= 1
         if header.cmd == Cmd.LOCAL_DONE:
             try:
                 copy_into(op.buf[off:off + length], self._maps.view(frames[2]))
@@ -720,8 +821,7 @@ class Engine:
     def _maybe_reduce(self, key, rnd):
         """LOCAL_REDUCE once every local rank's copy of this partition is in."""
         group = self._groups[(key, rnd)]
-        others = [w["rank"] for w in self.local.peers if w["rank"] != self.rank and w["rank"] not in self.joined]
-        if group.get("reducing") or len(group["views"]) < len(others):
+        if group.get("reducing") or len(group["views"]) < self._local_copies_expected():
             return
         group["reducing"] = True
         op, off = group["op"], group["off"]
@@ -742,7 +842,22 @@ class Engine:
         def reduce():
             sum_many(dst, srcs, op.dtype)
         reduce.ident, reduce.dst, reduce.prefix = (key, rnd), dst, prefix
-        self._compute.submit(op.priority, reduce)
+        if length >= STAGE_THREAD_MIN_BYTES:
+            self._compute.submit(op.priority, reduce)
+            return
+        try:  # a small partition: handing it to the reduce thread costs more than summing it here
+            reduce()
+            self._compute.done.append((reduce, None))
+        except Exception as e:  # reported on the op, as the thread would
+            self._compute.done.append((reduce, e))
+
+    def _local_copies_expected(self):
+        """How many local ranks send an owner their copy: the others, less those in join()."""
+        if self._expected_for is not self.joined:
+            self._expected_for = self.joined
+            self._expected_copies = sum(1 for w in self.local.peers
+                                        if w["rank"] != self.rank and w["rank"] not in self.joined)
+        return self._expected_copies
 
     def _adopt(self, key, rnd):
         """A joined process owns a partition its local peers still reduce: it reduces their copies
@@ -796,7 +911,7 @@ class Engine:
             header = wire.pack(Cmd.ERROR, sender=self.control.node_id, key=key, round=rnd, length=len(body),
                                arg=self.cfg.local_rank)
         for sock in self._local_peers.values():
-            sock.send_multipart([header, body])
+            self._io[sock].send_multipart([header, body])
         self._partition_done(op, length)
 
     def _partition_done(self, op, length):
@@ -806,39 +921,39 @@ class Engine:
 
     # ---------------------------------------------------------------- receiving
 
-    def _on_data(self, sock):
-        raw = sock.recv()
+    def _on_data(self, sock, frames):
         try:
-            header = wire.unpack(raw)
+            header = wire.unpack(frames[0])
         except ProtocolError as e:
-            self._discard(sock)
             logger.warning("malformed reply from server %d: %s", self._server_index[sock], e)
             return
         entry = self._parts.pop((header.key, header.round), None)
         if entry is None:  # the op timed out or failed already
-            self._discard(sock)
             return
         op, off, length = entry
         self._sendq.release(length, op.priority)
         server = self._server_index[sock]
-        op.servers[f"server {server}"] -= 1
+        op.servers[("server", server)] -= 1
         group = self._groups.pop((header.key, header.round), None)
         if header.cmd == Cmd.REPLY:
             expect = 0 if op.cmd == Cmd.BROADCAST and op.root == self.rank else length
             # an owner receives into its shared region, which the other local ranks read next
             dst = group["result"][0] if group is not None else op.buf[off:off + expect]
-            desc = self._receive(sock, header, op, server, dst, expect, owner=group is not None)
+            echo = None
+            if isinstance(op, RangeOp) and op.shared is not None:  # a lone machine gets its own region back
+                pid, fd, inode, base = op.shared
+                echo = shm.describe((pid, fd, inode, base + off), length)
+            desc = self._receive(frames, header, op, server, dst, expect, owner=group is not None, echo=echo)
             if group is not None:
                 if op.error is None:
                     copy_into(op.buf[off:off + length], dst if desc is None else self._maps.view(desc))
                     desc = desc or shm.describe(group["result"][1], length)
                 self._finish_local(header.key, header.round, op, length, desc=desc,
                                    error=None if op.error is None else str(op.error))
-                self._discard(sock)
                 self._send_ready()
                 return
         elif header.cmd == Cmd.ERROR:
-            body = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b"{}"
+            body = frames[1] if len(frames) > 1 else b"{}"
             try:
                 msg = wire.decode(body).get("error", "unknown error")
             except ProtocolError as e:
@@ -846,23 +961,23 @@ class Engine:
             op.error = op.error or TensorMismatchError(f"push_pull of tensor {op.name!r} failed: {msg}")
         else:
             op.error = op.error or ProtocolError(f"unexpected {Cmd(header.cmd).name} from server {server}")
-        self._discard(sock)
         if group is not None:
             self._finish_local(header.key, header.round, op, length, error=str(op.error))
         else:
             self._partition_done(op, length)
         self._send_ready()
 
-    def _receive(self, sock, header, op, server, dst, expect, owner=False):
+    def _receive(self, frames, header, op, server, dst, expect, owner=False, echo=None):
         """Take a REPLY's body into ``dst``. With FLAG_SHM an owner gets the server store's descriptor
-        back instead (its local ranks copy from the store directly, saving a copy)."""
-        if not sock.getsockopt(zmq.RCVMORE):
+        back instead (its local ranks copy from the store directly, saving a copy); a reply naming
+        ``echo``, the region ``dst`` itself, needs no copy."""
+        if len(frames) < 2:
             op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied without a body")
             return None
+        body = frames[1]
         if header.flags & wire.FLAG_COMPRESSED:  # the sum, encoded (byteps/compression.py)
-            return self._receive_compressed(sock, header, op, server, dst, expect)
+            return self._receive_compressed(body, header, op, server, dst, expect)
         if header.flags & wire.FLAG_SHM:  # the sum is in the server's shared store
-            body = sock.recv()
             self.bytes_received[server] += wire.HEADER_SIZE + len(body)
             try:
                 src = self._maps.view(body)
@@ -875,27 +990,23 @@ class Engine:
                 return None
             if owner:
                 return body
-            copy_into(dst, src)
+            if body != echo:
+                copy_into(dst, src)
             return None
-        if expect < (1 << 31) - 1:
-            got = sock.recv_into(dst)
-        else:  # zmq_recv (under recv_into) reports at most INT_MAX bytes and truncates bigger frames
-            frame = sock.recv(copy=False)
-            got = len(frame)
-            if got == expect:
-                copy_into(dst, frame.buffer)
+        got = len(body)  # ZeroMQ's own buffer (core/transport.py): one copy, into the tensor
+        if got == expect:
+            copy_into(dst, body)
         self.bytes_received[server] += wire.HEADER_SIZE + got
         if got != expect:
             op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied {got} bytes for "
                                                  f"a partition of {expect}")
         return None
 
-    def _receive_compressed(self, sock, header, op, server, dst, expect):
+    def _receive_compressed(self, body, header, op, server, dst, expect):
         """Decode a compressed REPLY straight into ``dst`` (vectorised; byteps/compression.py)."""
-        body = sock.recv(copy=False)
         self.bytes_received[server] += wire.HEADER_SIZE + len(body)
         try:
-            info = compression.parse(body.buffer)
+            info = compression.parse(memoryview(body))
             if header.length != expect or info.nbytes != expect or info.dtype != op.dtype:
                 raise ProtocolError(f"it decodes to {info.nbytes} bytes of dtype code {info.dtype}, the partition "
                                     f"is {expect} bytes of {dtypes.name(op.dtype)}")
@@ -920,7 +1031,8 @@ class Engine:
             if op.tkey is None:
                 who = "the scheduler's answer to its declaration (do all workers use this tensor name?)"
             else:
-                late = ", ".join(sorted(s for s, n in op.servers.items() if n > 0)) or "its turn to be sent"
+                late = ", ".join(sorted(" ".join(map(str, s)) if isinstance(s, tuple) else s
+                                        for s, n in op.servers.items() if n > 0)) or "its turn to be sent"
                 who = (f"{late} (a server waits for every machine's push of this tensor and logs the ranks that "
                        "are late; a local rank waits for its machine's other processes)")
             err = BytePSTimeoutError(f"push_pull of tensor {op.name!r} waited {now - op.started:.0f} s "

@@ -39,12 +39,24 @@ from byteps.errors import BytePSError
 
 from . import dtypes
 from ._reduce import sum_many
-from .gpu import cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice, as_device_array, cuda, nccl
+from .gpu import DeviceArray, cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice, as_device_array, cuda, nccl
 
 ID_BYTES = 128
 _SETUP = 0  # barrier sequence number of the set-up phase
 _IDS_WRITTEN = 1
 _STAGED, _GROUP_SUMMED, _MACHINE_SUMMED, _COPIED_BACK, _DONE = range(1, 6)
+
+
+def cuda_ordinal(gpu_index, env=None):
+    """The CUDA device ordinal of machine GPU ``gpu_index`` in this process: its position in a numeric
+    CUDA_VISIBLE_DEVICES (the plan's GPU indices are the machine's, in PCI order), else the index."""
+    import os
+
+    raw = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    ids = [p.strip() for p in (raw or "").split(",") if p.strip()]
+    if ids and all(p.isdigit() for p in ids) and str(gpu_index) in ids:
+        return ids.index(str(gpu_index))
+    return gpu_index
 
 
 def communicators(plan):
@@ -100,7 +112,8 @@ class GpuExecutor:
         self.partition_bytes = partition_bytes
         self.cuda = cuda()
         self.nccl = nccl() if communicators(plan) else None
-        self.cuda.set_device(plan.devices[local_rank])
+        self.device = cuda_ordinal(plan.devices[local_rank])
+        self.cuda.set_device(self.device)
         self.cap = max(PAGE, -(-capacity // PAGE) * PAGE)
         # arena: id header page | H (group / root host buffer) | R (machine sum)
         self.group = LocalGroup(token, local_rank, plan.local_size, PAGE + 2 * self.cap, timeout)
@@ -124,6 +137,7 @@ class GpuExecutor:
             self.close()
             raise
         self.seq = 0
+        self.tag = 0
 
     # -- helpers -------------------------------------------------------------------------------
     def _host(self, rank, which):
@@ -143,9 +157,15 @@ class GpuExecutor:
         return self.comms.get(0)
 
     # -- the operation -------------------------------------------------------------------------
-    def push_pull(self, tensor, network=None):
-        """Sum a CUDA tensor over the machine's GPUs in place; ``network`` as in CpuExecutor."""
-        arr = as_device_array(tensor, stream=self.stream)  # DLPack producers order their work before ours
+    def push_pull(self, tensor, network=None, tag=0):
+        """Sum a CUDA tensor over the machine's GPUs in place; ``network`` and ``tag`` as in
+        CpuExecutor (a hook may return a callable that finishes its work; a failing hook is
+        reported to every local process in the next barrier). ``tensor`` may also be a
+        :class:`~byteps.core.gpu.DeviceArray` (core/local_exec.py passes slices of a large tensor)."""
+        if isinstance(tensor, DeviceArray):
+            arr = tensor
+        else:
+            arr = as_device_array(tensor, stream=self.stream)  # DLPack producers order their work before ours
         if arr.device_type != "cuda":
             raise BytePSError(f"GpuExecutor.push_pull needs a CUDA tensor, got a {arr.device_type} one")
         if arr.nbytes > self.cap:
@@ -158,6 +178,7 @@ class GpuExecutor:
             finally:
                 self.cuda.event_destroy(producer)
         self.seq += 1
+        self.tag = tag
         strategy = self.plan.strategy
         if strategy == "none" or self.plan.local_size == 1:
             self._alone(arr, network)
@@ -167,19 +188,50 @@ class GpuExecutor:
             self._groups(arr, network)
         return tensor
 
+    def _network(self, calls):
+        """Run this process's network hooks; return the exception to report, or None (as CpuExecutor)."""
+        from byteps.topology.cpu_exec import _finish
+
+        pending, failure = [], None
+        for fn, args in calls:
+            try:
+                pending.append(fn(*args))
+            except Exception as e:
+                failure = e
+                break
+        try:
+            _finish(pending)
+        except Exception as e:
+            failure = failure or e
+        return failure
+
+    def _barrier_after_network(self, seq, phase, sig, what, failure):
+        from byteps.topology.localsync import LocalPeerError
+
+        try:
+            self.group.barrier(seq, phase, range(self.plan.local_size), sig, what,
+                               error=None if failure is None else f"{type(failure).__name__}: {failure}")
+        except LocalPeerError:
+            if failure is not None:
+                raise failure from None
+            raise
+
     def _alone(self, arr, network):
         view, addr = self._host(self.rank, "H")
         self.cuda.memcpy_async(addr, arr.ptr, arr.nbytes, cudaMemcpyDeviceToHost, self.stream)
         self._wait("COPYD2H")
         if network is not None:
-            network(view[:arr.nbytes].view(dtypes.numpy_view_dtype(arr.dtype)), 0, arr.count, self.plan.rails[0])
+            failure = self._network([(network, (view[:arr.nbytes].view(dtypes.numpy_view_dtype(arr.dtype)), 0,
+                                                arr.count, self.plan.rails[0]))])
+            if failure is not None:
+                raise failure
         self.cuda.memcpy_async(arr.ptr, addr, arr.nbytes, cudaMemcpyHostToDevice, self.stream)
         self._wait("COPYH2D")
 
     def _groups(self, arr, network):
         plan, me, seq, cu, nc = self.plan, self.rank, self.seq, self.cuda, self.nccl
         code, count, isz = arr.dtype, arr.count, dtypes.itemsize(arr.dtype)
-        sig = (arr.nbytes, code)
+        sig = (arr.nbytes, code, self.tag)
         everyone = range(plan.local_size)
         gi, pos = plan.group_of(me)
         members = plan.groups[gi]
@@ -212,9 +264,11 @@ class GpuExecutor:
                          [self._host(g[0], "H")[0][a * isz:b * isz] for g in plan.groups], code)
         else:
             out_view, out_addr = h_view, h_addr
+        failure = None
         if network is not None and b > a:
-            network(out_view[a * isz:b * isz].view(dtypes.numpy_view_dtype(code)), a, b, plan.rails[me])
-        self.group.barrier(seq, _MACHINE_SUMMED, everyone, sig, "machine sum")
+            failure = self._network([(network, (out_view[a * isz:b * isz].view(dtypes.numpy_view_dtype(code)), a, b,
+                                                plan.rails[me]))])
+        self._barrier_after_network(seq, _MACHINE_SUMMED, sig, "machine sum", failure)
         cu.memcpy_async(arr.ptr + s * isz, out_addr + s * isz, (e - s) * isz, cudaMemcpyHostToDevice, self.stream)
         if n > 1:                                                                         # COPYH2D + ALL-GATHER
             nc.group_start()
@@ -234,7 +288,7 @@ class GpuExecutor:
 
         plan, me, seq, cu, nc = self.plan, self.rank, self.seq, self.cuda, self.nccl
         code, count, isz = arr.dtype, arr.count, dtypes.itemsize(arr.dtype)
-        sig = (arr.nbytes, code)
+        sig = (arr.nbytes, code, self.tag)
         everyone = range(plan.local_size)
         comm = self.comms[0]
         self.group.barrier(seq, _STAGED, everyone, sig, "stage")
@@ -247,10 +301,12 @@ class GpuExecutor:
             if root == me:
                 cu.memcpy_async(h_addr + a * isz, p, (b - a) * isz, cudaMemcpyDeviceToHost, self.stream)
         self._wait("REDUCE + COPYD2H")
+        failure = None
         if network is not None:
-            for i, a, b in parts:
-                if plan.root_for(i) == me:
-                    network(h_view[a * isz:b * isz].view(dtypes.numpy_view_dtype(code)), a, b, plan.rails[me])
+            failure = self._network([(network, (h_view[a * isz:b * isz].view(dtypes.numpy_view_dtype(code)), a, b,
+                                                plan.rails[me])) for i, a, b in parts if plan.root_for(i) == me])
+        # the roots' network results are needed before the broadcast: everyone learns of a failure here
+        self._barrier_after_network(seq, _MACHINE_SUMMED, sig, "reduce", failure)
         for i, a, b in parts:                                                             # (root COPYH2D +) BROADCAST
             root = plan.root_for(i)
             p = arr.ptr + a * isz

@@ -24,6 +24,7 @@ import threading
 from byteps.log import logger
 
 from ._pipeline import PriorityQueue
+from .threads import name_native
 
 
 class LocalPlan:
@@ -66,6 +67,7 @@ class ComputeStage:
         self._queue.push(priority, task, 0)
 
     def _run(self):
+        name_native()
         while (task := self._queue.pop(timeout=-1)) is not None:
             fn = self._fns.pop(task)
             try:

@@ -83,6 +83,26 @@ def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", 
     return tuple(stages + list(after))
 
 
+def executor_stage_list(plan, device="cpu", owner=True):
+    """The stages of one range of a tensor on the topology path (BYTEPS_LOCAL_STRATEGY=topology,
+    core/local_exec.py), where the plan's executor replaces the owners' local reduce.
+
+    ``plan``: the machine's topology Plan; ``device``: "cpu" (topology/cpu_exec.py: STAGE into the
+    shared arena, LOCAL_REDUCE = the group's (or the root's) shared-memory sum) or "cuda"
+    (core/gpu_stages.py: NCCL reduce(-scatter) and COPYD2H); ``owner``: this process pushes the range
+    (a non-owner only takes part in the local steps). PCIE_REDUCE appears with several groups."""
+    several = plan.strategy == "cpu_assisted" and len(plan.groups) > 1
+    if device == "cuda":
+        before = [Stage.NCCL_REDUCE, Stage.COPYD2H] + ([Stage.PCIE_REDUCE] if several else [])
+        after = [Stage.COPYH2D, Stage.NCCL_BROADCAST]
+    else:
+        before = [Stage.STAGE, Stage.LOCAL_REDUCE] + ([Stage.PCIE_REDUCE] if several else [])
+        after = [Stage.LOCAL_BROADCAST]
+    if plan.strategy == "none" or plan.local_size == 1:  # nothing local to sum: copy out and back
+        before, after = ([Stage.COPYD2H], [Stage.COPYH2D]) if device == "cuda" else ([], [])
+    return tuple(before + ([Stage.PUSH, Stage.PULL] if owner else []) + after)
+
+
 def parse_override(raw):
     """BYTEPS_PIPELINE: a comma-separated list of optional stages to drop (``-stage``), e.g.
     ``-stage`` (push colocated partitions over TCP), ``-local_reduce``. Returns the set dropped."""

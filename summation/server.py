@@ -33,7 +33,7 @@ import time
 import zmq
 
 from byteps import compression, config as bps_config, placement
-from byteps.core import auth, dtypes, shm, wire
+from byteps.core import auth, dtypes, shm, transport, wire
 from byteps.core._reduce import aligned_empty, copy_into, sum_into, sum_many
 from byteps.core.control import ControlClient
 from byteps.errors import BytePSError, ConfigError, PeerLostError, ProtocolError
@@ -42,8 +42,14 @@ from byteps.log import logger, setup as setup_logging
 from .sum_pool import SumPool
 
 Cmd = wire.Cmd
+#: replies whose body is smaller than this are copied into ZeroMQ (cheaper than a zero-copy send)
+COPY_BELOW = transport.COPY_BELOW
 #: log a stall warning when a round has waited this long for its last pushes
 STALL_WARNING_S = 60.0
+
+
+def _name(h):
+    return f"key {wire.split_key(h.key)}"
 
 
 class _Round:
@@ -140,7 +146,8 @@ class Server:
         self.active_pushers = None
         self.index = None
         self.epoch = None
-        self.scratch = bytearray()
+        self.fast = transport.wrap(self.data, cfg.zmq_direct)  # the data plane's message I/O (core/_transport.pyx)
+        self._frames, self._next = [], 0
         self.pool = SumPool(cfg.server_engine_threads)  # BYTEPS_SERVER_ENGINE_THREAD
 
     # ---------------------------------------------------------------- control plane
@@ -211,13 +218,26 @@ class Server:
 
     # ---------------------------------------------------------------- data plane
 
+    # The message being handled: all its frames were taken at once (core/transport.py); these read them in order.
+    def _more(self):
+        return self._next < len(self._frames)
+
+    def _take(self):
+        """The next frame of the current message: bytes, or a zero-copy frame for a large body."""
+        frame = self._frames[self._next]
+        self._next += 1
+        return frame
+
     def _discard_rest(self):
-        while self.data.getsockopt(zmq.RCVMORE):
-            self.data.recv_into(self.scratch)
+        self._next = len(self._frames)
 
     def _send(self, frames, copy=True):
+        """Send a message; small ones are copied in one C call, large bodies go zero-copy."""
         try:
-            self.data.send_multipart(frames, copy=copy)
+            if copy or len(frames[-1]) < COPY_BELOW:
+                self.fast.send_multipart(frames)
+            else:
+                self.data.send_multipart(frames, copy=False)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
@@ -230,32 +250,36 @@ class Server:
                                      length=len(body)), body])
 
     def _on_data(self):
-        ident = self.data.recv()
-        if not self.data.getsockopt(zmq.RCVMORE):
-            return
-        raw = self.data.recv()
+        """Handle one data-plane message; False if none was queued."""
+        frames = self.fast.recv_multipart()
+        if frames is None:
+            return False
+        self._frames, self._next = frames, 2
+        if len(frames) < 2:
+            return True
+        ident, raw = frames[0], frames[1]
         try:
             header = wire.unpack(raw)
             if header.cmd in (Cmd.HELLO, Cmd.AUTH):
                 self._on_handshake(ident, header)
-                return
+                return True
             if not self.gate.allows(ident):
                 self._discard_rest()
                 if ident not in self.gate.refused:
                     self.gate.refused.add(ident)
                     logger.warning("ignored data from an unauthenticated peer %r (it never proved it knows "
                                    "BYTEPS_JOB_SECRET)", ident)
-                return
+                return True
             if header.cmd not in (Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.ASYNC_PUSHPULL):
                 raise ProtocolError(f"{Cmd(header.cmd).name} is not a data request")
             if self.num_workers is None:
                 raise ProtocolError("data arrived before the address book")
-            if not self.data.getsockopt(zmq.RCVMORE):
+            if not self._more():
                 raise ProtocolError("data request without a body frame")
         except ProtocolError as e:
             self._discard_rest()
             logger.warning("rejected a malformed data message: %s", e)
-            return
+            return True
         rank = self.ranks.get(header.sender, f"node {header.sender}")
         # before any state exists for the key: an unknown dtype code must not become the key's dtype,
         # and a length that is not whole elements must not reach the sum kernels (both found by fuzzing)
@@ -263,12 +287,12 @@ class Server:
             self._discard_rest()
             self._reply_error(ident, header, f"key {wire.split_key(header.key)}: rank {rank} sent {header.length} "
                                              f"bytes of dtype code {header.dtype}: not whole elements of a known dtype")
-            return
+            return True
         if self.joined and header.cmd == Cmd.BROADCAST:  # as in Horovod: not while ranks have joined
             self._discard_rest()
             self._reply_error(ident, header, f"broadcast is not supported while ranks {list(self.joined)} have "
                                              "joined (join()); it works again once every rank has joined")
-            return
+            return True
         st = self.keys.get(header.key)
         if st is None:
             # a broadcast's size is known only from the root's message
@@ -280,9 +304,9 @@ class Server:
                 self._discard_rest()
                 self._reply_error(ident, header, "asynchronous push_pull sent to a synchronous server "
                                                  "(BYTEPS_ENABLE_ASYNC differs)")
-                return
+                return True
             self._on_async(st, header, rank, ident)
-            return
+            return True
         if not st.senders:
             st.since = time.monotonic()
         problem = st.error or self._check(st, header, rank)
@@ -297,6 +321,7 @@ class Server:
         st.header = header
         if len(st.senders) >= self._expected(header.cmd):
             self._maybe_complete(st, header)
+        return True
 
     # ---------------------------------------------------------------- asynchronous training
 
@@ -358,14 +383,13 @@ class Server:
             st.first = (rank, h.length, h.dtype)
         if h.flags & wire.FLAG_SHM:
             try:
-                src = self.maps.view(self.data.recv())
+                src = self.maps.view(self._take())
             except ProtocolError as e:
                 self._discard_rest()
                 return f"key {wire.split_key(h.key)}: rank {rank}'s shared memory: {e}"
             data = src
         else:
-            frame = self.data.recv(copy=False)
-            data = frame.buffer
+            data = self._take()
         self._discard_rest()
         got = memoryview(data).nbytes
         if got != h.length:
@@ -384,7 +408,7 @@ class Server:
 
     def _on_handshake(self, ident, header):
         try:
-            body = wire.decode(self.data.recv()) if self.data.getsockopt(zmq.RCVMORE) else {}
+            body = wire.decode(self._take()) if self._more() else {}
         except ProtocolError:
             body = {}
         self._discard_rest()
@@ -399,25 +423,27 @@ class Server:
             logger.warning("refused worker connection %r: authentication failed", ident)
 
     def _check(self, st, h, rank):
-        """Why this message cannot join the round, or None."""
-        name = f"key {wire.split_key(h.key)}"
+        """Why this message cannot join the round, or None (messages are built only on error)."""
         if h.round != st.round:
-            return f"{name}: rank {rank} sent round {h.round} while the server is at round {st.round}"
+            return f"{_name(h)}: rank {rank} sent round {h.round} while the server is at round {st.round}"
         if rank in st.senders:
-            return f"{name}: rank {rank} sent round {h.round} twice"
+            return f"{_name(h)}: rank {rank} sent round {h.round} twice"
         if h.dtype not in dtypes.INFO:
-            return f"{name}: rank {rank} sent unknown dtype code {h.dtype}"
+            return f"{_name(h)}: rank {rank} sent unknown dtype code {h.dtype}"
         if h.cmd == Cmd.BROADCAST:
             if st.root is not None and h.arg != st.root:
-                return (f"{name}: broadcast root differs across workers: rank {st.first[0]} names root {st.root}, "
-                        f"rank {rank} names root {h.arg}")
+                return (f"{_name(h)}: broadcast root differs across workers: rank {st.first[0]} names root "
+                        f"{st.root}, rank {rank} names root {h.arg}")
             if h.arg != rank and h.length != 0:
-                return f"{name}: non-root rank {rank} sent {h.length} bytes with a broadcast"
+                return f"{_name(h)}: non-root rank {rank} sent {h.length} bytes with a broadcast"
             return None
-        first = st.first or (f"in round {st.round - 1}, every rank", st.nbytes, st.dtype)
-        if (h.length, h.dtype) != (first[1], first[2]):
-            return (f"{name}: rank {rank} pushed {h.length} bytes of {dtypes.name(h.dtype)} but rank {first[0]} "
-                    f"pushed {first[1]} bytes of {dtypes.name(first[2])}")
+        if st.first is not None:
+            who, nbytes, dtype = st.first
+        else:
+            who, nbytes, dtype = f"in round {st.round - 1}, every rank", st.nbytes, st.dtype
+        if h.length != nbytes or h.dtype != dtype:
+            return (f"{_name(h)}: rank {rank} pushed {h.length} bytes of {dtypes.name(h.dtype)} but rank {who} "
+                    f"pushed {nbytes} bytes of {dtypes.name(dtype)}")
         return None
 
     def _accept(self, st, h, rank, ident):
@@ -438,7 +464,7 @@ class Server:
                 self._discard_rest()
                 return problem
         if h.flags & wire.FLAG_SHM:
-            body = self.data.recv()
+            body = self._take()
             try:
                 src = self.maps.view(body)
             except ProtocolError as e:
@@ -452,15 +478,15 @@ class Server:
             elif got == h.length:
                 self._add(st, src, src, h.dtype)
         elif h.cmd == Cmd.BROADCAST:
-            frame = self.data.recv(copy=False)
+            frame = self._take()
             got = len(frame)
             if got == h.length:  # the store is allocated only for a body of the announced size
-                copy_into(st.store, frame.buffer)
+                copy_into(st.store, frame)
         else:
-            frame = self.data.recv(copy=False)
+            frame = self._take()
             got = len(frame)
             if got == h.length:
-                self._add(st, frame, frame.buffer, h.dtype)
+                self._add(st, frame, frame, h.dtype)
         self._discard_rest()
         if got != h.length:
             return f"key {wire.split_key(h.key)}: rank {rank}'s header says {h.length} bytes but {got} arrived"
@@ -517,11 +543,11 @@ class Server:
         name = f"key {wire.split_key(h.key)}"
         info = None
         if h.flags & wire.FLAG_COMPRESSED:
-            frame = self.data.recv(copy=False)
+            frame = self._take()
             if h.cmd != Cmd.PUSHPULL or h.flags & wire.FLAG_SHM:
                 return f"{name}: rank {rank} sent a compressed {Cmd(h.cmd).name}; only push_pull is compressed"
             try:
-                info = compression.parse(frame.buffer)
+                info = compression.parse(memoryview(frame))
             except ProtocolError as e:
                 return f"{name}: rank {rank}'s compressed push: {e}"
             if info.nbytes != h.length or info.dtype != h.dtype:
@@ -591,8 +617,7 @@ class Server:
         st.round += 1
         st.reset()
 
-    def _warn_stalls(self):
-        now = time.monotonic()
+    def _warn_stalls(self, now):
         for key, st in self.keys.items():
             if st.senders and not st.warned and now - st.since > STALL_WARNING_S:
                 logger.warning("key %s round %d has waited %.0f s: pushes from ranks %s are in, %d expected",
@@ -609,6 +634,7 @@ class Server:
         if self.pool.fd is not None:
             poller.register(self.pool.fd, zmq.POLLIN)
         tick_ms = min(self.cfg.heartbeat_interval, 1.0) * 1000
+        next_check = 0.0
         while True:
             events = dict(poller.poll(timeout=tick_ms))
             if self.control.sock in events:
@@ -621,11 +647,13 @@ class Server:
             if self.data in events:
                 # drain a burst of data messages before looking at the clock again
                 for _ in range(64):
-                    self._on_data()
-                    if not self.data.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    if not self._on_data():
                         break
             self.control.tick()
-            self._warn_stalls()
+            now = time.monotonic()
+            if now >= next_check:  # walks every key: not once per message
+                self._warn_stalls(now)
+                next_check = now + 1.0
 
     def close(self):
         self.pool.close()

@@ -17,6 +17,7 @@ import os
 import threading
 
 from byteps.core._pipeline import PriorityQueue
+from byteps.core.threads import name_native
 from byteps.log import logger
 
 
@@ -55,6 +56,7 @@ class SumPool:
         return False
 
     def _run(self, queue):
+        name_native()
         while (task := queue.pop(timeout=-1)) is not None:
             key, fn = self._tasks.pop(task)
             try:

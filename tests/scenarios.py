@@ -205,7 +205,10 @@ def main():
     result = {"rank": bps.rank(), "size": bps.size(), "local_rank": bps.local_rank(),
               "local_size": bps.local_size(),
               "colocated": list(_job.engine.colocated) if _job.engine is not None else None,
-              "local_reduce": _job.engine.local.size if _job.engine is not None and _job.engine.local else None}
+              "local_reduce": _job.engine.local.size if _job.engine is not None and _job.engine.local else None,
+              # the data-plane message I/O in use (core/transport.py): FastSocket or PyzmqSocket
+              "transport": sorted({type(io).__name__ for io in _job.engine._io.values()})
+              if _job.engine is not None else None}
     try:
         result["value"] = SCENARIOS[name](outdir, args)
     except Exception as e:  # the test reads the error text

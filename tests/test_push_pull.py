@@ -25,6 +25,8 @@ import sys
 import pytest
 import torch
 
+from byteps.core import transport
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find scenarios_torch
 from scenarios import digest  # noqa: E402
 from scenarios_torch import make_tensor, undigest  # noqa: E402
@@ -120,6 +122,7 @@ def check_matrix(cluster, machines, k, shapes, rounds=2, extreme=True, ipc=True,
                     problems.append(f"{key}: elements {bad} equal no summation order's result "
                                     f"(got {got[tuple(bad[0])].item()}, e.g. want {cands[0][tuple(bad[0])].item()})")
     assert not problems, f"{len(problems)} wrong results (n={n}, k={k}):\n" + "\n".join(problems[:40])
+    return res
 
 
 FULL_POINTS = [(1, 1), (2, 2), (3, 3), (4, 2)]
@@ -194,6 +197,21 @@ def test_server_engine_threads(cluster, n, k, threads, ipc):
 def test_copy_stage_thread_with_large_partitions(cluster, threads):
     check_matrix(cluster, 2, 2, BIG_SHAPES, rounds=3, extreme=False,
                  extra_env={"BYTEPS_PARTITION_BYTES": "600000", "BYTEPS_SERVER_ENGINE_THREAD": str(threads)})
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("direct,ipc", [("1", False), ("0", False), ("0", True)],
+                         ids=["libzmq-tcp", "pyzmq-tcp", "pyzmq-shm"])
+def test_message_transports(cluster, direct, ipc):
+    """Both data-plane transports (core/transport.py: libzmq called from C, or pyzmq) give exact sums,
+    with partitions below and above the size where bodies stop being copied and go zero-copy."""
+    assert transport.direct_available()[0], transport.direct_available()[1]  # this machine must have the C path
+    big = [(3, 70001)]  # 840 KB of float32: 300 KB partitions, 150 KB pieces per server, over COPY_BELOW
+    res = check_matrix(cluster, 2, 2, SMALL_SHAPES + big, rounds=2, extreme=False, ipc=ipc,
+                       extra_env={"BYTEPS_PARTITION_BYTES": "300000", "BYTEPS_ZMQ_DIRECT": direct})
+    assert 300000 // 2 > transport.COPY_BELOW
+    want = ["FastSocket"] if direct == "1" else ["PyzmqSocket"]
+    assert all(r["transport"] == want for r in res.values()), {r: v["transport"] for r, v in res.items()}
 
 
 @pytest.mark.timeout(150)

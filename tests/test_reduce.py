@@ -342,7 +342,19 @@ def test_threaded_equals_single_threaded(two_threads, name):
     np.testing.assert_array_equal(a, single)
     many = np.empty_like(a)
     _reduce.sum_many(many, [raw[0], b, c], code)
-    np.testing.assert_array_equal(many, many_single)
+    if name in ("float32", "float64"):
+        # Where two inputs are NaN, which payload survives depends on the operand order the compiler
+        # chose for the loop an element falls in (scalar head or tail, or vector body), and that
+        # depends on the destination's alignment: any quiet NaN of the inputs is right (as for numpy).
+        view = np.dtype(name)
+        inputs = [x.view(view) for x in (raw[0], b, c)]
+        several_nan = np.sum([np.isnan(x) for x in inputs], axis=0) >= 2
+        got, want = many.view(view), many_single.view(view)
+        np.testing.assert_array_equal(got.view(f"u{view.itemsize}")[~several_nan],
+                                      want.view(f"u{view.itemsize}")[~several_nan])
+        assert np.isnan(got[several_nan]).all() and np.isnan(want[several_nan]).all()
+    else:
+        np.testing.assert_array_equal(many, many_single)
 
 
 def test_threaded_small_chunks(two_threads):

@@ -14,6 +14,9 @@ so they cannot share ``multiprocessing`` primitives. :class:`LocalGroup` gives t
   (byte count and dtype), so processes that call with different tensors fail with a message
   naming the ranks and what differs instead of summing garbage; every wait has a timeout that
   names the ranks that never arrived.
+* **failure notices**: a barrier may carry a short error text (``error=``): every member then
+  raises :class:`LocalPeerError` at that same barrier, so a failure in one process (its network
+  step, say) ends the operation on all of them in step instead of leaving them to time out.
 
 A datagram is accepted only from the address its sender rank must have bound (a name no one else
 can bind while that rank holds it).
@@ -25,13 +28,24 @@ import struct
 import time
 
 from byteps.core import shm
-from byteps.errors import BytePSTimeoutError, TensorMismatchError
+from byteps.errors import BytePSError, BytePSTimeoutError, TensorMismatchError
 
 MAGIC = b"BPLS"
 HELLO, BARRIER = 1, 2
-#: magic, kind, sender, sequence, phase, nbytes, dtype | pid, fd, inode, arena size
-_MSG = struct.Struct("<4sIIQIQi")
+#: magic, kind, sender, sequence, phase, nbytes, dtype, tag | HELLO: pid, fd, inode, arena size;
+#: BARRIER: an optional UTF-8 error text (at most ERROR_BYTES)
+_MSG = struct.Struct("<4sIIQIQiQ")
 _HELLO = struct.Struct("<iiQQ")
+ERROR_BYTES = 400
+_DATAGRAM = _MSG.size + ERROR_BYTES
+
+
+class LocalPeerError(BytePSError):
+    """A member of a barrier reported a failure (the text names the local rank and its error)."""
+
+    def __init__(self, message, errors):
+        super().__init__(message)
+        self.errors = errors  #: {local rank: error text} as reported in the barrier
 
 
 def _name(token, rank):
@@ -65,7 +79,9 @@ class LocalGroup:
         self.arena = shm.Arena(arena_bytes, "byteps-local")
         self.maps = shm.PeerMaps()
         self.peers = {}  #: rank -> numpy uint8 view of that rank's arena (ours included)
-        self._seen = {}  #: (seq, phase) -> {sender: (nbytes, dtype)}
+        #: rank -> (pid, fd, inode) naming that rank's arena in a core/shm.py descriptor
+        self.handles = {rank: (os.getpid(), self.arena.fd, self.arena.inode)}
+        self._seen = {}  #: (seq, phase) -> {sender: (signature, error text or None)}
         self.peers[rank] = self.arena.array
         try:
             self._hello()
@@ -81,7 +97,7 @@ class LocalGroup:
         self.sock.sendto(payload, _name(self.token, peer))
 
     def _hello(self):
-        me = _MSG.pack(MAGIC, HELLO, self.rank, 0, 0, 0, 0) + _HELLO.pack(
+        me = _MSG.pack(MAGIC, HELLO, self.rank, 0, 0, 0, 0, 0) + _HELLO.pack(
             os.getpid(), self.arena.fd, self.arena.inode, self.arena.size)
         undelivered = set(range(self.size)) - {self.rank}
         deadline = time.monotonic() + self.timeout
@@ -103,12 +119,12 @@ class LocalGroup:
         """Read datagrams for up to ``wait`` seconds; record HELLOs and barrier arrivals."""
         self.sock.settimeout(max(wait, 1e-4))
         try:
-            data, addr = self.sock.recvfrom(256)
+            data, addr = self.sock.recvfrom(_DATAGRAM)
         except (socket.timeout, BlockingIOError):
             return
         if len(data) < _MSG.size:
             return
-        magic, kind, sender, seq, phase, nbytes, dtype = _MSG.unpack_from(data)
+        magic, kind, sender, seq, phase, nbytes, dtype, tag = _MSG.unpack_from(data)
         if magic != MAGIC or sender >= self.size:
             return
         expected = _name(self.token, sender)
@@ -120,16 +136,37 @@ class LocalGroup:
             pid, fd, inode, size = _HELLO.unpack_from(data, _MSG.size)
             if sender not in self.peers:
                 self.peers[sender] = self.maps.view(shm.DESCRIPTOR.pack(pid, fd, inode, 0, size))
+                self.handles[sender] = (pid, fd, inode)
         elif kind == BARRIER:
-            self._seen.setdefault((seq, phase), {})[sender] = (nbytes, dtype)
+            error = data[_MSG.size:].decode(errors="replace") or None
+            self._seen.setdefault((seq, phase), {})[sender] = ((nbytes, dtype, tag), error)
+
+    def locate(self, view):
+        """The core/shm.py descriptor prefix (pid, fd, inode, offset) of a view into one of the
+        machine's arenas (ours or a peer's), or None if it lies in none of them. Lets the engine hand
+        a colocated server the executor's buffer itself instead of a copy."""
+        addr = view.__array_interface__["data"][0]
+        for rank, arr in self.peers.items():
+            base = arr.__array_interface__["data"][0]
+            if base <= addr and addr + view.nbytes <= base + arr.nbytes:
+                pid, fd, inode = self.handles[rank]
+                return pid, fd, inode, addr - base
+        return None
 
     # -- barriers ------------------------------------------------------------------------
-    def barrier(self, seq, phase, members, signature=(0, -1), what="barrier"):
-        """Wait until every rank in ``members`` reached (seq, phase); check their signatures agree."""
+    def barrier(self, seq, phase, members, signature=(0, -1), what="barrier", error=None):
+        """Wait until every rank in ``members`` reached (seq, phase); check their signatures agree.
+
+        ``signature``: (nbytes, dtype) or (nbytes, dtype, tag) of the operation (tag: e.g. the
+        tensor key, so two tensors of one size cannot be summed together). ``error``: a short text
+        telling every member that this rank failed; then every member raises LocalPeerError here.
+        """
         members = sorted(set(members))
         if self.rank not in members:
             raise ValueError(f"local rank {self.rank} is not in barrier members {members}")
-        msg = _MSG.pack(MAGIC, BARRIER, self.rank, seq, phase, signature[0], signature[1])
+        signature = _full(signature)
+        note = b"" if error is None else str(error).encode()[:ERROR_BYTES]
+        msg = _MSG.pack(MAGIC, BARRIER, self.rank, seq, phase, *signature) + note
         for peer in members:
             if peer != self.rank:
                 self._send_reliably(peer, msg)
@@ -146,12 +183,20 @@ class LocalGroup:
                                          f"for local rank(s) {missing}")
             self._receive(left)
         arrived = self._seen.pop(key, {})
-        differ = {r: sig for r, sig in arrived.items() if tuple(sig) != tuple(signature)}
+        failed = {r: err for r, (_, err) in arrived.items() if err is not None}
+        if error is not None:
+            failed[self.rank] = str(error)
+        if failed:
+            detail = "; ".join(f"local rank {r}: {err}" for r, err in sorted(failed.items()))
+            raise LocalPeerError(f"local rank {self.rank}: {what} (operation {seq}) ended by a failure on this "
+                                 f"machine: {detail}", failed)
+        differ = {r: sig for r, (sig, _) in arrived.items() if tuple(sig) != signature}
         if differ:
             from byteps.core import dtypes
 
             def show(sig):
-                return f"{sig[0]} bytes of {dtypes.name(sig[1]) if sig[1] in dtypes.INFO else sig[1]}"
+                text = f"{sig[0]} bytes of {dtypes.name(sig[1]) if sig[1] in dtypes.INFO else sig[1]}"
+                return text + (f" (tensor key {sig[2]})" if sig[2] else "")
             detail = "; ".join(f"local rank {r}: {show(s)}" for r, s in sorted(differ.items()))
             raise TensorMismatchError(f"local ranks disagree on operation {seq} ({what}): local rank {self.rank} has "
                                       f"{show(signature)}; {detail}")
@@ -174,6 +219,7 @@ class LocalGroup:
 
     def close(self):
         self.peers.clear()
+        self.handles.clear()
         self.maps.close()
         try:
             self.sock.close()
@@ -186,3 +232,9 @@ class LocalGroup:
                 except BufferError:  # a view is still alive; the kernel frees it at exit
                     pass
                 os.close(arena.fd)
+
+
+def _full(signature):
+    """(nbytes, dtype, tag) from a 2- or 3-tuple signature."""
+    nbytes, dtype, *rest = signature
+    return int(nbytes), int(dtype), int(rest[0]) if rest else 0

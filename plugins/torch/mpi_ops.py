@@ -31,7 +31,7 @@ from byteps.errors import BytePSError
 
 from . import completion
 from .compression import Compression, wire_codec
-from .ops import _byte_view, _host_buffer, broadcast_async_ as _bps_broadcast_async_, dtype_code
+from .ops import _buffers, broadcast_async_ as _bps_broadcast_async_, dtype_code
 
 Average = 0
 Sum = 1
@@ -187,7 +187,7 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
         return _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor)
     code = _code(tensor, full)
     _check_inflight(full)
-    work, write_back = _host_buffer(tensor)
+    work, write_back, buf = _buffers(tensor, name=full)  # CUDA may stay on the GPU (BYTEPS_LOCAL_STRATEGY=topology)
     size = common.size()
     _scale_(work, prescale_factor)
 
@@ -208,7 +208,7 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
             return write_back
         return work
 
-    return common.submit(full, _byte_view(work), code, tuple(tensor.shape), priority=priority, finalize=finalize,
+    return common.submit(full, buf, code, tuple(tensor.shape), priority=priority, finalize=finalize,
                          compression=compression)
 
 

@@ -2,7 +2,10 @@
 
 Tensors reach the core as a flat uint8 numpy view of their own memory, so nothing is copied
 for contiguous CPU tensors. Non-contiguous and CUDA tensors are worked on in a contiguous host
-copy that is written back when the handle is synchronized.
+copy that is written back when the handle is synchronized. Exception: with
+BYTEPS_LOCAL_STRATEGY=topology on a machine whose GPU stages work (core/local_exec.py), a CUDA
+push_pull stays on the GPU: the core gets the tensor's device memory (``__cuda_array_interface__``
+or DLPack, core/gpu.py) and the GPU stages move only the machine's sum through host memory.
 """
 import torch
 
@@ -38,10 +41,40 @@ def _byte_view(work):
     return work.detach().reshape(-1).view(torch.uint8).numpy()
 
 
+def _cuda_path():
+    """True when this process hands CUDA push_pulls to the GPU stages (core/local_exec.py)."""
+    engine = common._require().engine
+    if engine is None:
+        return False
+    from byteps.core import local_exec
+
+    return local_exec.takes_cuda(engine)
+
+
+def _buffers(tensor, push_pull=True, name=None):
+    """(work tensor, write_back, buffer for common.submit): ``_host_buffer`` and its byte view, or for a
+    CUDA push_pull on the GPU path the (contiguous) CUDA tensor and its device memory."""
+    if push_pull and tensor.is_cuda and _cuda_path():
+        from byteps.core import local_exec
+        from byteps.core.gpu import as_device_array
+
+        expected = local_exec.cuda_device(common._require().engine)
+        if tensor.device.index != expected:
+            raise ValueError(f"byteps: CUDA tensor {name!r} is on {tensor.device}, but this process (local rank "
+                             f"{common.local_rank()}) drives cuda:{expected} in the machine's topology plan "
+                             "(BYTEPS_LOCAL_STRATEGY=topology); move it there")
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        # taken here, on the caller's thread: __cuda_array_interface__ names the caller's current
+        # stream, which the GPU stages wait for before they read the tensor
+        return work, (None if work is tensor else tensor), as_device_array(work.detach())
+    work, write_back = _host_buffer(tensor)
+    return work, write_back, _byte_view(work)
+
+
 def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None):
     name = name if name is not None else common.auto_name(prefix)
     code = dtype_code(tensor, name)
-    work, write_back = _host_buffer(tensor)
+    work, write_back, buf = _buffers(tensor, push_pull=root is None and not asynchronous, name=name)
     size = common.size()
 
     def finalize():
@@ -55,7 +88,7 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
             return write_back
         return work
 
-    return common.submit(name, _byte_view(work), code, tuple(tensor.shape), broadcast_root=root, priority=priority,
+    return common.submit(name, buf, code, tuple(tensor.shape), broadcast_root=root, priority=priority,
                          finalize=finalize, asynchronous=asynchronous, compression=compression)
 
 

@@ -1,0 +1,150 @@
+"""Worker scenarios of tests/test_local_exec.py: push_pull through the topology plan's executor
+(BYTEPS_LOCAL_STRATEGY=topology, core/local_exec.py) in real jobs."""
+import os
+import time
+
+import numpy as np
+import torch
+
+import byteps.torch as bps
+from scenarios import digest, scenario
+
+
+def values(rank, rnd, index, count, dtype):
+    """Small integers (|x| <= 8): every sum of up to 8 ranks is exact in every dtype, fp16 included."""
+    base = (np.arange(count, dtype=np.int64) * 7 + rank * 13 + rnd * 5 + index * 3) % 17 - 8
+    return base.astype(dtype)
+
+
+def tensor(rank, rnd, index, count, dtype_name):
+    """values() as a torch tensor; bfloat16 (which numpy lacks) through float32, exactly."""
+    if dtype_name == "bfloat16":
+        return torch.from_numpy(values(rank, rnd, index, count, np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(values(rank, rnd, index, count, np.dtype(dtype_name)))
+
+
+def _executor_report():
+    from byteps.common import _job
+
+    ex = _job.engine._local_exec
+    if ex is None:
+        return None
+    return {"strategy": ex.plan.strategy, "groups": [list(g) for g in ex.plan.groups], "roots": list(ex.plan.roots),
+            "stats": dict(ex.stats), "cpu": dict(ex.cpu.stats) if ex.cpu is not None else None}
+
+
+def _local_arenas():
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:byteps-local"):
+            out.append(target)
+    return out
+
+
+@scenario
+def topology_sums(out, args):
+    """Every tensor of ``args["tensors"]`` ({name, count, dtype}) in flight at once, for several rounds,
+    summed (not averaged); returns the exact bytes, what the executor ran, and its arenas."""
+    res = {"sums": {}}
+    for rnd in range(args.get("rounds", 2)):
+        handles = []
+        for index, spec in enumerate(args["tensors"]):
+            t = tensor(bps.rank(), rnd, index, spec["count"], spec["dtype"])
+            handles.append((spec["name"], bps.push_pull_async_inplace(t, average=False, name=spec["name"])))
+        for name, h in handles:
+            res["sums"][f"{name}@{rnd}"] = digest(bps.synchronize(h))
+    res["executor"] = _executor_report()
+    res["arenas_before"] = len(_local_arenas())
+    bps.shutdown()  # closes the executors: their memfd arenas must be gone from this process
+    res["arenas_after"] = len(_local_arenas())
+    return res
+
+
+@scenario
+def topology_errors(out, args):
+    """Bad input on the topology path: a name whose size differs on one local rank, two local ranks that
+    submit tensors in different orders, then a normal push_pull (the path still works)."""
+    r, lr = bps.rank(), bps.local_rank()
+    got = {}
+
+    def attempt(fn):
+        try:
+            fn()
+            return "no error"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    # local rank 1 of machine 0 submits 11 elements where everyone else has 10
+    size = 11 if r == 1 else 10
+    got["size"] = attempt(lambda: bps.push_pull(torch.ones(size), average=False, name="sized"))
+    # both tensors are known (declared) first; then local rank 1 of every machine swaps their order
+    a, b = torch.ones(100), torch.ones(200)
+    bps.push_pull(a, average=False, name="a")
+    bps.push_pull(b, average=False, name="b")
+    order = ["b", "a"] if lr == 1 else ["a", "b"]
+    tensors = {"a": torch.ones(100), "b": torch.ones(200)}
+    handles = [(n, bps.push_pull_async_inplace(tensors[n], average=False, name=n)) for n in order]
+    got["order"] = {}
+    for n, h in handles:
+        got["order"][n] = attempt(lambda: bps.synchronize(h))
+    got["after"] = bps.push_pull(torch.full((7,), float(r + 1)), average=False, name="after").tolist()
+    got["local_rank"] = lr
+    return got
+
+
+@scenario
+def topology_missing(out, args):
+    """Local rank 1 of machine 0 never submits "late": its machine's processes must time out naming it,
+    the other machine's must time out on the servers; no hang."""
+    r = bps.rank()
+    t = torch.ones(64)
+    bps.push_pull(t, average=False, name="late")  # declared (keyed) by everyone
+    got = {}
+    began = time.monotonic()
+    if r == 1:
+        time.sleep(args["hold"])  # while the others wait for us; then leave with them
+        got["skipped"] = True
+    else:
+        try:
+            bps.push_pull(torch.ones(64), average=False, name="late")
+            got["error"] = "no error"
+        except Exception as e:
+            got["error"] = f"{type(e).__name__}: {e}"
+    got["seconds"] = time.monotonic() - began
+    return got
+
+
+@scenario
+def topology_declare(out, args):
+    """Two push_pulls (their errors, if any) and a broadcast, for jobs whose machines differ."""
+    got = {}
+    for name in ("x", "y"):
+        try:
+            got[name] = bps.push_pull(torch.ones(5), average=False, name=name).tolist()
+        except Exception as e:
+            got[name] = f"{type(e).__name__}: {e}"
+    got["broadcast"] = bps.broadcast(torch.full((3,), float(bps.rank() + 1)), root_rank=0, name="bc").tolist()
+    return got
+
+
+@scenario
+def topology_cuda(out, args):
+    """topology_sums on CUDA tensors (local rank r on cuda:r): the GPU stages through the engine."""
+    from byteps.common import _job
+
+    torch.cuda.set_device(bps.local_rank())
+    res = {"sums": {}}
+    for rnd in range(args.get("rounds", 2)):
+        handles = []
+        for index, spec in enumerate(args["tensors"]):
+            t = tensor(bps.rank(), rnd, index, spec["count"], spec["dtype"]).cuda()
+            handles.append((spec["name"], t, bps.push_pull_async_inplace(t, average=False, name=spec["name"])))
+        for name, t, h in handles:
+            res["sums"][f"{name}@{rnd}"] = digest(bps.synchronize(h).cpu())
+    ex = _job.engine._local_exec
+    res["gpu_used"] = ex is not None and ex.gpu is not None
+    res["cuda_reason"] = None if ex is None else ex.cuda_reason
+    return res
