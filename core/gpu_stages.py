@@ -36,6 +36,7 @@ import numpy as np
 
 from byteps.core.shm import PAGE
 from byteps.errors import BytePSError
+from byteps.topology.cpu_exec import barrier_after_network, run_network
 
 from . import dtypes
 from ._reduce import sum_many
@@ -188,40 +189,12 @@ class GpuExecutor:
             self._groups(arr, network)
         return tensor
 
-    def _network(self, calls):
-        """Run this process's network hooks; return the exception to report, or None (as CpuExecutor)."""
-        from byteps.topology.cpu_exec import _finish
-
-        pending, failure = [], None
-        for fn, args in calls:
-            try:
-                pending.append(fn(*args))
-            except Exception as e:
-                failure = e
-                break
-        try:
-            _finish(pending)
-        except Exception as e:
-            failure = failure or e
-        return failure
-
-    def _barrier_after_network(self, seq, phase, sig, what, failure):
-        from byteps.topology.localsync import LocalPeerError
-
-        try:
-            self.group.barrier(seq, phase, range(self.plan.local_size), sig, what,
-                               error=None if failure is None else f"{type(failure).__name__}: {failure}")
-        except LocalPeerError:
-            if failure is not None:
-                raise failure from None
-            raise
-
     def _alone(self, arr, network):
         view, addr = self._host(self.rank, "H")
         self.cuda.memcpy_async(addr, arr.ptr, arr.nbytes, cudaMemcpyDeviceToHost, self.stream)
         self._wait("COPYD2H")
         if network is not None:
-            failure = self._network([(network, (view[:arr.nbytes].view(dtypes.numpy_view_dtype(arr.dtype)), 0,
+            failure = run_network([(network, (view[:arr.nbytes].view(dtypes.numpy_view_dtype(arr.dtype)), 0,
                                                 arr.count, self.plan.rails[0]))])
             if failure is not None:
                 raise failure
@@ -266,9 +239,10 @@ class GpuExecutor:
             out_view, out_addr = h_view, h_addr
         failure = None
         if network is not None and b > a:
-            failure = self._network([(network, (out_view[a * isz:b * isz].view(dtypes.numpy_view_dtype(code)), a, b,
+            failure = run_network([(network, (out_view[a * isz:b * isz].view(dtypes.numpy_view_dtype(code)), a, b,
                                                 plan.rails[me]))])
-        self._barrier_after_network(seq, _MACHINE_SUMMED, sig, "machine sum", failure)
+        barrier_after_network(self.group, seq, _MACHINE_SUMMED, range(self.plan.local_size), sig, "machine sum",
+                              failure)
         cu.memcpy_async(arr.ptr + s * isz, out_addr + s * isz, (e - s) * isz, cudaMemcpyHostToDevice, self.stream)
         if n > 1:                                                                         # COPYH2D + ALL-GATHER
             nc.group_start()
@@ -303,10 +277,10 @@ class GpuExecutor:
         self._wait("REDUCE + COPYD2H")
         failure = None
         if network is not None:
-            failure = self._network([(network, (h_view[a * isz:b * isz].view(dtypes.numpy_view_dtype(code)), a, b,
+            failure = run_network([(network, (h_view[a * isz:b * isz].view(dtypes.numpy_view_dtype(code)), a, b,
                                                 plan.rails[me])) for i, a, b in parts if plan.root_for(i) == me])
         # the roots' network results are needed before the broadcast: everyone learns of a failure here
-        self._barrier_after_network(seq, _MACHINE_SUMMED, sig, "reduce", failure)
+        barrier_after_network(self.group, seq, _MACHINE_SUMMED, range(self.plan.local_size), sig, "reduce", failure)
         for i, a, b in parts:                                                             # (root COPYH2D +) BROADCAST
             root = plan.root_for(i)
             p = arr.ptr + a * isz

@@ -2,9 +2,9 @@
 
 The worker's engine and the server take every data-plane message whole with
 ``wrap(sock).recv_multipart()`` (None when nothing is queued; it never blocks) and send small
-messages with ``send_multipart(frames)``. The Cython module calls libzmq directly: about 1 us per
-message instead of 4-6 us through pyzmq's per-frame calls (docs/benchmarks.md, "Per-partition
-overhead"). ``BYTEPS_ZMQ_DIRECT=0``, or a pyzmq whose libzmq cannot be found, selects the pyzmq
+messages with ``send_multipart(frames)``. The Cython module calls libzmq directly: 0.8 us per
+small message, sent and received, against 5-6 us through pyzmq's per-frame calls
+(bench/bench_transport.py; docs/benchmarks.md, "Per-partition overhead"). ``BYTEPS_ZMQ_DIRECT=0``, or a pyzmq whose libzmq cannot be found, selects the pyzmq
 version of the same interface.
 
 Frames below :data:`COPY_BELOW` bytes arrive as ``bytes``; larger ones as zero-copy frames that

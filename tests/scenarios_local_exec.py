@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 import byteps.torch as bps
+from conftest import memfd_arenas
 from scenarios import digest, scenario
 
 
@@ -34,15 +35,8 @@ def _executor_report():
 
 
 def _local_arenas():
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:byteps-local"):
-            out.append(target)
-    return out
+    """The executors' memfd arenas this process holds."""
+    return [t for t in memfd_arenas(os.getpid()) if t.startswith("/memfd:byteps-local")]
 
 
 @scenario

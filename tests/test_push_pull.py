@@ -207,9 +207,9 @@ def test_message_transports(cluster, direct, ipc):
     with partitions below and above the size where bodies stop being copied and go zero-copy."""
     assert transport.direct_available()[0], transport.direct_available()[1]  # this machine must have the C path
     big = [(3, 70001)]  # 840 KB of float32: 300 KB partitions, 150 KB pieces per server, over COPY_BELOW
+    assert 300000 // 2 > transport.COPY_BELOW
     res = check_matrix(cluster, 2, 2, SMALL_SHAPES + big, rounds=2, extreme=False, ipc=ipc,
                        extra_env={"BYTEPS_PARTITION_BYTES": "300000", "BYTEPS_ZMQ_DIRECT": direct})
-    assert 300000 // 2 > transport.COPY_BELOW
     want = ["FastSocket"] if direct == "1" else ["PyzmqSocket"]
     assert all(r["transport"] == want for r in res.values()), {r: v["transport"] for r, v in res.items()}
 

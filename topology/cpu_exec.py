@@ -117,30 +117,9 @@ class CpuExecutor:
         return tensor
 
     def _network(self, calls):
-        """Run this process's network hooks ``[(fn, args)]``; return the exception to report, or None."""
-        pending, failure = [], None
-        for fn, args in calls:
-            try:
-                pending.append(fn(*args))
-            except Exception as e:  # reported to every local process in the next barrier
-                failure = e
-                break
-        try:
-            _finish(pending)  # also after a failure: nothing may still write into our buffers
-        except Exception as e:
-            failure = failure or e
+        failure = run_network(calls)
         self.stats["network_failed" if failure else "network"] += len(calls)
         return failure
-
-    def _barrier_after_network(self, seq, phase, members, sig, what, failure):
-        """A barrier that carries this process's network failure (if any) to the others."""
-        try:
-            self.group.barrier(seq, phase, members, sig, what,
-                               error=None if failure is None else f"{type(failure).__name__}: {failure}")
-        except LocalPeerError:
-            if failure is not None:
-                raise failure from None  # the process that failed raises its own error
-            raise
 
     # -- reduce-scatter within groups, sum across groups, all-gather -------------------------
     def _groups(self, flat, count, isz, code, sig, network):
@@ -177,7 +156,7 @@ class CpuExecutor:
         failure = None
         if network is not None and b > a:
             failure = self._network([(network, (out[a * isz:b * isz].view(_numpy_dtype(code)), a, b, plan.rails[me]))])
-        self._barrier_after_network(seq, _MACHINE_SUMMED, everyone, sig, "machine sum", failure)
+        barrier_after_network(self.group, seq, _MACHINE_SUMMED, everyone, sig, "machine sum", failure)
         # COPYH2D + ALL-GATHER: on GPUs each copies its slice back and the group gathers over its switch,
         # so no uplink carries the whole tensor; here all of it is one memory, and one copy beats two
         copy_into(flat, out)
@@ -206,7 +185,7 @@ class CpuExecutor:
             if network is not None:
                 calls.append((network, (dst.view(_numpy_dtype(code)), a, b, plan.rails[me])))
         failure = self._network(calls) if calls else None
-        self._barrier_after_network(seq, _MACHINE_SUMMED, everyone, sig, "reduce", failure)
+        barrier_after_network(self.group, seq, _MACHINE_SUMMED, everyone, sig, "reduce", failure)
         for i, (a, b) in enumerate(parts):                                           # BROADCAST
             if b > a:
                 copy_into(flat[a * isz:b * isz], self._region(plan.root_for(i), "H", nbytes)[a * isz:b * isz])
@@ -219,6 +198,36 @@ class CpuExecutor:
 
 def _numpy_dtype(code):
     return dtypes.numpy_view_dtype(code)
+
+
+def run_network(calls):
+    """Run a process's network hooks ``[(fn, args)]``, then the completion callables they return;
+    return the exception to report to the other local processes, or None (shared with
+    core/gpu_stages.py)."""
+    pending, failure = [], None
+    for fn, args in calls:
+        try:
+            pending.append(fn(*args))
+        except Exception as e:  # reported to every local process in the next barrier
+            failure = e
+            break
+    try:
+        _finish(pending)  # also after a failure: nothing may still write into our buffers
+    except Exception as e:
+        failure = failure or e
+    return failure
+
+
+def barrier_after_network(group, seq, phase, members, sig, what, failure):
+    """A barrier that carries this process's network failure (if any) to the others; the process
+    that failed raises its own error, the others LocalPeerError."""
+    try:
+        group.barrier(seq, phase, members, sig, what,
+                      error=None if failure is None else f"{type(failure).__name__}: {failure}")
+    except LocalPeerError:
+        if failure is not None:
+            raise failure from None
+        raise
 
 
 def _finish(results):
