@@ -227,7 +227,7 @@ def start_services(job_env):
         if _services_started:
             return
         _services_started = True
-        from .launcher import _make_preexec  # PR_SET_PDEATHSIG: they die with this process
+        from .procctl import make_preexec as _make_preexec  # PR_SET_PDEATHSIG: they die with this process
 
         base = {k: v for k, v in job_env.items()}
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):

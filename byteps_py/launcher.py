@@ -24,7 +24,6 @@ environment error; 127/126 when CMD cannot be found/executed.
 """
 # Licensed under the Apache License, Version 2.0.
 import argparse
-import ctypes
 import os
 import secrets
 import shutil
@@ -39,6 +38,7 @@ import psutil
 
 from . import config, log
 from .errors import ConfigError
+from .procctl import become_subreaper as _become_subreaper, make_preexec as _make_preexec
 
 #: Command lines of the two service roles (module constants so tests can substitute stubs).
 SCHEDULER_ARGV = [sys.executable, "-m", "byteps.scheduler"]
@@ -49,8 +49,6 @@ SCHEDULER_START_TIMEOUT = 30.0  #: seconds the scheduler may take to write its p
 TERM_TIMEOUT = 5.0  #: seconds between SIGTERM and SIGKILL at teardown
 DRAIN_TIMEOUT = 5.0  #: seconds to wait for the output reader threads after the children are gone
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _EPILOG = """\
@@ -88,56 +86,6 @@ def _say(message):
 
 # One lock for both streams: a child's stdout and stderr lines, and our own, stay whole.
 _OUTPUT_LOCK = threading.Lock()
-
-
-# ---------------------------------------------------------------------------------------
-# Linux process controls (prctl through ctypes; no-ops elsewhere)
-
-
-def _libc_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
-_PRCTL = _libc_prctl()
-
-
-def _make_preexec():
-    """A preexec_fn that makes the child get SIGTERM when bpslaunch dies, even by SIGKILL.
-
-    Why PDEATHSIG and not a new process group: the children stay in bpslaunch's process
-    group, so Ctrl-C in a terminal still reaches each of them directly (like any shell job),
-    and PDEATHSIG also covers the one case no teardown code can handle, bpslaunch being
-    SIGKILLed. A separate group would need bpslaunch alive to killpg() it. The death signal
-    fires when the *thread* that forked exits, so children are only started from the
-    thread that runs main(). The function is resolved before fork and only calls prctl and
-    getppid, so it is safe next to the output reader threads.
-    """
-    if _PRCTL is None:
-        return None
-    parent = os.getpid()
-    prctl = _PRCTL
-
-    def preexec():
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # bpslaunch died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-def _become_subreaper():
-    """Adopt orphaned descendants, so a grandchild whose parent already exited (a
-    backgrounded `sleep`, a daemon) is still ours to kill at teardown."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 # ---------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from byteps.errors import BytePSError
 from . import completion
 from .compression import Compression, wire_codec
 from .ops import _buffers, broadcast_async_ as _bps_broadcast_async_, dtype_code
+from .process_sets import (ProcessSet, _check_process_set, add_process_set,  # noqa: F401  (Horovod's names)
+                           global_process_set, remove_process_set)
 
 Average = 0
 Sum = 1
@@ -48,51 +50,6 @@ HorovodInternalError = BytePSError
 
 class UnsupportedTypeError(TypeError, ValueError):
     """A tensor dtype byteps cannot send (Horovod raises ValueError here, byteps TypeError: both match)."""
-
-
-class ProcessSet:
-    """Horovod's process set. byteps supports only the global set (every rank)."""
-
-    def __init__(self, ranks=None):
-        self._ranks = None if ranks is None else sorted(int(r) for r in ranks)
-        self.process_set_id = 0 if ranks is None else None
-        self.mpi_comm = None
-
-    @property
-    def ranks(self):
-        return list(range(common.size())) if self._ranks is None else list(self._ranks)
-
-    def size(self):
-        return len(self.ranks)
-
-    def rank(self):
-        return common.rank() if self.included() else None
-
-    def included(self):
-        return common.rank() in self.ranks
-
-    def __repr__(self):
-        return "ProcessSet(global)" if self._ranks is None else f"ProcessSet({self._ranks})"
-
-
-global_process_set = ProcessSet()
-
-
-def add_process_set(process_set):
-    raise NotImplementedError("byteps supports only the global process set (every rank); "
-                              "add_process_set() is not available")
-
-
-def remove_process_set(process_set):
-    return False
-
-
-def _check_process_set(process_set):
-    if process_set is None or process_set is global_process_set:
-        return
-    if isinstance(process_set, ProcessSet) and process_set.ranks == list(range(common.size())):
-        return
-    raise NotImplementedError(f"byteps supports only the global process set, not {process_set!r}")
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -161,7 +161,7 @@ def broadcast_async_(tensor, root_rank, name=None, priority=0, process_set=None)
     ``process_set`` is Horovod's; only the global set is supported.
     """
     if process_set is not None:
-        from .mpi_ops import _check_process_set
+        from .process_sets import _check_process_set
 
         _check_process_set(process_set)
     return _start(tensor, name, False, priority, root=root_rank, prefix="broadcast")

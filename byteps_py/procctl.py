@@ -1,0 +1,58 @@
+"""Linux process controls for the children byteps starts (prctl through ctypes; no-ops elsewhere).
+
+Used by bpslaunch (launcher.py) and by the services that rank 0 of a torchrun/mpirun job starts
+(launch_env.py). A module of its own so that both can use it without importing each other.
+"""
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _libc_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+PRCTL = _libc_prctl()
+
+
+def make_preexec():
+    """A preexec_fn that makes the child get SIGTERM when its parent dies, even by SIGKILL.
+
+    Why PDEATHSIG and not a new process group: the children stay in bpslaunch's process
+    group, so Ctrl-C in a terminal still reaches each of them directly (like any shell job),
+    and PDEATHSIG also covers the one case no teardown code can handle, bpslaunch being
+    SIGKILLed. A separate group would need bpslaunch alive to killpg() it. The death signal
+    fires when the *thread* that forked exits, so children are only started from the
+    thread that runs main(). The function is resolved before fork and only calls prctl and
+    getppid, so it is safe next to the output reader threads.
+    """
+    if PRCTL is None:
+        return None
+    parent = os.getpid()
+    prctl = PRCTL
+
+    def preexec():
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def become_subreaper():
+    """Adopt orphaned descendants, so a grandchild whose parent already exited (a
+    backgrounded `sleep`, a daemon) is still ours to kill at teardown."""
+    if PRCTL is not None:
+        PRCTL(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
