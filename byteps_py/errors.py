@@ -27,3 +27,7 @@ class BytePSTimeoutError(BytePSError, TimeoutError):
 
 class ProtocolError(BytePSError):
     """A malformed or unexpected message arrived on the wire."""
+
+
+class UnsupportedTypeError(TypeError, ValueError):
+    """A tensor dtype byteps cannot send (Horovod raises ValueError here, byteps TypeError: both match)."""

@@ -21,8 +21,10 @@ from .mpi_ops import (Adasum, Average, HorovodInternalError, Max, Min, Product, 
                       ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
                       global_process_set, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
                       grouped_allreduce_async_, is_homogeneous, join, mpi_built, mpi_enabled, mpi_threads_supported,
-                      nccl_built, reducescatter, reducescatter_async, remove_process_set, rocm_built, start_timeline,
+                      nccl_built, reducescatter_async, remove_process_set, rocm_built, start_timeline,
                       stop_timeline)
+from .collectives import (alltoall, alltoall_async, grouped_allgather, grouped_allgather_async,
+                          grouped_reducescatter, grouped_reducescatter_async, reducescatter, sparse_allreduce_async)
 from .ops import (broadcast_, broadcast_async_, declare, poll, push_pull, push_pull_async, push_pull_async_inplace,
                   push_pull_inplace, synchronize)
 from .optimizer import DistributedOptimizer
@@ -69,6 +71,8 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
            "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast",
            "broadcast_async", "allgather", "allgather_async", "reducescatter", "reducescatter_async",
+           "alltoall", "alltoall_async", "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+           "grouped_reducescatter_async", "sparse_allreduce_async",
            "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError", "UnsupportedTypeError",
            "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",

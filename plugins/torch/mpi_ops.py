@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from byteps import common
+from byteps import errors
 from byteps.errors import BytePSError
 
 from . import completion
@@ -48,8 +49,7 @@ _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: 
 HorovodInternalError = BytePSError
 
 
-class UnsupportedTypeError(TypeError, ValueError):
-    """A tensor dtype byteps cannot send (Horovod raises ValueError here, byteps TypeError: both match)."""
+UnsupportedTypeError = errors.UnsupportedTypeError  # a TypeError (byteps) and a ValueError (Horovod)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -62,11 +62,9 @@ def _name(prefix, name):
     return f"{prefix}.{name}" if name is not None else common.auto_name(prefix)
 
 
-def _code(tensor, name):
-    try:
-        return dtype_code(tensor, name)
-    except TypeError as e:
-        raise UnsupportedTypeError(str(e)) from None
+def _code(tensor, name, move=False):
+    """The tensor's wire dtype code (``move``: the operation only copies bytes, so int16 is fine too)."""
+    return dtype_code(tensor, name, move=move)
 
 
 def _reserve(full):
@@ -403,7 +401,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 def _allgather_start(tensor, name):
     full = _name("allgather", name)
-    _code(tensor, full)
+    _code(tensor, full, move=True)
     _reserve(full)
     pending = None
     try:

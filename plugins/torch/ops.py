@@ -20,13 +20,32 @@ _TORCH_DTYPES = {torch.float32: dtypes.FLOAT32, torch.float64: dtypes.FLOAT64, t
                  torch.uint8: dtypes.UINT8, torch.int8: dtypes.INT8}
 
 
-def dtype_code(tensor, name):
+#: dtypes byteps only moves (broadcast, allgather, alltoall: Horovod's int16), never sums: they
+#: travel as uint8 with the element's bytes as an extra last dimension, so shapes still compare
+_MOVE_ONLY = (torch.int16,)
+
+
+def dtype_code(tensor, name, move=False):
+    """The wire dtype code of ``tensor``; ``move``: the operation only copies bytes (broadcast), so
+    int16 is accepted too (as uint8). UnsupportedTypeError (a TypeError and a ValueError) otherwise."""
     try:
         return _TORCH_DTYPES[tensor.dtype]
     except KeyError:
+        if move and tensor.dtype in _MOVE_ONLY:
+            return dtypes.UINT8
+        from byteps.errors import UnsupportedTypeError
+
         supported = ", ".join(str(d) for d in _TORCH_DTYPES)
-        raise TypeError(f"byteps: tensor {name!r} has unsupported dtype {tensor.dtype}; supported: {supported}") \
-            from None
+        moved = ", ".join(str(d) for d in _MOVE_ONLY)
+        raise UnsupportedTypeError(f"byteps: tensor {name!r} has unsupported dtype {tensor.dtype}; supported: "
+                                   f"{supported} (and {moved} for broadcast, allgather and alltoall)") from None
+
+
+def _wire_shape(tensor):
+    """The shape declared for ``tensor``: a move-only dtype's element bytes become a last dimension."""
+    if tensor.dtype in _MOVE_ONLY:
+        return (*tensor.shape, tensor.element_size())
+    return tuple(tensor.shape)
 
 
 def _host_buffer(tensor):
@@ -73,7 +92,7 @@ def _buffers(tensor, push_pull=True, name=None):
 
 def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None):
     name = name if name is not None else common.auto_name(prefix)
-    code = dtype_code(tensor, name)
+    code = dtype_code(tensor, name, move=root is not None)
     work, write_back, buf = _buffers(tensor, push_pull=root is None and not asynchronous, name=name)
     size = common.size()
 
@@ -88,7 +107,7 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
             return write_back
         return work
 
-    return common.submit(name, buf, code, tuple(tensor.shape), broadcast_root=root, priority=priority,
+    return common.submit(name, buf, code, _wire_shape(tensor), broadcast_root=root, priority=priority,
                          finalize=finalize, asynchronous=asynchronous, compression=compression)
 
 

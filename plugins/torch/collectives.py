@@ -1,0 +1,322 @@
+"""Horovod's remaining torch collectives, built on mpi_ops' allgather and allreduce.
+
+* ``alltoall`` / ``alltoall_async`` (with or without ``splits``; autograd): every rank's split
+  vector and the rows it sends travel as two allgathers (exact: integers, and bytes copied by
+  broadcasts), then each rank keeps the rows addressed to it, in source-rank order. Every rank
+  receives every rank's rows, so the traffic is ``size`` times Horovod's; alltoall is for
+  compatibility here, not for throughput.
+* ``grouped_allgather`` / ``grouped_allgather_async`` (autograd): one allgather per tensor.
+* ``reducescatter`` with autograd (Horovod: the gradient is the allgathered upstream gradient,
+  times ``size`` for Sum), ``grouped_reducescatter`` / ``grouped_reducescatter_async``.
+* ``sparse_allreduce_async``: Horovod's: allgather the COO indices and values; returns a callable.
+
+Names: ``alltoall.<name>`` (``.splits`` and ``.data`` below it), ``grouped_allgather.<name>.<i>``,
+``grouped_reducescatter.<name>.<i>``; unnamed calls are numbered in call order, on the caller's
+thread, so every rank derives the same names. A name already in flight raises ``ValueError``.
+"""
+import torch
+
+from byteps import common
+from byteps.errors import BytePSError
+
+from . import completion
+from .compression import Compression
+from .mpi_ops import (Average, Sum, _allgather_start, _check_process_set, _contiguous_copy, _grouped_start, _name,
+                      _release, _reserve, _submit_all, global_process_set, reducescatter_async)
+
+
+class ScalarInputError(BytePSError, ValueError):
+    """A scalar where a collective needs dim 0 (Horovod raises ValueError, newer versions RuntimeError)."""
+
+
+def _check_move_dtype(tensor, name):
+    """alltoall/allgather move bytes: every byteps dtype plus int16 (UnsupportedTypeError otherwise)."""
+    from .mpi_ops import _code
+
+    _code(tensor, name, move=True)
+
+
+def _start_chain(full, starters, finish):
+    """Reserve ``full``, start each thunk of ``starters`` (each returns a handle), and call
+    ``finish(outcomes)`` on the helper thread when all are done; returns the user's Pending."""
+    _reserve(full)
+    pending = None
+    try:
+        pending = completion.Pending(full)
+        handles = _submit_all(starters, pending, full)
+    except BaseException:
+        _release(full)
+        if pending is not None:
+            pending.discard()
+        raise
+
+    def done(outcomes):
+        _release(full)
+        err = completion.first_error(outcomes)
+        if err is not None:
+            pending.finish(error=err)
+        else:
+            finish(outcomes, pending)
+
+    completion.when_done(handles, pending.guard(done))
+    return pending
+
+
+# ------------------------------------------------------------------------------ alltoall
+
+def _splits_list(tensor, splits, n):
+    if tensor.dim() == 0:
+        raise ScalarInputError("alltoall does not support scalar inputs")
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"alltoall: tensor dim 0 ({rows}) must be divisible by the number of ranks ({n}) "
+                             "when splits are not given")
+        return [rows // n] * n
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype != torch.int32:
+            raise ValueError(f"alltoall: splits must be an int32 tensor, got {splits.dtype}")
+        splits = splits.reshape(-1).tolist()
+    else:
+        splits = [int(s) for s in splits]
+    if len(splits) != n:
+        raise ValueError(f"alltoall: splits has {len(splits)} entries; it needs one per rank ({n})")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"alltoall: splits must not be negative: {splits}")
+    if sum(splits) > rows:
+        raise ValueError(f"alltoall: the splits sum to {sum(splits)}, more than the tensor's dim 0 ({rows})")
+    return splits
+
+
+def _alltoall_start(tensor, splits, name):
+    n, me = common.size(), common.rank()
+    send = _splits_list(tensor, splits, n)
+    full = _name("alltoall", name)
+    _check_move_dtype(tensor, full)
+    src = _contiguous_copy(tensor.narrow(0, 0, sum(send)))
+    row = torch.tensor([send], dtype=torch.int64)
+    gathers = []
+
+    def start_splits():
+        p = _allgather_start(row, f"{full}.splits")
+        gathers.append(p)
+        return p.handle
+
+    def start_data():
+        p = _allgather_start(src, f"{full}.data")
+        gathers.append(p)
+        return p.handle
+
+    def finish(outcomes, pending):
+        (matrix, _), (data, _) = outcomes
+        matrix = matrix.reshape(n, n).tolist()          # matrix[r][d]: rows rank r sends to rank d
+        pieces, start = [], 0
+        for r in range(n):
+            offset = start + sum(matrix[r][:me])
+            pieces.append(data.narrow(0, offset, matrix[r][me]))
+            start += sum(matrix[r])
+        out = torch.cat(pieces) if pieces else data[:0]
+        received = torch.tensor([matrix[r][me] for r in range(n)], dtype=torch.int32)
+        pending.finish(result=(out, received))
+
+    return _start_chain(full, [start_splits, start_data], finish)
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+    """Start an alltoall; ``synchronize`` returns ``(output, received_splits)`` (int32), as Horovod's.
+
+    ``splits[d]`` rows of dim 0 go to rank ``d``, in order (default: dim 0 split equally, which
+    must then divide by :func:`size`); ``sum(splits)`` may be less than dim 0 (the rest is not
+    sent). The output holds the rows every rank sent to this one, in source-rank order.
+    """
+    _check_process_set(process_set)
+    return _alltoall_start(tensor, splits, name).handle
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        out, received = completion.synchronize(_alltoall_start(tensor, splits, name).handle)
+        ctx.received, ctx.name, ctx.rows = received, name, tensor.shape[0]
+        if splits is None:
+            return out
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, *unused):
+        name = None if ctx.name is None else f"{ctx.name}.grad"
+        g, _ = completion.synchronize(_alltoall_start(grad.contiguous(), ctx.received, name).handle)
+        if g.shape[0] < ctx.rows:  # rows past sum(splits) were not sent: their gradient is zero
+            g = torch.cat([g, g.new_zeros((ctx.rows - g.shape[0],) + tuple(g.shape[1:]))])
+        return g, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Scatter slices of dim 0 to every rank and gather the slices addressed to this one (differentiable:
+    the gradient is the alltoall of the upstream gradient with the received splits).
+
+    Returns the output, or ``(output, received_splits)`` when ``splits`` is given.
+    """
+    _check_process_set(process_set)
+    return _Alltoall.apply(tensor, splits, name)
+
+
+# ------------------------------------------------------------------------------ grouped allgather
+
+def _grouped_allgather_start(tensors, name):
+    tensors = list(tensors)
+    full = _name("grouped_allgather", name)
+    for i, t in enumerate(tensors):
+        _check_move_dtype(t, f"{full}.{i}")
+    subs = []
+
+    def starter(i, t):
+        def start():
+            p = _allgather_start(t, f"{full}.{i}")
+            subs.append(p)
+            return p.handle
+        return start
+
+    def finish(outcomes, pending):
+        pending.extra = [p.extra for p in subs]  # dim-0 counts per tensor, per rank
+        pending.finish(result=tuple(r for r, _ in outcomes))
+
+    return _start_chain(full, [starter(i, t) for i, t in enumerate(tensors)], finish)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Allgather every tensor of a list; ``synchronize`` returns a tuple of the gathered tensors."""
+    _check_process_set(process_set)
+    return _grouped_allgather_start(tensors, name).handle
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, *tensors):
+        pending = _grouped_allgather_start(tensors, name)
+        outs = completion.synchronize(pending.handle)
+        ctx.counts, ctx.name = pending.extra, name
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        name = None if ctx.name is None else f"{ctx.name}.grad"
+        reduced = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], name, Average,
+                                                        1.0, 1.0))
+        me = common.rank()
+        return (None, *[r.narrow(0, sum(c[:me]), c[me]) for r, c in zip(reduced, ctx.counts)])
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Allgather every tensor of a list; returns a list (differentiable, like :func:`allgather`)."""
+    _check_process_set(process_set)
+    return list(_GroupedAllgather.apply(name, *tensors))
+
+
+# ------------------------------------------------------------------------------ reducescatter
+
+def _check_reducescatter(tensor, op):
+    if op not in (Average, Sum):
+        raise RuntimeError("Reducescatter currently only supports AVERAGE and SUM.")
+    if tensor.dim() == 0:
+        raise ScalarInputError("Reducescatter does not support scalar inputs")
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
+        ctx.op, ctx.name = op, name
+        return completion.synchronize(reducescatter_async(tensor, name, op, global_process_set, prescale_factor,
+                                                          postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad):
+        name = None if ctx.name is None else f"{ctx.name}.grad"
+        g = completion.synchronize(_allgather_start(_contiguous_copy(grad), name).handle)
+        if ctx.op == Sum:  # Horovod: the gradient of a Sum reducescatter is size x the gathered gradient
+            g = g * common.size()
+        return g, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` over every rank and return this rank's block of dim 0 (the first ``dim0 %
+    size`` ranks get one extra row). Differentiable: the gradient is the upstream gradient gathered
+    from every rank (times ``size`` for Sum), as in Horovod."""
+    _check_process_set(process_set)
+    _check_reducescatter(tensor, op)
+    compressed, cctx = compression.compress(tensor)
+    out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor)
+    return compression.decompress(out, cctx)
+
+
+def _grouped_reducescatter_start(tensors, name, op, prescale_factor, postscale_factor):
+    tensors = list(tensors)
+    for t in tensors:
+        _check_reducescatter(t, op)
+    full = _name("grouped_reducescatter", name)
+    starters = [lambda i=i, t=t: reducescatter_async(t, f"{full}.{i}", op, global_process_set, prescale_factor,
+                                                      postscale_factor)
+                for i, t in enumerate(tensors)]
+    return _start_chain(full, starters, lambda outcomes, pending: pending.finish(
+        result=tuple(r for r, _ in outcomes)))
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    """Reducescatter every tensor of a list; ``synchronize`` returns a tuple."""
+    _check_process_set(process_set)
+    return _grouped_reducescatter_start(tensors, name, op, prescale_factor, postscale_factor).handle
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
+        ctx.op, ctx.name = op, name
+        return completion.synchronize(_grouped_reducescatter_start(tensors, name, op, prescale_factor,
+                                                                   postscale_factor).handle)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        name = None if ctx.name is None else f"{ctx.name}.grad"
+        gathered = completion.synchronize(_grouped_allgather_start([_contiguous_copy(g) for g in grads],
+                                                                   name).handle)
+        if ctx.op == Sum:
+            gathered = [g * common.size() for g in gathered]
+        return (None, None, None, None, *gathered)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reducescatter every tensor of a list; returns a list (differentiable, like :func:`reducescatter`)."""
+    _check_process_set(process_set)
+    tensors = list(tensors)
+    for t in tensors:
+        _check_reducescatter(t, op)
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, *[c for c, _ in pairs])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
+
+
+# ------------------------------------------------------------------------------ sparse allreduce
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Horovod's sparse allreduce of a COO tensor: its indices and values are allgathered, and the
+    returned callable waits and builds the (uncoalesced) sum; Average divides the values by ``size``."""
+    _check_process_set(process_set)
+    t = tensor
+    indices = _allgather_start(t._indices().transpose(0, 1).contiguous(), f"{name}.indices")
+    values = _allgather_start(t._values().contiguous(), f"{name}.values")
+    n = common.size()
+
+    def handle():
+        vals = completion.synchronize(values.handle)
+        idx = completion.synchronize(indices.handle)
+        if op == Average:
+            vals = vals / n
+        if idx.dim() == 0 or vals.dim() == 0:
+            return t.new().resize_as_(t)
+        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size())
+
+    return handle

@@ -1,0 +1,171 @@
+"""Scenarios for tests/test_collectives.py: alltoall, grouped allgather/reducescatter, reducescatter's
+gradient, sparse allreduce, int16 moves, and the optimizer/state details of Horovod's test_torch.py.
+
+Each worker returns raw data (exact digests, lists, error types); the tests rebuild every rank's
+inputs with the generators below and compute the expected results locally.
+"""
+import torch
+
+from scenarios import digest, scenario
+
+import byteps.torch as hvd
+
+
+def _etype(fn):
+    try:
+        fn()
+    except Exception as e:
+        return {"types": [c.__name__ for c in type(e).__mro__], "msg": str(e)}
+    return None
+
+
+# ------------------------------------------------------------------------------ shared generators
+
+A2A_DTYPES = ["float32", "float64", "int16", "int32", "uint8", "bfloat16"]
+
+
+def a2a_splits(rank, size):
+    """Rows rank ``rank`` sends to each rank (one is zero when size > 2)."""
+    return [(rank + d) % 3 if size > 2 else rank + d + 1 for d in range(size)]
+
+
+def a2a_input(rank, size, dtype, cols=3):
+    """sum(splits) rows plus 2 rows that are not sent; row value encodes (rank, row)."""
+    rows = sum(a2a_splits(rank, size)) + 2
+    t = torch.arange(rows * cols, dtype=torch.float64).reshape(rows, cols) % 50 + 60 * rank
+    return t.to(getattr(torch, dtype))
+
+
+def gathered_piece(rank, i, dtype="float32"):
+    """Tensor ``i`` of rank ``rank``'s grouped allgather: rank+i+1 rows."""
+    return (torch.arange((rank + i + 1) * 2, dtype=torch.float64).reshape(-1, 2) + 100 * rank + 10 * i).to(
+        getattr(torch, dtype))
+
+
+def rs_input(rank, size, i=0, dtype="float64"):
+    """Reducescatter input: size*2+1 rows (uneven), rank-dependent integers."""
+    g = torch.Generator().manual_seed(31 * rank + i)
+    return torch.randint(-20, 20, (size * 2 + 1, 3), generator=g).to(getattr(torch, dtype))
+
+
+def sparse_input(rank, size):
+    idx = torch.tensor([[rank % 5, (rank + 2) % 5, 4], [0, 1, rank % 3]])
+    vals = torch.tensor([1.0 + rank, -2.0, 0.5 * rank])
+    return torch.sparse_coo_tensor(idx, vals, (5, 3))
+
+
+# ------------------------------------------------------------------------------ the job
+
+def _alltoall(rank, size):
+    res = {}
+    for dtype in A2A_DTYPES:
+        t = a2a_input(rank, size, dtype)
+        out, recv = hvd.alltoall(t, splits=torch.tensor(a2a_splits(rank, size), dtype=torch.int32),
+                                 name=f"a2a.{dtype}")
+        res[dtype] = {"out": digest(out), "shape": list(out.shape), "recv": recv.tolist(),
+                      "recv_dtype": str(recv.dtype), "input_unchanged": digest(t) == digest(a2a_input(rank, size,
+                                                                                                    dtype))}
+    # list splits, asynchronous, unnamed
+    h = hvd.alltoall_async(a2a_input(rank, size, "float32"), splits=a2a_splits(rank, size))
+    out, recv = hvd.synchronize(h)
+    res["async"] = {"out": digest(out), "recv": recv.tolist()}
+    # equal split: no splits argument returns only the output
+    eq = torch.arange(size * 2 * 2, dtype=torch.int64).reshape(size * 2, 2) + 1000 * rank
+    out = hvd.alltoall(eq)
+    res["equal"] = {"is_tensor": isinstance(out, torch.Tensor), "out": out.tolist()}
+    # autograd: the gradient is the alltoall of the upstream gradient with the received splits
+    x = a2a_input(rank, size, "float64").requires_grad_()
+    out, recv = hvd.alltoall(x, splits=torch.tensor(a2a_splits(rank, size), dtype=torch.int32), name="a2a.grad")
+    w = torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape) + 7 * rank
+    (out * w).sum().backward()
+    res["grad"] = x.grad.tolist()
+    xe = torch.ones(size * 2, 2, dtype=torch.float64, requires_grad=True)
+    oe = hvd.alltoall(xe, name="a2a.grad.eq")
+    (oe * (rank + 1)).sum().backward()
+    res["grad_equal"] = xe.grad.tolist()
+    # errors, local (ValueError at submit) and cross-rank (RuntimeError on every rank; the job goes on)
+    res["err_splits_type"] = _etype(lambda: hvd.alltoall(torch.ones(size, 2), splits=torch.ones(size)))
+    res["err_equal_split"] = _etype(lambda: hvd.alltoall(torch.ones(size * 2 + 1, 2)))
+    res["err_splits_sum"] = _etype(lambda: hvd.alltoall(torch.ones(2, 2), splits=[3] * size))
+    res["err_rank"] = _etype(lambda: hvd.alltoall(torch.ones(size * 2, 3 + rank), name="a2a.rank_error"))
+    res["err_type"] = _etype(lambda: hvd.alltoall(torch.ones(size * 2, 2, dtype=torch.int32 if rank % 2 else
+                                                             torch.float32), name="a2a.type_error"))
+    res["after_errors"] = hvd.alltoall(torch.full((size, 1), float(rank)), name="a2a.after").reshape(-1).tolist()
+    return res
+
+
+def _grouped_allgather(rank, size):
+    res = {}
+    ins = [gathered_piece(rank, i, dt) for i, dt in enumerate(["float32", "int16", "int64"])]
+    outs = hvd.grouped_allgather(ins, name="gag")
+    res["outs"] = [digest(o) for o in outs]
+    res["shapes"] = [list(o.shape) for o in outs]
+    res["is_list"] = isinstance(outs, list)
+    h = hvd.grouped_allgather_async([gathered_piece(rank, 0)])
+    res["async_tuple"] = isinstance(hvd.synchronize(h), tuple)
+    xs = [gathered_piece(rank, i, "float64").requires_grad_() for i in range(2)]
+    gs = hvd.grouped_allgather(xs, name="gag.grad")
+    loss = sum(((g * (k + 1)) * (torch.arange(g.shape[0], dtype=torch.float64)[:, None] + 1)).sum()
+               for k, g in enumerate(gs))
+    loss.backward()
+    res["grads"] = [x.grad.tolist() for x in xs]
+    return res
+
+
+def _reducescatter(rank, size):
+    res = {}
+    for op, key in ((hvd.Sum, "sum"), (hvd.Average, "avg")):
+        x = rs_input(rank, size).requires_grad_()
+        out = hvd.reducescatter(x, op=op, name=f"rs.{key}")
+        res[key] = out.tolist()
+        out.backward(torch.full_like(out, float(rank + 1)))
+        res[f"{key}_grad"] = x.grad.tolist()
+    outs = hvd.grouped_reducescatter([rs_input(rank, size, i, dt) for i, dt in
+                                      enumerate(["float32", "int32", "float64"])], op=hvd.Sum, name="grs")
+    res["grouped"] = [o.tolist() for o in outs]
+    h = hvd.grouped_reducescatter_async([rs_input(rank, size, 5)], op=hvd.Average)
+    res["grouped_async"] = [o.tolist() for o in hvd.synchronize(h)]
+    xs = [rs_input(rank, size, i).requires_grad_() for i in range(2)]
+    outs = hvd.grouped_reducescatter(xs, op=hvd.Sum, name="grs.grad")
+    for o in outs:
+        o.backward(torch.ones_like(o))
+    res["grouped_grad"] = [x.grad.tolist() for x in xs]
+    res["err_scalar"] = _etype(lambda: hvd.reducescatter(torch.tensor(1.0)))
+    res["err_adasum"] = _etype(lambda: hvd.reducescatter(torch.ones(size, 2), op=hvd.Adasum))
+    res["err_grouped_max"] = _etype(lambda: hvd.grouped_reducescatter([torch.ones(size, 2)], op=hvd.Max))
+    return res
+
+
+def _sparse(rank, size):
+    res = {}
+    for op, key in ((hvd.Sum, "sum"), (hvd.Average, "avg")):
+        fn = hvd.sparse_allreduce_async(sparse_input(rank, size), name=f"sparse.{key}", op=op)
+        out = fn()
+        res[key] = {"is_sparse": out.is_sparse, "dense": out.to_dense().tolist()}
+    return res
+
+
+def _int16(rank, size):
+    res = {}
+    t = torch.arange(12, dtype=torch.int16).reshape(4, 3) * (rank + 1) - 300 * rank
+    res["broadcast"] = [hvd.broadcast(t, root, name=f"i16.b.{root}").tolist() for root in range(size)]
+    res["broadcast_dtype"] = str(hvd.broadcast(t, 0, name="i16.bd").dtype)
+    u = t.clone()
+    hvd.broadcast_(u, size - 1, name="i16.inplace")
+    res["broadcast_"] = u.tolist()
+    res["allgather"] = hvd.allgather(torch.full((rank + 1, 2), rank - 7, dtype=torch.int16), name="i16.g").tolist()
+    res["allreduce"] = _etype(lambda: hvd.allreduce(t, name="i16.ar"))
+    res["bool_broadcast"] = _etype(lambda: hvd.broadcast(torch.ones(3, dtype=torch.bool), 0, name="bool.b"))
+    res["complex_allgather"] = _etype(lambda: hvd.allgather(torch.ones(3, dtype=torch.complex64), name="c.g"))
+    res["mismatch"] = _etype(lambda: hvd.broadcast(t if rank % 2 else t.to(torch.float16), 0, name="i16.mm"))
+    return res
+
+
+@scenario
+def hvd_collectives(out, args):
+    rank, size = hvd.rank(), hvd.size()
+    res = {}
+    for key, fn in [("alltoall", _alltoall), ("grouped_allgather", _grouped_allgather),
+                    ("reducescatter", _reducescatter), ("sparse", _sparse), ("int16", _int16)]:
+        res[key] = fn(rank, size)
+    return res

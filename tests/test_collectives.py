@@ -1,0 +1,164 @@
+"""Horovod's alltoall, grouped allgather/reducescatter, reducescatter's gradient, sparse allreduce and
+int16 moves, on a real 3-worker job (tests/scenarios_collectives.py); every expected value is
+computed here from the generators every rank used."""
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # --import-mode=importlib: find conftest / scenarios_collectives
+from conftest import Run  # noqa: E402
+from scenarios_collectives import (A2A_DTYPES, a2a_input, a2a_splits, gathered_piece, rs_input,  # noqa: E402
+                                   sparse_input)
+
+TIMEOUT = pytest.mark.timeout(240)
+N = 3
+
+
+def hexof(t):
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex()
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return Run(tmp_path_factory.mktemp("collectives"), "hvd_collectives", N, 2,
+               env={"BYTEPS_PARTITION_BYTES": "1000"}, timeout=200)
+
+
+def a2a_reference(n, dtype, inputs=None):
+    """[rank] -> (output, received splits) of an alltoall, computed locally."""
+    inputs = inputs or [a2a_input(r, n, dtype) for r in range(n)]
+    splits = [a2a_splits(r, n) for r in range(n)]
+    outs = []
+    for me in range(n):
+        pieces = []
+        for r in range(n):
+            start = sum(splits[r][:me])
+            pieces.append(inputs[r][start:start + splits[r][me]])
+        outs.append((torch.cat(pieces), [splits[r][me] for r in range(n)]))
+    return outs
+
+
+@TIMEOUT
+def test_alltoall_with_splits_every_dtype(job):
+    """test_horovod_alltoall: rows addressed to each rank, in source order; received splits as int32."""
+    for r, v in enumerate(job.values("alltoall")):
+        for dtype in A2A_DTYPES:
+            out, recv = a2a_reference(N, dtype)[r]
+            got = v[dtype]
+            assert got["out"] == hexof(out), (r, dtype)
+            assert got["shape"] == list(out.shape) and got["recv"] == recv and got["recv_dtype"] == "torch.int32"
+            assert got["input_unchanged"]
+        out, recv = a2a_reference(N, "float32")[r]
+        assert v["async"] == {"out": hexof(out), "recv": recv}
+
+
+@TIMEOUT
+def test_alltoall_equal_split(job):
+    for r, v in enumerate(job.values("alltoall")):
+        want = torch.cat([(torch.arange(N * 4, dtype=torch.int64).reshape(N * 2, 2) + 1000 * q)[2 * r:2 * r + 2]
+                          for q in range(N)])
+        assert v["equal"] == {"is_tensor": True, "out": want.tolist()}
+
+
+@TIMEOUT
+def test_alltoall_gradient(job):
+    """The gradient of an alltoall is the alltoall of the upstream gradient with the received splits."""
+    ins = [a2a_input(q, N, "float64").requires_grad_() for q in range(N)]
+    outs = a2a_reference(N, "float64", ins)
+    loss = 0
+    for me, (out, _) in enumerate(outs):
+        w = torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape) + 7 * me
+        loss = loss + (out * w).sum()
+    loss.backward()
+    for r, v in enumerate(job.values("alltoall")):
+        assert v["grad"] == ins[r].grad.tolist(), r
+        # equal split, upstream (me + 1): the two rows sent to rank d come back as d + 1
+        assert v["grad_equal"] == [[float(d + 1)] * 2 for d in range(N) for _ in range(2)]
+
+
+@TIMEOUT
+def test_alltoall_errors(job):
+    for r, v in enumerate(job.values("alltoall")):
+        for key in ("err_splits_type", "err_equal_split", "err_splits_sum"):
+            assert v[key] is not None and "ValueError" in v[key]["types"], (r, key, v[key])
+        for key in ("err_rank", "err_type"):
+            assert v[key] is not None and "RuntimeError" in v[key]["types"], (r, key, v[key])
+        assert v["after_errors"] == [float(q) for q in range(N)]
+
+
+@TIMEOUT
+def test_grouped_allgather(job):
+    for r, v in enumerate(job.values("grouped_allgather")):
+        for i, dt in enumerate(["float32", "int16", "int64"]):
+            want = torch.cat([gathered_piece(q, i, dt) for q in range(N)])
+            assert v["outs"][i] == hexof(want) and v["shapes"][i] == list(want.shape), (r, i)
+        assert v["is_list"] and v["async_tuple"]
+        # gradient: Average-allreduce of the upstream gradient, then this rank's rows
+        for k in range(2):
+            rows = sum(q + k + 1 for q in range(N))
+            up = (torch.arange(rows, dtype=torch.float64)[:, None] + 1).expand(rows, 2) * (k + 1)
+            off = sum(q + k + 1 for q in range(r))
+            assert v["grads"][k] == up[off:off + r + k + 1].tolist(), (r, k)
+
+
+def _blocks(rows, n):
+    counts = [rows // n + (1 if q < rows % n else 0) for q in range(n)]
+    return [sum(counts[:q]) for q in range(n)], counts
+
+
+@TIMEOUT
+def test_reducescatter_values_and_gradient(job):
+    """Horovod: the gradient of a reducescatter is the gathered upstream gradient (x size for Sum)."""
+    total = sum(rs_input(q, N) for q in range(N))
+    offs, counts = _blocks(total.shape[0], N)
+    up = torch.cat([torch.full((counts[q], 3), float(q + 1), dtype=torch.float64) for q in range(N)])
+    for r, v in enumerate(job.values("reducescatter")):
+        block = total[offs[r]:offs[r] + counts[r]]
+        assert v["sum"] == block.tolist()
+        assert v["avg"] == (block / N).tolist()
+        assert v["sum_grad"] == (up * N).tolist()
+        assert v["avg_grad"] == up.tolist()
+
+
+@TIMEOUT
+def test_grouped_reducescatter(job):
+    for r, v in enumerate(job.values("reducescatter")):
+        for i, dt in enumerate(["float32", "int32", "float64"]):
+            total = sum(rs_input(q, N, i, dt) for q in range(N))
+            offs, counts = _blocks(total.shape[0], N)
+            assert v["grouped"][i] == total[offs[r]:offs[r] + counts[r]].tolist(), (r, i)
+        total = sum(rs_input(q, N, 5) for q in range(N)) / N
+        offs, counts = _blocks(total.shape[0], N)
+        assert v["grouped_async"] == [total[offs[r]:offs[r] + counts[r]].tolist()]
+        assert v["grouped_grad"] == [[[float(N)] * 3] * (2 * N + 1)] * 2
+        assert "ValueError" in v["err_scalar"]["types"] and "RuntimeError" in v["err_scalar"]["types"]
+        assert "RuntimeError" in v["err_adasum"]["types"]
+        assert "RuntimeError" in v["err_grouped_max"]["types"]
+
+
+@TIMEOUT
+def test_sparse_allreduce_async(job):
+    dense = sum(sparse_input(q, N).to_dense() for q in range(N))
+    for v in job.values("sparse"):
+        assert v["sum"] == {"is_sparse": True, "dense": dense.tolist()}
+        assert v["avg"] == {"is_sparse": True, "dense": (dense / N).tolist()}
+
+
+@TIMEOUT
+def test_int16_moves_and_unsupported_types(job):
+    """Horovod's int16 for broadcast/allgather/alltoall; other dtypes raise UnsupportedTypeError
+    (a ValueError, as Horovod's, and a TypeError)."""
+    ts = [torch.arange(12, dtype=torch.int16).reshape(4, 3) * (q + 1) - 300 * q for q in range(N)]
+    for r, v in enumerate(job.values("int16")):
+        assert v["broadcast"] == [ts[root].tolist() for root in range(N)]
+        assert v["broadcast_dtype"] == "torch.int16"
+        assert v["broadcast_"] == ts[N - 1].tolist()
+        assert v["allgather"] == [[q - 7] * 2 for q in range(N) for _ in range(q + 1)]
+        for key in ("allreduce", "bool_broadcast", "complex_allgather"):
+            e = v[key]
+            assert e is not None and "UnsupportedTypeError" in e["types"], (key, e)
+            assert "ValueError" in e["types"] and "TypeError" in e["types"]
+        assert "RuntimeError" in v["mismatch"]["types"], v["mismatch"]
