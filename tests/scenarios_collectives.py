@@ -161,11 +161,71 @@ def _int16(rank, size):
     return res
 
 
+def sparse_model_step(rank, size=None, reduce=None):
+    """Embedding(sparse=True) + SparseAdam through a DistributedOptimizer(sparse_as_dense=True); with
+    ``reduce`` (the test's reference), the averaged gradient is computed locally instead."""
+    torch.manual_seed(5)
+    emb = torch.nn.Embedding(6, 3, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    if reduce is None:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=emb.named_parameters(), sparse_as_dense=True)
+    idx = torch.tensor([rank % 6, (rank * 2 + 1) % 6, 5])
+    w = torch.arange(9, dtype=torch.float32).reshape(3, 3) - rank
+    (emb(idx) * w).sum().backward()
+    if reduce is not None:
+        emb.weight.grad = reduce(emb.weight.grad)
+    grad_was_sparse = emb.weight.grad.is_sparse
+    opt.step()
+    return {"weight": emb.weight.detach().tolist(), "grad_sparse": grad_was_sparse,
+            "grad_after": emb.weight.grad.is_sparse}
+
+
+def _optimizer(rank, size):
+    res = {}
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([{"params": model[0].parameters()},
+                                                    {"params": model[1].parameters()}], lr=0.1))
+    names = opt._parameter_names
+    res["names_unique"] = len(names) == len(set(names.values())) == 4
+    res["names_keys_are_params"] = all(any(p is q for q in model.parameters()) for p in names)
+    res["names_all"] = [sorted(s) for s in hvd.allgather_object(set(names.values()))]
+    res["sparse"] = sparse_model_step(rank)
+
+    # broadcast_optimizer_state on an empty state: Horovod's dummy step (test_broadcast_state_no_grad)
+    class NoGrad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.tensor([1, 3]).int(), requires_grad=False)
+            self.b = torch.nn.Parameter(torch.arange(4, dtype=torch.float32) + rank)
+
+    m = NoGrad()
+    o = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.001, weight_decay=1e-6, momentum=0.9,
+                                                 nesterov=True), named_parameters=m.named_parameters())
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(o, root_rank=0)
+    grad = o.param_groups[0]["params"][1].grad
+    res["no_grad"] = {"a_grad_none": o.param_groups[0]["params"][0].grad is None,
+                      "b_grad": None if grad is None else grad.tolist(),
+                      "b_grad_bcast": None if grad is None else hvd.broadcast(grad, 0, name="nograd.b").tolist(),
+                      "state_keys": sorted(str(k) for st in o.state_dict()["state"].values() for k in st),
+                      "b": m.b.detach().tolist()}
+    # a fresh SparseAdam: its dummy step needs sparse zero gradients
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    sa = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    hvd.broadcast_optimizer_state(sa, root_rank=0, prefix="sparseadam.")
+    res["sparse_adam_state"] = sorted(str(k) for st in sa.state_dict()["state"].values() for k in st)
+    lb = torch.optim.LBFGS(torch.nn.Linear(2, 1).parameters())
+    hvd.broadcast_optimizer_state(lb, root_rank=0, prefix="lbfgs.")
+    res["lbfgs_state"] = lb.state_dict()["state"] == {}
+    return res
+
+
 @scenario
 def hvd_collectives(out, args):
     rank, size = hvd.rank(), hvd.size()
     res = {}
     for key, fn in [("alltoall", _alltoall), ("grouped_allgather", _grouped_allgather),
-                    ("reducescatter", _reducescatter), ("sparse", _sparse), ("int16", _int16)]:
+                    ("reducescatter", _reducescatter), ("sparse", _sparse), ("int16", _int16),
+                    ("optimizer", _optimizer)]:
         res[key] = fn(rank, size)
     return res

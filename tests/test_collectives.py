@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # --import-mode=importlib: find conftest / scenarios_collectives
 from conftest import Run  # noqa: E402
 from scenarios_collectives import (A2A_DTYPES, a2a_input, a2a_splits, gathered_piece, rs_input,  # noqa: E402
-                                   sparse_input)
+                                   sparse_input, sparse_model_step)
 
 TIMEOUT = pytest.mark.timeout(240)
 N = 3
@@ -162,3 +162,46 @@ def test_int16_moves_and_unsupported_types(job):
             assert e is not None and "UnsupportedTypeError" in e["types"], (key, e)
             assert "ValueError" in e["types"] and "TypeError" in e["types"]
         assert "RuntimeError" in v["mismatch"]["types"], v["mismatch"]
+
+
+@TIMEOUT
+def test_optimizer_parameter_names(job):
+    """test_optimizer_no_named_parameters: ``_parameter_names`` maps each parameter to a unique name,
+    the same set on every rank."""
+    for v in job.values("optimizer"):
+        assert v["names_unique"] and v["names_keys_are_params"]
+        assert all(names == v["names_all"][0] for names in v["names_all"]) and len(v["names_all"]) == N
+
+
+@TIMEOUT
+def test_sparse_as_dense_hands_back_sparse(job):
+    """Embedding(sparse=True) + SparseAdam with sparse_as_dense=True: the averaged gradient is made
+    sparse again before the step, as Horovod does (SparseAdam rejects dense gradients)."""
+    grads = []
+    for q in range(N):
+        sparse_model_step(q, reduce=lambda g: grads.append(g.to_dense()) or g)
+    mean = sum(grads) / N
+    want = sparse_model_step(0, reduce=lambda g: mean.to_sparse())
+    for v in job.values("optimizer"):
+        assert v["sparse"] == want and v["sparse"]["grad_after"]
+
+
+@TIMEOUT
+def test_broadcast_optimizer_state_initialises_like_horovod(job):
+    """test_broadcast_state_no_grad: an empty state takes Horovod's local dummy step (zero grads),
+    frozen parameters keep grad None; SparseAdam gets sparse zero grads; LBFGS (which Horovod
+    rejects) is broadcast without it."""
+    for v in job.values("optimizer"):
+        ng = v["no_grad"]
+        assert ng["a_grad_none"]
+        assert ng["b_grad"] == [0.0] * 4 and ng["b_grad_bcast"] == ng["b_grad"]
+        assert ng["state_keys"] == ["momentum_buffer"]
+        # rank 0's b, after one step with a zero gradient: weight decay only, nesterov momentum
+        b = torch.arange(4, dtype=torch.float32)
+        p = torch.nn.Parameter(b.clone())
+        o = torch.optim.SGD([p], lr=0.001, weight_decay=1e-6, momentum=0.9, nesterov=True)
+        p.grad = torch.zeros(4)
+        o.step()
+        assert ng["b"] == p.detach().tolist()
+        assert v["sparse_adam_state"] == ["exp_avg", "exp_avg_sq", "step"]
+        assert v["lbfgs_state"]

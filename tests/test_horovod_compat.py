@@ -321,8 +321,14 @@ def _root_lr(name):
 
 @TIMEOUT
 def test_broadcast_empty_optimizer_state(optim):
+    """The root's empty Adam state first takes Horovod's local dummy step (zero gradients), so every
+    rank ends with the root's one-step state, whatever it held before."""
     vals = optim.values("fresh")
-    assert all(v == vals[0] for v in vals) and vals[0]["state"] == {}
+    assert all(v == vals[0] for v in vals) and vals[0]["state"] != {}
+    for st in vals[0]["state"].values():
+        assert sorted(st) == ["exp_avg", "exp_avg_sq", "step"]
+        zero = torch.zeros(st["exp_avg"]["shape"], dtype=torch.float32)
+        assert st["exp_avg"]["hex"] == st["exp_avg_sq"]["hex"] == hexof(zero)
 
 
 def _reference(op_sum=False, steps=4):

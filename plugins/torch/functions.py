@@ -74,13 +74,18 @@ def allgather_object(obj, name=None, process_set=None):
 def broadcast_optimizer_state(optimizer, root_rank, prefix="Parameter.", model=None):
     """Make every worker's optimizer state (tensors, scalars, hyper-parameters) equal root_rank's.
 
-    Works whatever the non-root state holds (even nothing yet, as for a fresh Adam): the root's
-    state layout is broadcast as an object, tensors travel as real broadcasts, and each worker
-    loads the result with ``load_state_dict``. Every torch optimizer works, LBFGS included
-    (Horovod rejects LBFGS); ``model`` is accepted for Horovod compatibility and unused, since no
-    dummy step is needed to create the state.
+    As in Horovod, an optimizer whose state is still empty first takes one local step with zero
+    gradients (the wrapped optimizer's own step for a :func:`DistributedOptimizer`, so nothing is
+    reduced), which creates its state and leaves every trainable parameter a zero ``.grad``
+    (sparse for ``SparseAdam``, and for ``model``'s sparse embeddings). Then the root's state
+    layout is broadcast as an object, tensors travel as real broadcasts, and each worker loads the
+    result with ``load_state_dict``, so a worker's state may differ in layout from the root's.
+    Unlike Horovod, ``LBFGS`` works too (without the dummy step, which would need a closure).
     """
     state = optimizer.state_dict()
+    if not state["state"] and not isinstance(optimizer, torch.optim.LBFGS):  # LBFGS' step needs a closure
+        _initialize_state(optimizer, model)
+        state = optimizer.state_dict()
     layout = None
     if common.rank() == root_rank:
         layout = _describe(state)
@@ -92,6 +97,27 @@ def broadcast_optimizer_state(optimizer, root_rank, prefix="Parameter.", model=N
         synchronize(h)
     if common.rank() != root_rank:
         optimizer.load_state_dict(rebuilt)
+
+
+def _initialize_state(optimizer, model=None):
+    """Horovod's state initialisation: zero gradients, then one local (never reduced) step."""
+    sparse = set()
+    if model is not None:
+        for m in model.modules():
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+                sparse.update(id(p) for p in m.parameters())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = p.data.new(p.size()).zero_()
+                if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
+                    p.grad = p.grad.to_sparse()
+    from .optimizer import _DistributedOptimizer
+
+    if type(optimizer).__module__ == _DistributedOptimizer.__module__:
+        super(optimizer.__class__, optimizer).step()  # the wrapped class's step: no push_pull
+    else:
+        optimizer.step()
 
 
 def _describe(obj):

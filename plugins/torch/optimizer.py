@@ -57,6 +57,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+    @property
+    def _parameter_names(self):
+        """Horovod's {parameter: name} (default names ``noname.<i>``, the same on every rank)."""
+        return {p: self._names[id(p)] for group in self.param_groups for p in group["params"]}
+
     def set_backward_passes_per_step(self, passes):
         self.backward_passes_per_step = passes
 
@@ -64,7 +69,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         from .mpi_ops import Average, _allreduce_start
 
         grad = p.grad
-        if grad.is_sparse:  # reduced densely; handed back sparse unless sparse_as_dense
+        if grad.is_sparse:  # reduced densely, handed back sparse (as Horovod's sparse_as_dense)
             grad = grad.to_dense()
         compressor = select(self._compression, self._names[id(p)])  # per-tensor dicts (compression.py)
         compressed, ctx = compressor.compress(grad)
@@ -123,8 +128,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 out = synchronize(handle)
             out = select(self._compression, self._names[id(p)]).decompress(out if out is not None else compressed, ctx)
-            if p.grad.is_sparse:
-                p.grad = out if self.sparse_as_dense else out.to_sparse()
+            if p.grad.is_sparse:  # Horovod: a sparse gradient is handed back sparse, sparse_as_dense or not
+                p.grad = out if out.is_sparse else out.to_sparse()
             elif out is not p.grad:
                 p.grad.copy_(out)
         self._handles.clear()
@@ -188,8 +193,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             the sum and by f/size after. Only with ``op=Average``.
         num_groups, groups: accepted for Horovod compatibility; byteps reduces every gradient as
             its own operation as soon as it is ready (there is no fusion to group).
-        sparse_as_dense: sparse gradients are always reduced densely; with this flag they are also
-            left dense afterwards, otherwise they are made sparse again.
+        sparse_as_dense: accepted for Horovod compatibility: sparse gradients are always reduced
+            densely (Horovod allgathers them unless this is set) and handed back sparse, as Horovod does.
         process_set: only the global process set is supported.
         fusion: send gradients through balanced fusion buffers (byteps/fusion.py, Herring's):
             small gradients share buffers laid out once in rank 0's first-step order, and each
