@@ -27,7 +27,8 @@ from .collectives import (alltoall, alltoall_async, grouped_allgather, grouped_a
                           grouped_reducescatter, grouped_reducescatter_async, reducescatter, sparse_allreduce_async)
 from .ops import (broadcast_, broadcast_async_, declare, poll, push_pull, push_pull_async, push_pull_async_inplace,
                   push_pull_inplace, synchronize)
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, _DistributedOptimizer  # noqa: F401  (BytePS exports it)
+from byteps.elastic import get_pushpull_speed, resume, suspend
 from .process_group import ProcessGroupBytePS
 from .process_group import register as _register_backend
 
@@ -66,7 +67,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace", "byteps_push_pull",
            "broadcast_", "broadcast_async_", "poll", "synchronize", "declare", "broadcast_parameters",
            "broadcast_optimizer_state", "broadcast_object", "allgather_object", "Compression",
-           "DistributedOptimizer",
+           "DistributedOptimizer", "suspend", "resume", "get_pushpull_speed",
            # Horovod
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
            "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast",
