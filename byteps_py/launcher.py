@@ -67,8 +67,9 @@ modes:
              DMLC_PS_ROOT_URI=10.0.0.1 DMLC_PS_ROOT_PORT=9000 bpslaunch python train.py
 
 CMD runs directly as an argument list, without a shell; write `--` before it to end
-bpslaunch's own options (`bpslaunch --local --workers 2 -- python train.py`). A quoted
-"python train.py" would be taken as the name of one program. Each output line is prefixed
+bpslaunch's own options (`bpslaunch --local --workers 2 -- python train.py`). A single quoted
+CMD with spaces or shell syntax (`bpslaunch "python3 train.py --lr 0.1"`, as BytePS's docs
+write it) runs through /bin/sh -c, as BytePS's launcher does. Each output line is prefixed
 with its process, e.g. "[worker 0.1] ", "[server 0] ", "[scheduler] ", unless --no-prefix.
 
 exit status: 0 on success; the first failing process's code (128+N if killed by signal N);
@@ -597,12 +598,18 @@ def _parser():
     return p
 
 
+#: a lone CMD containing one of these is a shell command line (BytePS's ``bpslaunch "python3 train.py"``)
+_SHELL_CHARS = frozenset(" \t\n;&|<>()$`'\"*?~")
+
+
 def _parse(argv):
     parser = _parser()
     opts = parser.parse_args(argv)
     command = list(opts.command)
     if command and command[0] == "--":
         command = command[1:]
+    if len(command) == 1 and any(c in command[0] for c in _SHELL_CHARS):
+        command = ["/bin/sh", "-c", command[0]]  # BytePS: one quoted command string, run by a shell
     if opts.local and opts.workers is None:
         parser.error("--local needs --workers W")
     if not opts.local and (opts.workers is not None or opts.servers is not None):

@@ -89,3 +89,12 @@ def bps_compat_torch(out, args):
     rank, size = bps.rank(), bps.size()
     return {"ddp": _ddp(rank, size), "cross_barrier": _cross_barrier(rank, size),
             "speed": _speed_and_suspend(rank, size)}
+
+
+@scenario
+def bps_tiny(out, args):
+    """One push_pull and one broadcast (for jobs whose services were started some other way)."""
+    rank = bps.rank()
+    return {"sum": bps.push_pull(torch.arange(4, dtype=torch.float64) * (rank + 1), average=False,
+                                 name="tiny").tolist(),
+            "bcast": bps.broadcast_(torch.full((2,), float(rank)), root_rank=1, name="tiny.b").tolist()}

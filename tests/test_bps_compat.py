@@ -9,7 +9,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # --import-mode=importlib: find conftest / scenarios_bps_compat
-from conftest import Run  # noqa: E402
+from conftest import Cluster, Run  # noqa: E402
 from scenarios_bps_compat import cb_model, ddp_model, loss_of  # noqa: E402
 
 TIMEOUT = pytest.mark.timeout(240)
@@ -105,3 +105,26 @@ def test_suspend_resume_and_pushpull_speed(job):
         assert v["second"] == {"ms_recent": True, "positive": True}
         assert v["suspended"] is False
         assert v["resumed"] == {"rank": r, "size": N, "sum": [float(sum(range(1, N + 1)))] * 3}
+
+
+class _BytePSLaunched(Cluster):
+    """The scheduler and servers started as BytePS's launcher does: ``python3 -c 'import byteps.server'``."""
+
+    def _spawn(self, argv, role, extra=None, log=None):
+        if role in ("scheduler", "server"):
+            argv = [sys.executable, "-c", "import byteps.server"]
+        return super()._spawn(argv, role, extra, log)
+
+
+@TIMEOUT
+def test_import_byteps_server_runs_the_service(tmp_path):
+    c = _BytePSLaunched(str(tmp_path), 2, 2).start()
+    try:
+        c.run_workers("bps_tiny")
+        codes, server_codes, sched_code = c.wait_all(60)
+        assert codes == [0, 0] and server_codes == [0, 0] and sched_code == 0, c.all_logs()
+        res = c.results()
+        for r in range(2):
+            assert res[r]["value"] == {"sum": [0.0, 3.0, 6.0, 9.0], "bcast": [1.0, 1.0]}, res[r]
+    finally:
+        c.kill_all()

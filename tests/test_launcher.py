@@ -145,6 +145,17 @@ def test_worker_ranks_and_prefixes():
 
 
 @pytest.mark.timeout(30)
+def test_single_quoted_command_runs_through_a_shell():
+    """BytePS's docs write ``bpslaunch "python3 train.py"``: one string, run by /bin/sh -c."""
+    line = (f"{sys.executable} -c \"import os, sys; sys.stdout.write('rank ' + os.environ['BYTEPS_LOCAL_RANK'] + "
+            "'\\n')\" && echo \"shell $BYTEPS_LOCAL_SIZE\"")
+    r = launch([line], worker_env(2))
+    assert r.returncode == 0, r.stderr
+    for j in range(2):
+        assert f"[worker 0.{j}] rank {j}\n" in r.stdout and f"[worker 0.{j}] shell 2\n" in r.stdout
+
+
+@pytest.mark.timeout(30)
 def test_no_prefix_passes_output_through():
     r = launch(["--no-prefix", "--"] + PRINT_RANK, worker_env(3))
     assert r.returncode == 0, r.stderr
