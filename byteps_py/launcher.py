@@ -490,6 +490,14 @@ def _plan_local(opts, command):
     return run
 
 
+def _single_machine(env):
+    """DMLC_NUM_WORKER=1 with several local processes and no scheduler address: BytePS runs such a
+    job without scheduler or server (BYTEPS_FORCE_DISTRIBUTED=1 and DMLC_PS_ROOT_URI opt out)."""
+    return (env.get("DMLC_NUM_WORKER", "").strip() == "1" and not env.get("DMLC_PS_ROOT_URI", "").strip()
+            and int(env.get("BYTEPS_LOCAL_SIZE", "").strip() or 1) > 1
+            and env.get("BYTEPS_FORCE_DISTRIBUTED", "").strip() not in ("1", "true", "yes"))
+
+
 def _plan_role(opts, command):
     env = dict(os.environ)
     role = (env.get("DMLC_ROLE") or "worker").strip().lower()
@@ -501,6 +509,12 @@ def _plan_role(opts, command):
             if gpus:
                 env["BYTEPS_LOCAL_SIZE"] = str(gpus)
         env["BYTEPS_LOCAL_RANK"] = "0"  # as local rank 0 will see it
+        if _single_machine(env):
+            # BytePS's single-machine mode: nobody starts a scheduler or server for one worker
+            # machine, so run its processes as a --local job with its own (exact, as always)
+            opts.workers, opts.servers = 1, int(env.get("DMLC_NUM_SERVER", "").strip() or 1)
+            opts.local_size = int(env["BYTEPS_LOCAL_SIZE"])
+            return _plan_local(opts, command)
     cfg = config.load(env)  # raises ConfigError naming the bad variable
     env["PYTHONUNBUFFERED"] = "1"
 

@@ -1,8 +1,11 @@
 """BytePS's torch module paths and calls on a real 2-worker job (tests/scenarios_bps_compat.py);
 the references train the same models locally. Two workers, so every float sum is exact (a + b)."""
 import copy
+import json
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -128,3 +131,23 @@ def test_import_byteps_server_runs_the_service(tmp_path):
             assert res[r]["value"] == {"sum": [0.0, 3.0, 6.0, 9.0], "bcast": [1.0, 1.0]}, res[r]
     finally:
         c.kill_all()
+
+
+@TIMEOUT
+def test_single_machine_mode_needs_no_scheduler(tmp_path):
+    """BytePS's single-machine tutorial: DMLC_NUM_WORKER=1, two local processes, no scheduler or
+    server started and no DMLC_PS_ROOT_URI: ``bpslaunch "python3 train.py"`` runs the job (its own
+    scheduler and server, so the processes' sums are exact) instead of waiting for a scheduler."""
+    from conftest import FAST_ENV
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+    env.update(FAST_ENV, DMLC_ROLE="worker", DMLC_NUM_WORKER="1", DMLC_WORKER_ID="0", BYTEPS_LOCAL_SIZE="2")
+    line = f"{sys.executable} {os.path.join(HERE, 'scenarios.py')} bps_tiny {tmp_path} {{}}"
+    bpslaunch = os.path.join(os.path.dirname(sys.executable), "bpslaunch")
+    t0 = time.monotonic()
+    r = subprocess.run([bpslaunch, line], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 60
+    for rank in range(2):
+        res = json.loads((tmp_path / f"result.{rank}.json").read_text())
+        assert res["size"] == 2 and res["value"] == {"sum": [0.0, 3.0, 6.0, 9.0], "bcast": [1.0, 1.0]}, res
