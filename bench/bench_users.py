@@ -1,0 +1,964 @@
+"""push_pull against torch.distributed gloo, measured the way users run them (issue 14, item 1).
+
+What it measures
+----------------
+Every job is started with ``bpslaunch --local`` in the **default environment**: the driver
+removes every byteps/ps-lite/OpenMP tuning variable it inherited (``BYTEPS_*``, ``DMLC_*``,
+``OMP_*``, ``MKL_NUM_THREADS``, ...; it prints the ones it removed) and sets none; the workers never
+call ``torch.set_num_threads``. Whatever bpslaunch itself sets (it defaults ``OMP_NUM_THREADS`` to
+cores / processes, as torchrun does) is recorded in the JSON as the children saw it.
+
+Each worker process joins byteps and a gloo process group (the same ranks). For every size and
+call pattern, byteps and gloo run in alternating blocks (a barrier before each block; the order
+rotates every repetition); a block is several synchronous calls, each timed on its own (every call
+waits for its result; the peers are synchronous too). A block's value is the median of its calls,
+taken on the slowest rank; the table shows the median over the repetitions and, in brackets, the
+spread (min-max of the repetitions' medians). Every result is checked (sum of ``rank + 1``).
+
+* call patterns (the same three for gloo):
+  - ``inplace``: the same tensor every call: ``bps.push_pull_inplace(t)`` / ``dist.all_reduce(t)``;
+  - ``fresh``: a new tensor every call (``torch.empty`` + ``fill_``, allocated before the timer),
+    as ``optimizer.zero_grad()`` gives by default since torch 2.0;
+  - ``outofplace``: ``out = bps.push_pull(t)`` / for gloo ``out = t.clone(); dist.all_reduce(out)``
+    (gloo has no out-of-place all_reduce, so that is what a gloo user writes);
+  - ``batched`` (sizes up to 1 MB only, labelled "batched async"): 20 operations started
+    asynchronously, then all awaited; per-operation time = batch time / 20; gloo with
+    ``async_op=True``;
+* byteps names (``--names``): ``fixed`` passes one ``name=`` per size and pattern (what
+  ``DistributedOptimizer`` does); ``auto`` passes none, as a script calling ``bps.push_pull(t)``
+  does, and byteps names the call (a new name and key per call in earlier versions, which is
+  what the "MB kept per call" column caught);
+* all calls sum (``average=False``, gloo's default SUM); goodput = tensor bytes / time per call;
+  "byteps / gloo" = gloo's time / byteps' time in the same repetition (> 1: byteps is faster);
+* synchronous latency at 4 KB, 64 KB and 1 MB next to a **raw TCP round trip** of the same size,
+  measured in the same job between worker ranks 0 and 1 over loopback (plain ``socket``,
+  TCP_NODELAY, rank 0 sends N bytes, rank 1 echoes N bytes; median of ``--rtts`` round trips,
+  measured before and after the collectives);
+* per byteps block: minor page faults per call in the worker (``getrusage``, around each call)
+  and in the servers (/proc), and memory each call left behind (RSS growth per call, workers and
+  servers). If the job's processes would hold more than ``--mem-budget`` or the machine's available
+  memory would fall under ``--mem-floor``, byteps is shut down and re-initialised (which frees what
+  it kept) before the block (its first call is then untimed), and if the floor still cannot be kept
+  the block is skipped; both are recorded under ``memory_events`` (unnamed calls keep their
+  tensors' memory, so they trigger this);
+* layouts (as bench/bench_push_pull.py): ``local`` = one worker machine with N processes
+  (``bpslaunch --local --workers 1 --local-size N``); ``machines`` = N single-process worker
+  machines (``bpslaunch --local --workers N``); ``--servers`` servers (default 1) in both.
+
+Training step (``--train``): an MLP of large Linear layers (default 4 layers, 1024-2560-2560-2560-
+1024, 73.7 MB of float32 parameters; batch 32 per process) trained with ``bps.DistributedOptimizer``
+and the default ``optimizer.zero_grad()`` (set_to_none=True), against
+``torch.nn.parallel.DistributedDataParallel`` over gloo, in the same processes: same initial
+weights (same seed, and ``broadcast_parameters`` as users do), same data per step and rank, SGD.
+Blocks of ``--steps`` steps alternate between the two; samples/s = steps x batch x processes /
+block time (slowest rank). Losses are compared step by step (``--loss-rtol``) and the final
+parameters are compared too. ``--cluster``: the same comparison on an emulated cluster
+(bench/netns.py: n worker hosts, each with one worker process and a colocated server, k extra
+hosts with a standalone server each, a scheduler host, every link rate-limited to ``--rate-mbit``;
+each host's processes started by ``bpslaunch`` in role mode as on real machines). Needs root; the
+namespaces are always removed.
+
+Commands
+--------
+    .venv/bin/python bench/bench_users.py                       # both layouts, 2 and 4 processes, 4KB-64MB
+    .venv/bin/python bench/bench_users.py --sizes 4KB,64KB,1MB,16MB,64MB,256MB --repeat 7
+    .venv/bin/python bench/bench_users.py --quick               # smoke run (3 sizes, 2 repetitions)
+    .venv/bin/python bench/bench_users.py --layouts local --procs 2 --sizes 4KB,1MB --patterns inplace \\
+        --names fixed --repeat 1 --quick                         # the tiny config of tests/test_bench_smoke.py
+    .venv/bin/python bench/bench_users.py --train               # training step, one machine (bpslaunch --local)
+    .venv/bin/python bench/bench_users.py --train --quick
+    sudo .venv/bin/python bench/bench_users.py --cluster        # training step, emulated cluster n=4, k=4, 1 Gbit/s
+    sudo .venv/bin/python bench/bench_users.py --cluster --n 2 --k 2 --quick
+
+Output: markdown tables on stdout, JSON in bench/results/users-<mode>-<date>.json (``--json``).
+"""
+import argparse
+import datetime
+import json
+import os
+import resource
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+SIZES = {"4KB": 4 << 10, "64KB": 64 << 10, "1MB": 1 << 20, "16MB": 16 << 20, "64MB": 64 << 20,
+         "256MB": 256 << 20}
+LATENCY_SIZES = ("4KB", "64KB", "1MB")
+PATTERNS = ("inplace", "fresh", "outofplace", "batched")
+BATCH = 20  #: operations per "batched async" block
+BATCH_MAX = 1 << 20  #: batched async only up to this size
+#: inherited variables that tune byteps, ps-lite or the thread pools: removed before launching
+TUNING_PREFIXES = ("BYTEPS_", "DMLC_", "PS_", "OMP_", "KMP_", "GOMP_", "MKL_")
+TUNING_NAMES = ("OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "TORCH_NUM_THREADS")
+SECRET_VARS = ("BYTEPS_JOB_SECRET",)  #: never recorded
+
+
+# =================================================================================== shared helpers
+
+def clean_env(extra=None, quiet=False):
+    """os.environ without tuning variables (printed on stderr unless quiet), plus ``extra``."""
+    env = dict(os.environ)
+    stripped = sorted(k for k in env if k.startswith(TUNING_PREFIXES) or k in TUNING_NAMES)
+    for k in stripped:
+        del env[k]
+    if stripped and not quiet:
+        print(f"default environment: removed inherited {', '.join(stripped)}", file=sys.stderr)
+    env.update(extra or {})
+    return env, stripped
+
+
+def bpslaunch_argv():
+    """The bpslaunch console script of this interpreter's environment (as users start jobs)."""
+    script = os.path.join(os.path.dirname(sys.executable), "bpslaunch")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "byteps.launcher"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spread(values):
+    """(median, min, max) of a non-empty list, else (None, None, None)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None, None
+    return statistics.median(values), min(values), max(values)
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine_meta():
+    import platform
+
+    try:
+        import torch
+        tv = torch.__version__
+    except ImportError:
+        tv = None
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(), "python": platform.python_version(), "torch": tv, "commit": git_commit(),
+            "kernel": os.uname().release, "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])}
+
+
+def child_env_info():
+    """What the worker really runs with: byteps/OpenMP variables (the secret left out) and torch threads."""
+    import torch
+
+    seen = {k: v for k, v in os.environ.items()
+            if (k.startswith(TUNING_PREFIXES) or k in TUNING_NAMES) and k not in SECRET_VARS}
+    return {"env": dict(sorted(seen.items())), "torch_threads": torch.get_num_threads(),
+            "torch_interop_threads": torch.get_num_interop_threads()}
+
+
+def _proc_stat(pid):
+    """(minor faults, RSS bytes) of a process, from /proc; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/statm") as f:
+            rss_pages = int(f.read().split()[1])
+    except OSError:
+        return None
+    return int(fields[7]), rss_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _server_pids():
+    """The byteps servers started by this worker's bpslaunch (its siblings)."""
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(os.getppid()).children()
+                if "byteps.server" in " ".join(p.cmdline())]
+    except psutil.Error:
+        return []
+
+
+def _servers_stat(pids):
+    """(total minor faults, total RSS) of the servers, or None."""
+    stats = [s for s in (_proc_stat(p) for p in pids) if s is not None]
+    if not stats:
+        return None
+    return sum(s[0] for s in stats), sum(s[1] for s in stats)
+
+
+def _job_rss():
+    """Total RSS of this worker's bpslaunch children (workers, servers, scheduler; shared pages counted
+    in every process that maps them, so an over-estimate)."""
+    import psutil
+
+    total = 0
+    try:
+        for p in psutil.Process(os.getppid()).children():
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return total
+
+
+def _self_rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# =================================================================================== worker: collectives
+
+def calls_for(nbytes):
+    """Synchronous calls per block, by size."""
+    if nbytes < (1 << 20):
+        return 20
+    if nbytes < (16 << 20):
+        return 10
+    if nbytes < (64 << 20):
+        return 5
+    if nbytes < (256 << 20):
+        return 3
+    return 2
+
+
+def raw_rtt(dist, rank, host, port, labels, count):
+    """Median loopback TCP round trip (seconds) of each size between ranks 0 and 1; {} on other ranks."""
+    conn = srv = None
+    if rank == 0:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((host, port))
+        srv.listen(1)
+    dist.barrier()
+    if rank == 1:
+        conn = socket.create_connection((host, port), timeout=60)
+    elif rank == 0:
+        srv.settimeout(60)
+        conn, _ = srv.accept()
+        srv.close()
+    out = {}
+    if conn is not None:
+        conn.settimeout(60)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for label in labels:
+            n = SIZES[label]
+            buf = bytearray(n)
+            view = memoryview(buf)
+            times = []
+            for i in range(count + 10):
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    conn.sendall(view)
+                    _recv_exact(conn, view)
+                    if i >= 10:
+                        times.append(time.perf_counter() - t0)
+                else:
+                    _recv_exact(conn, view)
+                    conn.sendall(view)
+            if rank == 0:
+                out[label] = times
+        conn.close()
+    dist.barrier()
+    return out
+
+
+def _recv_exact(conn, view):
+    got, n = 0, len(view)
+    while got < n:
+        k = conn.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("raw TCP peer closed the connection")
+        got += k
+
+
+class Collectives:
+    """One worker's side of the collective benchmark (every rank runs the same sequence)."""
+
+    def __init__(self, args, bps, dist, torch):
+        self.args, self.bps, self.dist, self.torch = args, bps, dist, torch
+        self.rank, self.size = bps.rank(), bps.size()
+        self.want = float(self.size * (self.size + 1) // 2)
+        self.servers = _server_pids() if self.rank == 0 else []
+        self.blocks = {}  # (label, pattern, impl, names) -> {rep: {...}}
+        self.errors = []
+        self.memory_events = []
+
+    # ------------------------------------------------------------------ one call
+
+    def _call(self, impl, pattern, t, name):
+        bps, dist = self.bps, self.dist
+        if impl == "byteps":
+            if pattern == "outofplace":
+                return bps.push_pull(t, average=False, name=name)
+            return bps.push_pull_inplace(t, average=False, name=name)
+        if pattern == "outofplace":
+            out = t.clone()
+            dist.all_reduce(out)
+            return out
+        dist.all_reduce(t)
+        return t
+
+    def _check(self, what, out, t_in, pattern):
+        ok = float(out[0]) == self.want and float(out[-1]) == self.want
+        if pattern == "outofplace":
+            ok = ok and float(t_in[0]) == self.rank + 1  # the input is left alone
+        if not ok and len(self.errors) < 20:
+            self.errors.append(f"rank {self.rank} {what}: got {float(out[0])}..{float(out[-1])}, want {self.want}")
+
+    def block(self, label, pattern, impl, names, base, warm_call):
+        """A block of synchronous calls; returns per-rank stats."""
+        torch = self.torch
+        n = SIZES[label] // 4
+        calls = self.args.calls or calls_for(SIZES[label])
+        name = f"users.{pattern}.{label}" if names == "fixed" else None
+        times, faults = [], 0
+        for i in range(calls + (1 if warm_call else 0)):
+            if i == (1 if warm_call else 0):  # after the untimed call: memory it set up is not "kept"
+                srv0 = _servers_stat(self.servers) if impl == "byteps" else None
+                rss0 = _self_rss()
+            if pattern == "fresh":
+                t = torch.empty(n)
+            else:
+                t = base
+            t.fill_(self.rank + 1)
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            out = self._call(impl, pattern, t, name)
+            elapsed = time.perf_counter() - t0
+            f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            self._check(f"{impl} {pattern} {label}", out, t, pattern)
+            if warm_call and i == 0:
+                continue
+            times.append(elapsed)
+            faults += f1 - f0
+            del out
+        rss1 = _self_rss()
+        srv1 = _servers_stat(self.servers) if impl == "byteps" else None
+        stats = {"median_s": statistics.median(times), "calls": calls, "worker_faults_per_call": faults / calls,
+                 "worker_rss_growth_per_call": (rss1 - rss0) / calls}
+        if srv0 and srv1:
+            stats["server_faults_per_call"] = (srv1[0] - srv0[0]) / calls
+            stats["server_rss_growth_per_call"] = (srv1[1] - srv0[1]) / calls
+            stats["server_rss"] = srv1[1]
+        return stats
+
+    def batched(self, label, impl, names, tensors):
+        """BATCH asynchronous operations, then wait for all; per-operation time."""
+        bps, dist = self.bps, self.dist
+        for t in tensors:
+            t.fill_(self.rank + 1)
+        t0 = time.perf_counter()
+        if impl == "byteps":
+            hs = [bps.push_pull_async_inplace(t, average=False,
+                                              name=f"users.batched.{label}.{j}" if names == "fixed" else None)
+                  for j, t in enumerate(tensors)]
+            for h in hs:
+                bps.synchronize(h)
+        else:
+            works = [dist.all_reduce(t, async_op=True) for t in tensors]
+            for w in works:
+                w.wait()
+        elapsed = time.perf_counter() - t0
+        for t in tensors:
+            self._check(f"{impl} batched {label}", t, t, "batched")
+        return {"median_s": elapsed / len(tensors), "calls": len(tensors), "batch_s": elapsed}
+
+    # ------------------------------------------------------------------ memory guard
+
+    def _guard(self, label, pattern, names, rep):
+        """Collective: 'run', or 'skip' when even a fresh byteps would not leave --mem-floor free."""
+        import psutil
+
+        decision = ["run"]
+        if self.rank == 0:
+            calls = BATCH if pattern == "batched" else (self.args.calls or calls_for(SIZES[label])) + 1
+            # what one block may keep if every call leaks (measured with unnamed calls: 2 copies per
+            # worker process and 3 on the servers): an over-estimate otherwise
+            need = SIZES[label] * calls * (2 * self.size + 3)
+            avail = psutil.virtual_memory().available
+            job = _job_rss()
+            if avail - need < self.args.mem_floor or job + need > self.args.mem_budget:
+                decision = ["reset"]
+                self.memory_events.append({"size": label, "pattern": pattern, "names": names, "rep": rep,
+                                           "available": avail, "job_rss": job, "need": need, "action": "reset"})
+        self.dist.broadcast_object_list(decision, src=0)
+        if decision[0] == "reset":
+            self.bps.shutdown()
+            self.bps.init()
+            assert self.bps.rank() == self.rank, "rank changed across bps.shutdown()/bps.init()"
+            decision = ["run"]
+            if self.rank == 0:
+                avail = psutil.virtual_memory().available
+                self.memory_events[-1]["available_after_reset"] = avail
+                if avail - self.memory_events[-1]["need"] < self.args.mem_floor:
+                    decision = ["skip"]
+                    self.memory_events[-1]["action"] = "reset, then skipped"
+            self.dist.broadcast_object_list(decision, src=0)
+            return decision[0], True
+        return decision[0], False
+
+    # ------------------------------------------------------------------ the sequence
+
+    def run(self):
+        args, torch, dist = self.args, self.torch, self.dist
+        variants = [("byteps", nm) for nm in args.names.split(",")] + [("gloo", None)]
+        warm = 1
+        for label in args.sizes.split(","):
+            nbytes = SIZES[label]
+            for pattern in args.patterns.split(","):
+                if pattern == "batched" and nbytes > BATCH_MAX:
+                    continue
+                base = torch.empty(nbytes // 4)
+                batch = [torch.empty(nbytes // 4) for _ in range(BATCH)] if pattern == "batched" else None
+                for rep in range(warm + args.repeat):
+                    order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+                    for impl, names in order:
+                        reset = False
+                        if impl == "byteps":
+                            action, reset = self._guard(label, pattern, names, rep)
+                            if action == "skip":
+                                continue
+                        dist.barrier()
+                        if pattern == "batched":
+                            stats = self.batched(label, impl, names, batch)
+                        else:
+                            stats = self.block(label, pattern, impl, names, base, warm_call=reset)
+                        if rep >= warm:
+                            self.blocks.setdefault((label, pattern, impl, names or ""), {})[rep - warm] = stats
+                del base, batch
+                if self.rank == 0:
+                    print(f"BENCH-PROGRESS {label} {pattern}", flush=True)
+        return {"blocks": {"|".join(k): v for k, v in self.blocks.items()}, "errors": self.errors,
+                "memory_events": self.memory_events}
+
+
+def worker_main(args):
+    import torch
+    import torch.distributed as dist
+
+    import byteps.torch as bps
+
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.gloo_port}", rank=rank,
+                            world_size=size)
+    info = child_env_info() if rank == 0 else None
+    if args.mode == "train":
+        mine = train_worker(args, bps, dist, torch)
+    else:
+        rtt_labels = [s for s in args.sizes.split(",") if s in LATENCY_SIZES]
+        rtt = raw_rtt(dist, rank, args.master, args.rtt_port, rtt_labels, args.rtts) if size > 1 else {}
+        mine = Collectives(args, bps, dist, torch).run()
+        if size > 1:
+            after = raw_rtt(dist, rank, args.master, args.rtt_port, rtt_labels, args.rtts)
+            rtt = {k: v + after.get(k, []) for k, v in rtt.items()}
+        mine["rtt"] = {k: statistics.median(v) for k, v in rtt.items()}
+    everyone = [None] * size
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"ranks": everyone, "child": info, "size": size}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    bps.shutdown()
+    return 0
+
+
+# =================================================================================== worker: training step
+
+def make_model(torch, width, hidden, layers, seed):
+    torch.manual_seed(seed)
+    mods, d = [], width
+    for _ in range(layers - 1):
+        mods += [torch.nn.Linear(d, hidden), torch.nn.ReLU()]
+        d = hidden
+    mods.append(torch.nn.Linear(d, width))
+    return torch.nn.Sequential(*mods)
+
+
+def train_worker(args, bps, dist, torch):
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, size = bps.rank(), bps.size()
+    model_b = make_model(torch, args.width, args.hidden, args.layers, args.seed)
+    model_d = copy.deepcopy(model_b)
+    opt_b = bps.DistributedOptimizer(torch.optim.SGD(model_b.parameters(), lr=args.lr),
+                                     named_parameters=model_b.named_parameters())
+    bps.broadcast_parameters(model_b.state_dict(), root_rank=0)
+    bps.broadcast_optimizer_state(opt_b, root_rank=0)
+    ddp = DistributedDataParallel(model_d)
+    opt_d = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    warm, steps = 1, args.steps
+    total = (warm + args.repeat) * steps
+    data = []
+    for i in range(total):  # the same batch for both systems at step i on this rank
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + i * 1009 + rank)
+        x = torch.randn(args.batch, args.width, generator=g)
+        data.append((x, torch.tanh(x.roll(1, dims=1))))
+
+    def step_bps(i):
+        x, y = data[i]
+        opt_b.zero_grad()  # default: set_to_none=True, fresh gradients every step
+        loss = torch.nn.functional.mse_loss(model_b(x), y)
+        loss.backward()
+        opt_b.step()
+        return loss.item()
+
+    def step_ddp(i):
+        x, y = data[i]
+        opt_d.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt_d.step()
+        return loss.item()
+
+    systems = [("byteps", step_bps), ("ddp", step_ddp)]
+    losses = {"byteps": [], "ddp": []}
+    times = {"byteps": {}, "ddp": {}}
+    done = {"byteps": 0, "ddp": 0}
+    for rep in range(warm + args.repeat):
+        for name, fn in systems[rep % 2:] + systems[:rep % 2]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                losses[name].append(fn(done[name]))
+                done[name] += 1
+            elapsed = time.perf_counter() - t0
+            if rep >= warm:
+                times[name][rep - warm] = elapsed
+        if rank == 0:
+            print(f"BENCH-PROGRESS train rep {rep}", flush=True)
+    rel = [abs(a - b) / max(abs(a), abs(b), 1e-12) for a, b in zip(losses["byteps"], losses["ddp"])]
+    pdiff = max(float((pb.detach() - pd.detach()).abs().max())
+                for pb, pd in zip(model_b.parameters(), model_d.parameters()))
+    params = sum(p.numel() for p in model_b.parameters())
+    return {"times": times, "losses": losses, "loss_max_rel_diff": max(rel), "param_max_abs_diff": pdiff,
+            "params": params, "param_bytes": 4 * params}
+
+
+# =================================================================================== driver: one job
+
+def run_job(layout, procs, args, mode):
+    """One ``bpslaunch --local`` job; returns the gathered JSON of its workers."""
+    out = tempfile.mktemp(prefix="bench-users-", suffix=".json")
+    env, _ = clean_env(quiet=True)
+    shape = ["--workers", "1", "--local-size", str(procs)] if layout == "local" else ["--workers", str(procs)]
+    cmd = [*bpslaunch_argv(), "--local", *shape, "--servers", str(args.servers), "--no-prefix",
+           "--timeout", str(args.job_timeout), "--",
+           sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode, "--out", out,
+           "--master", "127.0.0.1", "--gloo-port", str(free_port()), "--rtt-port", str(free_port()),
+           *worker_args(args)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = []
+    for line in proc.stdout:
+        if line.startswith("BENCH-PROGRESS"):
+            print(f"  [{layout} {procs}] {line.split(' ', 1)[1].strip()}", file=sys.stderr, flush=True)
+            continue
+        tail = (tail + [line])[-60:]
+    if proc.wait() != 0 or not os.path.exists(out):
+        raise SystemExit(f"benchmark job {layout}/{procs} failed (exit {proc.returncode}):\n{''.join(tail)}")
+    with open(out) as f:
+        res = json.load(f)
+    os.unlink(out)
+    res["log_tail"] = [line.rstrip() for line in tail if line.strip()][-10:]
+    return res
+
+
+def worker_args(args):
+    keep = ["sizes", "patterns", "names", "repeat", "calls", "rtts", "mem_floor", "mem_budget", "width", "hidden",
+            "layers", "batch", "steps", "lr", "seed"]
+    out = []
+    for k in keep:
+        v = getattr(args, k)
+        if v is not None:
+            out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+# =================================================================================== driver: collectives
+
+def summarize_collectives(layout, procs, job):
+    """Rows of the results (one per size/pattern/impl/names), ratios and latency, from a job's ranks."""
+    ranks = job["ranks"]
+    rtt = ranks[0].get("rtt", {})
+    keys = list(ranks[0]["blocks"])
+    rows = {}
+    for key in keys:
+        label, pattern, impl, names = key.split("|")
+        reps = sorted({int(r) for rk in ranks for r in rk["blocks"].get(key, {})})
+        rep_medians, extra = {}, {}
+        for r in reps:
+            per_rank = [rk["blocks"][key][str(r)] for rk in ranks if str(r) in rk["blocks"].get(key, {})]
+            rep_medians[r] = max(s["median_s"] for s in per_rank)  # the slowest rank
+            for field in ("worker_faults_per_call", "worker_rss_growth_per_call"):
+                vals = [s[field] for s in per_rank if field in s]
+                if vals:
+                    extra.setdefault(field, []).append(max(vals))
+            for field in ("server_faults_per_call", "server_rss_growth_per_call", "server_rss"):
+                vals = [s[field] for s in per_rank if field in s]
+                if vals:
+                    extra.setdefault(field, []).append(vals[0])
+        med, lo, hi = spread(list(rep_medians.values()))
+        row = {"layout": layout, "procs": procs, "size": label, "bytes": SIZES[label], "pattern": pattern,
+               "impl": impl, "names": names or None, "rep_medians_s": rep_medians, "median_s": med,
+               "min_s": lo, "max_s": hi, "reps": len(rep_medians),
+               "goodput_GBps": SIZES[label] / med / 1e9 if med else None}
+        for field, vals in extra.items():
+            row[field] = statistics.median(vals)
+        if field_max := extra.get("server_rss"):
+            row["server_rss_max"] = max(field_max)
+        rows[(label, pattern, impl, names)] = row
+    ratios, latency = [], []
+    for (label, pattern, impl, names), row in rows.items():
+        if impl != "byteps":
+            continue
+        gloo = rows.get((label, pattern, "gloo", ""))
+        if gloo is None:
+            continue
+        per_rep = [gloo["rep_medians_s"][r] / row["rep_medians_s"][r] for r in row["rep_medians_s"]
+                   if r in gloo["rep_medians_s"]]
+        med, lo, hi = spread(per_rep)
+        ratios.append({"layout": layout, "procs": procs, "size": label, "pattern": pattern, "names": names,
+                       "ratio": med, "ratio_min": lo, "ratio_max": hi, "reps": len(per_rep),
+                       "byteps_s": row["median_s"], "gloo_s": gloo["median_s"]})
+        if label in rtt and pattern != "batched":
+            latency.append({"layout": layout, "procs": procs, "size": label, "pattern": pattern, "names": names,
+                            "byteps_s": row["median_s"], "gloo_s": gloo["median_s"], "rtt_s": rtt[label],
+                            "byteps_over_rtt": row["median_s"] / rtt[label] if row["median_s"] else None,
+                            "gloo_over_rtt": gloo["median_s"] / rtt[label]})
+    return list(rows.values()), ratios, latency
+
+
+def _ms(x):
+    return "—" if x is None else f"{x * 1e3:.3f}"
+
+
+def _us(x):
+    return "—" if x is None else f"{x * 1e6:.0f}"
+
+
+def _f(x, fmt=".2f"):
+    return "—" if x is None else format(x, fmt)
+
+
+def collectives_tables(rows, ratios, latency):
+    by = {(r["layout"], r["procs"], r["size"], r["pattern"], r["impl"], r["names"] or ""): r for r in rows}
+    out = ["| layout | procs | size | pattern | byteps names | byteps ms [min-max] | gloo ms [min-max] | "
+           "byteps GB/s | gloo GB/s | byteps / gloo [min-max] | reps | worker faults/call | server faults/call | "
+           "MB kept per call (workers, servers) |",
+           "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for q in ratios:
+        b = by[(q["layout"], q["procs"], q["size"], q["pattern"], "byteps", q["names"])]
+        g = by[(q["layout"], q["procs"], q["size"], q["pattern"], "gloo", "")]
+        kept = "—"
+        if "worker_rss_growth_per_call" in b:
+            kept = (f"{b['worker_rss_growth_per_call'] / 2**20:.1f}, "
+                    f"{b.get('server_rss_growth_per_call', 0) / 2**20:.1f}")
+        pat = "batched async" if q["pattern"] == "batched" else q["pattern"]
+        out.append(f"| {q['layout']} | {q['procs']} | {q['size']} | {pat} | {q['names']} | "
+                   f"{_ms(b['median_s'])} [{_ms(b['min_s'])}-{_ms(b['max_s'])}] | "
+                   f"{_ms(g['median_s'])} [{_ms(g['min_s'])}-{_ms(g['max_s'])}] | "
+                   f"{_f(b['goodput_GBps'], '.3f')} | {_f(g['goodput_GBps'], '.3f')} | "
+                   f"{_f(q['ratio'])} [{_f(q['ratio_min'])}-{_f(q['ratio_max'])}] | {q['reps']} | "
+                   f"{_f(b.get('worker_faults_per_call'), '.0f')} | {_f(b.get('server_faults_per_call'), '.0f')} | "
+                   f"{kept} |")
+    lat = ["| layout | procs | size | pattern | byteps names | byteps us | gloo us | raw TCP RTT us | byteps / RTT | "
+           "gloo / RTT |", "|---|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    for q in latency:
+        lat.append(f"| {q['layout']} | {q['procs']} | {q['size']} | {q['pattern']} | {q['names']} | "
+                   f"{_us(q['byteps_s'])} | {_us(q['gloo_s'])} | {_us(q['rtt_s'])} | {_f(q['byteps_over_rtt'])} | "
+                   f"{_f(q['gloo_over_rtt'])} |")
+    return "\n".join(out), "\n".join(lat)
+
+
+NOTES = """\
+Notes: synchronous calls (each waits for its result), sums (average=False), medians over repetitions of
+the slowest rank's per-block median, [min-max] = spread of the repetitions' medians. byteps / gloo = gloo
+time / byteps time per repetition (> 1: byteps faster). gloo `outofplace` is `out = t.clone();
+dist.all_reduce(out)` (gloo has no out-of-place all_reduce; the clone is timed). `fresh` allocates and
+fills a new tensor before each timed call. byteps names `auto` = no name= argument (as scripts call it;
+byteps picks the names); `fixed` = one name= per size and pattern. `batched async` = 20 operations started, then
+all awaited (gloo async_op=True), time per operation. Faults/MB kept: byteps blocks only (workers:
+slowest rank; servers: total)."""
+
+
+# =================================================================================== driver: training
+
+def summarize_train(layout, procs, job, args):
+    ranks = job["ranks"]
+    size = job["size"]
+    res = {}
+    for system in ("byteps", "ddp"):
+        reps = sorted({int(r) for rk in ranks for r in rk["times"][system]})
+        block = {r: max(rk["times"][system][str(r)] for rk in ranks) for r in reps}
+        res[system] = {r: args.steps * args.batch * size / t for r, t in block.items()}
+    per_rep = [res["byteps"][r] / res["ddp"][r] for r in res["byteps"] if r in res["ddp"]]
+    rel = max(rk["loss_max_rel_diff"] for rk in ranks)
+    pdiff = max(rk["param_max_abs_diff"] for rk in ranks)
+    b, d, q = spread(list(res["byteps"].values())), spread(list(res["ddp"].values())), spread(per_rep)
+    return {"layout": layout, "procs": procs, "model_bytes": ranks[0]["param_bytes"], "batch": args.batch,
+            "steps_per_block": args.steps, "byteps_samples_s": b[0], "byteps_min": b[1], "byteps_max": b[2],
+            "ddp_samples_s": d[0], "ddp_min": d[1], "ddp_max": d[2], "ratio": q[0], "ratio_min": q[1],
+            "ratio_max": q[2], "per_rep_samples_s": res, "loss_max_rel_diff": rel, "param_max_abs_diff": pdiff,
+            "losses_equal": rel <= args.loss_rtol, "losses_rank0": ranks[0]["losses"]}
+
+
+def train_table(rows):
+    out = ["| layout | procs | model MB | batch/proc | byteps samples/s [min-max] | DDP-gloo samples/s [min-max] | "
+           "byteps / DDP [min-max] | loss max rel. diff | losses equal | params max abs diff |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        out.append(f"| {r['layout']} | {r['procs']} | {r['model_bytes'] / 1e6:.1f} | {r['batch']} | "
+                   f"{_f(r['byteps_samples_s'], '.1f')} [{_f(r['byteps_min'], '.1f')}-{_f(r['byteps_max'], '.1f')}] | "
+                   f"{_f(r['ddp_samples_s'], '.1f')} [{_f(r['ddp_min'], '.1f')}-{_f(r['ddp_max'], '.1f')}] | "
+                   f"{_f(r['ratio'])} [{_f(r['ratio_min'])}-{_f(r['ratio_max'])}] | {r['loss_max_rel_diff']:.2e} | "
+                   f"{'yes' if r['losses_equal'] else 'NO'} | {r['param_max_abs_diff']:.2e} |")
+    return "\n".join(out)
+
+
+# =================================================================================== driver: emulated cluster
+
+SCHED_PORT = 9000  #: fixed ports are fine inside our own namespaces
+GLOO_PORT = 29500
+
+
+def run_cluster(args):
+    """The training-step comparison on n worker hosts + k server hosts (network namespaces)."""
+    sys.path.insert(0, HERE)
+    import netns
+
+    why = netns.available()
+    if why:
+        print(f"emulated cluster unavailable: {why}", file=sys.stderr)
+        return None
+    n, k = args.n, args.k
+    workers = [f"w{i}" for i in range(n)]
+    extras = [f"x{j}" for j in range(k)]
+    rundir = tempfile.mkdtemp(prefix="bench-users-cluster-")
+    out = os.path.join(rundir, "result.json")
+    env, _ = clean_env(quiet=True)
+    with netns.Network(workers + extras + ["sched"], rate_mbit=args.rate_mbit) as net:
+        base = dict(env, DMLC_NUM_WORKER=str(n), DMLC_NUM_SERVER=str(n + k), DMLC_PS_ROOT_URI=net.addr["sched"],
+                    DMLC_PS_ROOT_PORT=str(SCHED_PORT), BYTEPS_JOB_SECRET=secrets.token_hex(16),
+                    GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1")
+        procs, logs = [], []
+
+        def start(host, tag, role, argv, extra=None):
+            log = open(os.path.join(rundir, f"{tag}.log"), "wb")
+            logs.append((tag, log.name))
+            e = dict(base, DMLC_ROLE=role, DMLC_NODE_HOST=net.addr[host], **(extra or {}))
+            procs.append((tag, net.popen(host, [*bpslaunch_argv(), *argv], env=e, stdout=log,
+                                         stderr=subprocess.STDOUT)))
+            log.close()
+
+        start("sched", "scheduler", "scheduler", [])
+        for i, h in enumerate(workers + extras):
+            start(h, f"server{i}", "server", [])
+        wargv = ["--", sys.executable, os.path.abspath(__file__), "--worker", "--mode", "train", "--out", out,
+                 "--master", net.addr["w0"], "--gloo-port", str(GLOO_PORT), "--rtt-port", "0", *worker_args(args)]
+        for i, h in enumerate(workers):
+            start(h, f"worker{i}", "worker", wargv, {"DMLC_WORKER_ID": str(i)})
+
+        def tails():
+            text = []
+            for tag, path in logs:
+                with open(path, errors="replace") as f:
+                    text.append(f"----- {tag}\n{f.read()[-1500:]}")
+            return "\n".join(text)
+
+        deadline = time.monotonic() + args.job_timeout
+        wprocs = [(t, p) for t, p in procs if t.startswith("worker")]
+        while any(p.poll() is None for _, p in wprocs):
+            bad = [(t, p.returncode) for t, p in procs if p.poll() not in (None, 0)]
+            if bad:
+                raise SystemExit(f"cluster job failed: {bad}\n{tails()}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"cluster job did not finish within {args.job_timeout} s\n{tails()}")
+            time.sleep(0.2)
+        if not os.path.exists(out):
+            raise SystemExit(f"cluster job wrote no result\n{tails()}")
+        for _, p in procs:  # servers and scheduler end once every worker has left; else close() kills them
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+    with open(out) as f:
+        res = json.load(f)
+    shutil.rmtree(rundir, ignore_errors=True)
+    return res, net.exists()  # our namespaces still there after close(): should be none
+
+
+# =================================================================================== main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="collectives", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--rtt-port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--layouts", default="local,machines", help="local and/or machines (default both)")
+    ap.add_argument("--procs", default="2,4", help="worker process counts (default 2,4)")
+    ap.add_argument("--servers", type=int, default=1, help="servers per job, as bench_push_pull.py (default 1)")
+    ap.add_argument("--sizes", default="4KB,64KB,1MB,16MB,64MB", help=f"subset of {','.join(SIZES)}")
+    ap.add_argument("--patterns", default="inplace,fresh,outofplace,batched", help=f"subset of {','.join(PATTERNS)}")
+    ap.add_argument("--names", default="fixed,auto", help="byteps naming: fixed (name= per tensor), auto (none)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed repetitions of every block (default 5)")
+    ap.add_argument("--calls", type=int, default=None, help="calls per block (default by size: 20 ... 2)")
+    ap.add_argument("--rtts", type=int, default=200, help="raw TCP round trips per size, twice (default 200)")
+    ap.add_argument("--mem-floor", type=float, default=3 * 2**30,
+                    help="bytes of the machine's available memory to keep free (default 3 GiB; see memory_events)")
+    ap.add_argument("--mem-budget", type=float, default=6 * 2**30,
+                    help="bytes (RSS) one job may hold before byteps is re-initialised (default 6 GiB)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4KB,1MB,16MB (unless --sizes), 2 repetitions, "
+                                                         "2 processes; --train: small model")
+    ap.add_argument("--job-timeout", type=float, default=1800, help="bpslaunch --timeout per job, s")
+    ap.add_argument("--json", help="JSON path (default bench/results/users-<mode>-<date>.json)")
+    tr = ap.add_argument_group("training step (--train, --cluster)")
+    tr.add_argument("--train", action="store_true", help="training-step benchmark (bpslaunch --local)")
+    tr.add_argument("--width", type=int, default=1024, help="MLP input/output width (default 1024)")
+    tr.add_argument("--hidden", type=int, default=2560, help="MLP hidden width (default 2560: 73.7 MB)")
+    tr.add_argument("--layers", type=int, default=4, help="Linear layers (default 4)")
+    tr.add_argument("--batch", type=int, default=32, help="samples per process per step (default 32)")
+    tr.add_argument("--steps", type=int, default=3, help="steps per timed block (default 3)")
+    tr.add_argument("--lr", type=float, default=0.01)
+    tr.add_argument("--seed", type=int, default=1234)
+    tr.add_argument("--loss-rtol", type=float, default=1e-4, help="largest relative loss difference (default 1e-4)")
+    cl = ap.add_argument_group("emulated cluster (--cluster; root)")
+    cl.add_argument("--cluster", action="store_true", help="training step on network namespaces (bench/netns.py)")
+    cl.add_argument("--n", type=int, default=4, help="worker hosts (default 4)")
+    cl.add_argument("--k", type=int, default=4, help="extra server hosts (default 4: k = n)")
+    cl.add_argument("--rate-mbit", type=float, default=1000, help="each host's link rate, Mbit/s (default 1000)")
+    args = ap.parse_args()
+
+    if args.worker:
+        return worker_main(args)
+
+    explicit = set(a.split("=")[0] for a in sys.argv[1:])
+    if args.quick:
+        if "--sizes" not in explicit:
+            args.sizes = "4KB,1MB,16MB"
+        if "--repeat" not in explicit:
+            args.repeat = 2
+        if "--procs" not in explicit:
+            args.procs = "2"
+        if "--rtts" not in explicit:
+            args.rtts = 100
+        if "--hidden" not in explicit:
+            args.hidden = 1024
+        if "--steps" not in explicit:
+            args.steps = 2
+        if args.cluster and "--n" not in explicit:
+            args.n, args.k = 2, 2 if "--k" not in explicit else args.k
+    for s in args.sizes.split(","):
+        if s not in SIZES:
+            ap.error(f"unknown size {s!r}; choose from {','.join(SIZES)}")
+    for p in args.patterns.split(","):
+        if p not in PATTERNS:
+            ap.error(f"unknown pattern {p!r}; choose from {','.join(PATTERNS)}")
+    for nm in args.names.split(","):
+        if nm not in ("fixed", "auto"):
+            ap.error(f"unknown naming {nm!r}; choose fixed and/or auto")
+    layouts = args.layouts.split(",")
+    for lay in layouts:
+        if lay not in ("local", "machines"):
+            ap.error(f"unknown layout {lay!r}")
+    counts = [int(p) for p in args.procs.split(",")]
+
+    _, stripped = clean_env()
+    mode = "cluster" if args.cluster else "train" if args.train else "collectives"
+    meta = dict(machine_meta(), mode=mode, stripped_env=stripped, servers=args.servers, args=vars(args))
+    started = time.time()
+    doc = {"meta": meta}
+    if mode == "collectives":
+        rows, ratios, latency, children = [], [], [], {}
+        for procs in counts:
+            for layout in layouts:
+                print(f"job: layout {layout}, {procs} processes", file=sys.stderr, flush=True)
+                job = run_job(layout, procs, args, "collectives")
+                r, q, lat = summarize_collectives(layout, procs, job)
+                rows += r
+                ratios += q
+                latency += lat
+                children[f"{layout},{procs}"] = job["child"]
+                errs = [e for rk in job["ranks"] for e in rk["errors"]]
+                mem = [e for rk in job["ranks"] for e in rk["memory_events"]]
+                doc.setdefault("errors", []).extend(errs)
+                doc.setdefault("memory_events", []).extend(dict(e, layout=layout, procs=procs) for e in mem)
+        doc.update(results=rows, ratios=ratios, latency=latency, child=children)
+        main_t, lat_t = collectives_tables(rows, ratios, latency)
+        print("## push_pull vs gloo all_reduce, synchronous calls, default environment\n")
+        print(main_t)
+        print()
+        print("## Synchronous latency of one call vs a raw TCP round trip (same job)\n")
+        print(lat_t)
+        print()
+        print(NOTES)
+        if doc.get("memory_events"):
+            print(f"\nmemory: byteps re-initialised or skipped {len(doc['memory_events'])} times to keep "
+                  f"{args.mem_floor / 2**30:.1f} GiB free (memory_events in the JSON)")
+        if doc.get("errors"):
+            print(f"\nWRONG RESULTS: {len(doc['errors'])}, e.g. {doc['errors'][:3]}")
+    else:
+        rows, children = [], {}
+        if mode == "train":
+            for procs in counts:
+                for layout in layouts:
+                    print(f"job: training, layout {layout}, {procs} processes", file=sys.stderr, flush=True)
+                    job = run_job(layout, procs, args, "train")
+                    rows.append(summarize_train(layout, procs, job, args))
+                    children[f"{layout},{procs}"] = job["child"]
+        else:
+            print(f"job: training on an emulated cluster, n={args.n} worker hosts, k={args.k} server hosts, "
+                  f"{args.rate_mbit:g} Mbit/s", file=sys.stderr, flush=True)
+            got = run_cluster(args)
+            if got is None:
+                return 2
+            job, left = got
+            rows.append(summarize_train(f"cluster n={args.n} k={args.k} {args.rate_mbit:g}Mbit", args.n, job, args))
+            children["cluster"] = job["child"]
+            meta["namespaces_left"] = left
+            if left:
+                print(f"WARNING: namespaces left behind: {left}", file=sys.stderr)
+        doc.update(results=rows, child=children)
+        print("## Training step: bps.DistributedOptimizer vs DDP (gloo), default zero_grad(), default environment\n")
+        print(train_table(rows))
+        print("\nsamples/s = steps x batch x processes / block time (slowest rank), median over repetitions; "
+              "[min-max] = spread; byteps / DDP per repetition.")
+    meta["wall_s"] = time.time() - started
+    meta["loadavg_end"] = os.getloadavg()
+    first = next(iter(children.values()), None) if children else None
+    if first:
+        layout_vars = ("DMLC_", "BYTEPS_JOB_ID", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE")
+        tuned = {k: v for k, v in first["env"].items() if not k.startswith(layout_vars)}
+        print(f"\nchildren ran with {tuned or 'no thread or tuning variables'} (set by bpslaunch), "
+              f"torch threads {first['torch_threads']}; removed from the inherited environment: "
+              f"{', '.join(stripped) or 'nothing'}; load average {meta['loadavg'][0]:.1f} -> "
+              f"{meta['loadavg_end'][0]:.1f}")
+    path = args.json or os.path.join(RESULTS, f"users-{mode}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    print(f"JSON: {os.path.relpath(path, ROOT) if path.startswith(ROOT) else path}")
+    failed = bool(doc.get("errors")) or any(not r.get("losses_equal", True) for r in doc["results"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

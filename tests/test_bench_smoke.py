@@ -1,0 +1,57 @@
+"""Smoke runs of the users'-conditions benchmarks: bench/bench_users.py (push_pull vs gloo, default
+environment) and bench/bench_gil.py (progress without the GIL). Each must exit 0 and write its JSON
+with the keys the docs and the lead's scripts read. Timings are not checked: this only proves the
+benchmarks still run against the current engine. The bench_gil run is marked slow (run with -m slow)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, json_path, timeout):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BYTEPS_", "DMLC_"))}
+    res = subprocess.run([sys.executable, *args, "--json", str(json_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}"
+    with open(json_path) as f:
+        return json.load(f), res.stdout
+
+
+@pytest.mark.timeout(180)
+def test_bench_users_tiny(tmp_path):
+    doc, out = _run(["bench/bench_users.py", "--quick", "--layouts", "local", "--procs", "2", "--sizes", "4KB,1MB",
+                     "--patterns", "inplace", "--names", "fixed", "--repeat", "1"], tmp_path / "users.json", 150)
+    assert {"meta", "results", "ratios", "latency", "child"} <= set(doc)
+    assert doc["meta"]["mode"] == "collectives"
+    assert {(r["size"], r["impl"]) for r in doc["results"]} == {(s, i) for s in ("4KB", "1MB")
+                                                                for i in ("byteps", "gloo")}
+    for r in doc["results"]:
+        assert r["median_s"] > 0 and r["goodput_GBps"] > 0 and r["reps"] == 1
+    for q in doc["ratios"]:
+        assert {"layout", "procs", "size", "pattern", "names", "ratio", "ratio_min", "ratio_max"} <= set(q)
+    assert {q["size"] for q in doc["latency"]} == {"4KB", "1MB"}
+    assert all(q["rtt_s"] > 0 for q in doc["latency"])
+    assert not doc.get("errors")
+    assert "| local | 2 | 4KB | inplace | fixed |" in out
+
+
+@pytest.mark.slow  # about 20-25 s (two jobs with pinned cores); the users' test above takes about 13 s
+@pytest.mark.timeout(180)
+def test_bench_gil_quick(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("bench_gil.py needs two cores")
+    doc, out = _run(["bench/bench_gil.py", "--quick"], tmp_path / "gil.json", 150)
+    assert {"meta", "results", "threads"} <= set(doc)
+    got = {(r["system"], r["case"]) for r in doc["results"]}
+    assert got == {(s, c) for s in ("byteps", "gloo") for c in ("64MB", "256x64KB")}
+    for r in doc["results"]:
+        assert {"wait_s", "spin_s", "ratio", "speed_rel", "start_us_per_op", "correct"} <= set(r)
+        assert r["correct"] and r["wait_s"] > 0 and r["spin_s"] > 0
+    for system, info in doc["threads"].items():  # everything but the training thread on the other core
+        comm = doc["meta"]["args"]["comm_core"]
+        assert all(t["cpus"] == [comm] for t in info["threads_end"] if t["tid"] != info["training_tid"]), system
+    assert "| byteps | 64MB |" in out
