@@ -73,6 +73,13 @@ def extensions():
             language="c++",
             extra_compile_args=["-O2", "-std=c++17"],
         ),
+        Extension(  # the worker's native data plane (libzmq through core/bps_zmq.h, as _transport)
+            "byteps.core._worker_core",
+            ["core/_worker_core.pyx"],
+            include_dirs=[os.path.join(HERE, "core")],
+            language="c++",
+            extra_compile_args=["-O2", "-std=c++17"],
+        ),
         Extension(  # libzmq is looked up at run time in the copy pyzmq loaded (no zmq.h needed)
             "byteps.core._transport",
             ["core/_transport.pyx"],

@@ -27,7 +27,8 @@ class _Job:
         self.size = engine.size if engine else 1
         self.handles = {}
         self.next_handle = itertools.count(1)
-        self.inflight = set()
+        self.inflight = {}          # name -> the op in flight under it
+        self.inflight_lock = threading.Lock()
         self.noname = itertools.count()
         self.barriers = itertools.count()
 
@@ -160,6 +161,22 @@ def auto_name(prefix):
     return f"{prefix}.noname.{next(_require().noname)}"
 
 
+def sync_name(prefix, dtype, shape):
+    """The name of an unnamed *synchronous* call (submitted and waited for by the same call).
+
+    One name per (prefix, dtype, shape), so the tensor is declared once and every later call reuses
+    its key, the servers' stores and the shared-memory staging: a name per call (:func:`auto_name`)
+    costs a declaration round trip and fresh, page-faulting buffers on every call, and holds them
+    until shutdown. Safe because a synchronous call is over before the caller's next one starts, so
+    every worker's n-th call of that shape meets the others' n-th call in the same round. If another
+    thread of this process has one in flight, the call gets an :func:`auto_name` instead (unnamed
+    calls from several threads are ordered by the threads' timing either way).
+    """
+    job = _require()
+    name = f"{prefix}.sync.{dtype}.{'x'.join(str(d) for d in shape) or 'scalar'}"
+    return auto_name(prefix) if name in job.inflight else name
+
+
 def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=None, asynchronous=False,
            compression=None):
     """Start a push_pull (or, with ``broadcast_root``, a broadcast) of a flat byte buffer, in place.
@@ -209,15 +226,28 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
     if job.engine is None:  # alone: the sum over one worker is the tensor itself
         op._finish()
         return handle
-    job.inflight.add(name)
-    op.callbacks.append(lambda done: job.inflight.discard(done.name))
+    with job.inflight_lock:
+        if name in job.inflight:  # another thread started it meanwhile
+            del job.handles[handle]
+            raise ValueError(f"a push_pull or broadcast named {name!r} is already in flight; synchronize it "
+                             "before starting another one with the same name")
+        job.inflight[name] = op
+    op.callbacks.append(lambda done: _leave_inflight(job, done))
     try:
         job.engine.submit(op)
     except BaseException:
-        job.inflight.discard(name)
+        _leave_inflight(job, op)
         del job.handles[handle]
         raise
     return handle
+
+
+def _leave_inflight(job, op):
+    """Forget ``op``'s name as in flight, unless it already names a later op (started after a
+    synchronize that ran before this op's completion callback)."""
+    with job.inflight_lock:
+        if job.inflight.get(op.name) is op:
+            del job.inflight[op.name]
 
 
 def _lookup(handle):
@@ -230,7 +260,12 @@ def _lookup(handle):
 
 def poll(handle):
     """True when the operation behind ``handle`` has finished (successfully or not)."""
-    return _lookup(handle)[1][0].done.is_set()
+    job, (op, _) = _lookup(handle)
+    if op.done.is_set():
+        return True
+    # a native op is done as soon as its last partition is in, before the completion thread (which
+    # needs the GIL) has set its event: ask the native side, so a busy caller sees it at once
+    return op.native_id is not None and job.engine is not None and job.engine.native_done(op)
 
 
 def synchronize(handle):
@@ -239,10 +274,15 @@ def synchronize(handle):
     # The engine fails every op within BYTEPS_TIMEOUT; the extra margin only guards against a bug.
     limit = job.cfg.timeout + 30
     start = time.monotonic()
-    while not op.done.wait(0.5):
+    engine = job.engine
+    while not (engine.native_wait(op, 0.5) if op.native_id is not None and engine._native is not None
+               else op.done.wait(0.5)):
         if time.monotonic() - start > limit:
             raise BytePSTimeoutError(f"synchronize() of tensor {op.name!r} waited {limit:g} s")
     del job.handles[handle]
+    # the engine's callback drops the name from ``inflight`` and may run just after ``done`` is set:
+    # a caller that starts the same name again at once must not be told it is still in flight
+    _leave_inflight(job, op)
     if op.error is not None:
         raise op.error
     return finalize() if finalize is not None else None
@@ -288,6 +328,6 @@ def transport_bytes():
         return {"sent": {}, "received": {}}
     while True:
         try:  # the engine thread may add a server's first count meanwhile
-            return {"sent": dict(job.engine.bytes_sent), "received": dict(job.engine.bytes_received)}
+            return job.engine.transport_bytes()
         except RuntimeError:
             continue

@@ -44,6 +44,7 @@ VARIABLES = {
     "BYTEPS_FUSION": ("0", "1: DistributedOptimizer sends gradients through balanced fusion buffers (byteps/fusion.py)"),
     "BYTEPS_SERVER_ENGINE_THREAD": ("0", "server threads that sum pushes (0: the network thread sums inline)"),
     "BYTEPS_ENABLE_ASYNC": ("0", "asynchronous training: servers keep the parameters, workers push deltas, no barrier"),
+    "BYTEPS_NATIVE": ("0", "1: a worker runs its plain partitions on the native thread byteps-net (core/bps_worker.h); 0: the Python engine"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # read outside this module, listed so docs/env.md stays complete
     "BYTEPS_PIPELINE": ("", "optional pipeline stages to drop, e.g. -stage,-local_reduce (core/stages.py)"),
@@ -60,7 +61,8 @@ VARIABLES = {
     "BYTEPS_REDUCE_ROOTS": ("", "comma-separated local ranks used as reduce/broadcast roots (forces reduce_broadcast)"),
     "BYTEPS_PCIE_SWITCH_SIZE": ("", "GPUs (or processes) per PCIe switch group, overriding detection"),
     "BYTEPS_LOG_HIDE_TIME": ("0", "1 drops the timestamp from log lines"),
-    "BYTEPS_OMP_THREAD_PER_GPU": ("min(4, CPUs)", "threads of the summation kernels (core/_reduce.pyx)"),
+    "BYTEPS_OMP_THREAD_PER_GPU": ("clamp(cores // 4, 1, 4)", "threads of the summation kernels, 1..64 "
+                                  "(core/_reduce.pyx default_threads)"),
     "BYTEPS_SCHEDULER_PORT_FILE": ("", "scheduler writes its bound port here (bpslaunch --local)"),
     # read by byteps_py/launch_env.py for torchrun / mpirun / horovodrun jobs (docs/launchers.md)
     "BYTEPS_SCHEDULER_URI": ("", "scheduler host for mpirun/horovodrun jobs (default MASTER_ADDR or rank 0's host)"),
@@ -166,6 +168,7 @@ class Config:
     fusion: bool = False
     local_strategy: str = "owners"
     zmq_direct: bool = True
+    native: bool = False
 
     @property
     def distributed(self):
@@ -230,6 +233,8 @@ def load(env=None, role=None):
 
     from byteps.core.stages import parse_override
     parse_override(_get(env, "BYTEPS_PIPELINE", ""))  # fail at start-up, naming the bad stage
+    # read by the kernels when they load (core/_reduce.pyx); checked here so a bad value stops start-up
+    _int(env, "BYTEPS_OMP_THREAD_PER_GPU", None, minimum=1, maximum=64)
 
     timeout = _float(env, "BYTEPS_TIMEOUT", VARIABLES["BYTEPS_TIMEOUT"][0])
     hb_interval = _float(env, "BYTEPS_HEARTBEAT_INTERVAL", VARIABLES["BYTEPS_HEARTBEAT_INTERVAL"][0])
@@ -253,6 +258,7 @@ def load(env=None, role=None):
         fusion=_bool(env, "BYTEPS_FUSION"),
         local_strategy=_choice(env, "BYTEPS_LOCAL_STRATEGY", ("owners", "topology")),
         zmq_direct=_bool(env, "BYTEPS_ZMQ_DIRECT", default="1"),
+        native=_bool(env, "BYTEPS_NATIVE", default="0"),
     )
 
 

@@ -40,6 +40,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import zmq
 
 from byteps import compression
@@ -52,8 +53,14 @@ from ._pipeline import PriorityQueue
 from ._reduce import aligned_empty, copy_into, sum_many
 from .control import ControlClient
 from .local import ComputeStage, LocalPlan
+from .ops import Op, RangeOp
 from .stages import Stage
 from .threads import name_native
+
+try:
+    from . import _worker_core
+except ImportError:  # a source tree without build_ext
+    _worker_core = None
 
 #: partitions at least this large are copied into shared memory (STAGE) and summed (LOCAL_REDUCE) on
 #: their stage's thread; smaller ones inline, where the thread hand-off (a GIL round trip between two
@@ -65,59 +72,6 @@ Cmd = wire.Cmd
 #: plain ints: pyzmq's flag enums cost a microsecond per operation
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 KINDS = {Cmd.PUSHPULL: "push_pull", Cmd.BROADCAST: "broadcast", Cmd.ASYNC_PUSHPULL: "async push_pull"}
-
-
-class Op:
-    """One push_pull or broadcast of one tensor, in flight."""
-
-    __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey", "parts_left",
-                 "servers", "error", "done", "started", "callbacks", "codec")
-
-    def __init__(self, name, buf, dtype, shape, cmd=Cmd.PUSHPULL, root=0, priority=0):
-        self.name = name
-        self.buf = buf              # flat uint8 numpy view of the tensor's memory: input and output
-        self.dtype = dtype
-        self.shape = tuple(shape)
-        self.cmd = cmd
-        self.root = root
-        self.priority = priority
-        self.spec = (self.shape, dtype, int(cmd))
-        self.tkey = None
-        self.parts_left = 0
-        self.servers = collections.Counter()  # ("server", 1) / ("local rank", 0) / "the copy stage" -> replies owed
-        self.error = None
-        self.done = threading.Event()
-        self.started = time.monotonic()
-        self.callbacks = []
-        self.codec = None           # byteps.compression.WireCompressor for partitions sent over the network
-
-    def fail(self, error):
-        if self.error is None:
-            self.error = error
-        self.parts_left = 0
-        self._finish()
-
-    def _finish(self):
-        self.done.set()
-        for cb in self.callbacks:
-            try:
-                cb(self)
-            except Exception:  # a callback must not kill the engine thread
-                logger.exception("completion callback of %r failed", self.name)
-
-
-class RangeOp(Op):
-    """One element range of a machine's sum that this process pushes and pulls for its machine
-    (BYTEPS_LOCAL_STRATEGY=topology, core/local_exec.py). Its bytes are the executor's buffer; its
-    partition ``j`` has wire key ``tkey << 32 | range_index << 16 | j`` and the server that the
-    placement gives piece ``j`` of key ``place_key``; no local reduce (the executor did it)."""
-
-    __slots__ = ("range_index", "place_key", "shared")
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.range_index = self.place_key = 0
-        self.shared = None          # (pid, fd, inode, offset) of buf in a memfd arena, or None
 
 
 class Engine:
@@ -179,6 +133,17 @@ class Engine:
         self.join_result = None     # the last rank to join, once every rank has
         # BYTEPS_LOCAL_STRATEGY=topology: the thread running the plan's executor (core/local_exec.py)
         self._local_exec = None
+        # the native data plane (core/bps_worker.h): owns the server sockets once authenticated
+        self._native = None
+        self._native_ops = {}       # native id -> Op, until its completion is delivered
+        self._native_ids = itertools.count(1)
+        self._native_parts = {}     # (tkey, nbytes, itemsize, root_self) -> partition table for submit()
+        self._native_lock = threading.RLock()  # staging regions: allocated by the engine and submitting threads
+        self._keepalive = {}        # token -> body ZeroMQ still reads (Python's zero-copy sends)
+        self._keep_tokens = itertools.count()
+        self._graveyard = {}        # native id -> Op whose tensor ZeroMQ may still read (failed ops)
+        self._completer = None      # thread delivering native completions
+        self.native_submitted = 0   # ops handed to the native thread (tests check the path really ran)
 
     # ---------------------------------------------------------------- training-thread side
 
@@ -198,6 +163,11 @@ class Engine:
             raise self.failure
         if self._local_exec is not None and self._local_exec.takes(op):
             self._local_exec.enqueue(op)  # in submission order; it runs once the key is known
+        elif self._native is not None and not self._inbox and self._native_eligible(op):
+            key = self._keys.get((op.name, op.spec))
+            if key is not None:  # declared before: straight to the native thread, no engine hop
+                self._native_submit(op, key)
+                return op
         self._inbox.append(op)
         self._wake()
         return op
@@ -252,8 +222,156 @@ class Engine:
             self._close()
             self._ready.set()
 
+    # ---------------------------------------------------------------- native data plane
+
+    def _start_native(self):
+        """Hand the authenticated server sockets to the native thread (core/bps_worker.h)."""
+        if not (self.cfg.native and self.cfg.zmq_direct and _worker_core is not None and _worker_core.available):
+            return
+        from ._reduce import get_num_threads
+
+        core = _worker_core.WorkerCore(self.control.node_id, self.cfg.scheduling_credit * self.cfg.partition_bytes,
+                                       self.cfg.timeout, get_num_threads(), self._wake_w)
+        for sock in self.servers:
+            self.poller.unregister(sock)
+            core.add_server(sock)
+        core.start()
+        self._native = core
+        self._completer = threading.Thread(target=self._deliver_native, name="byteps-complete", daemon=True)
+        self._completer.start()
+        logger.info("native data plane: partitions to %d servers on thread byteps-net", len(self.servers))
+
+    def _native_eligible(self, op):
+        """Ops the native thread runs whole: plain push_pull/broadcast of a one-process machine."""
+        return (type(op) is Op and op.codec is None and self.local is None
+                and (op.cmd == Cmd.PUSHPULL or op.cmd == Cmd.BROADCAST))
+
+    def _native_table(self, op, tkey):
+        """The partition table of submit(): wire key, offset, length, server, staging region (colocated)."""
+        root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
+        ident = (tkey, op.buf.nbytes, dtypes.itemsize(op.dtype), op.cmd, root_self)
+        table = self._native_parts.get(ident)
+        if table is not None:
+            return table
+        with self._native_lock:  # the staging allocator is shared with the engine thread
+            parts = self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype))
+            table = np.zeros((len(parts), 9), dtype=np.int64)
+            for row, (i, off, length, server) in enumerate(parts):
+                key = wire.make_key(tkey, i)
+                table[row, :4] = (key, off, length, server)
+                if self.stages_of(op, i, server)[0] == Stage.STAGE and length:
+                    view, (pid, fd, inode, base) = self._region(key, length)
+                    table[row, 4:] = (view.ctypes.data, pid, fd, inode, base)
+            self._native_parts[ident] = table
+        return table
+
+    def _native_submit(self, op, tkey):
+        op.tkey = tkey
+        table = self._native_table(op, tkey)
+        if not len(table):  # an empty tensor: nothing to send
+            op._finish()
+            return
+        op.native_id = nid = next(self._native_ids)
+        self.native_submitted += 1
+        op.parts_left = len(table)
+        self._native_ops[nid] = op
+        self._native.submit(nid, op.name, op.cmd, op.dtype, op.root, op.priority,
+                            op.cmd == Cmd.BROADCAST and op.root == self.rank, op.buf, table)
+
+    def _deliver_native(self):
+        """Completion thread: sets the events of ops the native thread finished (per op, not per partition)."""
+        name_native()
+        core = self._native
+        while not self._stopped.is_set():
+            for nid, kind, text in core.wait(200):
+                self._deliver(nid, kind, text)
+            for nid in [n for n in self._graveyard if core.forget(n)]:
+                del self._graveyard[nid]
+
+    def _deliver(self, nid, kind, text):
+        """Finish a native op once, on whichever thread gets there first (completion thread or a caller
+        in synchronize()): set its error, its event, run its callbacks, free the native record."""
+        op = self._native_ops.pop(nid, None)  # atomic: only one thread gets the op
+        if op is None:
+            return
+        if kind != _worker_core.OK and op.error is None:
+            op.error = self._native_error(op, kind, text)
+        op.parts_left = 0
+        op._finish()
+        if not self._native.forget(nid):  # ZeroMQ still reads the tensor (a failed op): keep it alive
+            self._graveyard[nid] = op
+
+    def native_wait(self, op, timeout):
+        """Wait up to ``timeout`` s for a native op without the GIL and finish it on this thread."""
+        got = self._native.wait_op(op.native_id, int(timeout * 1000))
+        if got is not None:
+            self._deliver(op.native_id, *got)
+        return op.done.is_set()
+
+    def _native_error(self, op, kind, text):
+        if kind == _worker_core.ERR_SERVER:
+            try:
+                msg = wire.decode(text.encode()).get("error", "unknown error")
+            except ProtocolError as e:
+                msg = str(e)
+            return TensorMismatchError(f"push_pull of tensor {op.name!r} failed: {msg}")
+        if kind == _worker_core.ERR_TIMEOUT:
+            secs, late = text.split("|", 1)
+            if late != "its turn to be sent":
+                late += (" (a server waits for every machine's push of this tensor and logs the ranks that are "
+                         "late; a local rank waits for its machine's other processes)")
+            return BytePSTimeoutError(f"push_pull of tensor {op.name!r} waited {secs} s "
+                                      f"(BYTEPS_TIMEOUT={self.cfg.timeout:g}) for {late}")
+        if kind == _worker_core.ERR_ABORT:
+            return self.failure or BytePSError("the byteps engine stopped")
+        return ProtocolError(text)
+
+    def native_done(self, op):
+        """True once the native thread has finished ``op`` (any thread; no GIL hand-off needed)."""
+        core = self._native
+        return core is not None and core.is_done(op.native_id)
+
+    def _drain_native(self):
+        """Replies the native thread does not own (Python's partitions), and released zero-copy bodies."""
+        for server, frames in self._native.forwarded():
+            self._on_data(server, frames)
+        for token in self._native.released():
+            self._keepalive.pop(token, None)
+
+    def _next_round(self, key):
+        if self._native is not None:
+            return self._native.next_round(key)
+        rnd = self._rounds[key]
+        self._rounds[key] = rnd + 1
+        return rnd
+
+    def _send_data(self, server, header, body):
+        """Send a data message to a server from Python: through the native thread once it owns the sockets."""
+        if self._native is not None:
+            token = next(self._keep_tokens)
+            if self._native.send(server, header, body, token):
+                self._keepalive[token] = body
+            return
+        sock = self.servers[server]
+        nbytes = body.nbytes if hasattr(body, "nbytes") else len(body)
+        if nbytes < transport.COPY_BELOW:
+            self._io[sock].send_multipart([header, body])
+        else:  # zero-copy from the tensor: ZeroMQ reads it while it is on the wire
+            sock.send_multipart([header, body], copy=False)
+
+    def transport_bytes(self):
+        """Bytes sent to / received from each server on the data sockets (both paths)."""
+        sent, received = collections.Counter(self.bytes_sent), collections.Counter(self.bytes_received)
+        if self._native is not None:
+            for i in range(len(self.servers)):
+                sent[i] += self._native.bytes_sent(i)
+                received[i] += self._native.bytes_received(i)
+        return {"sent": {k: v for k, v in sent.items() if v}, "received": {k: v for k, v in received.items() if v}}
+
     def _abort(self, error):
         self.failure = self.failure or error
+        if self._native is not None:
+            self._native.fail_all()
         for op in list(self._outstanding_ops()):
             op.fail(self.failure)
         while self._inbox:
@@ -333,6 +451,7 @@ class Engine:
             self._shm = shm.Allocator("byteps-worker")
         if any(self.colocated):
             self._copier = ComputeStage(self._wake, name="byteps-copy")
+        self._start_native()
         from . import local_exec
         self._local_exec = local_exec.start(self)  # None unless BYTEPS_LOCAL_STRATEGY=topology applies
         self._ready.set()
@@ -420,7 +539,9 @@ class Engine:
                 elif sock is self._local_sock:
                     self._drain_data(sock, self._on_local)
                 else:
-                    self._drain_data(sock, self._on_data)
+                    self._drain_data(sock, lambda s, frames: self._on_data(self._server_index[s], frames))
+            if self._native is not None:
+                self._drain_native()
             if self._compute is not None:
                 while self._compute.done:
                     self._on_reduced(*self._compute.done.popleft())
@@ -460,6 +581,15 @@ class Engine:
         ctl = getattr(self, "control", None)
         if self._local_exec is not None:
             self._local_exec.close()
+        if self._native is not None:
+            self._stopped.set()
+            if self._completer is not None:
+                self._completer.join(5)
+            self._native.stop()  # before the sockets it owns are closed
+            for nid in list(self._native_ops):  # never leave a caller waiting on a stopped thread
+                op = self._native_ops.pop(nid, None)
+                if op is not None:
+                    op.fail(self.failure or BytePSError("byteps shut down while this push_pull was in flight"))
         for stage in (self._compute, self._copier):
             if stage is not None:
                 stage.close()
@@ -515,6 +645,8 @@ class Engine:
             # every rank is in join(), nothing is in flight: a sync point where rounds restart at 0
             self.joined = frozenset()
             self._rounds.clear()
+            if self._native is not None:
+                self._native.reset_rounds()
             self._early.clear()
             self._early_meta.clear()
             self.join_result = body["last"]
@@ -586,6 +718,9 @@ class Engine:
         if self._local_exec is not None and self._local_exec.owns(op):
             self._local_exec.keyed(op, tkey)  # the topology executor runs it (core/local_exec.py)
             return
+        if self._native is not None and self._native_eligible(op):
+            self._native_submit(op, tkey)
+            return
         op.tkey = tkey
         self._queue(op, self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype)))
 
@@ -622,8 +757,7 @@ class Engine:
                 self._push_range(op, i, off, length)
                 continue
             key = wire.make_key(op.tkey, i)
-            rnd = self._rounds[key]
-            self._rounds[key] = rnd + 1
+            rnd = self._next_round(key)
             data = op.buf[off:off + length]
             server = self.placement.server(op.tkey, i)
             first = self.stages_of(op, i, server)[0]
@@ -668,8 +802,7 @@ class Engine:
 
     def _push_range(self, rop, j, off, length):
         key = wire.make_key(rop.tkey, rop.range_index << 16 | j)
-        rnd = self._rounds[key]
-        self._rounds[key] = rnd + 1
+        rnd = self._next_round(key)
         shared = None
         if rop.shared is not None:  # the executor's buffer is in a memfd arena: a colocated server reads it there
             pid, fd, inode, base = rop.shared
@@ -730,21 +863,20 @@ class Engine:
             flags = wire.FLAG_COMPRESSED
         else:
             body = data
+        if op.codec is not None and op.cmd == Cmd.PUSHPULL:
+            flags |= wire.FLAG_PYTHON  # the server's Python path takes every push of a compressed op
         nbytes = body.nbytes if hasattr(body, "nbytes") else len(body)
         header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,
                            length=data.size if flags else nbytes, dtype=op.dtype, arg=op.root, flags=flags)
-        sock = self.servers[server]
-        if nbytes < transport.COPY_BELOW:
-            self._io[sock].send_multipart([header, body])
-        else:  # zero-copy from the tensor: ZeroMQ reads it while it is on the wire
-            sock.send_multipart([header, body], copy=False)
+        self._send_data(server, header, body)
         self.bytes_sent[server] += len(header) + nbytes
 
     def _region(self, key, nbytes):
         """This key's shared staging region: (view, descriptor prefix), allocated once."""
         staged = self._staging.get(key)
         if staged is None or staged[0].size != nbytes:
-            staged = self._staging[key] = self._shm.alloc(nbytes)
+            with self._native_lock:
+                staged = self._staging[key] = self._shm.alloc(nbytes)
         return staged
 
     def _stage(self, key, data):
@@ -921,18 +1053,17 @@ class Engine:
 
     # ---------------------------------------------------------------- receiving
 
-    def _on_data(self, sock, frames):
+    def _on_data(self, server, frames):
         try:
             header = wire.unpack(frames[0])
         except ProtocolError as e:
-            logger.warning("malformed reply from server %d: %s", self._server_index[sock], e)
+            logger.warning("malformed reply from server %d: %s", server, e)
             return
         entry = self._parts.pop((header.key, header.round), None)
         if entry is None:  # the op timed out or failed already
             return
         op, off, length = entry
         self._sendq.release(length, op.priority)
-        server = self._server_index[sock]
         op.servers[("server", server)] -= 1
         group = self._groups.pop((header.key, header.round), None)
         if header.cmd == Cmd.REPLY:

@@ -54,7 +54,7 @@ from byteps.errors import BytePSError, BytePSTimeoutError, TensorMismatchError
 from byteps.log import logger
 
 from . import dtypes
-from .engine import Cmd, RangeOp
+from .ops import Cmd, RangeOp
 
 #: a tensor is aggregated in chunks of this many partitions (BYTEPS_PARTITION_BYTES each): the
 #: executors' buffers (three of this size per process on the CPU) bound the memory used

@@ -45,6 +45,9 @@ MAX_CONTROL_BODY = 16 << 20
 FLAG_SHM = 1
 #: flag: the body is a compressed partition (byteps/compression.py); ``length`` stays the dense byte count
 FLAG_COMPRESSED = 2
+#: flag: every push of this operation is handled by the server's Python path (it is compressed on the
+#: wire somewhere: its pushes through shared memory carry the flag too, so one path sees the whole round)
+FLAG_PYTHON = 4
 
 
 class Cmd(enum.IntEnum):

@@ -213,6 +213,8 @@ def main():
         result["value"] = SCENARIOS[name](outdir, args)
     except Exception as e:  # the test reads the error text
         result["error"] = f"{type(e).__name__}: {e}"
+    # ops the native data plane ran whole (core/bps_worker.h)
+    result["native_ops"] = _job.engine.native_submitted if _job.engine is not None else None
     write_result(outdir, result["rank"], result)
     bps.shutdown()
 

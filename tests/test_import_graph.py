@@ -20,11 +20,7 @@ FOLDERS = ("byteps_py", "core", "summation", "scheduler", "topology", "plugins")
 
 #: Cycles that are known and owned by someone, as sets of module names. Each entry must match one
 #: strongly connected component exactly, so a cycle that grows is reported.
-ALLOWED_CYCLES = [
-    # core/engine.py <-> core/local_exec.py: removed by the native-pipeline rework of the engine
-    # (issue 15, the lead's part). Delete this entry when it lands; the test then fails until it is gone.
-    {"byteps.core.engine", "byteps.core.local_exec"},
-]
+ALLOWED_CYCLES = []
 
 
 def package_dir():

@@ -1,0 +1,253 @@
+# cython: language_level=3
+# distutils: language = c++
+"""Python's handle on the worker's native data plane (core/bps_worker.h).
+
+core/engine.py creates one :class:`WorkerCore` per job after the data sockets are authenticated,
+hands it those sockets, and from then on:
+
+* :meth:`submit` gives it a whole push_pull or broadcast (one call per tensor, on the caller's
+  thread); the native thread "byteps-net" sends, receives and copies every partition without the GIL;
+* :meth:`wait` (no GIL while waiting) returns the ops that completed, for the engine's completion
+  thread, which sets their events;
+* :meth:`send` queues Python's own messages (local reduce, compression, topology ranges) on the same
+  sockets, and :meth:`forwarded` returns the replies the native side does not own.
+
+Nothing here is called per partition from Python.
+"""
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libcpp cimport bool as cbool
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+
+from byteps.core import _transport
+
+cdef extern from "bps_worker.h" nogil:
+    int bps_zmq_load(const char *path)
+
+    ctypedef struct BpsDescriptor:
+        int32_t pid
+        int32_t fd
+        uint64_t inode
+        uint64_t offset
+        uint64_t length
+
+    cdef cppclass BpsPart:
+        uint64_t key
+        uint64_t offset
+        uint64_t length
+        int32_t server
+        unsigned char *staging
+        BpsDescriptor desc
+
+    cdef cppclass BpsOp:
+        int64_t id
+        string name
+        uint8_t cmd
+        uint8_t dtype
+        uint32_t root
+        int64_t priority
+        cbool root_self
+        unsigned char *buf
+        uint64_t nbytes
+        vector[BpsPart] parts
+        int error_kind
+        string error
+
+    cdef cppclass BpsRawSend:
+        int server
+        string header
+        string body
+        void *zc_data
+        size_t zc_len
+        int64_t token
+
+    cdef cppclass BpsForward:
+        int server
+        vector[string] frames
+
+    cdef cppclass BpsWorkerCore:
+        BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
+        void add_server(void *sock)
+        void start()
+        void stop()
+        int done_fd()
+        void submit(BpsOp *op)
+        void send_raw(BpsRawSend *m)
+        uint64_t next_round(uint64_t key)
+        void reset_rounds()
+        void fail_all()
+        cbool is_done(int64_t id)
+        void completions(vector[int64_t] *out, int timeout_ms)
+        cbool wait_op(int64_t id, int timeout_ms)
+        BpsOp *op(int64_t id)
+        cbool forget(int64_t id)
+        void forwarded(vector[BpsForward] *out)
+        void released(vector[int64_t] *out)
+        uint64_t bytes_sent(int server)
+        uint64_t bytes_received(int server)
+
+#: error kinds of a completed op (core/bps_worker.h BpsErrorKind)
+OK, ERR_SERVER, ERR_PROTOCOL, ERR_TIMEOUT, ERR_ABORT = 0, 1, 2, 3, 4
+#: bodies at least this large are sent zero-copy (Python keeps them alive until released())
+ZERO_COPY_MIN = 65536
+
+#: True when the native core can run here (it needs the libzmq that pyzmq loaded)
+available = _transport.available and bps_zmq_load(_transport.library.encode()) == 0 \
+    if _transport.available else False
+
+
+cdef class WorkerCore:
+    cdef BpsWorkerCore *core
+    cdef readonly list sockets      # the pyzmq sockets handed over (kept alive, never used again here)
+    cdef readonly int servers
+
+    def __cinit__(self, uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd):
+        if not available:
+            raise RuntimeError(f"the native worker core is unavailable: {_transport.unavailable_reason}")
+        self.core = new BpsWorkerCore(node_id, credit, timeout, nthreads, notify_fd)
+        self.sockets = []
+        self.servers = 0
+
+    def __dealloc__(self):
+        if self.core != NULL:
+            with nogil:
+                self.core.stop()
+            del self.core
+            self.core = NULL
+
+    def add_server(self, sock):
+        """Hand over server ``self.servers``'s DEALER socket (authenticated already)."""
+        self.sockets.append(sock)
+        self.core.add_server(<void *><uintptr_t>sock.underlying)
+        self.servers += 1
+
+    def start(self):
+        self.core.start()
+
+    def stop(self):
+        with nogil:
+            self.core.stop()
+
+    @property
+    def done_fd(self):
+        """An eventfd that becomes readable when ops complete."""
+        return self.core.done_fd()
+
+    def submit(self, int64_t op_id, str name, int cmd, int dtype, uint32_t root, int64_t priority, bint root_self,
+               buf, const int64_t[:, ::1] parts):
+        """Start a push_pull/broadcast of ``buf`` (a flat writable uint8 numpy array kept alive by the
+        caller until the op is forgotten). ``parts`` rows: wire key, offset, length, server, staging
+        address (0: none), and the staging region's descriptor: pid, fd, inode, offset."""
+        cdef Py_ssize_t i, n = parts.shape[0]
+        cdef BpsOp *op = new BpsOp()
+        cdef BpsPart p
+        op.id = op_id
+        op.name = name.encode()
+        op.cmd = cmd
+        op.dtype = dtype
+        op.root = root
+        op.priority = priority
+        op.root_self = root_self
+        op.buf = <unsigned char *><uintptr_t>buf.ctypes.data
+        op.nbytes = buf.nbytes
+        op.parts.reserve(n)
+        for i in range(n):
+            p.key = <uint64_t>parts[i, 0]
+            p.offset = <uint64_t>parts[i, 1]
+            p.length = <uint64_t>parts[i, 2]
+            p.server = <int32_t>parts[i, 3]
+            p.staging = <unsigned char *><uintptr_t>parts[i, 4]
+            p.desc.pid = <int32_t>parts[i, 5]
+            p.desc.fd = <int32_t>parts[i, 6]
+            p.desc.inode = <uint64_t>parts[i, 7]
+            p.desc.offset = <uint64_t>parts[i, 8]
+            p.desc.length = p.length
+            op.parts.push_back(p)
+        with nogil:
+            self.core.submit(op)
+
+    def send(self, int server, header, body, token=None):
+        """Queue ``[header, body]`` for server ``server``. A body of at least ZERO_COPY_MIN bytes with a
+        ``token`` is sent zero-copy: keep it alive until :meth:`released` returns the token."""
+        cdef BpsRawSend *m = new BpsRawSend()
+        cdef Py_buffer view
+        cdef bint zero_copy = False
+        m.server = server
+        m.header = header
+        PyObject_GetBuffer(body, &view, PyBUF_SIMPLE)
+        try:
+            if token is not None and view.len >= ZERO_COPY_MIN:
+                m.zc_data = view.buf
+                m.zc_len = view.len
+                m.token = token
+                zero_copy = True
+            else:
+                m.body = string(<char *>view.buf, view.len)
+        finally:
+            PyBuffer_Release(&view)
+        with nogil:
+            self.core.send_raw(m)
+        return zero_copy  # m belongs to the native thread now
+
+    def next_round(self, uint64_t key):
+        return self.core.next_round(key)
+
+    def reset_rounds(self):
+        self.core.reset_rounds()
+
+    def fail_all(self):
+        self.core.fail_all()
+
+    def is_done(self, int64_t op_id):
+        return self.core.is_done(op_id)
+
+    def wait_op(self, int64_t op_id, int timeout_ms):
+        """Wait up to ``timeout_ms`` without the GIL for one op; its (error kind, error text) once it
+        completed, else None."""
+        cdef cbool done
+        cdef BpsOp *op
+        with nogil:
+            done = self.core.wait_op(op_id, timeout_ms)
+        if not done:
+            return None
+        op = self.core.op(op_id)
+        if op == NULL:
+            return (OK, "")
+        return (op.error_kind, op.error.decode("utf-8", "replace"))
+
+    def wait(self, int timeout_ms):
+        """Completed ops, waiting up to ``timeout_ms`` without the GIL: [(id, error kind, error text)]."""
+        cdef vector[int64_t] ids
+        cdef BpsOp *op
+        with nogil:
+            self.core.completions(&ids, timeout_ms)
+        out = []
+        for i in ids:
+            op = self.core.op(i)
+            if op != NULL:
+                out.append((i, op.error_kind, op.error.decode("utf-8", "replace")))
+        return out
+
+    def forget(self, int64_t op_id):
+        """Free a completed op; False while ZeroMQ still reads its tensor (ask again later)."""
+        return self.core.forget(op_id)
+
+    def forwarded(self):
+        """Messages the native side does not own: [(server index, [frames as bytes])]."""
+        cdef vector[BpsForward] got
+        self.core.forwarded(&got)
+        return [(f.server, [PyBytes_FromStringAndSize(s.data(), s.size()) for s in f.frames]) for f in got]
+
+    def released(self):
+        """Tokens of zero-copy bodies ZeroMQ no longer reads."""
+        cdef vector[int64_t] got
+        self.core.released(&got)
+        return list(got)
+
+    def bytes_sent(self, int server):
+        return self.core.bytes_sent(server)
+
+    def bytes_received(self, int server):
+        return self.core.bytes_received(server)

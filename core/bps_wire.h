@@ -1,0 +1,188 @@
+/* The wire header (core/wire.py) and shared-memory descriptors (core/shm.py) for the native threads.
+ *
+ * The 40-byte little-endian header: magic "BP", version, command, dtype, flags, reserved u16,
+ * sender u32, arg u32, key u64, round u64, length u64. core/wire.py is the reference; the values
+ * below must stay equal to it (tests/test_native_core.py compares them).
+ *
+ * BpsPeerMaps maps other processes' memfd arenas named by 32-byte descriptors (pid, fd, inode,
+ * offset, length), with the same checks and error texts as core/shm.py's PeerMaps.
+ */
+#ifndef BPS_WIRE_H
+#define BPS_WIRE_H
+
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <map>
+#include <string>
+#include <tuple>
+
+enum {
+    BPS_HEADER_SIZE = 40,
+    BPS_WIRE_VERSION = 1,
+    BPS_DESCRIPTOR_SIZE = 32,
+    BPS_FLAG_SHM = 1,
+    BPS_FLAG_COMPRESSED = 2,
+    BPS_CMD_HELLO = 11,
+    BPS_CMD_AUTH = 13,
+    BPS_CMD_PUSHPULL = 20,
+    BPS_CMD_BROADCAST = 21,
+    BPS_CMD_REPLY = 22,
+    BPS_CMD_ERROR = 23,
+    BPS_CMD_ASYNC_PUSHPULL = 26,
+};
+
+#pragma pack(push, 1)
+struct BpsHeader {
+    char magic[2];
+    uint8_t version;
+    uint8_t cmd;
+    uint8_t dtype;
+    uint8_t flags;
+    uint16_t reserved;
+    uint32_t sender;
+    uint32_t arg;
+    uint64_t key;
+    uint64_t round;
+    uint64_t length;
+};
+struct BpsDescriptor {
+    int32_t pid;
+    int32_t fd;
+    uint64_t inode;
+    uint64_t offset;
+    uint64_t length;
+};
+#pragma pack(pop)
+
+static_assert(sizeof(BpsHeader) == BPS_HEADER_SIZE, "wire header is 40 bytes");
+static_assert(sizeof(BpsDescriptor) == BPS_DESCRIPTOR_SIZE, "descriptor is 32 bytes");
+
+static inline BpsHeader bps_header(uint8_t cmd, uint32_t sender, uint64_t key, uint64_t round, uint64_t length,
+                                   uint8_t dtype, uint32_t arg, uint8_t flags) {
+    BpsHeader h;
+    h.magic[0] = 'B';
+    h.magic[1] = 'P';
+    h.version = BPS_WIRE_VERSION;
+    h.cmd = cmd;
+    h.dtype = dtype;
+    h.flags = flags;
+    h.reserved = 0;
+    h.sender = sender;
+    h.arg = arg;
+    h.key = key;
+    h.round = round;
+    h.length = length;
+    return h;
+}
+
+/* True if ``p`` (``n`` bytes) is a header of this wire version; the command is not checked here. */
+static inline bool bps_parse_header(const void *p, size_t n, BpsHeader *out) {
+    if (n != BPS_HEADER_SIZE) return false;
+    memcpy(out, p, BPS_HEADER_SIZE);
+    return out->magic[0] == 'B' && out->magic[1] == 'P' && out->version == BPS_WIRE_VERSION;
+}
+
+static inline BpsDescriptor bps_descriptor(int32_t pid, int32_t fd, uint64_t inode, uint64_t offset,
+                                           uint64_t length) {
+    BpsDescriptor d;
+    d.pid = pid;
+    d.fd = fd;
+    d.inode = inode;
+    d.offset = offset;
+    d.length = length;
+    return d;
+}
+
+/* Mappings of other processes' arenas, opened once through /proc/<pid>/fd/<fd> (core/shm.py). */
+class BpsPeerMaps {
+  public:
+    ~BpsPeerMaps() { close(); }
+
+    /* The region a descriptor names: 0 and (*ptr, *len), or -1 and *err. */
+    int view(const void *body, size_t n, unsigned char **ptr, uint64_t *len, std::string *err) {
+        if (n != BPS_DESCRIPTOR_SIZE) {
+            *err = "shared-memory descriptor of " + std::to_string(n) + " bytes, expected 32";
+            return -1;
+        }
+        BpsDescriptor d;
+        memcpy(&d, body, sizeof d);
+        auto key = std::make_tuple(d.pid, d.fd, d.inode);
+        auto it = maps_.find(key);
+        if (it == maps_.end()) {
+            Mapping m;
+            if (open_arena(d, &m, err) != 0) return -1;
+            it = maps_.emplace(key, m).first;
+        }
+        if (d.offset + d.length > it->second.size || d.offset + d.length < d.offset) {
+            *err = "shared-memory region " + std::to_string(d.offset) + "+" + std::to_string(d.length) +
+                   " is outside arena " + std::to_string(d.pid) + "/" + std::to_string(d.fd) + " of " +
+                   std::to_string(it->second.size) + " bytes";
+            return -1;
+        }
+        *ptr = it->second.base + d.offset;
+        *len = d.length;
+        return 0;
+    }
+
+    void close() {
+        for (auto &kv : maps_) munmap(kv.second.base, kv.second.size);
+        maps_.clear();
+    }
+
+  private:
+    struct Mapping {
+        unsigned char *base;
+        uint64_t size;
+    };
+
+    static int open_arena(const BpsDescriptor &d, Mapping *m, std::string *err) {
+        char path[64], target[256];
+        snprintf(path, sizeof path, "/proc/%d/fd/%d", d.pid, d.fd);
+        std::string who = "pid " + std::to_string(d.pid) + " (fd " + std::to_string(d.fd) + ")";
+        ssize_t got = readlink(path, target, sizeof target - 1);
+        if (got < 0) {
+            *err = "cannot open shared memory of " + who + ": " + strerror(errno);
+            return -1;
+        }
+        target[got] = 0;
+        /* only byteps's own memfd arenas: a descriptor must not map any file the peer has open */
+        if (strncmp(target, "/memfd:byteps", 13) != 0) {
+            *err = "fd " + std::to_string(d.fd) + " of pid " + std::to_string(d.pid) + " is '" + target +
+                   "', not a byteps shared-memory arena";
+            return -1;
+        }
+        int f = ::open(path, O_RDWR | O_CLOEXEC);
+        if (f < 0) {
+            *err = "cannot open shared memory of " + who + ": " + strerror(errno);
+            return -1;
+        }
+        struct stat st;
+        int rc = fstat(f, &st);
+        if (rc != 0 || (uint64_t)st.st_ino != d.inode) {
+            *err = "shared memory of " + who + " is no longer the arena named (inode " +
+                   std::to_string(rc == 0 ? (uint64_t)st.st_ino : 0) + ", expected " + std::to_string(d.inode) + ")";
+            ::close(f);
+            return -1;
+        }
+        void *base = st.st_size > 0 ? mmap(NULL, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0) : MAP_FAILED;
+        int saved = errno;
+        ::close(f);
+        if (base == MAP_FAILED) {
+            *err = "shared memory of " + who + " cannot be mapped: " + strerror(st.st_size > 0 ? saved : EINVAL);
+            return -1;
+        }
+        m->base = (unsigned char *)base;
+        m->size = (uint64_t)st.st_size;
+        return 0;
+    }
+
+    std::map<std::tuple<int32_t, int32_t, uint64_t>, Mapping> maps_;
+};
+
+#endif

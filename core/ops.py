@@ -1,0 +1,68 @@
+"""One push_pull or broadcast in flight (:class:`Op`), and a range of a machine's sum (:class:`RangeOp`).
+
+They live apart from core/engine.py so that the engine's helpers (core/local_exec.py) can name them
+without importing the engine: dependencies point one way, from the engine down.
+"""
+import collections
+import threading
+import time
+
+from byteps.log import logger
+
+from . import wire
+
+Cmd = wire.Cmd
+
+
+class Op:
+    """One push_pull or broadcast of one tensor, in flight."""
+
+    __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey", "parts_left",
+                 "servers", "error", "done", "started", "callbacks", "codec", "native_id")
+
+    def __init__(self, name, buf, dtype, shape, cmd=Cmd.PUSHPULL, root=0, priority=0):
+        self.name = name
+        self.buf = buf              # flat uint8 numpy view of the tensor's memory: input and output
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self.cmd = cmd
+        self.root = root
+        self.priority = priority
+        self.spec = (self.shape, dtype, int(cmd))
+        self.tkey = None
+        self.parts_left = 0
+        self.servers = collections.Counter()  # ("server", 1) / ("local rank", 0) / "the copy stage" -> replies owed
+        self.error = None
+        self.done = threading.Event()
+        self.started = time.monotonic()
+        self.callbacks = []
+        self.codec = None           # byteps.compression.WireCompressor for partitions sent over the network
+        self.native_id = None       # its id in the native data plane (core/bps_worker.h), if it runs there
+
+    def fail(self, error):
+        if self.error is None:
+            self.error = error
+        self.parts_left = 0
+        self._finish()
+
+    def _finish(self):
+        self.done.set()
+        for cb in self.callbacks:
+            try:
+                cb(self)
+            except Exception:  # a callback must not kill the engine thread
+                logger.exception("completion callback of %r failed", self.name)
+
+
+class RangeOp(Op):
+    """One element range of a machine's sum that this process pushes and pulls for its machine
+    (BYTEPS_LOCAL_STRATEGY=topology, core/local_exec.py). Its bytes are the executor's buffer; its
+    partition ``j`` has wire key ``tkey << 32 | range_index << 16 | j`` and the server that the
+    placement gives piece ``j`` of key ``place_key``; no local reduce (the executor did it)."""
+
+    __slots__ = ("range_index", "place_key", "shared")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.range_index = self.place_key = 0
+        self.shared = None          # (pid, fd, inode, offset) of buf in a memfd arena, or None
