@@ -186,12 +186,13 @@ def test_noncontiguous_inplace_written_back(api):
 
 @TIMEOUT
 def test_unsupported_dtype_type_error(api):
+    """Horovod's UnsupportedTypeError (a TypeError and a ValueError), naming the tensor and its dtype."""
     for r in range(API_N):
         o = api.value(r)["ops"]
         errs = o["bad_dtype"]
         for key, name in [("complex64", "my_complex_tensor"), ("bool", "my_bool_tensor"),
                           ("bool_bcast", "my_bool_bcast")]:
-            assert errs[key] and errs[key].startswith("TypeError") and name in errs[key], (r, key, errs[key])
+            assert errs[key] and errs[key].startswith("UnsupportedTypeError") and name in errs[key], (r, key, errs[key])
         assert "complex64" in errs["complex64"] and "bool" in errs["bool"]
         assert_same_bytes(o["after_errors"], torch.full((2,), float(API_N)), f"rank {r}: push_pull after errors")
 
