@@ -8,6 +8,7 @@ reference, ``torch.distributed`` NCCL all_reduce of the same tensor. Goodput = t
 
     python bench/bench_gpu_stages.py                 # all GPUs, default sizes
     python bench/bench_gpu_stages.py --gpus 4 --sizes 1MB,64MB --iters 20
+    python bench/bench_gpu_stages.py --dtype bfloat16   # torch's "<V2" tensors through the stages
 
 Needs CUDA, NCCL and torch with CUDA; otherwise it prints why and exits 0 (nothing to measure).
 Writes a markdown table to stdout and JSON to bench/results/gpu_stages.json.
@@ -47,12 +48,14 @@ def worker(args):
     plan = topology.plan(machine=args.machine or None, local_size=size, devices=tuple(range(size)),
                          overrides=overrides, env={} if args.machine else None)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    dtype = getattr(torch, args.dtype)
+    isz = torch.empty(0, dtype=dtype).element_size()
     ex = GpuExecutor(plan, rank, args.token, max(sizes), timeout=120)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     dist.init_process_group("nccl", rank=rank, world_size=size)
     rows = []
     for nbytes in sizes:
-        t = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+        t = torch.ones(nbytes // isz, dtype=dtype, device="cuda")
         times = {"byteps": [], "nccl_allreduce": []}
         for it in range(args.warmup + args.iters):
             for name in times:
@@ -61,7 +64,7 @@ def worker(args):
                 dist.barrier()
                 start = time.perf_counter()
                 if name == "byteps":
-                    ex.push_pull(t)
+                    ex.push_pull(t)  # waits for torch's current stream itself (DLPack with our stream)
                 else:
                     dist.all_reduce(t)
                 torch.cuda.synchronize()
@@ -74,7 +77,7 @@ def worker(args):
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"plan": plan.strategy, "groups": plan.groups, "roots": plan.roots, "rows": rows,
-                       "machine": plan.machine.name, "gpus": size}, f)
+                       "machine": plan.machine.name, "gpus": size, "dtype": args.dtype}, f)
 
 
 def main():
@@ -85,6 +88,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--machine", default="", help="plan for this fixture instead of the detected machine")
     p.add_argument("--strategy", default="", help="force a strategy (BYTEPS_INTRA_STRATEGY)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--token", default="", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -106,6 +110,7 @@ def main():
     token = uuid.uuid4().hex[:12]
     base = [sys.executable, os.path.abspath(__file__), "--gpus", str(args.gpus), "--sizes", args.sizes, "--iters",
             str(args.iters), "--warmup", str(args.warmup), "--machine", args.machine, "--strategy", args.strategy,
+            "--dtype", args.dtype,
             "--token", token, "--port", str(port), "--out", out]
     env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID")  # detected GPU i (PCI order) is CUDA device i
     procs = [subprocess.Popen(base + ["--rank", str(r)], env=env) for r in range(args.gpus)]
@@ -115,8 +120,8 @@ def main():
         return 1
     with open(out) as f:
         result = json.load(f)
-    print(f"machine {result['machine']}, {result['gpus']} GPUs, strategy {result['plan']}, groups {result['groups']}, "
-          f"roots {result['roots']}\n")
+    print(f"machine {result['machine']}, {result['gpus']} GPUs, {result['dtype']}, strategy {result['plan']}, "
+          f"groups {result['groups']}, roots {result['roots']}\n")
     print("| size | byteps stages (ms) | GB/s | NCCL all_reduce (ms) | GB/s |\n|---|---|---|---|---|")
     for row in result["rows"]:
         b = row["bytes"]

@@ -17,9 +17,29 @@ Pieces (used by core/gpu_stages.py):
   byteps.core.dtypes.
 * :func:`as_device_array`: (pointer, bytes, dtype, device, stream) from a tensor, keeping the
   producer alive; C-contiguity is checked, not assumed.
-* :class:`StagingPool`: fixed, page-aligned host staging buffers reused across operations,
-  with bounded parallelism (Fairring's staging buffers and slices); pinning is injected, so the
-  bookkeeping is tested without a GPU.
+* :class:`StagingPool`: see below.
+
+**The current device is per host thread.** CUDA keeps one current device per thread, and a thread
+that never called ``cudaSetDevice`` works on device 0 (creating a context there). So every thread
+that issues CUDA or NCCL calls sets its device first: the GPU stages on each call
+(``GpuExecutor``), and :meth:`Nccl.comm_init_rank`'s helper thread, which would otherwise bind the
+communicator to GPU 0 in every process.
+
+**Producer streams.** A tensor may still be written by work queued on the stream that produced it
+(the backward kernel of a gradient). ``__cuda_array_interface__`` v3 names that stream in its
+``stream`` entry (CuPy, Numba); PyTorch (2.13) exports version 2 with no ``stream`` at all, so its
+tensors arrive without one. Whoever hands a tensor over therefore records a CUDA event on the
+producer's stream on the producer's thread (``DeviceArray.ready_event``; the torch plugin records
+one on ``torch.cuda.current_stream()``), and the GPU stages' stream waits for it
+(``cudaStreamWaitEvent``) before it reads.
+
+:class:`StagingPool`: fixed, page-aligned host staging buffers reused across operations, with
+bounded parallelism (Fairring's staging buffers and slices); pinning is injected, so the
+bookkeeping is tested without a GPU.
+
+The libraries are reached only through :func:`cuda` and :func:`nccl`; tests/fake_cuda.py puts a
+CUDA runtime and NCCL that run on the CPU behind that seam (``Cuda(lib)``, ``Nccl(lib)``) to check
+the rules above without a GPU.
 """
 import ctypes
 import ctypes.util
@@ -120,9 +140,14 @@ def nccl():
     """The process's :class:`Nccl` (loaded once); GpuError if NCCL is missing."""
     global _NCCL
     with _LOCK:
-        if _NCCL is None:
-            _NCCL = Nccl(_open("nccl", ["libnccl.so", "libnccl.so.2"]))
-        return _NCCL
+        loaded = _NCCL
+    if loaded is None:
+        rt = cuda()  # its helper threads set their device through the runtime
+        with _LOCK:
+            if _NCCL is None:
+                _NCCL = Nccl(_open("nccl", ["libnccl.so", "libnccl.so.2"]), rt)
+            loaded = _NCCL
+    return loaded
 
 
 def unavailable_reason(need_nccl=True, min_devices=1):
@@ -207,6 +232,7 @@ class Cuda:
         return self.device_count_or_reason()[0]
 
     def set_device(self, index):
+        """Make device ``index`` current for the calling thread (and only for it)."""
         self.check(self.lib.cudaSetDevice(index), f"cudaSetDevice({index})")
 
     def get_device(self):
@@ -307,8 +333,9 @@ class Cuda:
 class Nccl:
     """The NCCL calls byteps uses (each raises NcclError with NCCL's message)."""
 
-    def __init__(self, lib):
+    def __init__(self, lib, cuda=None):
         self.lib = lib
+        self.cuda = cuda  #: the runtime the helper threads set their device with (default: :func:`cuda`)
         sigs = {
             "ncclGetVersion": [ctypes.POINTER(_int)],
             "ncclGetUniqueId": [ctypes.POINTER(ncclUniqueId)],
@@ -343,20 +370,30 @@ class Nccl:
         self.check(self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
         return ctypes.string_at(ctypes.addressof(uid), NCCL_UNIQUE_ID_BYTES)  # .internal would stop at a NUL
 
-    def comm_init_rank(self, nranks, unique_id, rank, timeout):
-        """ncclCommInitRank, which blocks until all ``nranks`` joined, bounded by ``timeout`` s.
+    def comm_init_rank(self, nranks, unique_id, rank, timeout, device=None):
+        """ncclCommInitRank on CUDA device ``device`` (default: the calling thread's current one), which
+        blocks until all ``nranks`` joined, bounded by ``timeout`` s.
 
         The call runs in a helper thread: NCCL has no time-out of its own, and a rank that never
-        comes must not hang this process (the thread is left behind; the process is failing)."""
+        comes must not hang this process (the thread is left behind; the process is failing).
+        NCCL binds the communicator to the device current *in the thread that calls it*, and a new
+        thread's is device 0: the helper sets ``device`` first."""
         if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
             raise NcclError(f"NCCL unique id of {len(unique_id)} bytes, expected {NCCL_UNIQUE_ID_BYTES}")
+        rt = self.cuda or cuda()
+        if device is None:
+            device = rt.get_device()
         uid = ncclUniqueId()
         ctypes.memmove(ctypes.addressof(uid), unique_id, NCCL_UNIQUE_ID_BYTES)
         comm = _vp()
         result = {}
 
         def init():
-            result["rc"] = self.lib.ncclCommInitRank(ctypes.byref(comm), nranks, uid, rank)
+            try:
+                rt.set_device(device)
+                result["rc"] = self.lib.ncclCommInitRank(ctypes.byref(comm), nranks, uid, rank)
+            except BaseException as e:  # raised on the caller's thread below
+                result["error"] = e
 
         t = threading.Thread(target=init, name="byteps-nccl-init", daemon=True)
         t.start()
@@ -364,7 +401,9 @@ class Nccl:
         if t.is_alive():
             raise BytePSTimeoutError(f"ncclCommInitRank (rank {rank} of {nranks}) waited {timeout:g} s for the other "
                                      "ranks of the communicator")
-        self.check(result["rc"], f"ncclCommInitRank(rank {rank} of {nranks})")
+        if "error" in result:
+            raise result["error"]
+        self.check(result["rc"], f"ncclCommInitRank(rank {rank} of {nranks}, CUDA device {device})")
         return comm.value
 
     def comm_destroy(self, comm):
@@ -410,13 +449,21 @@ class DeviceArray:
     count: int
     device_type: str  #: "cuda" | "cpu" | "cuda_host"
     device: Optional[int]  #: CUDA device ordinal when known (DLPack), else None
-    stream: Optional[int]  #: producer stream to wait for (__cuda_array_interface__ v3), None if none
-    owner: object = None
+    #: producer stream named by the tensor (__cuda_array_interface__ v3 ``stream``), None if none (torch:
+    #: always None). Whoever takes the array in records an event on it on the taking thread.
+    stream: Optional[int]
+    owner: object = None  #: keeps the producer (and ``ready_event``'s owner) alive
+    #: a cudaEvent_t recorded on the producer's stream when the tensor was handed over (on the
+    #: producer's thread); the GPU stages' stream waits for it before reading. None: nothing to wait for.
+    ready_event: Optional[int] = None
 
 
 #: __cuda_array_interface__ typestr -> byteps dtype code
 _TYPESTR = {"<f4": dtypes.FLOAT32, "<f8": dtypes.FLOAT64, "<f2": dtypes.FLOAT16, "<i4": dtypes.INT32,
             "<i8": dtypes.INT64, "|u1": dtypes.UINT8, "|i1": dtypes.INT8, "<u1": dtypes.UINT8, "<i1": dtypes.INT8}
+#: raw typestrs: bytes of a type numpy's typestr cannot name. PyTorch exports bfloat16 as "<V2" (as
+#: ml_dtypes does); only a caller that knows the dtype (``as_device_array(..., dtype=)``) can take them
+_RAW_TYPESTR = {"<V2": 2, "|V2": 2}
 #: DLPack (type code, bits) -> byteps dtype code
 _DLPACK_DTYPE = {(2, 32): dtypes.FLOAT32, (2, 64): dtypes.FLOAT64, (2, 16): dtypes.FLOAT16, (4, 16): dtypes.BFLOAT16,
                  (0, 32): dtypes.INT32, (0, 64): dtypes.INT64, (1, 8): dtypes.UINT8, (0, 8): dtypes.INT8}
@@ -433,12 +480,27 @@ def _contiguous(shape, strides, itemsize):
     return True
 
 
-def _from_cai(obj, cai):
+def _cai_dtype(cai, dtype):
+    """The byteps dtype code of an interface's typestr, given the caller's ``dtype`` (or None); None when
+    the typestr alone cannot tell (a raw "<V2" without ``dtype``) or is not supported."""
     typestr = cai.get("typestr")
-    if typestr not in _TYPESTR:
+    code = _TYPESTR.get(typestr)
+    if dtype is None:
+        return code
+    if code is None and _RAW_TYPESTR.get(typestr) == dtypes.itemsize(dtype):
+        return dtype  # torch bfloat16 ("<V2"): the caller knows the dtype
+    if code is not None and code != dtype:
+        raise TypeError(f"__cuda_array_interface__ typestr {typestr!r} is {dtypes.name(code)}, but the tensor's dtype "
+                        f"is {dtypes.name(dtype)}")
+    return code
+
+
+def _from_cai(obj, cai, code):
+    typestr = cai.get("typestr")
+    if code is None:
         raise TypeError(f"__cuda_array_interface__ typestr {typestr!r} is not supported "
-                        f"(supported: {', '.join(sorted(_TYPESTR))}; bfloat16 goes through DLPack)")
-    code = _TYPESTR[typestr]
+                        f"(supported: {', '.join(sorted(_TYPESTR))}; a raw {'/'.join(sorted(_RAW_TYPESTR))} such as "
+                        "torch's bfloat16 needs the dtype (as_device_array(..., dtype=)) or DLPack)")
     isz = dtypes.itemsize(code)
     shape = tuple(cai["shape"])
     count = 1
@@ -478,9 +540,11 @@ def _from_dlpack(obj, stream=None):
 
     The capsule is not renamed to "used_dltensor": when it is garbage-collected the producer's
     destructor releases the tensor, as for an unconsumed capsule."""
+    if stream is not None and hasattr(obj, "__dlpack_device__") and obj.__dlpack_device__()[0] not in (2, 3):
+        stream = None  # the consumer stream is for CUDA memory (kDLCUDA, kDLCUDAHost); numpy refuses one
     try:
         capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
-    except TypeError:
+    except TypeError:  # a producer older than the stream argument
         capsule = obj.__dlpack__()
     ptr = _capsule_pointer(capsule, b"dltensor")
     t = _DLTensor.from_address(ptr)  # DLManagedTensor starts with its DLTensor
@@ -504,18 +568,33 @@ def _from_dlpack(obj, stream=None):
                        None, (obj, capsule))
 
 
-def as_device_array(obj, stream=None):
-    """The memory of a tensor: ``__cuda_array_interface__`` first (CuPy, Numba, PyTorch), else
-    DLPack (PyTorch bfloat16, JAX, numpy on the CPU). ``stream``: the consumer stream handed to
-    ``__dlpack__`` so the producer orders its work before ours."""
+def as_device_array(obj, stream=None, dtype=None):
+    """The memory of a tensor, through ``__cuda_array_interface__`` (CuPy, Numba, PyTorch) or DLPack
+    (JAX, numpy on the CPU, and the cases below).
+
+    ``stream``: the consumer's stream. When given, and the interface names no producer stream (v2,
+    as PyTorch exports, or ``stream: None``) while the object speaks DLPack, DLPack is used with
+    ``__dlpack__(stream=stream)``, so that the producer orders its queued work before ours (PyTorch
+    makes ``stream`` wait for its current stream on the calling thread). ``dtype``: the byteps dtype
+    the caller knows the tensor has: it lets a raw typestr through (PyTorch bfloat16 is ``"<V2"``)
+    and is checked against the typestr otherwise. A typestr nobody can name goes to DLPack when
+    the object has it."""
     try:
         cai = obj.__cuda_array_interface__
-    except (AttributeError, TypeError, RuntimeError):  # absent, or not expressible (torch bfloat16): DLPack
+    except (AttributeError, TypeError, RuntimeError):  # absent (CPU tensors), or not expressible: DLPack
         cai = None
+    dlpack = hasattr(obj, "__dlpack__")
     if cai is not None:
-        return _from_cai(obj, cai)
-    if hasattr(obj, "__dlpack__"):
-        return _from_dlpack(obj, stream)
+        code = _cai_dtype(cai, dtype)
+        unnamed = code is None
+        no_stream = cai.get("stream") is None
+        if not (dlpack and (unnamed or (stream is not None and no_stream))):
+            return _from_cai(obj, cai, code)
+    if dlpack:
+        arr = _from_dlpack(obj, stream)
+        if dtype is not None and arr.dtype != dtype:
+            raise TypeError(f"DLPack says {dtypes.name(arr.dtype)}, but the tensor's dtype is {dtypes.name(dtype)}")
+        return arr
     raise TypeError(f"{type(obj).__name__} exposes neither __cuda_array_interface__ nor __dlpack__")
 
 

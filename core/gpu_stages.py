@@ -25,9 +25,19 @@ topology/cpu_exec.py (which runs and is tested everywhere):
 NCCL unique ids travel through shared memory: the lowest rank of each communicator writes
 ``ncclGetUniqueId`` into the header page of its arena and the others read it after a barrier
 (:func:`exchange_ids`), so no file, port or extra socket is needed. All NCCL and copy work runs on
-one non-blocking stream per process; host waits poll CUDA events with the executor's time-out;
-work already queued on the tensor's producer stream (``__cuda_array_interface__`` v3 ``stream``)
-is waited for with ``cudaStreamWaitEvent``.
+one non-blocking stream per process; host waits poll CUDA events with the executor's time-out.
+
+Threads and devices: the current CUDA device is per host thread, so every entry point
+(construction, :meth:`GpuExecutor.push_pull`, :meth:`GpuExecutor.close`) makes this process's GPU
+current on the calling thread first, and the communicators are created on it too
+(``Nccl.comm_init_rank(device=)``, whose helper thread sets it).
+
+Producers: before the first read, the stream waits (``cudaStreamWaitEvent``) for the work queued
+on the tensor's producer stream: the event a hand-over recorded (``DeviceArray.ready_event``: the
+torch plugin records one on ``torch.cuda.current_stream()`` at submission), an event recorded now on
+``push_pull(stream=)`` or on the ``__cuda_array_interface__`` v3 ``stream``, or, for a tensor whose
+interface names no stream (PyTorch's), DLPack with our stream as the consumer's, so the producer
+orders its current stream's work before ours.
 
 Status: written to the CUDA runtime and NCCL APIs but not run in this repository's CI (no GPU);
 tests/test_gpu_stages.py runs it wherever a GPU and NCCL are present and otherwise skips saying why.
@@ -114,7 +124,7 @@ class GpuExecutor:
         self.cuda = cuda()
         self.nccl = nccl() if communicators(plan) else None
         self.device = cuda_ordinal(plan.devices[local_rank])
-        self.cuda.set_device(self.device)
+        self.cuda.set_device(self.device)  # this thread's; push_pull and close set it on theirs
         self.cap = max(PAGE, -(-capacity // PAGE) * PAGE)
         # arena: id header page | H (group / root host buffer) | R (machine sum)
         self.group = LocalGroup(token, local_rank, plan.local_size, PAGE + 2 * self.cap, timeout)
@@ -133,7 +143,7 @@ class GpuExecutor:
             for slot, members in comms:
                 if local_rank in members:
                     self.comms[slot] = self.nccl.comm_init_rank(len(members), ids[slot], members.index(local_rank),
-                                                                timeout)
+                                                                timeout, device=self.device)
         except BaseException:
             self.close()
             raise
@@ -151,6 +161,20 @@ class GpuExecutor:
         self.cuda.event_record(self.event, self.stream)
         self.cuda.event_wait(self.event, self.timeout, what)
 
+    def _after_producer(self, arr, stream):
+        """Make our stream wait for the work queued on the tensor's producer stream(s) so far."""
+        if arr.ready_event:  # recorded at the hand-over, on the producer's thread
+            self.cuda.stream_wait_event(self.stream, arr.ready_event)
+        for producer in dict.fromkeys(s for s in (stream, arr.stream) if s is not None):
+            # CAI v3: 1 and 2 are the legacy and per-thread default streams (valid here: this is the
+            # thread that took the tensor in); 0 is not allowed by the spec, and is the legacy one to CUDA
+            event = self.cuda.event_create()
+            try:
+                self.cuda.event_record(event, producer)
+                self.cuda.stream_wait_event(self.stream, event)
+            finally:
+                self.cuda.event_destroy(event)  # legal once the wait is queued: CUDA frees it when done
+
     def _comm_for(self, rank):
         if self.plan.strategy == "cpu_assisted":
             gi, _ = self.plan.group_of(rank)
@@ -158,11 +182,17 @@ class GpuExecutor:
         return self.comms.get(0)
 
     # -- the operation -------------------------------------------------------------------------
-    def push_pull(self, tensor, network=None, tag=0):
+    def push_pull(self, tensor, network=None, tag=0, stream=None):
         """Sum a CUDA tensor over the machine's GPUs in place; ``network`` and ``tag`` as in
         CpuExecutor (a hook may return a callable that finishes its work; a failing hook is
         reported to every local process in the next barrier). ``tensor`` may also be a
-        :class:`~byteps.core.gpu.DeviceArray` (core/local_exec.py passes slices of a large tensor)."""
+        :class:`~byteps.core.gpu.DeviceArray` (core/local_exec.py passes slices of a large tensor;
+        its ``ready_event`` is waited for). ``stream``: the producer's stream (a ``cudaStream_t`` as
+        an int, e.g. ``torch.cuda.current_stream().cuda_stream``), whose work queued so far must
+        finish before the stages read the tensor; an event is recorded on it now, on this thread.
+
+        The calling thread's current CUDA device becomes this executor's."""
+        self.cuda.set_device(self.device)
         if isinstance(tensor, DeviceArray):
             arr = tensor
         else:
@@ -171,13 +201,7 @@ class GpuExecutor:
             raise BytePSError(f"GpuExecutor.push_pull needs a CUDA tensor, got a {arr.device_type} one")
         if arr.nbytes > self.cap:
             raise BytePSError(f"tensor of {arr.nbytes} bytes exceeds the staging capacity of {self.cap} bytes")
-        if arr.stream not in (None, 0):  # order after the producer's queued work (CAI v3)
-            producer = self.cuda.event_create()
-            try:
-                self.cuda.event_record(producer, arr.stream)
-                self.cuda.stream_wait_event(self.stream, producer)
-            finally:
-                self.cuda.event_destroy(producer)
+        self._after_producer(arr, stream)
         self.seq += 1
         self.tag = tag
         strategy = self.plan.strategy
@@ -291,6 +315,10 @@ class GpuExecutor:
         self.group.barrier(seq, _DONE, everyone, sig, "broadcast")
 
     def close(self):
+        try:
+            self.cuda.set_device(self.device)  # the resources below belong to our GPU
+        except BytePSError:
+            pass
         for comm in self.comms.values():
             try:
                 self.nccl.comm_destroy(comm)

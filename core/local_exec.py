@@ -340,9 +340,12 @@ class LocalExec:
             hook = functools.partial(self._network, op, group, first, ranges)
             self.stats["chunks"] += 1
             if device:
-                buf = op.buf
-                piece = DeviceArray(buf.ptr + c0 * isz, (c1 - c0) * isz, buf.dtype, c1 - c0, buf.device_type,
-                                    buf.device, buf.stream if c0 == 0 else None, buf.owner)
+                # the first chunk waits for the producer (the event the plugin recorded at submission);
+                # the later ones run after it on the same stream
+                first_chunk = c0 == 0
+                piece = dataclasses.replace(op.buf, ptr=op.buf.ptr + c0 * isz, nbytes=(c1 - c0) * isz, count=c1 - c0,
+                                            stream=op.buf.stream if first_chunk else None,
+                                            ready_event=op.buf.ready_event if first_chunk else None)
                 self.gpu.push_pull(piece, network=hook, tag=op.tkey)
             else:
                 self.cpu.push_pull(arr[c0:c1], network=hook, dtype=op.dtype, tag=op.tkey)

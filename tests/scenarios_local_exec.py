@@ -131,11 +131,19 @@ def topology_cuda(out, args):
 
     torch.cuda.set_device(bps.local_rank())
     res = {"sums": {}}
+    # each tensor is produced on a side stream behind a long kernel and submitted without synchronizing,
+    # as a gradient is from its backward: the GPU stages must wait for that stream (the plugin records
+    # an event on torch's current stream at submission)
+    producer = torch.cuda.Stream()
     for rnd in range(args.get("rounds", 2)):
         handles = []
         for index, spec in enumerate(args["tensors"]):
-            t = tensor(bps.rank(), rnd, index, spec["count"], spec["dtype"]).cuda()
-            handles.append((spec["name"], t, bps.push_pull_async_inplace(t, average=False, name=spec["name"])))
+            src = tensor(bps.rank(), rnd, index, spec["count"], spec["dtype"]).pin_memory()
+            t = torch.empty_like(src, device="cuda")
+            with torch.cuda.stream(producer):
+                torch.cuda._sleep(10_000_000)
+                t.copy_(src, non_blocking=True)
+                handles.append((spec["name"], t, bps.push_pull_async_inplace(t, average=False, name=spec["name"])))
         for name, t, h in handles:
             res["sums"][f"{name}@{rnd}"] = digest(bps.synchronize(h).cpu())
     ex = _job.engine._local_exec

@@ -320,11 +320,13 @@ def _gpu_reason(min_devices):
 
 def test_gpu_engine_path_cuda_tensors(cluster):
     """CUDA tensors through the engine: GpuExecutor (NCCL + pinned staging) per machine, ranges pushed
-    by the engine. Needs 2 GPUs, NCCL and a CUDA torch; skips saying why otherwise."""
+    by the engine; tensors are produced on a side stream and submitted unsynchronized (the stages must
+    wait for it), bfloat16 included. Needs 2 GPUs, NCCL and a CUDA torch; skips saying why otherwise.
+    tests/test_gpu_stages.py runs the same hand-over on a fake GPU everywhere."""
     reason = _gpu_reason(2)
     if reason:
         pytest.skip(reason)
-    specs = tensors(["float32", "float64", "int32", "float16"], [1, 3, 10007, 40000])
+    specs = tensors(["float32", "float64", "int32", "float16", "bfloat16"], [1, 3, 10007, 40000])
     _, res = run(cluster, 2, 2, "topology_cuda", {"tensors": specs, "rounds": 2},
                  {"BYTEPS_INTRA_STRATEGY": "reduce_scatter"}, servers=1, timeout=300)
     check_sums(res, specs, 2)

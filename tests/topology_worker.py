@@ -57,9 +57,11 @@ def main(spec_path, rank, outdir):
 
 
 def run_ops(spec, case, plan, rank, token, outdir, record):
-    dtype = np.dtype(case.get("dtype", "float32"))
+    # bfloat16 (GPU mode only; numpy has none): inputs and results as float32, exact for these values
+    bf16 = case.get("dtype") == "bfloat16"
+    dtype = np.dtype(np.float32 if bf16 else case.get("dtype", "float32"))
     sizes = case["sizes"]
-    cap = max(sizes) * dtype.itemsize if sizes else 8
+    cap = max(sizes) * (2 if bf16 else dtype.itemsize) if sizes else 8
     if spec["mode"] == "gpu":
         import torch
 
@@ -67,6 +69,7 @@ def run_ops(spec, case, plan, rank, token, outdir, record):
         torch.cuda.set_device(plan.devices[rank])
         ex = GpuExecutor(plan, rank, token, cap, timeout=spec["timeout"],
                          partition_bytes=case.get("partition_bytes", 4096000))
+        producer = torch.cuda.Stream()
     else:
         from byteps.topology.cpu_exec import CpuExecutor
         ex = CpuExecutor(plan, rank, token, cap, timeout=spec["timeout"],
@@ -87,10 +90,15 @@ def run_ops(spec, case, plan, rank, token, outdir, record):
                 count += 1
             x = inputs(rank, op, count, dtype)
             if spec["mode"] == "gpu":
-                t = torch.from_numpy(x).cuda()
-                ex.push_pull(t, network=hook if case.get("hook") else None)
-                torch.cuda.synchronize()
-                x = t.cpu().numpy()
+                # the tensor is produced on a side stream behind a long kernel and handed over without
+                # synchronizing, as a gradient is by its backward: the stages must wait for that stream
+                src = torch.from_numpy(x).pin_memory()
+                t = torch.empty(count, dtype=torch.bfloat16 if bf16 else src.dtype, device="cuda")
+                with torch.cuda.stream(producer):
+                    torch.cuda._sleep(20_000_000)
+                    t.copy_(src, non_blocking=True)
+                    ex.push_pull(t, network=hook if case.get("hook") else None)  # orders after `producer`
+                x = t.float().cpu().numpy() if bf16 else t.cpu().numpy()
             else:
                 ex.push_pull(x, network=hook if case.get("hook") else None)
             np.save(os.path.join(outdir, f"{case['name']}-{rank}-{op}.npy"), x)

@@ -83,11 +83,29 @@ def _buffers(tensor, push_pull=True, name=None):
                              f"{common.local_rank()}) drives cuda:{expected} in the machine's topology plan "
                              "(BYTEPS_LOCAL_STRATEGY=topology); move it there")
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        # taken here, on the caller's thread: __cuda_array_interface__ names the caller's current
-        # stream, which the GPU stages wait for before they read the tensor
-        return work, (None if work is tensor else tensor), as_device_array(work.detach())
+        return work, (None if work is tensor else tensor), _device_buffer(work)
     work, write_back = _host_buffer(tensor)
     return work, write_back, _byte_view(work)
+
+
+def _device_buffer(work):
+    """The device memory of contiguous CUDA tensor ``work`` for the GPU stages (a DeviceArray), taken
+    on the caller's thread at submission.
+
+    torch's ``__cuda_array_interface__`` (2.13: version 2) names no stream, yet the kernels that
+    produce ``work`` (its backward, ``.contiguous()``) may still be queued on the caller's current
+    stream. So a CUDA event is recorded here on ``torch.cuda.current_stream(work.device)``, and the
+    GPU stages' stream waits for it (cudaStreamWaitEvent) before reading; the event lives as long as
+    the operation holds the array. The dtype is passed on because torch exports bfloat16 as the raw
+    typestr "<V2"."""
+    from byteps.core.gpu import as_device_array
+
+    arr = as_device_array(work.detach(), dtype=_TORCH_DTYPES.get(work.dtype))
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(work.device))  # torch creates it on that stream's device
+    arr.ready_event = ready.cuda_event
+    arr.owner = (arr.owner, ready)
+    return arr
 
 
 def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None):
