@@ -309,7 +309,16 @@ class Scheduler:
             self._send(target, Cmd.JOIN, body)
         if done:
             self.joined = []
-        for name, seq in list(self.declares):  # declarations that waited only for this rank
+        for (name, seq), pending in list(self.declares.items()):  # declarations that waited only for this rank
+            if self.joined and any(s["kind"] == "broadcast" for s in pending["specs"].values()):
+                # a broadcast declared before this rank joined: refuse it as one declared after (the
+                # joined rank will never send its part, so answering with a key would hang the others)
+                del self.declares[(name, seq)]
+                for i in pending["specs"]:
+                    self._send(i, Cmd.DECLARE, {"name": name, "seq": seq, "error": (
+                        f"broadcast of {name!r} is not supported while ranks {ranks} have joined (join())")},
+                        arg=1)
+                continue
             self._maybe_declared(name, seq)
 
     def _on_leave(self, ident):

@@ -4,6 +4,8 @@ gradient, sparse allreduce, int16 moves, and the optimizer/state details of Horo
 Each worker returns raw data (exact digests, lists, error types); the tests rebuild every rank's
 inputs with the generators below and compute the expected results locally.
 """
+import time
+
 import torch
 
 from scenarios import digest, scenario
@@ -228,4 +230,29 @@ def hvd_collectives(out, args):
                     ("reducescatter", _reducescatter), ("sparse", _sparse), ("int16", _int16),
                     ("optimizer", _optimizer)]:
         res[key] = fn(rank, size)
+    return res
+
+
+@scenario
+def hvd_join_order(out, args):
+    """Horovod's join tests with the first joiner not rank 0 and the others' broadcasts and
+    allgathers declared before it joins: they must fail at once, not wait for a time-out."""
+    rank, size = hvd.rank(), hvd.size()
+    first = args["first"]
+    res = {}
+    for kind in ("broadcast", "allgather"):
+        hvd.barrier()
+        t0 = time.monotonic()
+        if rank == first:
+            time.sleep(1.0)  # the others' declarations reach the scheduler before this join
+            res[kind] = {"joined_first": True}
+        else:
+            if kind == "broadcast":
+                err = _etype(lambda: hvd.broadcast(torch.ones(3), (first + 1) % size, name=f"join.{kind}"))
+            else:
+                err = _etype(lambda: hvd.allgather(torch.ones(rank + 1, 2), name=f"join.{kind}"))
+            res[kind] = {"error": err, "seconds": time.monotonic() - t0}
+        res[kind]["last"] = hvd.join()
+    # training continues after the join
+    res["after"] = hvd.allreduce(torch.full((2,), float(rank)), op=hvd.Sum, name="join.after").tolist()
     return res

@@ -205,3 +205,23 @@ def test_broadcast_optimizer_state_initialises_like_horovod(job):
         assert ng["b"] == p.detach().tolist()
         assert v["sparse_adam_state"] == ["exp_avg", "exp_avg_sq", "step"]
         assert v["lbfgs_state"]
+
+
+@pytest.mark.timeout(180)
+def test_join_first_joiner_not_rank_0_fails_fast(tmp_path):
+    """Four ranks, rank 2 joins last of nothing but first of all: the others' broadcast and allgather,
+    declared before its join, raise RuntimeError at once (Horovod fails at once), and join() returns
+    the same last rank everywhere."""
+    run = Run(tmp_path, "hvd_join_order", 4, 1, args={"first": 2}, timeout=150)
+    vals = run.values()
+    for kind in ("broadcast", "allgather"):
+        lasts = {v[kind]["last"] for v in vals}
+        assert len(lasts) == 1 and lasts != {2}, (kind, lasts)
+        for r, v in enumerate(vals):
+            if r == 2:
+                continue
+            e = v[kind]["error"]
+            assert e is not None and "RuntimeError" in e["types"], (kind, r, e)
+            assert v[kind]["seconds"] < 10, (kind, r, v[kind]["seconds"])  # BYTEPS_TIMEOUT is 30 here
+    for v in vals:
+        assert v["after"] == [6.0, 6.0]
