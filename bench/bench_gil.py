@@ -43,6 +43,7 @@ Commands
     .venv/bin/python bench/bench_gil.py                  # byteps and gloo, both cases, 7 repetitions
     .venv/bin/python bench/bench_gil.py --quick          # smoke run (2 repetitions)
     .venv/bin/python bench/bench_gil.py --systems byteps --cases 256x64KB --reps 9
+    .venv/bin/python bench/bench_gil.py --systems byteps --env BYTEPS_NATIVE=1   # an A/B, labelled as such
 
 Output: a markdown table on stdout, JSON in bench/results/gil-<date>.json (``--json``).
 Needs at least 2 CPUs (the training and communication cores must differ).
@@ -62,7 +63,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from bench_users import bpslaunch_argv, clean_env, free_port, machine_meta, spread  # noqa: E402
+from bench_users import bpslaunch_argv, clean_env, free_port, machine_meta, parse_env, spread  # noqa: E402
 
 CASES = {"64MB": (1, 64 << 20), "256x64KB": (256, 64 << 10)}
 MIN_CHUNKS = 10  #: work chunks after the last start needed to report the thread's speed
@@ -295,7 +296,7 @@ def _pinned(core):
 
 def run_system(system, args):
     out = tempfile.mktemp(prefix=f"bench-gil-{system}-", suffix=".json")
-    env, _ = clean_env(quiet=True)
+    env, _ = clean_env(parse_env(args.env), quiet=True)
     me = [sys.executable, os.path.abspath(__file__), "--worker", "--system", system, "--out", out,
           "--cases", args.cases, "--reps", str(args.reps), "--chunk-us", str(args.chunk_us),
           "--idle-s", str(args.idle_s), "--train-core", str(args.train_core), "--comm-core", str(args.comm_core)]
@@ -400,6 +401,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 repetitions")
     ap.add_argument("--job-timeout", type=float, default=600)
     ap.add_argument("--json", help="JSON path (default bench/results/gil-<date>.json)")
+    ap.add_argument("--env", action="append", metavar="KEY=VALUE",
+                    help="set a variable in the jobs (repeatable), e.g. BYTEPS_NATIVE=1 for an A/B; printed with "
+                         "the results")
     args = ap.parse_args()
     if args.worker:
         return worker_main(args)
@@ -415,7 +419,8 @@ def main():
         if c not in CASES:
             ap.error(f"unknown case {c!r}; choose from {','.join(CASES)}")
     _, stripped = clean_env()
-    meta = dict(machine_meta(), stripped_env=stripped, args=vars(args))
+    explicit_env = parse_env(args.env)
+    meta = dict(machine_meta(), stripped_env=stripped, explicit_env=explicit_env, args=vars(args))
     started = time.time()
     rows, raw = [], {}
     for system in args.systems.split(","):
@@ -426,7 +431,7 @@ def main():
     meta["wall_s"] = time.time() - started
     meta["loadavg_end"] = os.getloadavg()
     print(f"## Progress without the GIL: training thread alone on core {args.train_core}, everything else on "
-          f"core {args.comm_core}\n")
+          f"core {args.comm_core}" + (f"; SET: {explicit_env}" if explicit_env else "") + "\n")
     print(table(rows))
     b = raw.get("byteps") or raw.get("gloo")
     print(f"\nin flight = first start to last completion seen; spin = pure-Python chunks of {args.chunk_us:g} us "

@@ -65,6 +65,7 @@ Commands
     .venv/bin/python bench/bench_users.py --quick               # smoke run (3 sizes, 2 repetitions)
     .venv/bin/python bench/bench_users.py --layouts local --procs 2 --sizes 4KB,1MB --patterns inplace \\
         --names fixed --repeat 1 --quick                         # the tiny config of tests/test_bench_smoke.py
+    .venv/bin/python bench/bench_users.py --env BYTEPS_NATIVE=1 # an A/B with a variable set: printed as such
     .venv/bin/python bench/bench_users.py --train               # training step, one machine (bpslaunch --local)
     .venv/bin/python bench/bench_users.py --train --quick
     sudo .venv/bin/python bench/bench_users.py --cluster        # training step, emulated cluster n=4, k=4, 1 Gbit/s
@@ -113,6 +114,17 @@ def clean_env(extra=None, quiet=False):
         print(f"default environment: removed inherited {', '.join(stripped)}", file=sys.stderr)
     env.update(extra or {})
     return env, stripped
+
+
+def parse_env(items):
+    """--env KEY=VALUE options as a dict (for an explicit, labelled A/B; the default is none)."""
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--env wants KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
 
 
 def bpslaunch_argv():
@@ -360,6 +372,8 @@ class Collectives:
         bps, dist = self.bps, self.dist
         for t in tensors:
             t.fill_(self.rank + 1)
+        srv0 = _servers_stat(self.servers) if impl == "byteps" else None
+        rss0 = _self_rss()
         t0 = time.perf_counter()
         if impl == "byteps":
             hs = [bps.push_pull_async_inplace(t, average=False,
@@ -372,9 +386,17 @@ class Collectives:
             for w in works:
                 w.wait()
         elapsed = time.perf_counter() - t0
+        rss1 = _self_rss()
+        srv1 = _servers_stat(self.servers) if impl == "byteps" else None
         for t in tensors:
             self._check(f"{impl} batched {label}", t, t, "batched")
-        return {"median_s": elapsed / len(tensors), "calls": len(tensors), "batch_s": elapsed}
+        stats = {"median_s": elapsed / len(tensors), "calls": len(tensors), "batch_s": elapsed,
+                 "worker_rss_growth_per_call": (rss1 - rss0) / len(tensors)}
+        if srv0 and srv1:
+            stats["server_faults_per_call"] = (srv1[0] - srv0[0]) / len(tensors)
+            stats["server_rss_growth_per_call"] = (srv1[1] - srv0[1]) / len(tensors)
+            stats["server_rss"] = srv1[1]
+        return stats
 
     # ------------------------------------------------------------------ memory guard
 
@@ -556,7 +578,7 @@ def train_worker(args, bps, dist, torch):
 def run_job(layout, procs, args, mode):
     """One ``bpslaunch --local`` job; returns the gathered JSON of its workers."""
     out = tempfile.mktemp(prefix="bench-users-", suffix=".json")
-    env, _ = clean_env(quiet=True)
+    env, _ = clean_env(parse_env(args.env), quiet=True)
     shape = ["--workers", "1", "--local-size", str(procs)] if layout == "local" else ["--workers", str(procs)]
     cmd = [*bpslaunch_argv(), "--local", *shape, "--servers", str(args.servers), "--no-prefix",
            "--timeout", str(args.job_timeout), "--",
@@ -751,7 +773,7 @@ def run_cluster(args):
     extras = [f"x{j}" for j in range(k)]
     rundir = tempfile.mkdtemp(prefix="bench-users-cluster-")
     out = os.path.join(rundir, "result.json")
-    env, _ = clean_env(quiet=True)
+    env, _ = clean_env(parse_env(args.env), quiet=True)
     with netns.Network(workers + extras + ["sched"], rate_mbit=args.rate_mbit) as net:
         base = dict(env, DMLC_NUM_WORKER=str(n), DMLC_NUM_SERVER=str(n + k), DMLC_PS_ROOT_URI=net.addr["sched"],
                     DMLC_PS_ROOT_PORT=str(SCHED_PORT), BYTEPS_JOB_SECRET=secrets.token_hex(16),
@@ -830,6 +852,9 @@ def main():
                                                          "2 processes; --train: small model")
     ap.add_argument("--job-timeout", type=float, default=1800, help="bpslaunch --timeout per job, s")
     ap.add_argument("--json", help="JSON path (default bench/results/users-<mode>-<date>.json)")
+    ap.add_argument("--env", action="append", metavar="KEY=VALUE",
+                    help="set a variable in every job (repeatable): for a labelled A/B only, printed with the "
+                         "results; the default sets nothing")
     tr = ap.add_argument_group("training step (--train, --cluster)")
     tr.add_argument("--train", action="store_true", help="training-step benchmark (bpslaunch --local)")
     tr.add_argument("--width", type=int, default=1024, help="MLP input/output width (default 1024)")
@@ -882,8 +907,12 @@ def main():
     counts = [int(p) for p in args.procs.split(",")]
 
     _, stripped = clean_env()
+    explicit_env = parse_env(args.env)
+    if explicit_env:
+        print(f"NOT the default environment: every job gets {explicit_env}", file=sys.stderr)
     mode = "cluster" if args.cluster else "train" if args.train else "collectives"
-    meta = dict(machine_meta(), mode=mode, stripped_env=stripped, servers=args.servers, args=vars(args))
+    meta = dict(machine_meta(), mode=mode, stripped_env=stripped, explicit_env=explicit_env, servers=args.servers,
+                args=vars(args))
     started = time.time()
     doc = {"meta": meta}
     if mode == "collectives":
@@ -947,6 +976,8 @@ def main():
     if first:
         layout_vars = ("DMLC_", "BYTEPS_JOB_ID", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE")
         tuned = {k: v for k, v in first["env"].items() if not k.startswith(layout_vars)}
+        if explicit_env:
+            print(f"\nSET BY --env (not the default environment): {explicit_env}")
         print(f"\nchildren ran with {tuned or 'no thread or tuning variables'} (set by bpslaunch), "
               f"torch threads {first['torch_threads']}; removed from the inherited environment: "
               f"{', '.join(stripped) or 'nothing'}; load average {meta['loadavg'][0]:.1f} -> "
