@@ -332,7 +332,7 @@ def test_single_process_mode_without_dmlc(standalone):
     pp = standalone["push_pull"]
     assert pp["out"] == x and pp["int"] == [[0, 1, 2], [3, 4, 5]] and pp["input"] == x and pp["inplace_same"]
     assert standalone["broadcast_object"] == {"k": [1, 2]}
-    assert standalone["bad_dtype"].startswith("TypeError") and "alone_complex" in standalone["bad_dtype"]
+    assert standalone["bad_dtype"].startswith("UnsupportedTypeError") and "alone_complex" in standalone["bad_dtype"]
 
 
 def test_not_initialized_in_process():
