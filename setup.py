@@ -3,10 +3,9 @@
 The tree keeps each part of the system in its own top-level folder (see docs/architecture.md);
 setuptools' `package_dir` maps them under one import name. Cython does not follow
 `package_dir`, so `cython_include_tree()` builds a symlinked `byteps/` tree for cimports
-(see ../shared/STYLE.md, "Packaging our fixed layout", pitfall 1).
+(a `cimport byteps.core...` must find the .pxd/.pyx files under a folder named like the package).
 """
 import os
-import sys
 
 from setuptools import Extension, find_packages, setup
 
@@ -54,10 +53,9 @@ def extensions():
     import numpy
     from Cython.Build import cythonize
 
-    compile_args = ["-O3", "-fopenmp", "-fno-strict-aliasing"]
-    link_args = ["-fopenmp"]
-    if sys.platform == "darwin":  # Apple clang has no -fopenmp
-        compile_args, link_args = ["-O3"], []
+    # no OpenMP: bps_reduce.h has its own pool of helpers that sleep between calls (libgomp's spin)
+    compile_args = ["-O3", "-fno-strict-aliasing", "-pthread"]
+    link_args = ["-pthread"]
     exts = [
         Extension(
             "byteps.core._reduce",

@@ -2,8 +2,10 @@
 
 Buffers are taken through the buffer protocol as raw bytes, so numpy arrays of any dtype, byte
 views, bytearray, memoryview and zmq frames all work; the ``dtype`` code (byteps.core.dtypes) says
-how to interpret them. The arithmetic runs without the GIL, in OpenMP threads for big buffers.
+how to interpret them. The arithmetic runs without the GIL, in several threads for big buffers
+(a pool of sleeping helpers in bps_reduce.h; their number: :func:`default_threads`).
 """
+import mmap
 import os
 
 import numpy as np
@@ -32,31 +34,59 @@ PAGE = 4096
 
 cdef int _nthreads = 1
 
+#: one kernel thread per this many cores of this process's share of the machine: the training
+#: thread, the engine's network thread and the server's keep a core each (see default_threads)
+CORES_PER_THREAD = 4
+#: never more kernel threads than this by default: memory bandwidth, not arithmetic, bounds a sum
+MAX_DEFAULT_THREADS = 4
 
-def _default_threads():
-    """BYTEPS_OMP_THREAD_PER_GPU if set (as in original BytePS), else min(4, OMP_NUM_THREADS or usable CPUs).
 
-    bpslaunch sets OMP_NUM_THREADS to CPUs / local processes: every process of a job on one
-    machine asking for all cores made calls wait milliseconds for a thread the OS had not run.
-    """
-    for name in ("BYTEPS_OMP_THREAD_PER_GPU", "OMP_NUM_THREADS"):
-        env = os.environ.get(name, "").strip()
-        if env:
-            try:
-                value = int(env)
-            except ValueError:
-                raise ValueError(f"{name}={env!r} is not an integer") from None
-            if name == "BYTEPS_OMP_THREAD_PER_GPU":
-                return max(1, value)
-            return max(1, min(4, value))
+def _usable_cpus():
     try:
-        ncpu = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        ncpu = os.cpu_count() or 1
-    return max(1, min(4, ncpu))
+        return os.cpu_count() or 1
 
 
-_nthreads = _default_threads()
+def default_threads(env=None):
+    """The kernels' thread count and why: ``(threads, reason)``.
+
+    ``BYTEPS_OMP_THREAD_PER_GPU`` (as in BytePS) sets it. Otherwise the rule is
+    ``clamp(cores // 4, 1, 4)``, where ``cores`` is this process's share of the machine: the CPUs it
+    may run on, or ``OMP_NUM_THREADS`` when that is smaller (bpslaunch sets it to CPUs / local
+    processes). A summing thread pays off only where it does not take the core that the training
+    thread or the engine's and servers' network threads need: on a 2-core host two threads made a
+    64 MB push_pull 2-3x slower than one (docs/benchmarks.md, "Kernel threads"); a sum is bound by
+    memory bandwidth, which a few threads saturate. The helpers sleep between calls (they never
+    spin; core/bps_reduce.h).
+
+    Raises:
+        ConfigError: BYTEPS_OMP_THREAD_PER_GPU is not an integer in 1..64.
+    """
+    env = os.environ if env is None else env
+    raw = (env.get("BYTEPS_OMP_THREAD_PER_GPU") or "").strip()
+    if raw:
+        try:
+            value = int(raw, 10)
+        except ValueError:
+            value = None
+        if value is None or not 1 <= value <= 64:
+            from byteps.errors import ConfigError
+
+            raise ConfigError(f"BYTEPS_OMP_THREAD_PER_GPU={raw!r} must be an integer from 1 to 64 "
+                              "(threads of the summation kernels)")
+        return value, "BYTEPS_OMP_THREAD_PER_GPU"
+    cores = _usable_cpus()
+    why = f"{cores} usable CPUs"
+    omp = (env.get("OMP_NUM_THREADS") or "").strip()
+    if omp.isdigit() and 0 < int(omp) < cores:
+        cores = int(omp)
+        why = f"OMP_NUM_THREADS={omp}"
+    threads = max(1, min(MAX_DEFAULT_THREADS, cores // CORES_PER_THREAD))
+    return threads, f"{why}: one thread per {CORES_PER_THREAD} cores, at most {MAX_DEFAULT_THREADS}"
+
+
+_nthreads = default_threads()[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,25 +243,42 @@ def scale(buf, double factor, int dtype):
         PyBuffer_Release(&b)
 
 
+#: from this size up, aligned_empty() maps its own memory and asks for transparent huge pages
+HUGEPAGE_BYTES = 2 << 20
+
+
 def aligned_empty(Py_ssize_t nbytes):
     """Allocate an uninitialised, page-aligned (4096) uint8 array.
+
+    From 2 MB up (servers' stores, fusion buffers) the array is its own private anonymous mapping
+    with MADV_HUGEPAGE: where the kernel has transparent huge pages in ``madvise`` mode, its first
+    write takes one fault per 2 MB instead of one per 4 KB (a fresh 64 MB buffer: 32 faults and
+    about 12 ms instead of 16,384 and 55 ms on the CI VM). The mapping is freed with the array.
 
     Args:
         nbytes: size in bytes (>= 0).
 
     Returns:
         numpy.ndarray: a 1-D uint8 view of ``nbytes`` whose data pointer is a multiple of 4096;
-        it keeps its over-allocated base array alive.
+        it keeps its over-allocated base array (or its mapping) alive.
     """
     if nbytes < 0:
         raise ValueError(f"aligned_empty: nbytes must be >= 0, got {nbytes}")
+    if nbytes >= HUGEPAGE_BYTES:
+        m = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # THP unsupported here: 4 KB pages
+                pass
+        return np.frombuffer(m, dtype=np.uint8)
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     off = (-raw.ctypes.data) % PAGE
     return raw[off:off + nbytes + 1][:nbytes]  # an empty slice would keep raw's unaligned pointer
 
 
 def set_num_threads(int n):
-    """Set the OpenMP threads used for buffers above the parallel threshold.
+    """Set the threads (the caller's included) used for buffers above the parallel threshold.
 
     Args:
         n: thread count (>= 1).
@@ -243,7 +290,7 @@ def set_num_threads(int n):
 
 
 def get_num_threads():
-    """Return the OpenMP thread count used for big buffers.
+    """Return the thread count used for big buffers (the caller's thread included).
 
     Returns:
         int: the current thread count.

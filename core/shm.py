@@ -70,14 +70,17 @@ class Allocator:
         self.pid = os.getpid()
 
     def alloc(self, nbytes):
-        """(numpy uint8 view, descriptor prefix (pid, fd, inode, offset)) of a new region."""
+        """(numpy uint8 view, descriptor prefix (pid, fd, inode, offset)) of a new region, its pages
+        already faulted in (see :func:`prefault`)."""
         for arena in self.arenas:
             off = arena.take(nbytes)
             if off is not None:
-                return arena.array[off:off + nbytes], (self.pid, arena.fd, arena.inode, off)
-        arena = Arena(max(nbytes, self.arena_bytes), self.name)
-        self.arenas.append(arena)
-        off = arena.take(nbytes)
+                break
+        else:
+            arena = Arena(max(nbytes, self.arena_bytes), self.name)
+            self.arenas.append(arena)
+            off = arena.take(nbytes)
+        prefault(arena.map, off, nbytes)
         return arena.array[off:off + nbytes], (self.pid, arena.fd, arena.inode, off)
 
     def reset(self):
@@ -94,6 +97,24 @@ class Allocator:
                 pass
             os.close(arena.fd)
         self.arenas = []
+
+
+#: madvise(2) MADV_POPULATE_WRITE (Linux 5.14); Python 3.11's mmap module does not name it
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def prefault(mapping, offset, nbytes):
+    """Fault the pages of ``mapping[offset:offset + nbytes]`` in with one system call. Shared memory
+    gets no transparent huge pages, so a fresh 64 MB region takes 16,384 faults at its first write
+    (73-96 ms on the CI VM); populating it in the kernel costs 20-25% less, and moves the cost to
+    the region's allocation (once per key) out of the first push_pull's copy. Best effort: older
+    kernels fault on first touch as before."""
+    if nbytes <= 0 or not hasattr(mapping, "madvise"):
+        return
+    try:
+        mapping.madvise(MADV_POPULATE_WRITE, offset, -(-nbytes // PAGE) * PAGE)
+    except (OSError, ValueError):
+        pass
 
 
 def describe(prefix, nbytes):

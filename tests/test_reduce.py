@@ -392,6 +392,94 @@ def test_num_threads_from_env():
     assert out.stdout.strip() == "3"
 
 
+@pytest.mark.parametrize("cpus,omp,want", [(1, None, 1), (2, None, 1), (7, None, 1), (8, None, 2), (12, None, 3),
+                                           (16, None, 4), (96, None, 4), (16, "8", 2), (16, "2", 1), (4, "16", 1)])
+def test_default_threads_rule(monkeypatch, cpus, omp, want):
+    """One kernel thread per 4 cores of the process's share (OMP_NUM_THREADS when smaller), 1..4."""
+    monkeypatch.setattr(_reduce, "_usable_cpus", lambda: cpus)
+    env = {} if omp is None else {"OMP_NUM_THREADS": omp}
+    got, why = _reduce.default_threads(env)
+    assert got == want, why
+    assert _reduce.default_threads({**env, "BYTEPS_OMP_THREAD_PER_GPU": "5"}) == (5, "BYTEPS_OMP_THREAD_PER_GPU")
+
+
+@pytest.mark.parametrize("bad", ["0", "65", "two", "-1"])
+def test_thread_override_malformed_is_config_error(bad):
+    from byteps.config import load
+    from byteps.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="BYTEPS_OMP_THREAD_PER_GPU"):
+        _reduce.default_threads({"BYTEPS_OMP_THREAD_PER_GPU": bad})
+    with pytest.raises(ConfigError, match="BYTEPS_OMP_THREAD_PER_GPU"):
+        load({"BYTEPS_OMP_THREAD_PER_GPU": bad})
+
+
+def test_idle_helpers_sleep():
+    """Between parallel calls the helper threads block: the process uses no CPU while it sleeps
+    (libgomp's helpers spun for about a millisecond after each call)."""
+    import time
+
+    old = _reduce.get_num_threads()
+    _reduce.set_num_threads(2)
+    try:
+        a = np.ones(1 << 20, np.float32)
+        b = np.ones(1 << 20, np.float32)
+        _reduce.sum_into(a, b, dtypes.FLOAT32)  # helpers started
+        cpu0 = time.process_time()
+        for _ in range(50):
+            _reduce.sum_into(a[:1 << 17], b[:1 << 17], dtypes.FLOAT32)  # 512 KB: parallel
+            time.sleep(0.002)
+        cpu = time.process_time() - cpu0
+        assert cpu < 0.05, f"{cpu:.3f} s of CPU in 50 small sums with 100 ms of sleep: helpers spin"
+        assert (a[:1 << 17] == 52).all() and (a[1 << 17:] == 2).all()
+    finally:
+        _reduce.set_num_threads(old)
+
+
+def test_concurrent_callers_share_the_pool():
+    """Callers on several threads at once: one gets the helpers, the others sum on their own thread."""
+    import threading
+
+    old = _reduce.get_num_threads()
+    _reduce.set_num_threads(3)
+    try:
+        bufs = [np.full(1 << 20, i, np.float32) for i in range(6)]
+        one = np.ones(1 << 20, np.float32)
+
+        def work(buf):
+            for _ in range(20):
+                _reduce.sum_into(buf, one, dtypes.FLOAT32)
+        threads = [threading.Thread(target=work, args=(b,)) for b in bufs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, buf in enumerate(bufs):
+            assert (buf == i + 20).all()
+    finally:
+        _reduce.set_num_threads(old)
+
+
+def test_pool_after_fork():
+    """A fork()ed child starts its own helpers (the parent's do not exist there)."""
+    old = _reduce.get_num_threads()
+    _reduce.set_num_threads(2)
+    try:
+        a = np.ones(1 << 20, np.float32)
+        _reduce.sum_into(a, a.copy(), dtypes.FLOAT32)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _reduce.sum_into(a, a.copy(), dtypes.FLOAT32)
+                os._exit(0 if (a == 4).all() else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        _reduce.set_num_threads(old)
+
+
 @pytest.mark.parametrize("nbytes", [0, 1, 4097, 3 << 20])
 def test_copy_into(two_threads, nbytes):
     src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
