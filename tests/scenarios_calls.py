@@ -1,0 +1,59 @@
+"""Call patterns of training scripts (issue 14): unnamed synchronous calls, out-of-place results,
+fresh tensors. Checks that a warm loop reuses its key and its memory and that results stay right."""
+import resource
+
+import torch
+
+from scenarios import digest, scenario
+
+import byteps.torch as bps
+from byteps import buffers, common
+
+
+def _minflt():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@scenario
+def torch_calls(out, args):
+    rank, size = bps.rank(), bps.size()
+    n = args.get("elements", 1 << 18)  # 1 MB of float32: pooled out-of-place results
+    res = {}
+    # unnamed synchronous calls: one name per dtype and shape, whatever the number of calls
+    keys_before = len(common._require().engine._keys)
+    outs = []
+    for step in range(4):
+        t = torch.full((n,), float(rank + 1 + step))
+        outs.append(bps.push_pull(t, average=False))           # out of place, autograd path
+        bps.push_pull_inplace(t, average=False)                # in place, unnamed
+        res.setdefault("inplace", []).append(float(t[0]))
+    # every result still holds its own sum: a pooled block is never handed out while in use
+    res["oop"] = [float(o[0]) for o in outs] + [float(o[-1]) for o in outs]
+    res["distinct_storage"] = len({o.data_ptr() for o in outs}) == len(outs)
+    res["new_keys"] = len(common._require().engine._keys) - keys_before  # 8 calls, 1 name (dtype, shape)
+    res["sync_name"] = common.sync_name("push_pull", "float32", (n,))
+    # a warm loop of dropped out-of-place results reuses blocks and takes no page faults
+    t = torch.full((n,), 1.0)
+    for _ in range(3):
+        bps.push_pull(t, average=False)
+    reused0, allocated0 = buffers.pool.reused, buffers.pool.allocated
+    f0 = _minflt()
+    for _ in range(10):
+        r = bps.push_pull(t, average=False)
+        del r
+    res["faults_per_call"] = (_minflt() - f0) / 10
+    res["pool"] = {"reused": buffers.pool.reused - reused0, "allocated": buffers.pool.allocated - allocated0}
+    # a view that outlives its result keeps the block
+    r = bps.push_pull(torch.full((n,), float(rank)), average=False)
+    view = r[:4]
+    del r
+    r2 = bps.push_pull(torch.full((n,), 100.0), average=False)
+    res["view_kept"] = [float(view[0]), float(r2[0])]
+    # the same name again right after synchronize, many times: never "already in flight"
+    for i in range(50):
+        bps.push_pull_inplace(torch.ones(3), average=False, name="again")
+    res["again"] = True
+    # async unnamed calls keep their numbered names (several may be in flight together)
+    hs = [bps.push_pull_async(torch.full((5,), float(rank)), average=False) for _ in range(3)]
+    res["async"] = [digest(bps.synchronize(h)) for h in hs]
+    return res
