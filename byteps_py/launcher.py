@@ -603,6 +603,12 @@ def _parser():
                       help="bytes pushed per step, e.g. 64MB, 256MiB (--plan; default 256MB)")
     diag.add_argument("--bandwidth", default="10Gbit", metavar="RATE",
                       help="each machine's NIC rate per direction, e.g. 100Mbit, 25Gbit (--plan; default 10Gbit)")
+    diag.add_argument("--latency", default="100us", metavar="TIME",
+                      help="round trip between machines, e.g. 50us, 2ms (--plan: the partition size and "
+                           "credit of byteps/autotune.py; default 100us)")
+    p.add_argument("--stages", action="store_true",
+                   help="print the pipeline stage list of a partition in each situation (core/stages.py), "
+                        "with BYTEPS_PIPELINE applied; --local-size sets the processes per machine (default 2)")
     p.add_argument("--topology", nargs="?", const="", default=None, metavar="FILE",
                    help="print the intra-machine aggregation plan of docs/topology.md (strategy and why, "
                         "per-link traffic, J, x*, ring all-reduce) for this machine, or for a machine "
@@ -635,8 +641,9 @@ def _parse(argv):
 
 
 def _print_plan(opts):
-    """bpslaunch --plan: the k/n placement of byteps.placement.plan for the given job shape."""
-    from . import placement
+    """bpslaunch --plan: the k/n placement of byteps.placement.plan for the given job shape, and the
+    partition size and credit byteps/autotune.py chooses for it."""
+    from . import autotune, placement
 
     try:
         n = opts.worker_machines or int(os.environ.get("DMLC_NUM_WORKER", "0") or 0)
@@ -644,10 +651,24 @@ def _print_plan(opts):
             raise ValueError("--plan needs --worker-machines N >= 1 (or DMLC_NUM_WORKER) and --extra K >= 0")
         plan = placement.plan(n, opts.extra, placement.parse_bytes(opts.model_bytes),
                               placement.parse_rate(opts.bandwidth))
+        rtt = autotune.parse_duration(opts.latency)
     except ValueError as e:
         _say(f"error: {e}")
         return 2
     print(plan.table())
+    print(autotune.plan_text(plan, rtt))
+    return 0
+
+
+def _print_stages(opts):
+    """bpslaunch --stages: the stage lists core/stages.py builds, as the engine would for this environment."""
+    from byteps.core import stages
+
+    try:
+        print(stages.situations_text(opts.local_size or 2))
+    except ConfigError as e:
+        _say(f"error: {e}")
+        return 2
     return 0
 
 
@@ -678,6 +699,8 @@ def main(argv=None):
         return _print_plan(opts)
     if opts.topology is not None:
         return _print_topology(opts)
+    if opts.stages:
+        return _print_stages(opts)
     try:
         run = _plan_local(opts, command) if opts.local else _plan_role(opts, command)
     except ConfigError as e:

@@ -135,3 +135,43 @@ def from_env(env=None):
 
 def describe(stages):
     return " -> ".join(s.value.upper() for s in stages)
+
+
+def situations(local_size=2, dropped=frozenset()):
+    """[(situation, stage list)] for every case the engine builds a list for (``bpslaunch --stages``).
+
+    ``local_size``: processes of a machine for the local-reduce rows; ``dropped``: the stages
+    BYTEPS_PIPELINE switches off (:func:`from_env`), applied as the engine applies them: without
+    STAGE a colocated server is reached over TCP like a remote one, without LOCAL_REDUCE every
+    process pushes its own copy."""
+    rows = []
+    for colocated in (False, True):
+        where = "colocated server" if colocated else "remote server"
+        shm = colocated and Stage.STAGE not in dropped
+        rows.append((f"one process per machine, {where}",
+                     stage_list(owner=True, local_size=1, local_reduce=False, colocated=shm)))
+    local = local_size > 1 and Stage.LOCAL_REDUCE not in dropped
+    for owner in (True, False):
+        rows.append((f"{local_size} processes per machine, push_pull, {'partition owner' if owner else 'not the owner'}",
+                     stage_list(owner=owner, local_size=local_size, local_reduce=local, colocated=False)))
+    for kind, who in (("broadcast", " (root)"), ("broadcast", " (other ranks: empty body)"), ("async push_pull", "")):
+        for colocated in (False, True):
+            shm = colocated and Stage.STAGE not in dropped and "other" not in who
+            rows.append((f"{kind}{who}, {'colocated' if colocated else 'remote'} server",
+                         stage_list(owner=True, local_size=local_size, local_reduce=local, colocated=shm, kind=kind)))
+    return rows
+
+
+def situations_text(local_size=2, env=None):
+    """The table ``bpslaunch --stages`` prints, with BYTEPS_PIPELINE from ``env`` applied."""
+    dropped = from_env(env)
+    head = f"pipeline stage lists (core/stages.py), {local_size} processes per machine for the local-reduce rows"
+    if dropped:
+        head += ", BYTEPS_PIPELINE drops " + ", ".join(sorted(s.value for s in dropped))
+    rows = situations(local_size, dropped)
+    width = max(len(what) for what, _ in rows)
+    lines = [head + ":"] + [f"  {what:<{width}}  {describe(st)}" for what, st in rows]
+    lines.append("  CUDA tensors add the topology plan's GPU stages around these (docs/topology.md); with "
+                 "BYTEPS_LOCAL_STRATEGY=topology the plan's executor runs STAGE -> LOCAL_REDUCE [-> PCIE_REDUCE] -> "
+                 "PUSH -> PULL -> LOCAL_BROADCAST per range (executor_stage_list)")
+    return "\n".join(lines)

@@ -76,10 +76,13 @@ class Cmd(enum.IntEnum):
     LOCAL_DONE = 25    # owner -> others: the machine's result is in shared memory here
     ASYNC_PUSHPULL = 26  # worker -> server (BYTEPS_ENABLE_ASYNC): round 0 the parameters, then a delta;
                          # reply: the server's latest parameters (docs/async.md)
+    PROBE = 27         # worker -> server: any bytes; reply: PROBE with the same bytes (byteps/autotune.py
+                       # measures round trip and bandwidth with it before choosing the partition size)
 
 
 _CMDS = frozenset(int(c) for c in Cmd)
-_DATA_CMDS = frozenset({Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.REPLY, Cmd.LOCAL_READY, Cmd.LOCAL_DONE, Cmd.ASYNC_PUSHPULL})
+_DATA_CMDS = frozenset({Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.REPLY, Cmd.LOCAL_READY, Cmd.LOCAL_DONE, Cmd.ASYNC_PUSHPULL,
+                        Cmd.PROBE})
 
 
 def pack(cmd, sender=NO_SENDER, key=0, round=0, length=0, dtype=NO_DTYPE, arg=0, flags=0):

@@ -249,6 +249,13 @@ class Server:
         self._send([ident, wire.pack(Cmd.ERROR, sender=self.control.node_id, key=header.key, round=header.round,
                                      length=len(body)), body])
 
+    def _on_probe(self, ident, header):
+        """PROBE from an authenticated worker: echo its body, so it can time the link (byteps/autotune.py)."""
+        body = self._take() if self._more() else b""
+        self._discard_rest()
+        self._send([ident, wire.pack(Cmd.PROBE, sender=self.control.node_id, key=header.key, round=header.round,
+                                     length=len(body)), body], copy=False)
+
     def _on_data(self):
         """Handle one data-plane message; False if none was queued."""
         frames = self.fast.recv_multipart()
@@ -269,6 +276,9 @@ class Server:
                     self.gate.refused.add(ident)
                     logger.warning("ignored data from an unauthenticated peer %r (it never proved it knows "
                                    "BYTEPS_JOB_SECRET)", ident)
+                return True
+            if header.cmd == Cmd.PROBE:
+                self._on_probe(ident, header)
                 return True
             if header.cmd not in (Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.ASYNC_PUSHPULL):
                 raise ProtocolError(f"{Cmd(header.cmd).name} is not a data request")

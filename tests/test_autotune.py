@@ -1,0 +1,206 @@
+"""Partition size and credit from the link (byteps/autotune.py): the model, the environment's
+overrides, the probe's arithmetic, and the servers' PROBE echo over an authenticated connection."""
+import math
+import time
+
+import psutil
+import pytest
+import zmq
+
+from byteps import autotune
+from byteps.core import auth, wire
+from byteps.errors import ConfigError
+
+GBIT = 1e9 / 8
+
+
+def choose(*args, **kwargs):
+    return autotune.choose(*args, **kwargs)
+
+
+@pytest.mark.parametrize("bw,rtt,servers,local", [
+    (2e9, 60e-6, 1, 1.0), (GBIT, 200e-6, 4, 0.25), (GBIT, 200e-6, 8, 0.0), (25 * GBIT, 50e-6, 8, 0.0),
+    (100 * GBIT, 20e-6, 16, 0.0), (GBIT / 100, 1e-3, 2, 0.0), (10 * GBIT, 0.1, 4, 0.0)])
+def test_choice_is_a_bounded_power_of_two_with_a_reason(bw, rtt, servers, local):
+    part, credit, why = choose(bw, rtt, servers, local)
+    assert autotune.MIN_PARTITION <= part <= autotune.MAX_PARTITION
+    assert part & (part - 1) == 0, part
+    assert autotune.MIN_CREDIT <= credit <= autotune.MAX_CREDIT
+    assert "credit" in why and "Gbit/s" in why
+
+
+def test_slow_links_get_small_partitions_fast_links_large_ones():
+    """The emulated cluster (200 Mbit/s, n = 4, k = 0..4): 256-512 KB, where docs/benchmarks.md measured
+    1.07x t_opt (4 MB: 1.36x); 1 Gbit/s: under the old 4 MB; 25 Gbit/s: megabytes, as in BytePS."""
+    from byteps import placement
+
+    for k in range(5):
+        part = autotune.for_plan(placement.plan(4, k, 46_800_000, 25e6), 200e-6)[0]
+        assert 256 << 10 <= part <= 512 << 10, (k, part)
+    for servers in (4, 6, 8):
+        assert choose(GBIT, 200e-6, servers)[0] <= 2 << 20
+    assert choose(25 * GBIT, 50e-6, 8)[0] >= 4 << 20
+    sizes = [choose(b * GBIT, 100e-6, 4)[0] for b in (0.1, 1, 10, 25, 100)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+
+
+def test_smaller_steps_get_smaller_partitions():
+    """Fill and drain cost about FILL_DRAIN partitions per step: a small model wants small ones."""
+    sizes = [choose(25 * GBIT, 50e-6, 4, piece_cost_s=autotune.PIECE_COST_NATIVE, model_bytes=m)[0]
+             for m in (8 << 20, 64 << 20, 512 << 20, 4 << 30)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    part = choose(25 * GBIT, 50e-6, 4, piece_cost_s=autotune.PIECE_COST_NATIVE, model_bytes=96 << 20)[0]
+    assert autotune.FILL_DRAIN * part / (96 << 20) <= autotune.OVERHEAD * math.sqrt(2)  # within the rounding
+
+
+def test_fixed_cost_bound():
+    """Each piece's fixed cost stays a small part of the partition's wire time: more servers (more
+    pieces per partition) or a costlier engine never get smaller partitions."""
+    for bw in (GBIT, 10 * GBIT, 25 * GBIT):
+        by_servers = [choose(bw, 100e-6, s)[0] for s in (1, 2, 4, 8, 16, 32)]
+        assert by_servers == sorted(by_servers)
+        native = choose(bw, 100e-6, 8, piece_cost_s=autotune.PIECE_COST_NATIVE)[0]
+        python = choose(bw, 100e-6, 8, piece_cost_s=autotune.PIECE_COST_PYTHON)[0]
+        assert native <= python
+    # where the fixed-cost bound binds, the wire time is >= ~1/OVERHEAD pieces' cost (within the
+    # power-of-two rounding: a factor sqrt(2))
+    part = choose(25 * GBIT, 50e-6, 8)[0]
+    wire_time = part / (25 * GBIT)
+    assert wire_time >= 8 * autotune.PIECE_COST_PYTHON / autotune.OVERHEAD / math.sqrt(2)
+
+
+def test_local_bytes_take_no_nic_time():
+    """Bytes for a colocated server go through shared memory: the NIC carries less of each
+    partition, so partitions may be larger for the same wire time."""
+    assert choose(GBIT, 200e-6, 4, 0.5)[0] >= choose(GBIT, 200e-6, 4, 0.0)[0]
+    assert choose(GBIT, 200e-6, 1, 1.0)[0] == choose(GBIT, 200e-6, 1, 1.0)[0]  # deterministic
+
+
+def test_credit_covers_the_bandwidth_delay_product():
+    assert choose(GBIT, 100e-6, 4)[1] == autotune.MIN_CREDIT  # LAN: far below one partition
+    part, credit, _ = choose(10 * GBIT, 20e-3, 4)  # a long fat pipe
+    assert (credit - autotune.MIN_CREDIT) * part >= 0.5 * 10 * GBIT * 20e-3
+    assert choose(100 * GBIT, 1.0, 4)[1] == autotune.MAX_CREDIT
+    credits = [choose(10 * GBIT, rtt, 4)[1] for rtt in (1e-5, 1e-3, 1e-2, 1e-1)]
+    assert credits == sorted(credits)
+
+
+@pytest.mark.parametrize("args", [(0, 1e-4, 1), (-1, 1e-4, 1), (GBIT, -1, 1), (GBIT, 1e-4, 0),
+                                  (GBIT, 1e-4, 2, 1.5)])
+def test_bad_inputs(args):
+    with pytest.raises(ValueError):
+        choose(*args)
+
+
+def test_environment_overrides_each_choice():
+    model = choose(GBIT, 200e-6, 4)
+    assert autotune.resolve(model, {}) == model
+    got = autotune.resolve(model, {"BYTEPS_PARTITION_BYTES": "4096000"})
+    assert (got.partition_bytes, got.credit) == (4096000, model.credit)
+    assert "BYTEPS_PARTITION_BYTES=4096000 overrides" in got.reason
+    got = autotune.resolve(model, {"BYTEPS_SCHEDULING_CREDIT": "0"})
+    assert (got.partition_bytes, got.credit) == (model.partition_bytes, 0)
+    got = autotune.resolve(model, {"BYTEPS_PARTITION_BYTES": " 65536 ", "BYTEPS_SCHEDULING_CREDIT": "9"})
+    assert (got.partition_bytes, got.credit) == (65536, 9)
+    assert autotune.resolve(model, {"BYTEPS_PARTITION_BYTES": ""}) == model  # empty means unset
+    nothing = autotune.resolve(None, {})
+    assert (nothing.partition_bytes, nothing.credit) == (autotune.DEFAULT_PARTITION, autotune.DEFAULT_CREDIT)
+
+
+@pytest.mark.parametrize("env", [{"BYTEPS_PARTITION_BYTES": "32"}, {"BYTEPS_PARTITION_BYTES": "4MB"},
+                                 {"BYTEPS_SCHEDULING_CREDIT": "-1"}])
+def test_malformed_overrides_are_config_errors(env):
+    with pytest.raises(ConfigError, match=next(iter(env))):
+        autotune.resolve(choose(GBIT, 1e-4, 2), env)
+
+
+def test_probe_arithmetic_on_a_simulated_link():
+    """rtt 150 us, 1 Gbit/s each way, noise that only ever slows an echo: the fastest echoes give
+    the link back."""
+    now = [0.0]
+    noise = iter([3e-4, 0.0, 1e-3, 2e-5, 0.0] * 10)
+
+    def clock():
+        return now[0]
+
+    def send_recv(payload):
+        now[0] += 150e-6 + 2 * len(payload) / GBIT + next(noise)
+        return payload
+
+    m = autotune.probe(send_recv, sizes=(64, 1 << 20), repeats=5, clock=clock)
+    assert m.rtt_s == pytest.approx(150e-6 + 128 / GBIT)
+    assert m.bandwidth_Bps == pytest.approx(GBIT, rel=1e-6)
+    assert len(m.samples[64]) == len(m.samples[1 << 20]) == 5
+
+
+def test_probe_rejects_a_wrong_echo():
+    with pytest.raises(ValueError, match="echo"):
+        autotune.probe(lambda p: p[:-1], sizes=(64, 4096))
+    with pytest.raises(ValueError):
+        autotune.probe(lambda p: p, sizes=(64,))
+
+
+def _server_port(pid):
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for conn in psutil.Process(pid).net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN:
+                return conn.laddr.port
+        time.sleep(0.1)
+    raise AssertionError("the server listens on no port")
+
+
+def _knock(sock, secret):
+    knock = auth.Knock(secret, sock.getsockopt(zmq.IDENTITY))
+    sock.send_multipart(wire.control(wire.Cmd.HELLO, 0, knock.hello()))
+    assert sock.poll(10000), "no CHALLENGE"
+    header, body = sock.recv_multipart()
+    assert wire.unpack(header).cmd == wire.Cmd.CHALLENGE
+    sock.send_multipart(wire.control(wire.Cmd.AUTH, 0, {"mac": knock.answer(wire.decode(body), "server 0")}))
+
+
+@pytest.mark.timeout(90)
+def test_server_echoes_probe_to_authenticated_peers_only(cluster):
+    c = cluster(1, 1)
+    port = _server_port(c.servers[0].pid)
+    ctx = zmq.Context()
+    try:
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.connect(f"tcp://127.0.0.1:{port}")
+        stranger.send_multipart([wire.pack(wire.Cmd.PROBE, length=5), b"hello"])
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, auth.new_identity())
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        _knock(sock, auth.job_secret(c.env))
+        echo = autotune.zmq_echo(sock, timeout_s=10)
+        for size in (0, 1, 4096, 100_000, 1 << 20):  # small ones copied, large ones zero-copy
+            payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+            assert bytes(echo(payload)) == payload
+        m = autotune.probe(echo, sizes=(64, 256 << 10), repeats=3)
+        assert 0 < m.rtt_s < 1 and m.bandwidth_Bps > 1e6
+        part, credit, why = autotune.choose(m.bandwidth_Bps, m.rtt_s, 1, 1.0)
+        assert part >= autotune.MIN_PARTITION and credit >= autotune.MIN_CREDIT, why
+        assert stranger.poll(300) == 0, "the server echoed a peer that never authenticated"
+    finally:
+        ctx.destroy(linger=0)
+    assert "ignored data from an unauthenticated peer" in c.log("server0"), c.log("server0")
+
+
+def test_bpslaunch_plan_prints_the_choice(capsys):
+    from byteps import launcher
+
+    assert launcher.main(["--plan", "--worker-machines", "4", "--extra", "2", "--bandwidth", "1Gbit",
+                          "--latency", "200us"]) == 0
+    out = capsys.readouterr().out
+    assert "t_opt" in out  # the placement table is still there
+    want = autotune.choose(GBIT, 200e-6, 6, 2 / 20)
+    assert f"partition {autotune._human(want.partition_bytes)} ({want.partition_bytes} bytes), credit {want.credit}" in out
+    assert "native core" in out and "BYTEPS_PARTITION_BYTES" in out
+    assert launcher.main(["--plan", "--worker-machines", "2", "--latency", "soon"]) == 2
+    assert "cannot read a duration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,seconds", [("200us", 200e-6), ("0.5ms", 5e-4), ("2s", 2.0), ("1e-4", 1e-4),
+                                          ("0", 0.0)])
+def test_parse_duration(text, seconds):
+    assert autotune.parse_duration(text) == pytest.approx(seconds)
