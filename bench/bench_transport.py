@@ -6,7 +6,16 @@ Reported: microseconds per message, send plus receive, in one process (so both s
 libzmq calls are counted, and ZeroMQ's I/O thread runs alongside). Median of ``--reps`` batches,
 the two implementations alternating.
 
-    python bench/bench_transport.py
+Two figures, which measure different things:
+
+* **per message, 100 in flight** (the default): the CPU cost of the calls, amortised over a window
+  of 100 messages, as when a large tensor's partitions stream. Not a latency.
+* **round trip, one in flight** (``--pingpong``): one message at a time, the ROUTER echoing it back,
+  as a synchronous small push_pull pays it at the least: two trips through ZeroMQ's I/O threads and
+  the loopback TCP stack, mostly wake-ups, not the calls.
+
+    python bench/bench_transport.py               # both
+    python bench/bench_transport.py --no-pingpong # the per-message table only
 """
 import argparse
 import statistics
@@ -42,10 +51,28 @@ def batch(send, recv, frames, n, window=100):
     return (time.perf_counter() - start) / n
 
 
+def pingpong(dealer_tx, dealer_rx, router_tx, router_rx, frames, n):
+    """Seconds per round trip: one message to the ROUTER, echoed back, ``n`` times in a row."""
+    start = time.perf_counter()
+    for _ in range(n):
+        dealer_tx(frames)
+        got = None
+        while got is None:
+            got = router_rx()
+        router_tx(got)
+        back = None
+        while back is None:
+            back = dealer_rx()
+    return (time.perf_counter() - start) / n
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=20000)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--pingpong", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time round trips with one message in flight (default: yes)")
+    ap.add_argument("--round-trips", type=int, default=2000)
     args = ap.parse_args()
     ok, why = transport.direct_available()
     if not ok:
@@ -84,6 +111,20 @@ def main():
     for name, times in runs.items():
         med = statistics.median(times)
         print(f"| {name} | {med * 1e6:.2f} | {med / base:.2f}x |")
+    if args.pingpong:
+        trips = {name: [] for name in impls}
+        wrapped = {name: (transport.wrap(dealer, direct=d), transport.wrap(router, direct=d))
+                   for name, d in zip(impls, (True, False))}
+        for _ in range(args.reps):
+            for name, (tx, rx) in wrapped.items():
+                trips[name].append(pingpong(tx.send_multipart, tx.recv_multipart, rx.send_multipart, rx.recv_multipart,
+                                            frames, args.round_trips))
+        print()
+        print(f"# round trips, one message in flight: {args.round_trips} x {args.reps} reps, same messages echoed")
+        print("| implementation | us per round trip (2 messages) |")
+        print("|---|---:|")
+        for name, times in trips.items():
+            print(f"| {name} | {statistics.median(times) * 1e6:.1f} |")
     ctx.destroy(linger=0)
 
 

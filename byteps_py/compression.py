@@ -1,6 +1,7 @@
 """Gradient compression: Horovod-style tensor compressors and BytePS-style wire codecs.
 
-Two layers, as in BytePS (../shared/reference/byteps-inventory.md, section 6):
+Two layers, as in BytePS (https://github.com/bytedance/byteps: Horovod-style compressors in its framework
+plugins, and the wire compressors of byteps/common/compressor run by workers and servers):
 
 * **Tensor compressors** (:class:`Compressor`, :class:`NoneCompressor`; the plugins add
   ``FP16Compressor``): ``compress(tensor) -> (tensor, ctx)`` runs before push_pull and

@@ -2,9 +2,12 @@
 
 The worker's engine and the server take every data-plane message whole with
 ``wrap(sock).recv_multipart()`` (None when nothing is queued; it never blocks) and send small
-messages with ``send_multipart(frames)``. The Cython module calls libzmq directly: 0.8 us per
-small message, sent and received, against 5-6 us through pyzmq's per-frame calls
-(bench/bench_transport.py; docs/benchmarks.md, "Per-partition overhead"). ``BYTEPS_ZMQ_DIRECT=0``, or a pyzmq whose libzmq cannot be found, selects the pyzmq
+messages with ``send_multipart(frames)``. The Cython module calls libzmq directly: about 1.2-1.5 us
+of CPU per small message, sent and received, when a window of 100 messages is in flight, against
+10-13 us through pyzmq's calls (0.8 and 5-6 us on a quieter day); that is the calls' cost, not a
+latency: one message at a time, echoed back, takes 46-61 us per round trip over loopback TCP
+(ZeroMQ's I/O threads and the kernel; 78-92 us through pyzmq). bench/bench_transport.py measures
+both; docs/benchmarks.md, "Per-partition overhead". ``BYTEPS_ZMQ_DIRECT=0``, or a pyzmq whose libzmq cannot be found, selects the pyzmq
 version of the same interface.
 
 Frames below :data:`COPY_BELOW` bytes arrive as ``bytes``; larger ones as zero-copy frames that

@@ -1,7 +1,7 @@
 """Horovod compatibility: a Horovod script runs with ``import byteps.torch as hvd``.
 
-Ports of the core behaviours of Horovod's test/parallel/test_torch.py (see
-../shared/reference/horovod-and-torch-apis.md, section 3.3), each checked on real multi-process
+Ports of the core behaviours of Horovod's test/parallel/test_torch.py
+(https://github.com/horovod/horovod/blob/master/test/parallel/test_torch.py), each checked on real multi-process
 jobs. To keep the cost down, one job (tests/scenarios_hvd.py) runs many checks and the tests
 below each assert one behaviour of its results. Also: jobs started by torchrun, by a
 horovodrun-style and by an mpirun-style environment, with no DMLC_* variable at all.

@@ -1,7 +1,7 @@
 """The non-editable install: build a wheel, install it alone, import every subpackage, run a job.
 
 Editable installs hide packaging mistakes (nested packages missing from the wheel, sources
-missing from the sdist: ../shared/STYLE.md, "Packaging our fixed layout"), so CI tests a wheel.
+missing from the sdist, since `package_dir` maps top-level folders onto one package), so CI tests a wheel.
 """
 import os
 import subprocess
