@@ -31,6 +31,11 @@ class _Job:
         self.inflight_lock = threading.Lock()
         self.noname = itertools.count()
         self.barriers = itertools.count()
+        # BYTEPS_COMPRESSOR & co. are read at init() like every other variable (not per call: seven
+        # environment look-ups cost more than the rest of a small push_pull's submission)
+        from . import compression
+
+        self.default_codec = compression.default_codec()
 
 
 def _require():
@@ -217,10 +222,12 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
             raise ValueError(f"asynchronous push_pull of {name!r} needs BYTEPS_ENABLE_ASYNC=1 on every node")
         cmd = Cmd.ASYNC_PUSHPULL
     op = Op(name, buf, dtype, shape, cmd=cmd, root=broadcast_root or 0, priority=priority)
-    if cmd == Cmd.PUSHPULL:
+    if cmd == Cmd.PUSHPULL and compression is not None:
         from . import compression as _compression
 
         op.codec = _compression.resolve(compression)
+    elif cmd == Cmd.PUSHPULL:
+        op.codec = job.default_codec
     handle = next(job.next_handle)
     job.handles[handle] = (op, finalize)
     if job.engine is None:  # alone: the sum over one worker is the tensor itself

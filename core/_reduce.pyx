@@ -10,8 +10,12 @@ import os
 
 import numpy as np
 
+cimport numpy as cnp
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free, malloc
+
+cnp.import_array()
 
 
 cdef extern from "bps_reduce.h" nogil:
@@ -323,3 +327,15 @@ def _set_parallel_threshold(Py_ssize_t nbytes):
 
 def _get_parallel_threshold():
     return bps_par_min_bytes
+
+
+def byte_array(uintptr_t address, Py_ssize_t nbytes, owner):
+    """A flat, writable uint8 numpy array over ``nbytes`` bytes at ``address`` that keeps ``owner``
+    (the object owning that memory, e.g. a torch tensor) alive. One C call: building the same view
+    through a framework's own reshape/view/numpy costs several microseconds per push_pull."""
+    if nbytes <= 0 or address == 0:
+        return np.empty(0, dtype=np.uint8)
+    cdef cnp.npy_intp n = nbytes
+    arr = cnp.PyArray_SimpleNewFromData(1, &n, cnp.NPY_UINT8, <void *>address)
+    cnp.set_array_base(arr, owner)
+    return arr

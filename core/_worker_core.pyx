@@ -69,6 +69,9 @@ cdef extern from "bps_worker.h" nogil:
 
     cdef cppclass BpsWorkerCore:
         BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
+        int64_t add_table(const string &name, vector[BpsPart] parts)
+        void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+                          cbool root_self, unsigned char *buf, uint64_t nbytes)
         void add_server(void *sock)
         void start()
         void stop()
@@ -135,24 +138,14 @@ cdef class WorkerCore:
         """An eventfd that becomes readable when ops complete."""
         return self.core.done_fd()
 
-    def submit(self, int64_t op_id, str name, int cmd, int dtype, uint32_t root, int64_t priority, bint root_self,
-               buf, const int64_t[:, ::1] parts):
-        """Start a push_pull/broadcast of ``buf`` (a flat writable uint8 numpy array kept alive by the
-        caller until the op is forgotten). ``parts`` rows: wire key, offset, length, server, staging
-        address (0: none), and the staging region's descriptor: pid, fd, inode, offset."""
+    def add_table(self, str name, const int64_t[:, ::1] parts):
+        """Register a tensor's partitions once; returns the id :meth:`submit` takes. ``parts`` rows:
+        wire key, offset, length, server, staging address (0: none), and the staging region's
+        descriptor: pid, fd, inode, offset."""
         cdef Py_ssize_t i, n = parts.shape[0]
-        cdef BpsOp *op = new BpsOp()
+        cdef vector[BpsPart] table
         cdef BpsPart p
-        op.id = op_id
-        op.name = name.encode()
-        op.cmd = cmd
-        op.dtype = dtype
-        op.root = root
-        op.priority = priority
-        op.root_self = root_self
-        op.buf = <unsigned char *><uintptr_t>buf.ctypes.data
-        op.nbytes = buf.nbytes
-        op.parts.reserve(n)
+        table.reserve(n)
         for i in range(n):
             p.key = <uint64_t>parts[i, 0]
             p.offset = <uint64_t>parts[i, 1]
@@ -164,9 +157,22 @@ cdef class WorkerCore:
             p.desc.inode = <uint64_t>parts[i, 7]
             p.desc.offset = <uint64_t>parts[i, 8]
             p.desc.length = p.length
-            op.parts.push_back(p)
-        with nogil:
-            self.core.submit(op)
+            table.push_back(p)
+        return self.core.add_table(name.encode(), table)
+
+    def submit(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
+               bint root_self, buf):
+        """Start a push_pull/broadcast of ``buf`` (a flat writable buffer kept alive by the caller
+        until the op is forgotten) over a table from :meth:`add_table`. One call per operation, with
+        no per-partition work: the buffer's address is read through the buffer protocol."""
+        cdef Py_buffer view
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+        cdef unsigned char *data = <unsigned char *>view.buf
+        cdef uint64_t nbytes = view.len
+        PyBuffer_Release(&view)  # the caller keeps ``buf`` (and so its memory) alive
+        # with the GIL held: the call only takes the core's mutex briefly and writes an eventfd, and
+        # releasing the GIL here would let another Python thread take it for up to a switch interval
+        self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes)
 
     def send(self, int server, header, body, token=None):
         """Queue ``[header, body]`` for server ``server``. A body of at least ZERO_COPY_MIN bytes with a

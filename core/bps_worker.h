@@ -85,6 +85,13 @@ struct BpsOp {
     std::map<int, int> owed; /* server -> replies still owed */
     std::atomic<int> zero_copy{0}; /* bodies ZeroMQ still reads from the tensor */
     std::atomic<bool> done{false};
+    int waiters = 0;        /* callers blocked in wait_op(): the first to wake delivers the op */
+};
+
+/* A tensor's partitions, registered once (BpsWorkerCore::add_table) and copied into each op. */
+struct BpsTable {
+    std::string name;
+    std::vector<BpsPart> parts;
 };
 
 struct BpsQueued {
@@ -163,6 +170,34 @@ class BpsWorkerCore {
 
     int done_fd() const { return done_fd_; }
 
+    /* Register a tensor's partition table once (per tensor, not per call); returns its id. */
+    int64_t add_table(const std::string &name, std::vector<BpsPart> parts) {
+        std::lock_guard<std::mutex> lock(mu_);
+        tables_.push_back(BpsTable{name, std::move(parts)});
+        return (int64_t)tables_.size() - 1;
+    }
+
+    /* Start a push_pull/broadcast of ``buf`` over a registered table: the per-call path. */
+    void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+                      bool root_self, unsigned char *buf, uint64_t nbytes) {
+        BpsOp *op = new BpsOp();
+        op->id = id;
+        op->cmd = cmd;
+        op->dtype = dtype;
+        op->root = root;
+        op->priority = priority;
+        op->root_self = root_self;
+        op->buf = buf;
+        op->nbytes = nbytes;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            const BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
+            op->name = t.name;
+            op->parts = t.parts;
+        }
+        submit(op);
+    }
+
     /* Take an op (ownership passes here); it completes through completions(). */
     void submit(BpsOp *op) {
         op->started = bps_now();
@@ -218,9 +253,13 @@ class BpsWorkerCore {
             auto it = ops_.find(id);
             return it == ops_.end() || it->second->done.load() || stopping_;
         };
-        done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), finished);
         auto it = ops_.find(id);
-        return it == ops_.end() || it->second->done.load();
+        if (it != ops_.end()) it->second->waiters++;
+        done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), finished);
+        it = ops_.find(id);
+        if (it == ops_.end()) return true;
+        it->second->waiters--;
+        return it->second->done.load();
     }
 
     /* Wait (without the GIL) up to timeout_ms for completed ops; move their ids into ``out``. */
@@ -545,7 +584,10 @@ class BpsWorkerCore {
         {
             std::lock_guard<std::mutex> lock(mu_);
             op->done.store(true);
-            completed_.push_back(op->id);
+            /* A caller blocked in wait_op() sees the op done under this same mutex and delivers it
+             * itself, so the completion thread is not told about it: the two would only contend for
+             * the GIL over one op. A waiter that timed out first has left (waiters == 0). */
+            if (op->waiters == 0) completed_.push_back(op->id);
         }
         have_done_ = true;
     }
@@ -596,6 +638,7 @@ class BpsWorkerCore {
     std::mutex mu_; /* guards everything Python touches below */
     std::condition_variable done_cv_;
     std::unordered_map<int64_t, BpsOp *> ops_;
+    std::deque<BpsTable> tables_;
     std::vector<BpsQueued> inbox_;
     std::vector<std::unique_ptr<BpsRawSend>> raw_;
     std::vector<int64_t> completed_;

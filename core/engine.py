@@ -137,7 +137,7 @@ class Engine:
         self._native = None
         self._native_ops = {}       # native id -> Op, until its completion is delivered
         self._native_ids = itertools.count(1)
-        self._native_parts = {}     # (tkey, nbytes, itemsize, root_self) -> partition table for submit()
+        self._native_parts = {}     # (tkey, nbytes, cmd, root_self) -> (native table id, partitions)
         self._native_lock = threading.RLock()  # staging regions: allocated by the engine and submitting threads
         self._keepalive = {}        # token -> body ZeroMQ still reads (Python's zero-copy sends)
         self._keep_tokens = itertools.count()
@@ -247,36 +247,40 @@ class Engine:
                 and (op.cmd == Cmd.PUSHPULL or op.cmd == Cmd.BROADCAST))
 
     def _native_table(self, op, tkey):
-        """The partition table of submit(): wire key, offset, length, server, staging region (colocated)."""
+        """(table id, partitions) of ``op``'s tensor in the native core, registered on first use: per
+        partition its wire key, offset, length, server and staging region (colocated server)."""
         root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
-        ident = (tkey, op.buf.nbytes, dtypes.itemsize(op.dtype), op.cmd, root_self)
-        table = self._native_parts.get(ident)
-        if table is not None:
-            return table
+        ident = (tkey, op.buf.nbytes, op.cmd, root_self)  # the key fixes name, shape and dtype
+        entry = self._native_parts.get(ident)
+        if entry is not None:
+            return entry
         with self._native_lock:  # the staging allocator is shared with the engine thread
             parts = self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype))
-            table = np.zeros((len(parts), 9), dtype=np.int64)
+            rows = np.zeros((len(parts), 9), dtype=np.int64)
             for row, (i, off, length, server) in enumerate(parts):
                 key = wire.make_key(tkey, i)
-                table[row, :4] = (key, off, length, server)
+                rows[row, :4] = (key, off, length, server)
                 if self.stages_of(op, i, server)[0] == Stage.STAGE and length:
                     view, (pid, fd, inode, base) = self._region(key, length)
-                    table[row, 4:] = (view.ctypes.data, pid, fd, inode, base)
-            self._native_parts[ident] = table
-        return table
+                    rows[row, 4:] = (view.ctypes.data, pid, fd, inode, base)
+            entry = self._native_parts[ident] = (self._native.add_table(op.name, rows), len(parts))
+        return entry
 
     def _native_submit(self, op, tkey):
         op.tkey = tkey
-        table = self._native_table(op, tkey)
-        if not len(table):  # an empty tensor: nothing to send
+        table, count = self._native_table(op, tkey)
+        if not count:  # an empty tensor: nothing to send
             op._finish()
             return
-        op.native_id = nid = next(self._native_ids)
+        nid = next(self._native_ids)
         self.native_submitted += 1
-        op.parts_left = len(table)
-        self._native_ops[nid] = op
-        self._native.submit(nid, op.name, op.cmd, op.dtype, op.root, op.priority,
-                            op.cmd == Cmd.BROADCAST and op.root == self.rank, op.buf, table)
+        op.parts_left = count
+        self._native_ops[nid] = op  # before submit: the completion thread may deliver it at once
+        self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority,
+                            op.cmd == Cmd.BROADCAST and op.root == self.rank, op.buf)
+        # only now: the native side reads an id it does not hold as "finished and forgotten", so a
+        # poll() or synchronize() that saw the id before submit() would finish the op with no data
+        op.native_id = nid
 
     def _deliver_native(self):
         """Completion thread: sets the events of ops the native thread finished (per op, not per partition)."""

@@ -141,6 +141,24 @@ def priority(out, args):
 
 
 @scenario
+def poll_race(out, args):
+    """Start many push_pulls of new names (each declared, then handed to the native core by the engine
+    thread while this thread polls): the moment poll() first says done, the tensor must hold the sum.
+    A done reported between the engine's bookkeeping and the native submit showed the old values."""
+    n, r = bps.size(), bps.rank()
+    early = []
+    for i in range(args["ops"]):
+        t = torch.full((args["elems"],), float(r + 1))
+        h = bps.push_pull_async_inplace(t, average=False, name=f"race.{i}")
+        while not bps.poll(h):
+            pass
+        if not bool((t == n * (n + 1) / 2).all()):
+            early.append(i)
+        bps.synchronize(h)
+    return {"early": early}
+
+
+@scenario
 def join(out, args):
     """Horovod's join: rank r runs r + 1 steps of an averaged allreduce, then joins; joined ranks add
     zeros. The last rank also tries a broadcast while the others have joined (it must fail), and

@@ -23,3 +23,16 @@ def test_exact_sums_through_either_engine(cluster, native, ipc):
     for r, v in res.items():
         assert (v["native_ops"] > 0) == (native == "1"), (r, v["native_ops"])
 
+
+
+@pytest.mark.timeout(120)
+def test_poll_never_reports_done_before_the_sum(cluster):
+    """poll() right after starting a new tensor: done only once the sum is in the tensor (a native op's
+    id must not be visible before the native core holds the op, which reads unknown ids as finished)."""
+    c = cluster(2, 1)
+    c.run_workers("poll_race", {"ops": 150, "elems": 3000})
+    codes, scodes, sched = c.wait_all(90)
+    assert codes == [0, 0], c.all_logs()
+    for r, v in c.results().items():
+        assert v["value"]["early"] == [], (r, v["value"])
+        assert v["native_ops"] >= 150, (r, v["native_ops"])

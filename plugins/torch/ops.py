@@ -11,6 +11,7 @@ import torch
 
 from byteps import common
 from byteps.core import dtypes
+from byteps.core._reduce import byte_array
 
 __all__ = ["push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace", "broadcast_",
            "broadcast_async_", "poll", "synchronize", "declare"]
@@ -57,7 +58,8 @@ def _host_buffer(tensor):
 
 
 def _byte_view(work):
-    return work.detach().reshape(-1).view(torch.uint8).numpy()
+    """A flat uint8 numpy view of contiguous CPU tensor ``work``'s memory (it keeps ``work`` alive)."""
+    return byte_array(work.data_ptr(), work.numel() * work.element_size(), work)
 
 
 def _cuda_path():
