@@ -33,7 +33,9 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
 * synchronous latency at 4 KB, 64 KB and 1 MB next to a **raw TCP round trip** of the same size,
   measured in the same job between worker ranks 0 and 1 over loopback (plain ``socket``,
   TCP_NODELAY, rank 0 sends N bytes, rank 1 echoes N bytes; median of ``--rtts`` round trips,
-  measured before and after the collectives);
+  measured before and after the collectives), and a **ZeroMQ round trip** of the same size
+  (DEALER -> ROUTER echo through pyzmq, one message in flight): byteps's data plane runs on
+  ZeroMQ, whose I/O threads every message crosses, so that is the floor of a synchronous call;
 * per byteps block: minor page faults per call in the worker (``getrusage``, around each call)
   and in the servers (/proc), and memory each call left behind (RSS growth per call, workers and
   servers). If the job's processes would hold more than ``--mem-budget`` or the machine's available
@@ -287,6 +289,48 @@ def raw_rtt(dist, rank, host, port, labels, count):
     return out
 
 
+def zmq_rtt(dist, rank, host, labels, count):
+    """Median ZeroMQ round trip (seconds) of each size between ranks 0 and 1 over loopback TCP: rank 0's
+    DEALER sends ``[40-byte header, N bytes]``, rank 1's ROUTER echoes it (pyzmq, one message in
+    flight). Every byteps message crosses ZeroMQ's I/O threads on both sides, so a synchronous
+    push_pull pays at least this, however little the rest costs; {} on other ranks."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = None
+    box = [None]
+    if rank == 1:
+        sock = ctx.socket(zmq.ROUTER)
+        box[0] = sock.bind_to_random_port(f"tcp://{host}")
+    ports = [None] * dist.get_world_size()
+    dist.all_gather_object(ports, box[0])
+    if rank == 0:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(f"tcp://{host}:{ports[1]}")
+    out = {}
+    if sock is not None:
+        sock.setsockopt(zmq.RCVTIMEO, 60000)
+        header = bytes(40)
+        for label in labels:
+            body = bytes(SIZES[label])
+            times = []
+            for i in range(count + 10):
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    sock.send_multipart([header, body], copy=False)
+                    sock.recv_multipart(copy=False)
+                    if i >= 10:
+                        times.append(time.perf_counter() - t0)
+                else:
+                    sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+            if rank == 0:
+                out[label] = times
+        sock.close(linger=0)
+    ctx.term()
+    dist.barrier()
+    return out
+
+
 def _recv_exact(conn, view):
     got, n = 0, len(view)
     while got < n:
@@ -488,6 +532,8 @@ def worker_main(args):
             after = raw_rtt(dist, rank, args.master, args.rtt_port, rtt_labels, args.rtts)
             rtt = {k: v + after.get(k, []) for k, v in rtt.items()}
         mine["rtt"] = {k: statistics.median(v) for k, v in rtt.items()}
+        zrtt = zmq_rtt(dist, rank, args.master, rtt_labels, args.rtts) if size > 1 else {}
+        mine["zmq_rtt"] = {k: statistics.median(v) for k, v in zrtt.items()}
     everyone = [None] * size
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -618,6 +664,7 @@ def summarize_collectives(layout, procs, job):
     """Rows of the results (one per size/pattern/impl/names), ratios and latency, from a job's ranks."""
     ranks = job["ranks"]
     rtt = ranks[0].get("rtt", {})
+    zrtt = ranks[0].get("zmq_rtt", {})
     keys = list(ranks[0]["blocks"])
     rows = {}
     for key in keys:
@@ -661,6 +708,7 @@ def summarize_collectives(layout, procs, job):
         if label in rtt and pattern != "batched":
             latency.append({"layout": layout, "procs": procs, "size": label, "pattern": pattern, "names": names,
                             "byteps_s": row["median_s"], "gloo_s": gloo["median_s"], "rtt_s": rtt[label],
+                            "zmq_rtt_s": zrtt.get(label),
                             "byteps_over_rtt": row["median_s"] / rtt[label] if row["median_s"] else None,
                             "gloo_over_rtt": gloo["median_s"] / rtt[label]})
     return list(rows.values()), ratios, latency
@@ -699,12 +747,12 @@ def collectives_tables(rows, ratios, latency):
                    f"{_f(q['ratio'])} [{_f(q['ratio_min'])}-{_f(q['ratio_max'])}] | {q['reps']} | "
                    f"{_f(b.get('worker_faults_per_call'), '.0f')} | {_f(b.get('server_faults_per_call'), '.0f')} | "
                    f"{kept} |")
-    lat = ["| layout | procs | size | pattern | byteps names | byteps us | gloo us | raw TCP RTT us | byteps / RTT | "
-           "gloo / RTT |", "|---|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    lat = ["| layout | procs | size | pattern | byteps names | byteps us | gloo us | raw TCP RTT us | ZeroMQ RTT us | "
+           "byteps / RTT | gloo / RTT |", "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for q in latency:
         lat.append(f"| {q['layout']} | {q['procs']} | {q['size']} | {q['pattern']} | {q['names']} | "
-                   f"{_us(q['byteps_s'])} | {_us(q['gloo_s'])} | {_us(q['rtt_s'])} | {_f(q['byteps_over_rtt'])} | "
-                   f"{_f(q['gloo_over_rtt'])} |")
+                   f"{_us(q['byteps_s'])} | {_us(q['gloo_s'])} | {_us(q['rtt_s'])} | {_us(q.get('zmq_rtt_s'))} | "
+                   f"{_f(q['byteps_over_rtt'])} | {_f(q['gloo_over_rtt'])} |")
     return "\n".join(out), "\n".join(lat)
 
 
