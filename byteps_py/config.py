@@ -44,7 +44,8 @@ VARIABLES = {
     "BYTEPS_FUSION": ("0", "1: DistributedOptimizer sends gradients through balanced fusion buffers (byteps/fusion.py)"),
     "BYTEPS_SERVER_ENGINE_THREAD": ("0", "server threads that sum pushes (0: the network thread sums inline)"),
     "BYTEPS_ENABLE_ASYNC": ("0", "asynchronous training: servers keep the parameters, workers push deltas, no barrier"),
-    "BYTEPS_NATIVE": ("0", "1: a worker runs its plain partitions on the native thread byteps-net (core/bps_worker.h); 0: the Python engine"),
+    "BYTEPS_NATIVE": ("0", "1: a worker runs its plain partitions on the native thread byteps-net (core/bps_worker.h); 0: the Python engine. "
+                           "Servers default to 1: plain pushes on the native thread byteps-serve (core/bps_server.h); 0: the Python loop"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # read outside this module, listed so docs/env.md stays complete
     "BYTEPS_PIPELINE": ("", "optional pipeline stages to drop, e.g. -stage,-local_reduce (core/stages.py)"),
@@ -258,7 +259,8 @@ def load(env=None, role=None):
         fusion=_bool(env, "BYTEPS_FUSION"),
         local_strategy=_choice(env, "BYTEPS_LOCAL_STRATEGY", ("owners", "topology")),
         zmq_direct=_bool(env, "BYTEPS_ZMQ_DIRECT", default="1"),
-        native=_bool(env, "BYTEPS_NATIVE", default="0"),
+        # servers run their data plane natively unless told not to (BYTEPS_NATIVE=0)
+        native=_bool(env, "BYTEPS_NATIVE", default="1" if role == "server" else "0"),
     )
 
 
