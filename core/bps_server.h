@@ -26,7 +26,8 @@
  *
  * Stores come from BpsStoreAllocator: memfd arenas named "byteps-server" (colocated workers read
  * them through descriptors), page-aligned and pre-faulted, two per key (alternate rounds), allocated
- * only once a body of the announced length has arrived. A store's arena is reused or unmapped only
+ * only once a body of the announced length has arrived; without shared memory (BYTEPS_ENABLE_IPC=0),
+ * private mappings with transparent huge pages. A store's arena is reused or unmapped only
  * when ZeroMQ has released every zero-copy reply read from it.
  *
  * Transport seam: the socket is touched only by recv_message(), send_reply()/send_frames() and the
@@ -205,8 +206,10 @@ class BpsStoreAllocator {
         out->offset = arena->used;
         out->data = arena->base + arena->used;
         arena->used += want;
-        /* fault the pages in now, once per key, not in the first round's sum (core/shm.py prefault) */
-        madvise(out->data, want, 23 /* MADV_POPULATE_WRITE, Linux 5.14; best effort */);
+        /* Shared: fault the pages in now, once per key, not in the first round's sum (core/shm.py's
+         * prefault). Private: huge pages fault cheaply, and a store a key never uses (the second one of a
+         * tensor pushed once, a 2 GB partition's) must not take memory (aligned_empty's behaviour). */
+        if (shared_) madvise(out->data, want, 23 /* MADV_POPULATE_WRITE, Linux 5.14; best effort */);
         return true;
     }
 
