@@ -78,6 +78,14 @@ def extensions():
             language="c++",
             extra_compile_args=["-O2", "-std=c++17"],
         ),
+        Extension(  # the server's native data plane (core/bps_server.h)
+            "byteps.server._server_core",
+            ["summation/_server_core.pyx"],
+            include_dirs=[os.path.join(HERE, "core")],
+            language="c++",
+            extra_compile_args=["-O2", "-std=c++17", "-fno-strict-aliasing", "-pthread"],
+            extra_link_args=["-pthread"],
+        ),
         Extension(  # libzmq is looked up at run time in the copy pyzmq loaded (no zmq.h needed)
             "byteps.core._transport",
             ["core/_transport.pyx"],

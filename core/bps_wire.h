@@ -141,13 +141,18 @@ class BpsPeerMaps {
         uint64_t size;
     };
 
+    /* str() of the OSError Python raises (core/shm.py's texts): "[Errno 2] No such file or directory: '/proc/..'" */
+    static std::string os_error(int err, const char *path) {
+        return "[Errno " + std::to_string(err) + "] " + strerror(err) + ": '" + path + "'";
+    }
+
     static int open_arena(const BpsDescriptor &d, Mapping *m, std::string *err) {
         char path[64], target[256];
         snprintf(path, sizeof path, "/proc/%d/fd/%d", d.pid, d.fd);
         std::string who = "pid " + std::to_string(d.pid) + " (fd " + std::to_string(d.fd) + ")";
         ssize_t got = readlink(path, target, sizeof target - 1);
         if (got < 0) {
-            *err = "cannot open shared memory of " + who + ": " + strerror(errno);
+            *err = "cannot open shared memory of " + who + ": " + os_error(errno, path);
             return -1;
         }
         target[got] = 0;
@@ -159,7 +164,7 @@ class BpsPeerMaps {
         }
         int f = ::open(path, O_RDWR | O_CLOEXEC);
         if (f < 0) {
-            *err = "cannot open shared memory of " + who + ": " + strerror(errno);
+            *err = "cannot open shared memory of " + who + ": " + os_error(errno, path);
             return -1;
         }
         struct stat st;
@@ -174,7 +179,9 @@ class BpsPeerMaps {
         int saved = errno;
         ::close(f);
         if (base == MAP_FAILED) {
-            *err = "shared memory of " + who + " cannot be mapped: " + strerror(st.st_size > 0 ? saved : EINVAL);
+            *err = "shared memory of " + who + " cannot be mapped: " +
+                   (st.st_size > 0 ? "[Errno " + std::to_string(saved) + "] " + strerror(saved)
+                                   : std::string("cannot mmap an empty file"));
             return -1;
         }
         m->base = (unsigned char *)base;

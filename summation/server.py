@@ -26,7 +26,17 @@ from the other store. Round r+2 cannot start before every worker has received ro
 A push of the wrong round, a duplicate, or a length/dtype that differs from the round's first
 push fails that round for every worker of it (each gets an ERROR naming the ranks and values),
 so no worker waits forever and no bytes are silently truncated.
+
+Native data plane (BYTEPS_NATIVE, on by default for servers): once the first address book has
+arrived, the data socket belongs to the thread "byteps-serve" (core/bps_server.h through
+summation/_server_core.pyx), which does all of the above for plain pushes without the GIL. This
+loop then keeps the control plane and handles what that thread forwards (handshakes, strangers,
+PROBE, compressed and asynchronous keys, malformed messages) with the same code as before; its
+replies go out through the native thread. Without the native core (BYTEPS_NATIVE=0, BYTEPS_ZMQ_DIRECT=0,
+or pyzmq's libzmq not found) this loop does everything, as before.
 """
+import itertools
+import os
 import sys
 import time
 
@@ -34,12 +44,17 @@ import zmq
 
 from byteps import compression, config as bps_config, placement
 from byteps.core import auth, dtypes, shm, transport, wire
-from byteps.core._reduce import aligned_empty, copy_into, sum_into, sum_many
+from byteps.core._reduce import aligned_empty, copy_into, get_num_threads, sum_into, sum_many
 from byteps.core.control import ControlClient
 from byteps.errors import BytePSError, ConfigError, PeerLostError, ProtocolError
 from byteps.log import logger, setup as setup_logging
 
 from .sum_pool import SumPool
+
+try:
+    from . import _server_core
+except ImportError:  # a source tree without build_ext: the Python loop does everything
+    _server_core = None
 
 Cmd = wire.Cmd
 #: replies whose body is smaller than this are copied into ZeroMQ (cheaper than a zero-copy send)
@@ -149,6 +164,11 @@ class Server:
         self.fast = transport.wrap(self.data, cfg.zmq_direct)  # the data plane's message I/O (core/_transport.pyx)
         self._frames, self._next = [], 0
         self.pool = SumPool(cfg.server_engine_threads)  # BYTEPS_SERVER_ENGINE_THREAD
+        self.poller = None
+        # the native data plane (core/bps_server.h): owns the data socket once the address book is in
+        self.core = None
+        self._zero_copy = {}  # token -> a body ZeroMQ still reads (sent through the native thread)
+        self._tokens = itertools.count()
 
     # ---------------------------------------------------------------- control plane
 
@@ -166,12 +186,18 @@ class Server:
             self.ranks = {w["node_id"]: w["rank"] for w in body["workers"]}
             logger.info("server %d serving %d workers (epoch %d)", self.index, self.num_workers, self.epoch)
             self._log_role(body)
+            if self.core is None:
+                self._start_native()
+            if self.core is not None:  # before our answer: no push can arrive before the book
+                self.core.set_book(self.num_workers, self.pushers, self.control.node_id, self.ranks)
             # workers get the address book only after every server has answered this
             self.control.send(Cmd.ADDRBOOK, {"epoch": self.epoch})
         elif header.cmd == Cmd.LEAVE:
             # every worker called shutdown(): they may init() again, restarting every key at round 0
             self._reset_keys()
             self.num_workers = None
+            if self.core is not None:
+                self.core.set_book(None, None, self.control.node_id, {})
         elif header.cmd == Cmd.JOIN:
             self._on_join(body)
         elif header.cmd == Cmd.TERMINATE:
@@ -193,6 +219,8 @@ class Server:
                     sum(weights))
 
     def _reset_keys(self):
+        if self.core is not None:
+            self.core.reset()  # its keys, stores (once no reply reads them) and peers' mappings
         self.keys.clear()
         self.maps.close()
         if self.alloc is not None:
@@ -201,10 +229,14 @@ class Server:
     def _on_join(self, body):
         if body["done"]:  # everyone joined: a sync point, every key restarts at round 0
             self.joined = ()
+            if self.core is not None:
+                self.core.set_join(True, (), None)
             self._reset_keys()
             return
         self.joined = tuple(body["joined"])
         self.active_pushers = body["pushers"]
+        if self.core is not None:  # it completes its own rounds that waited only for these ranks
+            self.core.set_join(False, self.joined, self.active_pushers)
         for st in self.keys.values():  # rounds that were waiting only for a rank that just joined
             h = st.header
             if h is not None and h.cmd == Cmd.PUSHPULL and st.senders and len(st.senders) >= self.active_pushers:
@@ -215,6 +247,67 @@ class Server:
         if cmd != Cmd.PUSHPULL:
             return self.num_workers
         return self.active_pushers if self.joined else self.pushers
+
+    # ---------------------------------------------------------------- native data plane
+
+    def _start_native(self):
+        """Hand the data socket to the native thread byteps-serve (core/bps_server.h), if it may run."""
+        if not self.cfg.native:
+            return
+        if not self.cfg.zmq_direct or _server_core is None or not _server_core.available:
+            why = ("BYTEPS_ZMQ_DIRECT=0" if not self.cfg.zmq_direct else "summation/_server_core is not built"
+                   if _server_core is None else _server_core.unavailable_reason)
+            logger.info("native data plane unavailable (%s): the Python loop serves every push", why)
+            return
+        # anything Python received before the hand-over was handled already: the socket is idle here
+        core = _server_core.ServerCore(self.data, self.gate.secret is not None, self.alloc is not None,
+                                       self.cfg.server_engine_threads, get_num_threads())
+        for ident in self.gate.admitted():
+            core.admit(ident, True)
+        core.start()
+        self.core = core
+        if self.poller is not None:
+            self.poller.unregister(self.data)
+            self.poller.register(core.notify_fd, zmq.POLLIN)
+        logger.info("native data plane: pushes received, summed and answered on thread byteps-serve "
+                    "(%s)", f"{self.cfg.server_engine_threads} sum threads" if self.cfg.server_engine_threads
+                    else "sums inline")
+
+    def _on_native(self):
+        """What the native thread has for Python: log lines, released bodies, forwarded messages."""
+        try:
+            os.read(self.core.notify_fd, 8)  # first: a notification after this read is not lost
+        except BlockingIOError:
+            pass
+        for line in self.core.logs():
+            logger.warning("%s", line)
+        for token in self.core.released():
+            self._zero_copy.pop(token, None)
+        for frames, auth_pending, handover in self.core.forwarded():
+            try:
+                if handover is not None:
+                    self._take_handover(handover)
+                self._handle(frames)
+            finally:
+                if auth_pending:  # the native thread holds this identity's later messages until it knows
+                    self.core.admit(frames[0], self.gate.allows(frames[0]))
+
+    def _take_handover(self, d):
+        """A key the native thread had state for is Python's from now on (its first compressed, async or
+        FLAG_PYTHON message): go on from that state, so a round mixing both kinds fails as it should."""
+        st = _Round(d["nbytes"], d["dtype"], self.alloc)
+        st.key, st.round = d["key"], d["round"]
+        st.senders, st.waiters, st.first = list(d["senders"]), list(d["waiters"]), d["first"]
+        st.since, st.error, st.warned = d["since"], d["error"], d["warned"]
+        st.root, st.root_ident = d["root"], d["root_ident"]
+        st.header = wire.unpack(d["header"]) if d["header"] is not None else None
+        st.codec = (d["codec_rank"], None) if d["codec_rank"] is not None else None
+        if d["partial"] is not None:  # the sum so far (its first push folded in)
+            copy_into(st.store, d["partial"])
+        self.keys[st.key] = st
+
+    def native_stats(self):
+        return self.core.stats() if self.core is not None else None
 
     # ---------------------------------------------------------------- data plane
 
@@ -233,6 +326,14 @@ class Server:
 
     def _send(self, frames, copy=True):
         """Send a message; small ones are copied in one C call, large bodies go zero-copy."""
+        if self.core is not None:  # the native thread owns the socket
+            token = None
+            if not copy and len(frames[-1]) >= COPY_BELOW:
+                token = next(self._tokens)
+                self._zero_copy[token] = frames[-1]  # alive until the native thread says it is released
+            if not self.core.send(frames, token) and token is not None:
+                self._zero_copy.pop(token, None)
+            return
         try:
             if copy or len(frames[-1]) < COPY_BELOW:
                 self.fast.send_multipart(frames)
@@ -261,6 +362,11 @@ class Server:
         frames = self.fast.recv_multipart()
         if frames is None:
             return False
+        self._handle(frames)
+        return True
+
+    def _handle(self, frames):
+        """One data-plane message (received here, or forwarded by the native thread); True."""
         self._frames, self._next = frames, 2
         if len(frames) < 2:
             return True
@@ -638,7 +744,7 @@ class Server:
 
     def run(self):
         self.control.register()
-        poller = zmq.Poller()
+        poller = self.poller = zmq.Poller()
         poller.register(self.data, zmq.POLLIN)
         poller.register(self.control.sock, zmq.POLLIN)
         if self.pool.fd is not None:
@@ -654,7 +760,9 @@ class Server:
                     return code
             if self.pool.fd in events:
                 self._on_summed()
-            if self.data in events:
+            if self.core is not None and self.core.notify_fd in events:
+                self._on_native()
+            if self.core is None and self.data in events:
                 # drain a burst of data messages before looking at the clock again
                 for _ in range(64):
                     if not self._on_data():
@@ -667,6 +775,14 @@ class Server:
 
     def close(self):
         self.pool.close()
+        core = self.core
+        if core is not None:
+            core.stop()  # before the socket it owns is closed
+            for line in core.logs():  # its last warnings
+                logger.warning("%s", line)
+            stats = core.stats()
+            logger.info("native data plane: %d pushes handled on byteps-serve, %d rounds completed, %d messages "
+                        "forwarded to Python", stats["pushes"], stats["rounds"], stats["forwarded"])
         self.data.close(linger=1000)
         self.control.close()
         self.maps.close()
@@ -674,6 +790,8 @@ class Server:
         # most the linger above) before the interpreter frees them at exit, or it aborts on a send
         # from freed memory ("Bad address (src/tcp.cpp)"; found by tests/test_stress.py)
         self.ctx.term()
+        self.core = None  # its stores are unmapped now that ZeroMQ has released every reply
+        self._zero_copy.clear()
 
 
 def main():

@@ -353,7 +353,7 @@ def live_fuzz(cluster, frames_per_peer, seed, layout="2x1", ipc="1"):
     # a stranger gets handshake answers (a CHALLENGE; the scheduler's refusal), never data or job state
     assert set(summary["stranger_answers"]) <= {"CHALLENGE"}, summary
     assert set(summary["scheduler_answers"]) <= {"CHALLENGE", "ERROR"}, summary
-    assert set(summary["member_answers"]) <= {"CHALLENGE", "REPLY", "ERROR", "PROBE"}, summary
+    assert set(summary["member_answers"]) <= {"CHALLENGE", "REPLY", "ERROR", "PROBE"}, summary  # PROBE: echoed
     # the job still sums exactly
     open(os.path.join(c.tmp, "go"), "w").close()
     codes, scodes, sched = c.wait_all(120)

@@ -1,0 +1,286 @@
+# cython: language_level=3
+# distutils: language = c++
+"""Python's handle on the server's native data plane (core/bps_server.h).
+
+summation/server.py creates one :class:`ServerCore` once the first address book has arrived and
+hands it the data ROUTER socket; the native thread "byteps-serve" then receives, checks, sums and
+answers every plain push without the GIL. Python is called per job or per event, never per
+partition:
+
+* :meth:`set_book`, :meth:`set_join`, :meth:`reset` pass the address book, join() state and LEAVE on;
+* :meth:`forwarded` returns the messages Python handles (handshakes, strangers, PROBE, compressed and
+  asynchronous keys, malformed messages), each with the key's state when it hands a key over;
+  :meth:`admit` answers for an identity after a message marked ``auth``;
+* :meth:`send` queues Python's replies on the same socket; :meth:`logs` returns warning lines.
+
+:attr:`ServerCore.notify_fd` becomes readable when any of those has something for Python.
+"""
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.stdlib cimport free, malloc
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libcpp cimport bool as cbool
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+
+from byteps.core import _transport
+
+cdef extern from "bps_server.h" nogil:
+    int bps_zmq_load(const char *path)
+    void bps_cpu_init()
+
+    cdef struct bps_zmq_msg:
+        void *p[8]
+
+    void *bps_frame_data(bps_zmq_msg *m)
+    size_t bps_frame_size(bps_zmq_msg *m)
+    void bps_frame_close(bps_zmq_msg *m)
+
+    cdef cppclass BpsMessage:
+        int count
+        size_t size(int i)
+        const unsigned char *data(int i)
+        void take(int i, bps_zmq_msg *out)
+
+    cdef cppclass BpsHandover:
+        uint64_t key
+        uint64_t round
+        int64_t nbytes
+        uint8_t dtype
+        vector[int64_t] senders
+        vector[string] waiter_idents
+        vector[int] waiter_shared
+        cbool has_first
+        int64_t first_rank
+        uint64_t first_nbytes
+        uint8_t first_dtype
+        double since
+        string error
+        cbool has_root
+        uint32_t root
+        cbool has_root_ident
+        string root_ident
+        cbool warned
+        cbool has_header
+        string header
+        cbool has_codec
+        int64_t codec_rank
+        cbool has_partial
+        string partial
+
+    cdef cppclass BpsServerForward:
+        BpsMessage *msg
+        cbool auth
+        BpsHandover *handover
+
+    cdef cppclass BpsServerSend:
+        vector[string] frames
+        void *zc_data
+        size_t zc_len
+        int64_t token
+
+    cdef cppclass BpsServerCore:
+        BpsServerCore(void *sock, cbool auth_on, cbool shared_stores, int sum_threads, int kernel_threads)
+        void start()
+        void stop()
+        int notify_fd()
+        void set_book(int64_t num_workers, int64_t pushers, uint32_t node_id, const vector[uint32_t] &nodes,
+                      const vector[int64_t] &ranks)
+        void set_join(cbool done, const vector[int64_t] &joined, int64_t active_pushers)
+        void reset()
+        void admit(const string &ident, cbool ok)
+        void send(BpsServerSend *m)
+        void forwarded(vector[BpsServerForward *] *out)
+        void logs(vector[string] *out)
+        void released(vector[int64_t] *out)
+        uint64_t pushes()
+        uint64_t rounds()
+        uint64_t forwards()
+
+#: bodies at least this large are sent zero-copy (the caller keeps them alive until released())
+ZERO_COPY_MIN = 65536
+
+#: True when the native core can run here (it needs the libzmq that pyzmq loaded)
+available = _transport.available and bps_zmq_load(_transport.library.encode()) == 0 \
+    if _transport.available else False
+#: why not, when it cannot
+unavailable_reason = "" if available else (_transport.unavailable_reason or "libzmq's functions were not found")
+
+bps_cpu_init()  # this module's copy of the kernels picks its SIMD level (bps_reduce.h)
+
+
+cdef class NativeFrame:
+    """A received ZeroMQ message buffer handed to Python (no copy): ``len()``, the buffer protocol,
+    ``.buffer`` and ``.bytes``, like core/_transport.pyx's Frame."""
+    cdef bps_zmq_msg *msg
+
+    def __dealloc__(self):
+        if self.msg != NULL:
+            bps_frame_close(self.msg)
+            free(self.msg)
+            self.msg = NULL
+
+    def __len__(self):
+        return bps_frame_size(self.msg)
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        PyBuffer_FillInfo(view, self, bps_frame_data(self.msg), bps_frame_size(self.msg), 0, flags)
+
+    @property
+    def buffer(self):
+        return memoryview(self)
+
+    @property
+    def bytes(self):
+        return PyBytes_FromStringAndSize(<char *>bps_frame_data(self.msg), bps_frame_size(self.msg))
+
+
+cdef object _frames(BpsMessage *m):
+    cdef int i
+    cdef size_t n
+    cdef NativeFrame f
+    out = []
+    for i in range(m.count):
+        n = m.size(i)
+        if n < ZERO_COPY_MIN:
+            out.append(PyBytes_FromStringAndSize(<const char *>m.data(i), n))
+        else:
+            f = NativeFrame.__new__(NativeFrame)
+            f.msg = <bps_zmq_msg *>malloc(sizeof(bps_zmq_msg))
+            if f.msg == NULL:
+                raise MemoryError()
+            m.take(i, f.msg)
+            out.append(f)
+    return out
+
+
+cdef object _rank(int64_t v):
+    """A rank as summation/server.py names it: the book's rank, or "node <id>" for an unknown sender."""
+    return v if v >= 0 else f"node {-(v + 1)}"
+
+
+cdef object _handover(BpsHandover *h):
+    return {
+        "key": h.key, "round": h.round, "nbytes": h.nbytes if h.nbytes >= 0 else None, "dtype": h.dtype,
+        "senders": [_rank(r) for r in h.senders],
+        "waiters": [(PyBytes_FromStringAndSize(h.waiter_idents[i].data(), h.waiter_idents[i].size()),
+                     h.waiter_shared[i]) for i in range(h.waiter_idents.size())],
+        "first": (_rank(h.first_rank), h.first_nbytes, h.first_dtype) if h.has_first else None,
+        "since": h.since,
+        "error": h.error.decode("utf-8", "surrogateescape") if h.error.size() else None,
+        "root": h.root if h.has_root else None,
+        "root_ident": PyBytes_FromStringAndSize(h.root_ident.data(), h.root_ident.size()) if h.has_root_ident
+        else None,
+        "warned": h.warned,
+        "header": PyBytes_FromStringAndSize(h.header.data(), h.header.size()) if h.has_header else None,
+        "codec_rank": _rank(h.codec_rank) if h.has_codec else None,
+        "partial": PyBytes_FromStringAndSize(h.partial.data(), h.partial.size()) if h.has_partial else None,
+    }
+
+
+cdef class ServerCore:
+    cdef BpsServerCore *core
+    cdef readonly object socket     # the pyzmq socket handed over (kept alive, never used again by Python)
+
+    def __cinit__(self, sock, bint auth_on, bint shared_stores, int sum_threads, int kernel_threads):
+        if not available:
+            raise RuntimeError(f"the native server core is unavailable: {unavailable_reason}")
+        self.socket = sock
+        self.core = new BpsServerCore(<void *><uintptr_t>sock.underlying, auth_on, shared_stores, sum_threads,
+                                      kernel_threads)
+
+    def __dealloc__(self):
+        if self.core != NULL:
+            with nogil:
+                self.core.stop()
+            del self.core
+            self.core = NULL
+
+    def start(self):
+        self.core.start()
+
+    def stop(self):
+        with nogil:
+            self.core.stop()
+
+    @property
+    def notify_fd(self):
+        """An eventfd, readable while forwarded messages, log lines or released tokens wait."""
+        return self.core.notify_fd()
+
+    def set_book(self, num_workers, pushers, uint32_t node_id, dict ranks):
+        """The address book (``num_workers`` None: no book, as after LEAVE); ranks: {node id: rank}."""
+        cdef vector[uint32_t] nodes
+        cdef vector[int64_t] values
+        for node, rank in ranks.items():
+            nodes.push_back(node)
+            values.push_back(rank)
+        self.core.set_book(-1 if num_workers is None else num_workers, 0 if pushers is None else pushers, node_id,
+                           nodes, values)
+
+    def set_join(self, bint done, joined, active_pushers):
+        cdef vector[int64_t] ranks
+        for r in joined:
+            ranks.push_back(r)
+        self.core.set_join(done, ranks, 0 if active_pushers is None else active_pushers)
+
+    def reset(self):
+        self.core.reset()
+
+    def admit(self, bytes ident, bint ok):
+        self.core.admit(ident, ok)
+
+    def send(self, frames, token=None):
+        """Queue a message (a list of frames). A last frame of at least ZERO_COPY_MIN bytes with a
+        ``token`` is sent zero-copy: keep it alive until :meth:`released` returns the token. Returns
+        True if it was."""
+        cdef BpsServerSend *m = new BpsServerSend()
+        cdef Py_buffer view
+        cdef bint zero_copy = False
+        cdef Py_ssize_t i, last = len(frames) - 1
+        try:
+            for i in range(last + 1):
+                PyObject_GetBuffer(frames[i], &view, PyBUF_SIMPLE)
+                try:
+                    if i == last and token is not None and view.len >= ZERO_COPY_MIN:
+                        m.zc_data = view.buf
+                        m.zc_len = view.len
+                        m.token = token
+                        zero_copy = True
+                    else:
+                        m.frames.push_back(string(<char *>view.buf, view.len))
+                finally:
+                    PyBuffer_Release(&view)
+        except BaseException:
+            del m
+            raise
+        self.core.send(m)  # m belongs to the native thread now
+        return zero_copy
+
+    def forwarded(self):
+        """Messages for Python, in arrival order: [(frames, auth, handover dict or None)]."""
+        cdef vector[BpsServerForward *] got
+        cdef BpsServerForward *f
+        self.core.forwarded(&got)
+        out = []
+        try:
+            for f in got:
+                out.append((_frames(f.msg), f.auth, _handover(f.handover) if f.handover != NULL else None))
+        finally:
+            for f in got:
+                del f
+        return out
+
+    def logs(self):
+        cdef vector[string] got
+        self.core.logs(&got)
+        return [s.decode("utf-8", "surrogateescape") for s in got]
+
+    def released(self):
+        cdef vector[int64_t] got
+        self.core.released(&got)
+        return list(got)
+
+    def stats(self):
+        """Counters: pushes handled natively, rounds completed, messages forwarded to Python."""
+        return {"pushes": self.core.pushes(), "rounds": self.core.rounds(), "forwarded": self.core.forwards()}
