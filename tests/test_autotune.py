@@ -384,3 +384,17 @@ def test_urgent_tensor_past_a_full_credit_does_not_deadlock(cluster, native):
     c.run_workers("credit_crossing")
     for v in _tuned(c):
         assert v["errors"] == [] and v["exact"], v
+
+
+@pytest.mark.timeout(120)
+def test_local_ranks_share_their_machines_probe(cluster):
+    """Under local reduce one copy per machine crosses its NIC: only local rank 0 probes, and its
+    machine's other processes take the job's size and a credit from that measurement."""
+    c = cluster(2, 1, local_size=2)
+    c.run_workers("tuned")
+    vals = _tuned(c)
+    assert len(vals) == 4 and len({v["tuning"]["partition_bytes"] for v in vals}) == 1
+    assert "median of 2 worker(s)" in vals[0]["tuning"]["text"]  # two machines, two probes
+    for v in vals:
+        assert v["tuning"]["source"] == "probe" and v["tuning"]["bandwidth_Bps"] > 0
+        assert v["sum"] == pytest.approx(_expected_sum(4), rel=1e-6)
