@@ -5,6 +5,10 @@ the BytePS paper's Fig. 12, on n + k hosts built as network namespaces (bench/ne
     .venv/bin/python bench/emulated_cluster.py --quick          # n=2, k=0..2, 4 MB: a smoke run (bench/results/)
     .venv/bin/python bench/emulated_cluster.py --ks 2 --systems balanced,hash --reps 5
 
+Partition size and credit are not set: the workers probe their links at init() and agree on them
+(byteps/autotune.py), as a user's job does; each job prints the choice and the table's "partition
+(credit)" column shows it ("probed", or "set" under ``--partition-bytes`` / ``--credit``).
+
 Needs root. Every host (namespace) has one link of rate B, limited in both directions (tc tbf on
 both ends of its veth). Worker machine i runs one worker process and one colocated server; extra
 machine j runs one standalone server; the scheduler has a host of its own. For every k it measures
