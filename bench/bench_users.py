@@ -534,6 +534,9 @@ def worker_main(args):
         mine["rtt"] = {k: statistics.median(v) for k, v in rtt.items()}
         zrtt = zmq_rtt(dist, rank, args.master, rtt_labels, args.rtts) if size > 1 else {}
         mine["zmq_rtt"] = {k: statistics.median(v) for k, v in zrtt.items()}
+    import byteps.common as common
+
+    mine["tuning"] = common.tuning()  # the partition size and credit this worker chose at init()
     everyone = [None] * size
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -781,7 +784,13 @@ def summarize_train(layout, procs, job, args):
     rel = max(rk["loss_max_rel_diff"] for rk in ranks)
     pdiff = max(rk["param_max_abs_diff"] for rk in ranks)
     b, d, q = spread(list(res["byteps"].values())), spread(list(res["ddp"].values())), spread(per_rep)
-    return {"layout": layout, "procs": procs, "model_bytes": ranks[0]["param_bytes"], "batch": args.batch,
+    tuned = [rk.get("tuning") or {} for rk in ranks]
+    if len({t.get("partition_bytes") for t in tuned}) > 1:
+        raise SystemExit(f"{layout}: workers used different partition sizes: {tuned}")
+    if tuned[0]:
+        print(f"{layout}: {tuned[0]['text']}; credits by rank {[t['credit'] for t in tuned]}", file=sys.stderr)
+    return {"partition_bytes": tuned[0].get("partition_bytes"), "partition_source": tuned[0].get("source"),
+            "credits": [t.get("credit") for t in tuned], "tuning": tuned, "layout": layout, "procs": procs, "model_bytes": ranks[0]["param_bytes"], "batch": args.batch,
             "steps_per_block": args.steps, "byteps_samples_s": b[0], "byteps_min": b[1], "byteps_max": b[2],
             "ddp_samples_s": d[0], "ddp_min": d[1], "ddp_max": d[2], "ratio": q[0], "ratio_min": q[1],
             "ratio_max": q[2], "per_rep_samples_s": res, "loss_max_rel_diff": rel, "param_max_abs_diff": pdiff,
@@ -789,11 +798,17 @@ def summarize_train(layout, procs, job, args):
 
 
 def train_table(rows):
-    out = ["| layout | procs | model MB | batch/proc | byteps samples/s [min-max] | DDP-gloo samples/s [min-max] | "
-           "byteps / DDP [min-max] | loss max rel. diff | losses equal | params max abs diff |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    out = ["| layout | procs | model MB | batch/proc | partition (credit) | byteps samples/s [min-max] | "
+           "DDP-gloo samples/s [min-max] | byteps / DDP [min-max] | loss max rel. diff | losses equal | "
+           "params max abs diff |",
+           "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:
-        out.append(f"| {r['layout']} | {r['procs']} | {r['model_bytes'] / 1e6:.1f} | {r['batch']} | "
+        part = "—"
+        if r.get("partition_bytes"):
+            size = r["partition_bytes"]
+            part = (f"{size >> 10} KiB" if size % 1024 == 0 else f"{size} B") + \
+                f" {r['partition_source']} ({'/'.join(str(c) for c in sorted(set(r['credits'])))})"
+        out.append(f"| {r['layout']} | {r['procs']} | {r['model_bytes'] / 1e6:.1f} | {r['batch']} | {part} | "
                    f"{_f(r['byteps_samples_s'], '.1f')} [{_f(r['byteps_min'], '.1f')}-{_f(r['byteps_max'], '.1f')}] | "
                    f"{_f(r['ddp_samples_s'], '.1f')} [{_f(r['ddp_min'], '.1f')}-{_f(r['ddp_max'], '.1f')}] | "
                    f"{_f(r['ratio'])} [{_f(r['ratio_min'])}-{_f(r['ratio_max'])}] | {r['loss_max_rel_diff']:.2e} | "

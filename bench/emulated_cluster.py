@@ -5,6 +5,10 @@ the BytePS paper's Fig. 12, on n + k hosts built as network namespaces (bench/ne
     .venv/bin/python bench/emulated_cluster.py --quick          # n=2, k=0..2, 4 MB: a smoke run (bench/results/)
     .venv/bin/python bench/emulated_cluster.py --ks 2 --systems balanced,hash --reps 5
 
+Partition size and credit are not set: the workers probe their links at init() and agree on them
+(byteps/autotune.py), as a user's job does; each job prints the choice and the table's "partition
+(credit)" column shows it ("probed", or "set" under ``--partition-bytes`` / ``--credit``).
+
 Needs root. Every host (namespace) has one link of rate B, limited in both directions (tc tbf on
 both ends of its veth). Worker machine i runs one worker process and one colocated server; extra
 machine j runs one standalone server; the scheduler has a host of its own. For every k it measures
@@ -172,6 +176,8 @@ def worker(args):
         correct = correct and ok
     _marker(args.rundir, "end", rank, barrier)
     result = {"rank": rank, "times": times, "correct": correct}
+    if args.system != "gloo":
+        result["tuning"] = common.tuning()  # the partition size and credit this worker used
     if args.system != "gloo" and rank == 0:
         result["placed"] = _placed_bytes(common, names, tensors, fusion)
     with open(os.path.join(args.rundir, f"result.{rank}.json"), "w") as f:
@@ -228,11 +234,18 @@ def run_job(net, system, n, k, args):
     base = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", BENCH_SIZE=str(n),
                 BYTEPS_JOB_SECRET=secrets.token_hex(16), BYTEPS_JOB_ID=f"emu-{system}-{k}",
                 BYTEPS_TIMEOUT=str(args.timeout), BYTEPS_HEARTBEAT_INTERVAL="1", BYTEPS_HEARTBEAT_TIMEOUT="20",
-                BYTEPS_PARTITION_BYTES=str(args.partition_bytes), BYTEPS_SCHEDULING_CREDIT=str(args.credit),
                 BYTEPS_PLACEMENT="hash" if system == "hash" else "balanced", BYTEPS_LOG_LEVEL="WARNING",
                 DMLC_NUM_WORKER=str(n), DMLC_PS_ROOT_URI=net.addr["sched"], DMLC_PS_ROOT_PORT=str(SCHED_PORT),
                 GLOO_SOCKET_IFNAME="eth0")
     base.pop("DMLC_ROLE", None)
+    # by default the workers choose partition size and credit from the link they probe at start
+    # (byteps/autotune.py); --partition-bytes / --credit force them, and the table says so
+    for var in ("BYTEPS_PARTITION_BYTES", "BYTEPS_SCHEDULING_CREDIT"):
+        base.pop(var, None)
+    if getattr(args, "partition_bytes", None):
+        base["BYTEPS_PARTITION_BYTES"] = str(args.partition_bytes)
+    if getattr(args, "credit", None) is not None:
+        base["BYTEPS_SCHEDULING_CREDIT"] = str(args.credit)
     server_hosts = extras if system == "plain-ps" else workers + extras
     base["DMLC_NUM_SERVER"] = str(len(server_hosts))
     py = sys.executable
@@ -319,7 +332,16 @@ def run_job(net, system, n, k, args):
         names = {net.addr[h]: h for h in workers + extras}
         placed = {names[ip]: b for ip, b in by_ip.items()}
     busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
-    return {"system": system, "n": n, "k": k, "model_bytes": model, "steps_s": steps,
+    tuned = [r.get("tuning") for r in results if r.get("tuning")]
+    if len({t["partition_bytes"] for t in tuned}) > 1:
+        raise JobFailed(f"{system}, k={k}: workers used different partition sizes: {tuned}")
+    chosen = None
+    if tuned:
+        chosen = {"partition_bytes": tuned[0]["partition_bytes"], "source": tuned[0]["source"],
+                  "credits": [t["credit"] for t in tuned], "text": tuned[0]["text"],
+                  "init_probe_s": max(t.get("took_s") or 0 for t in tuned)}
+        print(f"{system} k={k}: {tuned[0]['text']}; credits by rank {chosen['credits']}", file=sys.stderr)
+    return {"system": system, "n": n, "k": k, "model_bytes": model, "steps_s": steps, "tuning": chosen,
             "time_s": statistics.median(steps), "correct": all(r["correct"] for r in results),
             "bytes_per_step": per_step, "plan_bytes": plan_bytes, "placed_bytes": placed,
             "machine_cpu_util": busy, "job_cpu_cores": (cpu1[2] - cpu0[2]) / (w1 - w0), "trace": trace}
@@ -360,12 +382,23 @@ def evaluate(results, rate_bytes):
     return results
 
 
+def _chosen(t):
+    """The table's partition column: size (credits), and whether a variable forced it."""
+    if not t:
+        return "—"
+    credits = sorted(set(t["credits"]))
+    size = t["partition_bytes"]
+    text = f"{size >> 10} KiB" if size % 1024 == 0 else f"{size} B"
+    forced = " set" if t["source"] == "env" else " probed" if t["source"] == "probe" else f" {t['source']}"
+    return f"{text}{forced} ({'/'.join(map(str, credits))})"
+
+
 def table(results):
     def f(x, fmt):
         return "—" if x is None else format(x, fmt)
-    lines = ["| system | k | time s | t_opt s | time / model | goodput MB/s | vs gloo (≥ 0.9 γa) | "
+    lines = ["| system | k | partition (credit) | time s | t_opt s | time / model | goodput MB/s | vs gloo (≥ 0.9 γa) | "
              "vs plain PS (≥ 0.9 γp) | bytes vs model | exact | machine CPU | job CPU cores |",
-             "|---|---:|---:|---:|---:|---:|---|---|---:|---|---:|---:|"]
+             "|---|---:|---|---:|---:|---:|---:|---|---|---:|---|---:|---:|"]
     for r in sorted(results, key=lambda r: (r["k"], SYSTEMS.index(r["system"]))):
         ref = r["t_allreduce_s"] if r["system"] == "gloo" else r["t_plain_ps_s"] if r["system"] == "plain-ps" \
             else r["t_opt_s"]
@@ -374,7 +407,7 @@ def table(results):
             vs_g = f"{r['speedup_vs_gloo']:.2f} ({0.9 * r['gamma_a']:.2f})"
         if r.get("speedup_vs_ps"):
             vs_p = f"{r['speedup_vs_ps']:.2f} ({0.9 * r['gamma_p']:.2f})"
-        lines.append(f"| {r['system']} | {r['k']} | {r['time_s']:.3f} | {f(ref, '.3f')} | {r['vs_t_opt']:.3f} | "
+        lines.append(f"| {r['system']} | {r['k']} | {_chosen(r.get('tuning'))} | {r['time_s']:.3f} | {f(ref, '.3f')} | {r['vs_t_opt']:.3f} | "
                      f"{r['model_bytes'] / r['time_s'] / 1e6:.1f} | {vs_g} | {vs_p} | "
                      f"{100 * r['bytes_vs_plan']:+.1f}% | {'yes' if r['correct'] else 'NO'} | "
                      f"{100 * r['machine_cpu_util']:.0f}% | {r['job_cpu_cores']:.2f} |")
@@ -433,10 +466,11 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="timed steps per result (median; default 3)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2; fusion's first step "
                                                           "is unfused)")
-    ap.add_argument("--partition-bytes", type=int, default=512000,
-                    help="BYTEPS_PARTITION_BYTES and fusion buffer size (default 512000: ~90 partitions per step, "
-                         "so pipeline fill and drain are a few percent)")
-    ap.add_argument("--credit", type=int, default=4, help="BYTEPS_SCHEDULING_CREDIT (default 4)")
+    ap.add_argument("--partition-bytes", type=int, default=None,
+                    help="force BYTEPS_PARTITION_BYTES (and so the fusion buffer size); default: unset, the "
+                         "workers choose it from the link they probe at start (byteps/autotune.py)")
+    ap.add_argument("--credit", type=int, default=None,
+                    help="force BYTEPS_SCHEDULING_CREDIT; default: unset, chosen at start like the partition size")
     ap.add_argument("--timeout", type=float, default=180, help="BYTEPS_TIMEOUT and per-job limit, s")
     ap.add_argument("--trace", action="store_true", help="sample link counters every 0.1 s into the JSON")
     ap.add_argument("--quick", action="store_true", help="n=2, k=0..2, 4 MB model, 1 step: a smoke run")
@@ -449,7 +483,6 @@ def main():
         return worker(args)
     if args.quick:
         args.n, args.ks, args.model_bytes, args.reps, args.warmup = 2, "0,1,2", 4_000_000, 1, 2
-        args.partition_bytes = 256000
         quick = os.path.join(ROOT, "bench", "results", "emulated_cluster_quick")  # never over the docs' figures
         args.out, args.plot, args.table = quick + ".json", quick + ".png", quick + ".md"
 

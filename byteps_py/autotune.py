@@ -9,6 +9,13 @@ needs from one server with ``PROBE`` echoes (core/wire.py; the server answers in
 summation/server.py ``_on_probe``); :func:`resolve` lets ``BYTEPS_PARTITION_BYTES`` and
 ``BYTEPS_SCHEDULING_CREDIT`` override either choice.
 
+At ``init()`` the engine (core/engine.py ``Engine._tune``) probes one server on another host, proposes
+the size its link calls for (:func:`propose`), and agrees with the other workers through the
+scheduler (:func:`agree`: the median proposal, or BYTEPS_PARTITION_BYTES where set), so the whole
+job uses one partition size; each worker keeps its own credit. ``byteps.common.tuning()`` returns
+the result, which every worker also logs at INFO. ``BYTEPS_TEST_LINK=bytes_per_s,rtt_s`` (a test
+hook, not a setting) replaces a worker's probe with that link.
+
 The model (every constant is a module attribute, so tests and benchmarks can vary it):
 
 * **Link.** ``B`` is the rate at which a worker moves partition bytes over its NIC. Bytes for a
@@ -36,6 +43,13 @@ The model (every constant is a module attribute, so tests and benchmarks can var
 
   M is ``model_bytes`` when the caller knows it, else ``DEFAULT_MODEL_BYTES`` (256 MB, which
   gives BytePS's 4 MB partitions on fast links).
+* **Cut bound: balance.** ``balanced`` placement cuts a partition over the servers only when its
+  smallest piece (the server with the smallest share) is at least ``MIN_PIECE`` (16 KB,
+  byteps/placement.py); a smaller partition goes whole to one hashed server and the k/n balance
+  that makes a step take t_opt is lost. So ``P >= min_cut = MIN_PIECE / (smallest share)``,
+  rounded up to a power of two. Measured on the emulated cluster (n = 4, k = 3, 200 Mbit/s, where
+  the colocated servers' share is 1/22 and min_cut 352 KB): 256 KB partitions went whole and took
+  2.21x t_opt (bytes 16% off Eq. 1-2), like ``hash``; 512 KB ones are cut.
 * **The choice.** ``P = max(P_min, P_max)``: the largest partition the upper bound allows, or the
   fixed-cost bound when it is larger (throughput first). Rounded to the nearest power of two in
   ``[MIN_PARTITION, MAX_PARTITION]``, so workers whose measurements differ a little still tend to
@@ -45,8 +59,14 @@ The model (every constant is a module attribute, so tests and benchmarks can var
 
       credit = clamp(MIN_CREDIT + round(B * rtt / P), MIN_CREDIT, MAX_CREDIT)
 
-  On a LAN the bandwidth-delay product is far below one partition and the credit stays 4 (more
-  measured worse: 1.22x t_opt with 16, 1.33x with 64, at 512 KB); a long link gets more.
+  On a LAN the bandwidth-delay product is far below one partition and the credit stays 4; a long
+  link gets more. More is not free: the window W = credit x P is what the pushes run ahead of the
+  replies, so a step of pure communication ends about W/B late (emulated cluster, k = 2, 200
+  Mbit/s: W = 1 MB 1.059x t_opt, 4 MB 1.167x, 16 MB 1.28x; earlier 512 KB x 16 1.22x, x 64 1.33x).
+  A training step, where workers' gradients arrive skewed and priorities preempt, once needed
+  16-32 MB (1 Gbit/s) because less urgent bytes held the urgent tensor's credit; the queue now
+  counts only bytes of the same or a more urgent priority (core/bps_queue.h), and 2 MB x 4 reaches
+  1.23x DDP-gloo (bench_users.py --cluster).
 
 ``bpslaunch --plan --bandwidth 1Gbit --latency 200us`` prints the choice for a job shape.
 """
@@ -106,7 +126,7 @@ def _rate(bps):
 
 
 def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost_s=PIECE_COST_PYTHON,
-           placement="balanced", model_bytes=None):
+           placement="balanced", model_bytes=None, min_cut_bytes=0):
     """Partition size and credit for a link (see the module docstring for the model).
 
     Args:
@@ -119,6 +139,8 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
         piece_cost_s: the worker's fixed CPU cost per piece.
         placement: ``balanced`` or ``hash`` (whole partitions: one piece each).
         model_bytes: bytes a step pushes, if known (else :data:`DEFAULT_MODEL_BYTES`).
+        min_cut_bytes: ``balanced`` only: the smallest partition the placement cuts over every
+            server (``Placement.min_cut``: each piece >= MIN_PIECE); the choice is never below it.
 
     Returns:
         :class:`Choice` ``(partition_bytes, credit, reason)``.
@@ -127,10 +149,7 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
         raise ValueError(f"choose: need bandwidth > 0, rtt >= 0, num_servers >= 1 and a colocated fraction in "
                          f"[0, 1]; got {bandwidth_Bps}, {rtt_s}, {num_servers}, {colocated_fraction}")
     pieces = num_servers if placement == "balanced" else 1
-    if colocated_fraction >= 1:
-        b_eff = bandwidth_Bps
-    else:
-        b_eff = min(bandwidth_Bps / (1 - colocated_fraction), max(LOCAL_BPS, bandwidth_Bps))
+    b_eff = effective_bandwidth(bandwidth_Bps, colocated_fraction)
     model = DEFAULT_MODEL_BYTES if model_bytes is None else max(int(model_bytes), 1)
     p_min = pieces * piece_cost_s * b_eff / OVERHEAD
     p_fill = OVERHEAD * model / FILL_DRAIN
@@ -141,8 +160,12 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
     else:
         target, bound = p_max, "the upper bound"
     partition = _pow2(target, MIN_PARTITION, MAX_PARTITION)
+    cut = min_cut_bytes if placement == "balanced" else 0
+    if partition < cut:  # the power of two at or above the cut bound
+        partition = _pow2(2 ** math.ceil(math.log2(cut)), MIN_PARTITION, MAX_PARTITION)
+        bound = f"the cut bound {_human(cut)} (smaller partitions are not cut over the servers)"
     bdp = b_eff * rtt_s
-    credit = int(min(max(MIN_CREDIT + round(bdp / partition), MIN_CREDIT), MAX_CREDIT))
+    credit = credit_for(b_eff, rtt_s, partition)
     reason = (f"link {_rate(bandwidth_Bps)}, rtt {rtt_s * 1e6:.0f} us, {num_servers} server(s), "
               f"{colocated_fraction:.0%} of bytes local -> effective {_rate(b_eff)}; "
               f"fixed cost {pieces} x {piece_cost_s * 1e6:.0f} us <= {OVERHEAD:.0%} of wire time needs "
@@ -151,6 +174,18 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
               f"{GRANULARITY_S * 1e3:g} ms on the wire <= {_human(p_time)}; {bound} -> {_human(partition)}; "
               f"bandwidth-delay product {_human(bdp)} -> credit {credit}")
     return Choice(partition, credit, reason)
+
+
+def effective_bandwidth(bandwidth_Bps, colocated_fraction):
+    """``B_eff``: bytes of a partition per second of NIC time when a fraction of them stays local."""
+    if colocated_fraction >= 1:
+        return bandwidth_Bps
+    return min(bandwidth_Bps / (1 - colocated_fraction), max(LOCAL_BPS, bandwidth_Bps))
+
+
+def credit_for(b_eff, rtt_s, partition_bytes):
+    """Partitions in flight that cover the bandwidth-delay product, plus MIN_CREDIT for skew."""
+    return int(min(max(MIN_CREDIT + round(b_eff * rtt_s / partition_bytes), MIN_CREDIT), MAX_CREDIT))
 
 
 def _env_int(env, name, minimum):
@@ -257,6 +292,151 @@ def zmq_echo(sock, node_id=0, timeout_s=5.0):
     return send_recv
 
 
+# ------------------------------------------------------------------ at job start (core/engine.py)
+#
+# Every worker must cut tensors the same way (wire keys and lengths are compared by the servers), so
+# the partition size is agreed job-wide: each worker probes one server, proposes the size its own
+# link calls for, and sends the proposal to the scheduler in a BARRIER named AGREE_BARRIER; the
+# release carries every worker's proposal, and every worker applies :func:`agree` to the same list,
+# so all get the same size. The credit stays per worker (its own link's bandwidth-delay product).
+
+#: name of the control-plane barrier whose messages carry the proposals (scheduler/scheduler.py)
+AGREE_BARRIER = "byteps.autotune"
+#: test hook: ``bytes_per_s,rtt_s`` replaces this worker's probe (tests make workers disagree)
+TEST_LINK_VAR = "BYTEPS_TEST_LINK"
+#: the probe at start: a small and a 1 MiB echo, at most PROBE_REPEATS of each, and no more echoes of a
+#: size once they took PROBE_BUDGET_S (about 0.4 s in all at 200 Mbit/s, a few ms on loopback)
+PROBE_SIZES = (64, 1 << 20)
+PROBE_REPEATS = 5
+PROBE_BUDGET_S = 0.2
+
+
+class Agreement(typing.NamedTuple):
+    """The job's partition size and this worker's credit, with where they came from."""
+
+    partition_bytes: int
+    credit: int
+    source: str         # "probe", "env" (BYTEPS_PARTITION_BYTES) or "default" (nothing measured)
+    text: str           # the log line's content: "partition size X (...), credit Y (...)"
+    bandwidth_Bps: float = None   # the link this worker's credit came from (None: not measured)
+    rtt_s: float = None
+    took_s: float = None          # what the probe and the agreement added to init()
+
+    def as_dict(self):
+        return self._asdict()
+
+
+def job_shape(servers, weights, my_host, min_cut=0):
+    """(servers that sum something, fraction of a partition's bytes summed on this worker's host,
+    the placement's cut bound) from the address book's servers, their placement weights and
+    ``Placement.min_cut`` (byteps/placement.py): the inputs :func:`choose` takes, as
+    :func:`for_plan` derives them for ``bpslaunch --plan``."""
+    total = sum(weights)
+    active = sum(1 for w in weights if w > 0)
+    local = sum(w for s, w in zip(servers, weights) if s["host"] == my_host)
+    return max(active, 1), (local / total if total else 0.0), min_cut
+
+
+def probe_target(servers, weights, my_host, rank):
+    """The server a worker probes: one on another host (the NIC is what the model needs), a different
+    one per rank so the workers do not all time one server's link at once; a job whose servers are
+    all on this host probes a local one."""
+    remote = [i for i, (s, w) in enumerate(zip(servers, weights)) if w > 0 and s["host"] != my_host]
+    pool = remote or [i for i, w in enumerate(weights) if w > 0] or list(range(len(servers)))
+    return pool[rank % len(pool)] if pool else None
+
+
+def test_link(env=None):
+    """The Measurement the :data:`TEST_LINK_VAR` hook forces, or None when it is not set."""
+    raw = ((os.environ if env is None else env).get(TEST_LINK_VAR) or "").strip()
+    if not raw:
+        return None
+    try:
+        bw, rtt = (float(x) for x in raw.split(","))
+    except ValueError:
+        from .errors import ConfigError
+
+        raise ConfigError(f"{TEST_LINK_VAR}={raw!r}: expected 'bytes_per_second,rtt_seconds'") from None
+    return Measurement(rtt, bw, {})
+
+
+def propose(measurement, shape, placement="balanced", piece_cost_s=PIECE_COST_PYTHON, worker_id=0, env=None):
+    """This worker's proposal (JSON): the partition size BYTEPS_PARTITION_BYTES sets, else the one its
+    measurement calls for (``shape`` from :func:`job_shape`), else none (nothing measured)."""
+    env = os.environ if env is None else env
+    part = _env_int(env, "BYTEPS_PARTITION_BYTES", 64)
+    out = {"worker_id": worker_id, "partition": part, "source": "env" if part is not None else "none"}
+    if measurement is not None:
+        out.update(bw=measurement.bandwidth_Bps, rtt=measurement.rtt_s)
+        if part is None:
+            out.update(partition=choose(measurement.bandwidth_Bps, measurement.rtt_s, shape[0], shape[1],
+                                        piece_cost_s, placement, min_cut_bytes=shape[2]).partition_bytes,
+                       source="probe")
+    return out
+
+
+def agree(proposals, rank, shape, env=None):
+    """The job-wide partition size and this worker's credit from every worker's :func:`propose`.
+
+    Every worker calls this with the same ``proposals`` ({rank: proposal}, as the scheduler's release
+    carries them) and so gets the same partition size:
+
+    * BYTEPS_PARTITION_BYTES wins where it is set; workers that set different values are a
+      ConfigError naming them (their servers would see mismatched lengths), and a worker without it
+      takes the others' value (logged);
+    * else the median of the probed proposals (the lower one of an even count): one worker whose
+      probe was disturbed by its neighbours' cannot move the job;
+    * else (no probe worked anywhere) the old default.
+
+    The credit is this worker's (BYTEPS_SCHEDULING_CREDIT if set): the bandwidth-delay product of
+    its own measurement, else of its machine's (only local rank 0 probes), else of the job's median.
+    """
+    from .errors import ConfigError
+
+    env = os.environ if env is None else env
+    props = {int(r): p for r, p in proposals.items()}
+    mine = props.get(rank, {})
+    forced = {r: p["partition"] for r, p in props.items() if p.get("source") == "env"}
+    probed = sorted((p["partition"], r) for r, p in props.items() if p.get("source") == "probe")
+    measured = sorted((p["bw"], r) for r, p in props.items() if p.get("bw"))
+    if forced:
+        if len(set(forced.values())) > 1:
+            raise ConfigError("BYTEPS_PARTITION_BYTES differs across workers (every worker must cut tensors "
+                              "the same way): " + ", ".join(f"rank {r}: {v}" for r, v in sorted(forced.items())))
+        partition, source = next(iter(forced.values())), "env"
+        why = "BYTEPS_PARTITION_BYTES"
+        unset = sorted(set(props) - set(forced))
+        if unset:
+            why += f" (set on ranks {sorted(forced)}; ranks {unset} without it use it too)"
+    elif probed:
+        partition, chosen = probed[(len(probed) - 1) // 2]
+        source = "probe"
+        p = props[chosen]
+        why = (f"probed: {_rate(p['bw'])}, rtt {p['rtt'] * 1e6:.0f} us at rank {chosen}, the median of "
+               f"{len(probed)} worker(s)' choices {sorted({q for q, _ in probed})}")
+    else:
+        partition, source, why = DEFAULT_PARTITION, "default", "nothing measured: the default"
+    # the credit: this worker's own link, its machine's (local rank 0 probed it), or the job's median
+    link = mine if mine.get("bw") else None
+    if link is None:
+        same = [p for r, p in sorted(props.items()) if p.get("bw") and p.get("worker_id") == mine.get("worker_id")]
+        link = same[0] if same else (props[measured[(len(measured) - 1) // 2][1]] if measured else None)
+    credit = _env_int(env, "BYTEPS_SCHEDULING_CREDIT", 0)
+    bw = rtt = None
+    if link is not None:
+        bw, rtt = link["bw"], link["rtt"]
+    if credit is not None:
+        credit_why = "BYTEPS_SCHEDULING_CREDIT"
+    elif link is not None:
+        b_eff = effective_bandwidth(bw, shape[1])
+        credit = credit_for(b_eff, rtt, partition)
+        credit_why = f"bandwidth-delay product {_human(b_eff * rtt)} at {_rate(b_eff)} effective, rtt {rtt * 1e6:.0f} us"
+    else:
+        credit, credit_why = DEFAULT_CREDIT, "nothing measured: the default"
+    text = f"partition size {_human(partition)} ({partition} bytes; {why}), credit {credit} ({credit_why})"
+    return Agreement(partition, credit, source, text, bw, rtt)
+
+
 # ------------------------------------------------------------------------ bpslaunch --plan
 
 def parse_duration(text):
@@ -275,9 +455,13 @@ def parse_duration(text):
 def for_plan(plan, rtt_s, piece_cost_s=PIECE_COST_PYTHON):
     """The choice for a job shape of :func:`byteps.placement.plan`: its servers that sum something,
     the share of a worker's bytes its own machine's server sums, the NIC bandwidth."""
-    servers = sum(1 for s in plan.servers if s.share > 0) or 1
+    from .placement import MIN_PIECE
+
+    shares = [float(s.share) for s in plan.servers if s.share > 0]
     local = 1.0 if plan.n == 1 else float(plan.colocated_share)
-    return choose(plan.bandwidth, rtt_s, servers, local, piece_cost_s=piece_cost_s)
+    # Placement.min_cut: the smallest piece, at the smallest share, must reach MIN_PIECE
+    cut = math.ceil(MIN_PIECE / min(shares)) if len(shares) > 1 else 0
+    return choose(plan.bandwidth, rtt_s, len(shares) or 1, local, piece_cost_s=piece_cost_s, min_cut_bytes=cut)
 
 
 def plan_text(plan, rtt_s):

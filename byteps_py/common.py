@@ -65,7 +65,8 @@ def init(lazy=False):
             engine = Engine(cfg)
             engine.start()
             _exit_notice = cfg
-        _job = _Job(cfg, engine)
+        # the engine's config carries the partition size and credit agreed at start (byteps/autotune.py)
+        _job = _Job(engine.cfg if engine else cfg, engine)
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True
@@ -159,6 +160,19 @@ def local_size():
 def config():
     """The validated :class:`byteps.config.Config` of this process."""
     return _require().cfg
+
+
+def tuning():
+    """The partition size and credit this worker uses, and why (byteps/autotune.py): a dict with
+    ``partition_bytes``, ``credit``, ``source`` ("probe", "env" or "default"), ``text`` (the line
+    logged at INFO), and the ``bandwidth_Bps`` and ``rtt_s`` its credit came from (None if not
+    measured). A job of one process sends nothing: its values are the configuration's."""
+    job = _require()
+    if job.engine is not None and job.engine.tuning is not None:
+        return job.engine.tuning.as_dict()
+    cfg = job.cfg
+    return {"partition_bytes": cfg.partition_bytes, "credit": cfg.scheduling_credit, "source": "local",
+            "text": "a job of one process: nothing crosses a network", "bandwidth_Bps": None, "rtt_s": None}
 
 
 def auto_name(prefix):

@@ -27,9 +27,9 @@ applies it in the worker's engine (core/engine.py) from the address book, one of
     exactly the Eq. 1-2 proportions (cuts at the nearest :data:`ALIGN`-byte boundary, so each
     piece is within one unit of its target). Every partition, hence every fusion buffer
     (byteps/fusion.py, Herring's balanced fusion buffers), loads the servers in the optimal
-    proportions at every instant, not only on average. Each worker sends a partition's pieces
-    starting at a different server (rotated by rank), so the workers do not all push to the same
-    server at once. A partition whose smallest piece would be under :data:`MIN_PIECE` (a small
+    proportions at every instant, not only on average. Every worker sends a partition's pieces in
+    the same order (successive partitions start at successive servers): the credit's exception for
+    the most urgent tensor relies on it (core/bps_queue.h). A partition whose smallest piece would be under :data:`MIN_PIECE` (a small
     tensor, the tail of a large one, or tiny BYTEPS_PARTITION_BYTES) is not cut: it goes whole to
     a server picked by a weighted hash of (tensor key, partition), as in ``hash`` (fuse small
     tensors with byteps/fusion.py to keep them balanced too).
@@ -422,9 +422,12 @@ class Placement:
                 continue
             lengths = apportion(size, self.weights)
             offs = [start + sum(lengths[:s]) for s in range(s_count)]
-            # every worker starts at a different server, so a partition's first pieces do not all
-            # converge on one server at the same moment
-            first = (self.rank + j) % s_count
+            # every worker sends a partition's pieces in the same order, successive partitions
+            # starting at successive servers. Not rotated by rank: a worker whose credit is full may
+            # send the most urgent tensor one piece at a time (core/bps_queue.h); with rank-rotated
+            # orders each worker's piece went to a different server, each server waited for a piece
+            # another worker's credit held back, and the job hung (tests/test_autotune.py)
+            first = (tkey + j) % s_count
             for s in (*range(first, s_count), *range(first)):
                 if lengths[s]:
                     out.append((j * s_count + s, offs[s], lengths[s], s))

@@ -416,8 +416,13 @@ class BpsWorkerCore {
 
     bool fits(const BpsQueued &q) const {
         int64_t nbytes = (int64_t)q.op->parts[q.part].length;
-        return credit_ <= 0 || in_flight_ == 0 || in_flight_ + nbytes <= credit_ || priorities_.empty() ||
-               q.priority > priorities_.rbegin()->first;
+        if (credit_ <= 0) return true;
+        // the credit counts bytes of this priority or a more urgent one: bytes of less urgent
+        // tensors, which other workers may have deferred for this one, never hold it back (see
+        // core/bps_queue.h)
+        int64_t ahead = 0;
+        for (auto it = priorities_.lower_bound(q.priority); it != priorities_.end(); ++it) ahead += it->second;
+        return ahead == 0 || ahead + nbytes <= credit_;
     }
 
     void send_ready() {
@@ -466,14 +471,14 @@ class BpsWorkerCore {
         pending_[std::make_pair(p.key, rnd)] = std::make_pair(op, index);
         op->owed[p.server]++;
         in_flight_ += p.length;
-        if (credit_ > 0) priorities_[op->priority]++;
+        if (credit_ > 0) priorities_[op->priority] += p.length;
     }
 
     void release(BpsOp *op, int index) {
         in_flight_ -= op->parts[index].length;
         if (in_flight_ < 0) in_flight_ = 0;
         auto it = priorities_.find(op->priority);
-        if (it != priorities_.end() && --it->second <= 0) priorities_.erase(it);
+        if (it != priorities_.end() && (it->second -= op->parts[index].length) <= 0) priorities_.erase(it);
     }
 
     void forward(int server, BpsMessage *m) {
@@ -656,7 +661,7 @@ class BpsWorkerCore {
     uint64_t seq_ = 0;
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsOp *, int>> pending_;
     std::atomic<int64_t> in_flight_{0};
-    std::map<int64_t, int64_t> priorities_;
+    std::map<int64_t, int64_t> priorities_;  // priority -> bytes in flight (only with a credit)
     BpsPeerMaps maps_;
     bool have_done_ = false;
 };

@@ -34,6 +34,7 @@ No Python runs per element; Python work is per partition: a header, a few dict o
 one C call per message (core/transport.py: libzmq called directly, not pyzmq per frame).
 """
 import collections
+import dataclasses
 import fcntl
 import itertools
 import os
@@ -43,7 +44,7 @@ import time
 import numpy as np
 import zmq
 
-from byteps import compression
+from byteps import autotune, compression
 from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, ProtocolError, TensorMismatchError
 from byteps.log import logger
 from byteps.placement import Placement
@@ -87,6 +88,8 @@ class Engine:
         self.failure = None
         self.book = None
         self.rank = self.size = None
+        self.tuning = None          # autotune.Agreement: the job's partition size and this worker's credit
+        self._agreed = None         # the scheduler's release of the agreement (see _tune)
         self._thread = threading.Thread(target=self._main, name="byteps-engine", daemon=True)
         # engine-thread state
         self._parts = {}            # (wire key, round) -> (op, offset, nbytes)
@@ -451,6 +454,7 @@ class Engine:
         self._knock_all()
         if Stage.STAGE in self._dropped:  # BYTEPS_PIPELINE=-stage: colocated servers over TCP too
             self.colocated = [False] * len(self.servers)
+        self._tune()  # before anything is cut into partitions or sent
         if any(self.colocated) or self.local is not None:
             self._shm = shm.Allocator("byteps-worker")
         if any(self.colocated):
@@ -459,6 +463,76 @@ class Engine:
         from . import local_exec
         self._local_exec = local_exec.start(self)  # None unless BYTEPS_LOCAL_STRATEGY=topology applies
         self._ready.set()
+
+    def _tune(self):
+        """Partition size (job-wide) and credit (this worker's) from the link (byteps/autotune.py).
+
+        Probe one server unless BYTEPS_PARTITION_BYTES and BYTEPS_SCHEDULING_CREDIT are both set
+        (with local reduce only local rank 0 probes: its machine's processes share one NIC), then
+        agree through the scheduler: every worker's proposal comes back to all, and all apply the
+        same rule to the same list, so the partition sizes cannot differ.
+        """
+        started = time.monotonic()
+        env = os.environ
+        weights, me = self.placement.weights, self.cfg.node_host
+        shape = autotune.job_shape(self.book["servers"], weights, me,
+                                   self.placement.min_cut if self.cfg.placement == "balanced" else 0)
+        both_set = all((env.get(v) or "").strip() for v in ("BYTEPS_PARTITION_BYTES", "BYTEPS_SCHEDULING_CREDIT"))
+        measurement = None
+        if not both_set and (self.local is None or self.cfg.local_rank == 0):
+            measurement = autotune.test_link(env) or self._probe(
+                autotune.probe_target(self.book["servers"], weights, me, self.rank))
+        native = (self.cfg.native and self.cfg.zmq_direct and _worker_core is not None and _worker_core.available
+                  and self.local is None)
+        mine = autotune.propose(measurement, shape, self.cfg.placement,
+                                autotune.PIECE_COST_NATIVE if native else autotune.PIECE_COST_PYTHON,
+                                self.cfg.worker_id, env)
+        self.control.send(Cmd.BARRIER, {"name": autotune.AGREE_BARRIER, "value": mine})
+        # the scheduler answers, naming the ranks it lacks, after BYTEPS_TIMEOUT; this wait is longer
+        limit = self.cfg.timeout + 5
+        deadline = time.monotonic() + limit
+        while self._agreed is None:
+            if self._stopped.is_set():
+                raise BytePSError("init() was interrupted")
+            if time.monotonic() > deadline:
+                raise BytePSTimeoutError(
+                    f"init() waited {limit:g} s for the scheduler at {self.cfg.scheduler_endpoint} to hand out the "
+                    "job's partition size (it needs every worker's link probe; its log names the ranks it lacks)")
+            for sock, _ in self.poller.poll(timeout=100):
+                if sock is self.control.sock:
+                    self._drain(sock, lambda _: self._on_control())
+                elif sock is self._local_sock:  # this machine's other processes may still knock
+                    self._drain_data(sock, self._on_local)
+                elif sock == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                elif sock in self._server_index:  # a late PROBE echo (a timed-out probe): drop it
+                    self._drain_data(sock, lambda s, frames: None)
+            self.control.tick()
+        if "error" in self._agreed:
+            raise BytePSTimeoutError(f"the job's partition size was not agreed: {self._agreed['error']}")
+        tuning = autotune.agree(self._agreed["values"], self.rank, shape, env)
+        self.tuning = tuning = tuning._replace(took_s=time.monotonic() - started)
+        self.cfg = dataclasses.replace(self.cfg, partition_bytes=tuning.partition_bytes,
+                                       scheduling_credit=tuning.credit)
+        # nothing is queued or cut yet: rebuild both with the agreed values
+        self._sendq = PriorityQueue(tuning.credit * tuning.partition_bytes)
+        self.placement = Placement.from_book(self.book, self.cfg.placement, tuning.partition_bytes, self.rank)
+        logger.info("%s; %.0f ms", tuning.text, tuning.took_s * 1e3)
+
+    def _probe(self, server):
+        """Time PROBE echoes to one server (autotune.probe); None, with a warning, if it fails."""
+        if server is None:
+            return None
+        who = f"server {server} ({self.book['servers'][server]['host']}:{self.book['servers'][server]['port']})"
+        try:
+            echo = autotune.zmq_echo(self.servers[server], self.control.node_id, min(5.0, self.cfg.timeout))
+            return autotune.probe(echo, autotune.PROBE_SIZES, autotune.PROBE_REPEATS, autotune.PROBE_BUDGET_S)
+        except (BytePSError, ValueError) as e:
+            logger.warning("could not probe the link to %s (%s); proposing no partition size", who, e)
+            return None
 
     def _knock_all(self):
         """Authenticate to every server and local peer (core/auth.py) before sending them anything.
@@ -626,6 +700,8 @@ class Engine:
             self.workers = {w["rank"]: w for w in body["workers"]}
         elif cmd == Cmd.DECLARE:
             self._on_declared(body)
+        elif cmd == Cmd.BARRIER and body.get("name") == autotune.AGREE_BARRIER:
+            self._agreed = body
         elif cmd == Cmd.BARRIER:
             ev = self._requests.pop(("barrier", body.get("name")), None)
             if ev is not None:

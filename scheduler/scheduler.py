@@ -63,6 +63,9 @@ class Scheduler:
         self.left = set()         # worker identities that sent LEAVE this epoch
         self.exited = set()       # (worker_id, local_rank) of worker processes that exited
         self.barriers = {}        # name -> set of identities
+        # name -> (since, {rank: value}) of barriers whose members send a value (byteps/autotune.py's
+        # partition-size agreement): the release hands every member all of them
+        self.barrier_values = {}
         self.declares = {}        # (name, spec json) ... see _on_declare
         self.keys = {}            # (name, spec) -> tensor key, stable for the whole job
         self.phase_start = time.monotonic()
@@ -230,9 +233,14 @@ class Scheduler:
         name = str(body.get("name", ""))
         group = self.barriers.setdefault(name, set())
         group.add(ident)
+        if "value" in body:
+            self.barrier_values.setdefault(name, (time.monotonic(), {}))[1][self.workers[ident]["rank"]] = body["value"]
         if group >= set(self._active_workers()):
+            release = {"name": name}
+            if name in self.barrier_values:
+                release["values"] = self.barrier_values.pop(name)[1]
             for member in group:
-                self._send(member, Cmd.BARRIER, {"name": name})
+                self._send(member, Cmd.BARRIER, release)
             del self.barriers[name]
 
     def _on_declare(self, ident, body):
@@ -334,6 +342,7 @@ class Scheduler:
             self.workers = {}
             self.left = set()
             self.barriers.clear()
+            self.barrier_values.clear()
             self.declares.clear()
             self.joined, self.missed = [], {}
             self.running = False
@@ -365,6 +374,16 @@ class Scheduler:
         if not self.running and self.idle_since is None and now - self.phase_start > self.cfg.timeout:
             self._fail(f"startup timed out after {self.cfg.timeout:g} s (BYTEPS_TIMEOUT); never registered: "
                        + ", ".join(self._missing()))
+        for name, (since, values) in list(self.barrier_values.items()):
+            if now - since > self.cfg.timeout:  # the members wait a little longer: they get this error
+                lacking = sorted(self.workers[i]["rank"] for i in self._active_workers()
+                                 if i not in self.barriers.get(name, ()))
+                msg = (f"ranks {lacking} did not send their {name!r} values (link probes) within {self.cfg.timeout:g} s "
+                       f"(BYTEPS_TIMEOUT); ranks {sorted(values)} did")
+                logger.warning("%s", msg)
+                for ident in self.barriers.pop(name, ()):
+                    self._send(ident, Cmd.BARRIER, {"name": name, "error": msg})
+                del self.barrier_values[name]
         for (name, seq), pending in list(self.declares.items()):
             if now - pending["since"] > self.cfg.timeout:
                 have = sorted(self.workers[i]["rank"] for i in pending["specs"])

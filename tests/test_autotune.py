@@ -1,6 +1,8 @@
 """Partition size and credit from the link (byteps/autotune.py): the model, the environment's
 overrides, the probe's arithmetic, and the servers' PROBE echo over an authenticated connection."""
 import math
+import os
+import sys
 import time
 
 import psutil
@@ -204,3 +206,195 @@ def test_bpslaunch_plan_prints_the_choice(capsys):
                                           ("0", 0.0)])
 def test_parse_duration(text, seconds):
     assert autotune.parse_duration(text) == pytest.approx(seconds)
+
+
+# ------------------------------------------------------------------ the job-wide agreement (engine)
+
+def _prop(partition, source="probe", bw=25e6, rtt=200e-6, worker_id=0):
+    return {"partition": partition, "source": source, "bw": bw, "rtt": rtt, "worker_id": worker_id}
+
+
+def test_agree_takes_the_median_proposal_on_every_rank():
+    props = {"0": _prop(256 << 10, worker_id=0), "1": _prop(4 << 20, bw=2e9, worker_id=1),
+             "2": _prop(1 << 20, bw=125e6, rtt=0.05, worker_id=2)}
+    got = [autotune.agree(props, r, (2, 0.0, 0), env={}) for r in range(3)]
+    assert {g.partition_bytes for g in got} == {1 << 20} and {g.source for g in got} == {"probe"}
+    assert "at rank 2" in got[0].text and "median of 3" in got[0].text
+    # each rank's credit is its own link's: rank 2's 50 ms round trip holds ~6 partitions more
+    assert [g.credit for g in got] == [4, 4, 4 + round(125e6 * 0.05 / (1 << 20))]
+    even = {"0": _prop(256 << 10), "1": _prop(4 << 20)}
+    assert autotune.agree(even, 1, (2, 0.0, 0), env={}).partition_bytes == 256 << 10  # the lower median
+
+
+def test_agree_env_wins_and_differing_values_are_named():
+    props = {"0": _prop(65536, source="env"), "1": _prop(4 << 20), "2": _prop(512 << 10)}
+    got = autotune.agree(props, 1, (2, 0.0, 0), env={})
+    assert (got.partition_bytes, got.source) == (65536, "env")
+    assert "BYTEPS_PARTITION_BYTES" in got.text and "ranks [1, 2] without it" in got.text
+    props["2"] = _prop(4096, source="env")
+    with pytest.raises(ConfigError, match=r"differs across workers .*: rank 0: 65536, rank 2: 4096"):
+        autotune.agree(props, 0, (2, 0.0, 0), env={})
+
+
+def test_agree_without_measurements_and_credit_sources():
+    nothing = {"0": {"partition": None, "source": "none", "worker_id": 0},
+               "1": {"partition": None, "source": "none", "worker_id": 1}}
+    got = autotune.agree(nothing, 0, (1, 0.0, 0), env={})
+    assert (got.partition_bytes, got.credit, got.source) == (autotune.DEFAULT_PARTITION, autotune.DEFAULT_CREDIT,
+                                                              "default")
+    # local rank 1 of machine 0 did not probe: its credit comes from its machine's measurement (rank 0)
+    props = {"0": _prop(256 << 10, rtt=0.1, worker_id=0), "1": {"partition": None, "source": "none", "worker_id": 0},
+             "2": _prop(256 << 10, rtt=1e-4, worker_id=1)}
+    assert autotune.agree(props, 1, (2, 0.0, 0), env={}).credit == autotune.agree(props, 0, (2, 0.0, 0), env={}).credit > 4
+    assert autotune.agree(props, 1, (2, 0.0, 0), env={"BYTEPS_SCHEDULING_CREDIT": "7"}).credit == 7
+
+
+def test_propose_and_probe_target():
+    m = autotune.Measurement(200e-6, 25e6, {})
+    p = autotune.propose(m, (4, 0.25, 0), env={})
+    assert p["source"] == "probe" and p["partition"] == autotune.choose(25e6, 200e-6, 4, 0.25).partition_bytes
+    assert autotune.propose(m, (4, 0.25, 0), env={"BYTEPS_PARTITION_BYTES": "1000"})["partition"] == 1000
+    assert autotune.propose(None, (4, 0.25, 0), env={})["source"] == "none"
+    # the placement's cut bound: never a partition too small to be cut over every server
+    assert autotune.propose(m, (4, 0.25, 360448), env={})["partition"] == 512 << 10
+    servers = [{"host": h} for h in ("a", "b", "c", "a")]
+    assert autotune.job_shape(servers, [1, 1, 2, 0], "a", 65536) == (3, 0.25, 65536)
+    assert [autotune.probe_target(servers, [1, 1, 1, 1], "a", r) for r in range(3)] == [1, 2, 1]
+    assert autotune.probe_target(servers, [1, 0, 0, 1], "a", 1) == 3  # every server local: a local one
+    assert autotune.test_link({"BYTEPS_TEST_LINK": "25e6,0.001"}) == autotune.Measurement(0.001, 25e6, {})
+    with pytest.raises(ConfigError, match="BYTEPS_TEST_LINK"):
+        autotune.test_link({"BYTEPS_TEST_LINK": "fast"})
+
+
+def _tuned(c):
+    codes = c.wait_workers(90)
+    assert codes == [0] * len(codes), f"worker exit codes {codes}\n{c.all_logs()}"
+    res = c.results()
+    assert all("error" not in r for r in res.values()), c.all_logs()
+    return [res[r]["value"] for r in sorted(res)]
+
+
+def _expected_sum(n, numel=300_000):
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib
+    from scenarios import seeded
+
+    return sum(seeded(r, (numel,), torch.float32) for r in range(n)).tolist()[:8]
+
+
+@pytest.mark.timeout(120)
+def test_job_probes_and_every_worker_uses_one_partition_size(cluster):
+    """No variable set: each worker probes a server at start, the scheduler hands every proposal to
+    all, and all use the same size: in the config, the placement, the fusion default and the wire."""
+    c = cluster(2, 2, env={"BYTEPS_LOG_LEVEL": "INFO"})
+    c.env.pop("BYTEPS_PARTITION_BYTES", None)
+    c.env.pop("BYTEPS_SCHEDULING_CREDIT", None)
+    c.run_workers("tuned")
+    vals = _tuned(c)
+    sizes = {v["tuning"]["partition_bytes"] for v in vals}
+    assert len(sizes) == 1 and {v["tuning"]["source"] for v in vals} == {"probe"}, vals
+    for v in vals:
+        t = v["tuning"]
+        assert v["config_partition"] == v["placement_partition"] == t["partition_bytes"]
+        assert v["config_credit"] == t["credit"] and v["queue_credit"] == t["credit"] * t["partition_bytes"]
+        assert t["bandwidth_Bps"] > 1e6 and 0 < t["rtt_s"] < 0.1
+        assert t["took_s"] < 0.5, t  # what the probe and the agreement add to init() on loopback
+        assert v["sum"] == pytest.approx(_expected_sum(2), rel=1e-6)
+    for w in ("worker0.0", "worker1.0"):
+        line = [ln for ln in c.log(w).splitlines() if "INFO partition size" in ln]
+        assert len(line) == 1 and "probed:" in line[0] and "credit" in line[0], c.log(w)
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_measure_differently_still_agree(cluster):
+    """The test hook gives each worker a different link: their proposals differ (256 KB, 4 MB,
+    1 MB), every one uses the median, and each keeps a credit of its own link."""
+    c = cluster(3, 2)
+    links = {0: "25e6,1e-4", 1: "2e9,5e-5", 2: "125e6,0.05"}
+    for wid, link in links.items():
+        c.run_workers("tuned", machines=[wid], env={"BYTEPS_TEST_LINK": link})
+    vals = _tuned(c)
+    assert {v["tuning"]["partition_bytes"] for v in vals} == {1 << 20}, [v["tuning"]["text"] for v in vals]
+    assert [v["tuning"]["credit"] for v in vals] == [4, 4, 4 + round(125e6 * 0.05 / (1 << 20))]
+    assert "[262144, 1048576, 4194304]" in vals[0]["tuning"]["text"]
+    for v in vals:
+        assert v["sum"] == pytest.approx(_expected_sum(3), rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_partition_bytes_variable_wins_job_wide(cluster):
+    """BYTEPS_PARTITION_BYTES and BYTEPS_SCHEDULING_CREDIT set: nothing is probed and they are used;
+    set on one worker only, the others take its value rather than cut tensors differently."""
+    c = cluster(2, 2, env={"BYTEPS_PARTITION_BYTES": "65536", "BYTEPS_SCHEDULING_CREDIT": "3"})
+    c.run_workers("tuned")
+    for v in _tuned(c):
+        t = v["tuning"]
+        assert (t["partition_bytes"], t["credit"], t["source"]) == (65536, 3, "env")
+        assert t["bandwidth_Bps"] is None  # both set: no probe
+        assert v["config_partition"] == v["placement_partition"] == 65536 and v["pieces"] >= 19
+    c2 = cluster(2, 2, subdir="one")
+    c2.run_workers("tuned", machines=[0], env={"BYTEPS_PARTITION_BYTES": "100000"})
+    c2.run_workers("tuned", machines=[1])
+    vals = _tuned(c2)
+    assert [v["tuning"]["partition_bytes"] for v in vals] == [100000, 100000]
+    assert "ranks [1] without it use it too" in vals[1]["tuning"]["text"]
+    assert vals[1]["tuning"]["source"] == "env" and vals[1]["tuning"]["bandwidth_Bps"] > 0  # rank 1 probed
+    for v in vals:
+        assert v["sum"] == pytest.approx(_expected_sum(2), rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_differing_partition_variables_fail_at_init_naming_the_ranks(cluster):
+    c = cluster(2, 1)
+    c.run_workers("tuned", machines=[0], env={"BYTEPS_PARTITION_BYTES": "65536"})
+    c.run_workers("tuned", machines=[1], env={"BYTEPS_PARTITION_BYTES": "4096"})
+    codes = c.wait_workers(60)
+    assert codes[0] != 0 and codes[1] != 0, c.all_logs()
+    for w in ("worker0.0", "worker1.0"):
+        assert "BYTEPS_PARTITION_BYTES differs across workers" in c.log(w) and "rank 1: 4096" in c.log(w), c.log(w)
+
+
+def test_balanced_partitions_are_never_too_small_to_cut():
+    """The cut bound: on the emulated cluster at k = 3 the colocated servers' share is 1/22, so a
+    partition under 352 KB is not cut over the servers (it went whole, hashed, at 2.21x t_opt);
+    the choice is the next power of two above it, as the engine's Placement.min_cut says."""
+    from byteps import placement
+
+    for n, k in [(4, 0), (4, 1), (4, 2), (4, 3), (4, 4), (8, 7), (2, 1)]:
+        plan = placement.plan(n, k, 46_800_000, 25e6)
+        part = autotune.for_plan(plan, 200e-6)[0]
+        book = {"workers": [{"host": f"w{i}"} for i in range(n)],
+                "servers": [{"host": f"w{i}"} for i in range(n)] + [{"host": f"x{j}"} for j in range(k)]}
+        cut = placement.Placement.from_book(book).min_cut
+        assert part >= cut, (n, k, part, cut)
+    assert autotune.choose(25e6, 2e-4, 7, 1 / 22, min_cut_bytes=360448)[0] == 512 << 10
+    assert autotune.choose(25e6, 2e-4, 7, 1 / 22, placement="hash", min_cut_bytes=360448)[0] == 256 << 10
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_urgent_tensor_past_a_full_credit_does_not_deadlock(cluster, native):
+    """Small partitions (as probed on slow links) and a full credit: the most urgent tensor goes out
+    past the credit piece by piece on every worker, so every worker must send a partition's pieces in
+    the same order, or each server waits for a piece another worker's credit holds back (seen on
+    the emulated cluster: bench_users.py --cluster hung with 1 MB partitions at 1 Gbit/s)."""
+    c = cluster(2, 2, env={"BYTEPS_PARTITION_BYTES": "65536", "BYTEPS_SCHEDULING_CREDIT": "1",
+                           "BYTEPS_TIMEOUT": "10", "BYTEPS_NATIVE": native, "BYTEPS_ENABLE_IPC": "0"})
+    c.run_workers("credit_crossing")
+    for v in _tuned(c):
+        assert v["errors"] == [] and v["exact"], v
+
+
+@pytest.mark.timeout(120)
+def test_local_ranks_share_their_machines_probe(cluster):
+    """Under local reduce one copy per machine crosses its NIC: only local rank 0 probes, and its
+    machine's other processes take the job's size and a credit from that measurement."""
+    c = cluster(2, 1, local_size=2)
+    c.run_workers("tuned")
+    vals = _tuned(c)
+    assert len(vals) == 4 and len({v["tuning"]["partition_bytes"] for v in vals}) == 1
+    assert "median of 2 worker(s)" in vals[0]["tuning"]["text"]  # two machines, two probes
+    for v in vals:
+        assert v["tuning"]["source"] == "probe" and v["tuning"]["bandwidth_Bps"] > 0
+        assert v["sum"] == pytest.approx(_expected_sum(4), rel=1e-6)

@@ -47,3 +47,19 @@ def test_small_cluster_sums_and_bytes_per_host():
     assert plain["plan_bytes"] == {"w0": model, "w1": model, "x0": 2 * model}
     # what the placement really did: exact proportions but for the last, short fusion buffer (whole)
     assert balanced["placed_bytes"]["x0"] == pytest.approx(model, rel=0.03)
+
+
+@pytest.mark.timeout(240)
+def test_workers_probe_the_slow_link_and_agree():
+    """No BYTEPS_PARTITION_BYTES / BYTEPS_SCHEDULING_CREDIT: every worker probes its rate-limited link
+    at init() and the job uses one partition size fit for it (hundreds of KB at 200 Mbit/s, where
+    the old 4 MB default cost 1.36x t_opt), with exact sums."""
+    import emulated_cluster as emu
+
+    with netns.Network(["w0", "w1", "x0", "sched"], rate_mbit=200) as net:
+        r = emu.run_job(net, "balanced", 2, 1, job_args(partition_bytes=None, credit=None))
+    assert r["correct"]
+    t = r["tuning"]
+    assert t["source"] == "probe" and 128 << 10 <= t["partition_bytes"] <= 1 << 20, t
+    assert t["credits"] == [4, 4] and "probed:" in t["text"], t
+    assert t["init_probe_s"] < 2.0, t  # a few 1 MiB echoes at 200 Mbit/s

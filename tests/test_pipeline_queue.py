@@ -68,24 +68,36 @@ def test_urgent_task_is_not_starved_by_a_large_late_one():
     assert q.pop() == 1
 
 
-def test_more_urgent_than_everything_in_flight_goes_past_the_credit():
-    """The rule that keeps workers from deadlocking (bps_queue.h): with the credit full of
-    priority-0 partitions, the first partition of a more urgent tensor still goes out; its second
-    waits for credit (the urgent tensor is then in flight); the lower tensor waits throughout."""
+def test_less_urgent_bytes_do_not_hold_back_a_more_urgent_tensor():
+    """The credit counts bytes of the task's priority or a more urgent one (bps_queue.h): with the
+    credit full of priority-0 partitions (which other workers may have deferred for the urgent
+    tensor, so they may not come back soon), a more urgent tensor still gets a whole credit of its
+    own; the lower tensor waits for credit counting everything."""
     q = PriorityQueue(credit=8)
     for i in range(4):
         q.push(0, 100 + i, 4)
     assert q.pop() == 100 and q.pop() == 101 and q.pop() is None  # credit full
-    q.push(5, 1, 4)
-    q.push(5, 2, 4)
-    assert q.pop() == 1  # above every priority in flight: past the credit
-    assert q.pop() is None  # priority 5 is in flight now: task 2 waits for credit
+    for t in (1, 2, 3):
+        q.push(5, t, 4)
+    assert q.pop() == 1 and q.pop() == 2  # priority 0's bytes do not count against priority 5
+    assert q.pop() is None  # priority 5's own 8 bytes fill its credit: task 3 waits
     q.release(4, 5)
-    assert q.pop() == 2  # again above everything in flight (0, 0)
-    q.release(4, 0)
-    q.release(4, 0)
+    assert q.pop() == 3
     q.release(4, 5)
-    assert q.pop() == 102 and q.pop() == 103 and q.in_flight == 8
+    q.release(4, 5)
+    q.release(4, 0)
+    assert q.pop() == 102 and q.pop() is None  # 0 counts everything: 4 + 4 in flight
+    q.release(4, 0)
+    assert q.pop() == 103 and q.in_flight == 8
+
+
+def test_one_priority_is_a_plain_byte_credit():
+    q = PriorityQueue(credit=10)
+    for i in range(6):
+        q.push(3, i, 4)
+    assert drain(q) == [0, 1]  # 8 bytes; a third would make 12
+    q.release(4, 3)
+    assert q.pop() == 2 and q.pop() is None
 
 
 def test_unlimited_credit():

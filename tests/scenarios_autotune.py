@@ -1,0 +1,63 @@
+"""Scenarios of tests/test_autotune.py: what partition size and credit a worker ended up with."""
+import time
+
+import torch
+
+import byteps.common as common
+import byteps.torch as bps
+from scenarios import scenario, seeded
+
+
+@scenario
+def tuned(out, args):
+    """The agreed values as the worker sees them, and a push_pull cut with them (its sum checked by
+    the test: a partition size that differed between workers would fail on the servers)."""
+    job = common._job
+    got = common.tuning()
+    t = seeded(bps.rank(), (args.get("numel", 300_000),), torch.float32)
+    started = time.monotonic()
+    out_t = bps.push_pull(t, average=False, name="tuned.t")
+    took = time.monotonic() - started
+    tkey = next(k for (name, _), k in job.engine._keys.items() if name == "tuned.t")
+    parts = job.engine.placement.partitions(tkey, t.numel() * 4, 4)
+    return {"tuning": got, "config_partition": common.config().partition_bytes,
+            "config_credit": common.config().scheduling_credit,
+            "placement_partition": job.engine.placement.partition_bytes,
+            "queue_credit": job.engine._sendq.credit,
+            "pieces": len(parts), "sum": out_t.tolist()[:8], "push_pull_s": took}
+
+
+@scenario
+def credit_crossing(out, args):
+    """Two workers whose credit is full of different, less urgent tensors when the most urgent one
+    arrives: rank 0 has X on the wire, rank 1 has Z, then both get Y. Each may send Y past its credit
+    one partition piece at a time (core/bps_queue.h); unless both send the same piece first, each
+    server waits for the other worker's piece, which that worker's credit holds back."""
+    import byteps.common as common
+    from byteps.core import dtypes
+
+    n = args.get("numel", 1 << 16)
+    prio = {"X": -1, "Y": 0, "Z": -2}
+    bufs = {k: torch.full((n,), float(bps.rank() + 1)) for k in prio}
+
+    def submit(k):
+        return common.submit(f"crossing.{k}", bufs[k].view(torch.uint8).numpy(), dtypes.FLOAT32, (n,),
+                             priority=prio[k])
+
+    for k in ("X", "Y", "Z"):  # every key declared first, so the next round is not held by declarations
+        common.synchronize(submit(k))
+    first, later = ("X", "Z") if bps.rank() == 0 else ("Z", "X")
+    handles = [submit(first)]
+    time.sleep(args.get("gap", 0.5))  # the first tensor fills the credit (the others never send it yet)
+    handles += [submit("Y"), submit(later)]
+    started = time.monotonic()
+    errors = []
+    for h in handles:
+        try:
+            common.synchronize(h)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    size = bps.size()
+    want = float(size * (size + 1) // 2) * 2  # the first round's sums plus this round's
+    return {"errors": errors, "took_s": time.monotonic() - started,
+            "exact": all(bool((b == want).all()) for b in bufs.values())}
