@@ -76,7 +76,9 @@ def extensions():
             ["core/_worker_core.pyx"],
             include_dirs=[os.path.join(HERE, "core")],
             language="c++",
-            extra_compile_args=["-O2", "-std=c++17"],
+            # the local reduce's sums (bps_reduce.h) are compiled as in _reduce
+            extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing", "-pthread"],
+            extra_link_args=["-pthread"],
         ),
         Extension(  # the server's native data plane (core/bps_server.h)
             "byteps.server._server_core",

@@ -18,6 +18,13 @@ gloo (reference): two processes (``torch.distributed`` gloo, world size 2) both 
 communication core; rank 0's main thread then moves to the training core as above. Rank 1 is the
 peer (the counterpart of the byteps server).
 
+``--local-size N`` (byteps only): one worker machine with N processes (``bpslaunch --local --workers 1
+--local-size N``), which reduce locally through shared memory before the server; local rank 0 is the
+measured process (its training thread on the training core), the others start the same operations
+and wait for each, staying on the communication core (as gloo's peer does). Their sums then go
+through the machine's local reduce (core/local.py; in the native core since issue 15, or in Python
+with ``--env BYTEPS_NATIVE_LOCAL=0``).
+
 Cases: one 64 MB float32 tensor (``64MB``), and 256 tensors of 64 KB (``256x64KB``). Each timed run
 starts every tensor asynchronously (``bps.push_pull_async_inplace`` / ``dist.all_reduce(...,
 async_op=True)``), then:
@@ -44,6 +51,7 @@ Commands
     .venv/bin/python bench/bench_gil.py --quick          # smoke run (2 repetitions)
     .venv/bin/python bench/bench_gil.py --systems byteps --cases 256x64KB --reps 9
     .venv/bin/python bench/bench_gil.py --systems byteps --env BYTEPS_NATIVE=1   # an A/B, labelled as such
+    .venv/bin/python bench/bench_gil.py --systems byteps --local-size 2           # a 1x2 machine (local reduce)
 
 Output: a markdown table on stdout, JSON in bench/results/gil-<date>.json (``--json``).
 Needs at least 2 CPUs (the training and communication cores must differ).
@@ -226,7 +234,7 @@ def measure(args, ops, torch, pin):
                 got[m] = run_wait(ops, tensors[c], c) if m == "wait" else run_spin(ops, tensors[c], c, k)
             ops.barrier()
             idle = (before + idle_speed(k, args.idle_s / 2)) / 2  # around the two runs: load drifts
-            want = 2.0 if ops.system == "gloo" else 1.0
+            want = 2.0 if ops.system == "gloo" else float(ops.bps.size())
             ok = all(float(t[0]) == want and float(t[-1]) == want for t in tensors[c])
             if rep >= 1:
                 sp = got["spin"]
@@ -264,9 +272,15 @@ def worker_main(args):
         import byteps.torch as bps
 
         bps.init()
-        assert bps.size() == 1, bps.size()
+        assert bps.size() == args.local_size, bps.size()
         ops = Ops("byteps", torch)
+        if bps.local_rank() > 0:  # a peer process of the machine: same operations, waited for
+            peer(args, ops, torch)
+            bps.shutdown()
+            return 0
         res = measure(args, ops, torch, lambda: pin_training_thread(args.train_core, args.comm_core))
+        from byteps import common
+        res["local_stats"] = common._require().engine.native_local_stats() if args.local_size > 1 else None
         bps.shutdown()
     else:
         import torch.distributed as dist
@@ -299,10 +313,12 @@ def run_system(system, args):
     env, _ = clean_env(parse_env(args.env), quiet=True)
     me = [sys.executable, os.path.abspath(__file__), "--worker", "--system", system, "--out", out,
           "--cases", args.cases, "--reps", str(args.reps), "--chunk-us", str(args.chunk_us),
-          "--idle-s", str(args.idle_s), "--train-core", str(args.train_core), "--comm-core", str(args.comm_core)]
+          "--idle-s", str(args.idle_s), "--train-core", str(args.train_core), "--comm-core", str(args.comm_core),
+          "--local-size", str(args.local_size)]
     if system == "byteps":
         env["BYTEPS_FORCE_DISTRIBUTED"] = "1"
-        cmds = [[*bpslaunch_argv(), "--local", "--workers", "1", "--servers", "1", "--no-prefix",
+        cmds = [[*bpslaunch_argv(), "--local", "--workers", "1", "--local-size", str(args.local_size),
+                 "--servers", "1", "--no-prefix",
                  "--timeout", str(args.job_timeout), "--", *me]]
     else:
         port = free_port()
@@ -398,6 +414,8 @@ def main():
     ap.add_argument("--idle-s", type=float, default=0.2, help="idle-speed measurement per case and repetition, s")
     ap.add_argument("--train-core", type=int, default=0, help="the training thread's core (default 0)")
     ap.add_argument("--comm-core", type=int, default=1, help="every other thread and process (default 1)")
+    ap.add_argument("--local-size", type=int, default=1,
+                    help="byteps worker processes on the one machine (default 1; >1: local reduce, rank 0 measured)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 repetitions")
     ap.add_argument("--job-timeout", type=float, default=600)
     ap.add_argument("--json", help="JSON path (default bench/results/gil-<date>.json)")
@@ -437,7 +455,7 @@ def main():
     print(f"\nin flight = first start to last completion seen; spin = pure-Python chunks of {args.chunk_us:g} us "
           f"({b['chunk_iters']} LCG steps) with a poll between chunks; speed = loop iterations/s during spin over "
           f"the idle rate measured just before and after the pair. Medians of {args.reps} repetitions. byteps: "
-          f"1 worker + 1 server (BYTEPS_FORCE_DISTRIBUTED=1); gloo: 2 ranks, the peer on core {args.comm_core}. "
+          f"1 worker machine x {args.local_size} process(es) + 1 server (BYTEPS_FORCE_DISTRIBUTED=1); gloo: 2 ranks, the peer on core {args.comm_core}. "
           f"sys.getswitchinterval() = {b['switch_interval_s'] * 1e3:g} ms; load average "
           f"{meta['loadavg'][0]:.1f} -> {meta['loadavg_end'][0]:.1f}.")
     for system, r in raw.items():

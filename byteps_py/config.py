@@ -45,6 +45,7 @@ VARIABLES = {
     "BYTEPS_SERVER_ENGINE_THREAD": ("0", "server threads that sum pushes (0: the network thread sums inline)"),
     "BYTEPS_ENABLE_ASYNC": ("0", "asynchronous training: servers keep the parameters, workers push deltas, no barrier"),
     "BYTEPS_NATIVE": ("1", "1: workers and servers run their plain partitions on native threads (byteps-net, byteps-serve) that never take the GIL per partition; 0: the Python loops"),
+    "BYTEPS_NATIVE_LOCAL": ("1", "1: with BYTEPS_NATIVE=1 and several worker processes per machine, the native thread also runs the local reduce (core/bps_worker.h); 0: the Python engine does (an A/B switch)"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # read outside this module, listed so docs/env.md stays complete
     "BYTEPS_PIPELINE": ("", "optional pipeline stages to drop, e.g. -stage,-local_reduce (core/stages.py)"),
@@ -169,6 +170,7 @@ class Config:
     local_strategy: str = "owners"
     zmq_direct: bool = True
     native: bool = True
+    native_local: bool = True
 
     @property
     def distributed(self):
@@ -259,6 +261,7 @@ def load(env=None, role=None):
         local_strategy=_choice(env, "BYTEPS_LOCAL_STRATEGY", ("owners", "topology")),
         zmq_direct=_bool(env, "BYTEPS_ZMQ_DIRECT", default="1"),
         native=_bool(env, "BYTEPS_NATIVE", default="1"),
+        native_local=_bool(env, "BYTEPS_NATIVE_LOCAL", default="1"),
     )
 
 

@@ -9,8 +9,11 @@ hands it those sockets, and from then on:
   thread); the native thread "byteps-net" sends, receives and copies every partition without the GIL;
 * :meth:`wait` (no GIL while waiting) returns the ops that completed, for the engine's completion
   thread, which sets their events;
-* :meth:`send` queues Python's own messages (local reduce, compression, topology ranges) on the same
-  sockets, and :meth:`forwarded` returns the replies the native side does not own.
+* :meth:`send` queues Python's own messages (compression, topology ranges, join()'s local reduce) on
+  the same sockets, and :meth:`forwarded` returns the replies the native side does not own;
+* on a machine with several processes, :meth:`add_local` hands it the local ROUTER/DEALERs too: it
+  runs the local reduce of plain push_pulls (core/local.py's protocol), and :meth:`forwarded_local`
+  returns the local messages it does not own (handshakes, Python's partitions).
 
 Nothing here is called per partition from Python.
 """
@@ -25,6 +28,8 @@ from byteps.core import _transport
 
 cdef extern from "bps_worker.h" nogil:
     int bps_zmq_load(const char *path)
+    void bps_cpu_init()
+    const int BPS_TO_ROUTER
 
     ctypedef struct BpsDescriptor:
         int32_t pid
@@ -40,6 +45,8 @@ cdef extern from "bps_worker.h" nogil:
         int32_t server
         unsigned char *staging
         BpsDescriptor desc
+        int32_t owner
+        cbool colocated
 
     cdef cppclass BpsOp:
         int64_t id
@@ -57,6 +64,7 @@ cdef extern from "bps_worker.h" nogil:
 
     cdef cppclass BpsRawSend:
         int server
+        string ident
         string header
         string body
         void *zc_data
@@ -70,9 +78,18 @@ cdef extern from "bps_worker.h" nogil:
     cdef cppclass BpsWorkerCore:
         BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
         int64_t add_table(const string &name, vector[BpsPart] parts)
-        void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
-                          cbool root_self, unsigned char *buf, uint64_t nbytes)
+        cbool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+                           cbool root_self, unsigned char *buf, uint64_t nbytes)
         void add_server(void *sock)
+        void add_local(void *router, vector[void *] peers, int local_rank, cbool open)
+        void allow_local(const string &identity)
+        void set_local_joined(uint64_t mask)
+        void local_python()
+        void local_claim(uint64_t key, uint64_t rnd, int count)
+        void forwarded_local(vector[vector[string]] *out)
+        uint64_t local_reduced()
+        uint64_t local_reduced_on_thread()
+        uint64_t local_coordinated()
         void start()
         void stop()
         int done_fd()
@@ -99,6 +116,10 @@ ZERO_COPY_MIN = 65536
 #: True when the native core can run here (it needs the libzmq that pyzmq loaded)
 available = _transport.available and bps_zmq_load(_transport.library.encode()) == 0 \
     if _transport.available else False
+#: Python's ``send`` target for the local ROUTER (to one identity); local rank n is ``-2 - n``
+TO_ROUTER = BPS_TO_ROUTER
+
+bps_cpu_init()  # the local reduce's kernels (core/bps_reduce.h): this module's own copy of the dispatch
 
 
 cdef class WorkerCore:
@@ -126,6 +147,44 @@ cdef class WorkerCore:
         self.core.add_server(<void *><uintptr_t>sock.underlying)
         self.servers += 1
 
+    def add_local(self, router, dict peers, int local_rank, int local_size, bint open):
+        """Hand over the machine's local sockets (authenticated already): our ROUTER and the DEALER to
+        each other local rank (``peers``: local rank -> socket). ``open``: no job secret, every
+        peer is admitted; otherwise only identities passed to :meth:`allow_local`."""
+        cdef vector[void *] socks
+        socks.resize(local_size, NULL)
+        for lr, sock in peers.items():
+            socks[lr] = <void *><uintptr_t>sock.underlying
+            self.sockets.append(sock)
+        self.sockets.append(router)
+        self.core.add_local(<void *><uintptr_t>router.underlying, socks, local_rank, open)
+
+    def allow_local(self, bytes identity):
+        self.core.allow_local(identity)
+
+    def set_local_joined(self, uint64_t mask):
+        """join(): the local ranks (bit n: local rank n) whose copies owners no longer wait for."""
+        self.core.set_local_joined(mask)
+
+    def local_python(self):
+        """Python runs this process's local reduce from now on (join()); held LOCAL_READYs go to it."""
+        self.core.local_python()
+
+    def local_claim(self, uint64_t key, uint64_t rnd, int count):
+        """Partition (key, rnd) is Python's: its LOCAL_READYs (``count``) are forwarded."""
+        self.core.local_claim(key, rnd, count)
+
+    def forwarded_local(self):
+        """Local messages the native side does not own: [[identity, header, body]] as bytes."""
+        cdef vector[vector[string]] got
+        self.core.forwarded_local(&got)
+        return [[PyBytes_FromStringAndSize(s.data(), s.size()) for s in f] for f in got]
+
+    def local_stats(self):
+        """Partitions reduced natively, of those on the stage thread, and copies handed to owners."""
+        return {"reduced": self.core.local_reduced(), "reduced_on_thread": self.core.local_reduced_on_thread(),
+                "coordinated": self.core.local_coordinated()}
+
     def start(self):
         self.core.start()
 
@@ -140,8 +199,9 @@ cdef class WorkerCore:
 
     def add_table(self, str name, const int64_t[:, ::1] parts):
         """Register a tensor's partitions once; returns the id :meth:`submit` takes. ``parts`` rows:
-        wire key, offset, length, server, staging address (0: none), and the staging region's
-        descriptor: pid, fd, inode, offset."""
+        wire key, offset, length, server, staging address (0: none), the staging region's
+        descriptor: pid, fd, inode, offset, and (local reduce) the owner's local rank (-1: no local
+        reduce) and whether the server is colocated."""
         cdef Py_ssize_t i, n = parts.shape[0]
         cdef vector[BpsPart] table
         cdef BpsPart p
@@ -157,6 +217,8 @@ cdef class WorkerCore:
             p.desc.inode = <uint64_t>parts[i, 7]
             p.desc.offset = <uint64_t>parts[i, 8]
             p.desc.length = p.length
+            p.owner = <int32_t>parts[i, 9] if parts.shape[1] > 9 else -1
+            p.colocated = parts[i, 10] != 0 if parts.shape[1] > 10 else False
             table.push_back(p)
         return self.core.add_table(name.encode(), table)
 
@@ -172,15 +234,19 @@ cdef class WorkerCore:
         PyBuffer_Release(&view)  # the caller keeps ``buf`` (and so its memory) alive
         # with the GIL held: the call only takes the core's mutex briefly and writes an eventfd, and
         # releasing the GIL here would let another Python thread take it for up to a switch interval
-        self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes)
+        # False: a local-reduce op refused because Python runs the local reduce now (local_python())
+        return self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes)
 
-    def send(self, int server, header, body, token=None):
-        """Queue ``[header, body]`` for server ``server``. A body of at least ZERO_COPY_MIN bytes with a
-        ``token`` is sent zero-copy: keep it alive until :meth:`released` returns the token."""
+    def send(self, int server, header, body, token=None, bytes ident=None):
+        """Queue ``[header, body]`` for server ``server`` (or a local socket: :data:`TO_ROUTER` with
+        ``ident``, or ``-2 - local rank``). A body of at least ZERO_COPY_MIN bytes with a ``token`` is
+        sent zero-copy: keep it alive until :meth:`released` returns the token."""
         cdef BpsRawSend *m = new BpsRawSend()
         cdef Py_buffer view
         cdef bint zero_copy = False
         m.server = server
+        if ident is not None:
+            m.ident = ident
         m.header = header
         PyObject_GetBuffer(body, &view, PyBUF_SIMPLE)
         try:

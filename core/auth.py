@@ -86,6 +86,10 @@ class Gate:
     def allows(self, identity):
         return self.secret is None or identity in self._passed
 
+    def admitted(self):
+        """Identities that passed (handed to the native thread with the socket)."""
+        return list(self._passed)
+
 
 class Knock:
     """The connecting side: the HELLO to send, and the check of the answer."""

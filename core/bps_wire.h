@@ -34,7 +34,10 @@ enum {
     BPS_CMD_BROADCAST = 21,
     BPS_CMD_REPLY = 22,
     BPS_CMD_ERROR = 23,
+    BPS_CMD_LOCAL_READY = 24,
+    BPS_CMD_LOCAL_DONE = 25,
     BPS_CMD_ASYNC_PUSHPULL = 26,
+    BPS_NO_DTYPE = 255,
 };
 
 #pragma pack(push, 1)

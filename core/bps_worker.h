@@ -1,7 +1,7 @@
 /* The worker's native data plane: one thread that sends partitions and takes replies without the GIL.
  *
  * core/engine.py (Python) keeps what is per tensor or rare: declarations, the control plane,
- * authentication, local reduce between a machine's processes, compression, the topology executor.
+ * authentication, join(), compression, the topology executor.
  * Once a tensor's key is known, a plain push_pull or broadcast is handed over whole with
  * BpsWorkerCore::submit() (on the caller's thread, under a mutex; no Python object crosses). From then
  * on, the network thread ("byteps-net") follows each partition through its stages in one place:
@@ -10,6 +10,22 @@
  *       ->  PUSH (header + body zero-copy from the tensor, or a 32-byte descriptor)
  *       ->  PULL (REPLY: copy into the tensor from ZeroMQ's buffer or the server's shared store)
  *       ->  op complete (completion queue + eventfd; Python's completion thread sets the event)
+ *
+ * On a machine with L > 1 worker processes a push_pull partition instead goes through the local
+ * reduce of core/local.py (same protocol and wire messages; see "Local reduce" below):
+ *
+ *   owner (LocalPlan: local rank (t + i) % L, or 0):
+ *     LOCAL_REDUCE: wait for the L-1 LOCAL_READYs, sum the L copies into our shared region (on the
+ *       stage thread "byteps-reduce" by priority when >= 256 KB, else inline)
+ *       ->  PUSH of the region (queued by priority within the credit, like any partition) -> PULL
+ *       ->  LOCAL_BROADCAST: LOCAL_DONE (descriptor of our region or the server's store) or ERROR
+ *           to every other local rank; copy the result into our tensor
+ *   other local ranks:
+ *     COORDINATE: copy into our shared region, LOCAL_READY (its descriptor) to the owner
+ *       ->  LOCAL_DONE from the owner: copy the result into the tensor  (ERROR: the op fails)
+ *
+ * The local ROUTER (LOCAL_READY / LOCAL_DONE from the others) and DEALERs (to them) are handed over
+ * after Python authenticated them; the handshakes of late peers still reach Python (forwarded).
  *
  * Python's own partitions (the slow paths above) still go through this thread's sockets: it sends
  * what Python queues with send_raw() and forwards every message it does not own (an unknown
@@ -42,8 +58,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "bps_reduce.h"
 #include "bps_wire.h"
 #include "bps_zmq.h"
+
+#include <set>
 
 enum BpsErrorKind {
     BPS_OK = 0,
@@ -52,6 +71,10 @@ enum BpsErrorKind {
     BPS_ERR_TIMEOUT = 3,   /* BYTEPS_TIMEOUT */
     BPS_ERR_ABORT = 4,     /* the engine failed (peer lost, ...): Python's failure stands */
 };
+
+/* Partitions at least this large are summed / copied on the stage thread, smaller ones inline (the
+ * hand-off costs more than the work): core/engine.py STAGE_THREAD_MIN_BYTES. */
+static const uint64_t BPS_STAGE_THREAD_MIN_BYTES = 256 << 10;
 
 static inline double bps_now() {
     struct timespec ts;
@@ -64,8 +87,11 @@ struct BpsPart {
     uint64_t key;          /* wire key: tensor key << 32 | index */
     uint64_t offset, length;
     int32_t server;
-    unsigned char *staging; /* shared region for a colocated server, or NULL */
+    unsigned char *staging; /* shared region for a colocated server (local reduce: always), or NULL */
     BpsDescriptor desc;     /* its descriptor (length filled in) */
+    int32_t owner = -1;     /* local reduce: the local rank that sums and pushes it; -1: none */
+    bool colocated = false; /* local reduce: the owner pushes a descriptor of ``staging`` */
+    uint64_t rnd = 0;       /* local reduce: its round, taken when the op starts */
 };
 
 struct BpsOp {
@@ -83,6 +109,9 @@ struct BpsOp {
     int error_kind = BPS_OK;
     std::string error;
     std::map<int, int> owed; /* server -> replies still owed */
+    std::map<int, int> owed_local; /* local rank -> LOCAL_DONEs still owed by that owner */
+    bool local = false;     /* a push_pull through the machine's local reduce */
+    std::atomic<int> tasks{0}; /* stage-thread tasks still reading or writing its memory */
     std::atomic<int> zero_copy{0}; /* bodies ZeroMQ still reads from the tensor */
     std::atomic<bool> done{false};
     int waiters = 0;        /* callers blocked in wait_op(): the first to wake delivers the op */
@@ -92,7 +121,138 @@ struct BpsOp {
 struct BpsTable {
     std::string name;
     std::vector<BpsPart> parts;
+    bool local = false;     /* partitions have owners: the local reduce */
 };
+
+/* Work for the stage thread: a sum of a machine's copies (LOCAL_REDUCE) or a big copy in or out of
+ * shared memory; run by priority (then arrival), like the network queue. */
+enum BpsTaskKind { BPS_TASK_SUM = 0, BPS_TASK_COPY_IN = 1, BPS_TASK_COPY_OUT = 2 };
+
+struct BpsTask {
+    int64_t priority;
+    uint64_t seq;
+    int kind;
+    BpsOp *op;
+    int part;
+    void *dst;
+    std::vector<const void *> srcs;
+    uint64_t nbytes;
+    int dtype;
+    int rc;
+};
+
+struct BpsTaskOrder {
+    bool operator()(const BpsTask &a, const BpsTask &b) const {
+        if (a.priority != b.priority) return a.priority < b.priority;
+        return a.seq > b.seq;
+    }
+};
+
+static inline int bps_run_task(BpsTask &t, int nthreads) {
+    if (t.kind == BPS_TASK_SUM) {
+        int isz = bps_itemsize(t.dtype);
+        if (isz <= 0 || t.nbytes % (uint64_t)isz) return -1;
+        return bps_sum_many(t.dst, t.srcs.data(), (int)t.srcs.size(), t.nbytes / isz, t.dtype, nthreads);
+    }
+    bps_copy(t.dst, t.srcs[0], t.nbytes, nthreads);
+    return 0;
+}
+
+/* The stage thread ("byteps-reduce"): one priority queue, sleeping on a condition variable between
+ * tasks; results go back to the network thread through ``done`` and its wake eventfd. */
+class BpsStageThread {
+  public:
+    BpsStageThread(int nthreads, int wake_fd) : nthreads_(nthreads), wake_fd_(wake_fd) {}
+    ~BpsStageThread() { stop(); }
+
+    void start() { thread_ = std::thread([this] { run(); }); }
+
+    void stop() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (!thread_.joinable()) return;
+            stopping_ = true;
+        }
+        cv_.notify_all();
+        thread_.join();
+    }
+
+    void submit(BpsTask t) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            t.seq = seq_++;
+            queue_.push(std::move(t));
+        }
+        cv_.notify_one();
+    }
+
+    void done(std::vector<BpsTask> *out) {
+        std::lock_guard<std::mutex> lock(mu_);
+        out->swap(done_);
+    }
+
+  private:
+    void run() {
+        prctl(PR_SET_NAME, "byteps-reduce", 0, 0, 0);
+        std::unique_lock<std::mutex> lock(mu_);
+        for (;;) {
+            cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+            if (stopping_) return;
+            BpsTask t = queue_.top();
+            queue_.pop();
+            lock.unlock();
+            t.rc = bps_run_task(t, nthreads_);
+            lock.lock();
+            done_.push_back(std::move(t));
+            uint64_t one = 1;
+            ssize_t rc = write(wake_fd_, &one, sizeof one);
+            (void)rc;
+        }
+    }
+
+    int nthreads_;
+    int wake_fd_;
+    std::thread thread_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool stopping_ = false;
+    uint64_t seq_ = 0;
+    std::priority_queue<BpsTask, std::vector<BpsTask>, BpsTaskOrder> queue_;
+    std::vector<BpsTask> done_;
+};
+
+/* The JSON body of an ERROR for the other local ranks: {"error": text} (core/wire.py encode). */
+static inline std::string bps_json_escape(const std::string &text) {
+    std::string out;
+    for (unsigned char c : text) {
+        if (c == '"' || c == '\\') {
+            out += '\\';
+            out += (char)c;
+        } else if (c < 0x20) {
+            char buf[8];
+            snprintf(buf, sizeof buf, "\\u%04x", c);
+            out += buf;
+        } else {
+            out += (char)c;
+        }
+    }
+    return out;
+}
+
+static inline std::string bps_json_error(const std::string &text) {
+    return "{\"error\":\"" + bps_json_escape(text) + "\"}";
+}
+
+/* The "error" string of a server's JSON ERROR body, still JSON-escaped ("" if there is none). */
+static inline std::string bps_json_error_field(const std::string &body) {
+    size_t at = body.find("\"error\"");
+    if (at == std::string::npos) return "";
+    at = body.find('"', body.find(':', at) + 1);
+    if (at == std::string::npos) return "";
+    size_t end = at + 1;
+    while (end < body.size() && body[end] != '"') end += body[end] == '\\' ? 2 : 1;
+    return end < body.size() ? body.substr(at + 1, end - at - 1) : "";
+}
 
 struct BpsQueued {
     int64_t priority;
@@ -111,7 +271,8 @@ struct BpsQueuedOrder {
 /* A message Python queued for a server (slow paths): copied header and body, or a zero-copy body
  * that Python keeps alive until its token shows up in released(). */
 struct BpsRawSend {
-    int server;
+    int server;             /* >= 0: a server; BPS_TO_ROUTER: our local ROUTER (to ``ident``); <= -2: local rank -2-n */
+    std::string ident;
     std::string header;
     std::string body;
     void *zc_data = nullptr;
@@ -124,6 +285,8 @@ struct BpsForward {
     int server;
     std::vector<std::string> frames;
 };
+
+static const int BPS_TO_ROUTER = -1;
 
 class BpsWorkerCore;
 
@@ -143,6 +306,7 @@ class BpsWorkerCore {
 
     ~BpsWorkerCore() {
         stop();
+        if (stage_ != nullptr) delete stage_;
         for (auto &kv : ops_) delete kv.second;
         ::close(wake_fd_);
         ::close(done_fd_);
@@ -156,8 +320,67 @@ class BpsWorkerCore {
         received_.emplace_back(0);
     }
 
+    /* The machine's local reduce (before start()): our ROUTER, a DEALER per other local rank (NULL for
+     * ourselves), authenticated by Python; ``open`` when the job has no secret (every peer admitted). */
+    void add_local(void *router, std::vector<void *> peers, int local_rank, bool open) {
+        router_ = router;
+        peers_ = std::move(peers);
+        local_rank_ = local_rank;
+        local_size_ = (int)peers_.size();
+        auth_open_ = open;
+        stage_ = new BpsStageThread(nthreads_, wake_fd_);
+    }
+
+    /* A peer that passed Python's handshake on our ROUTER (core/auth.py Gate). */
+    void allow_local(const std::string &identity) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            allow_in_.push_back(identity);
+        }
+        wake();
+    }
+
+    /* join(): local ranks (bit n: local rank n) that joined; owners stop waiting for their copies. */
+    void set_local_joined(uint64_t mask) {
+        joined_mask_.store(mask);
+        recheck_.store(true);
+        wake();
+    }
+
+    /* From now on Python runs the local reduce of this process (join()): LOCAL_READYs nobody here
+     * waits for, and those held for ops not started yet, go to Python; submit() refuses local ops. */
+    void local_python() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            python_local_ = true;
+        }
+        wake();
+    }
+
+    /* Python owns partition (key, round) (a compressed op, ...): its LOCAL_READYs, held or still to
+     * come (``count`` of them), are forwarded to Python. */
+    void local_claim(uint64_t key, uint64_t rnd, int count) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            claims_in_.push_back(std::make_pair(std::make_pair(key, rnd), count));
+        }
+        wake();
+    }
+
+    /* Local messages this thread does not own: [identity, header, body] each. */
+    void forwarded_local(std::vector<std::vector<std::string>> *out) {
+        std::lock_guard<std::mutex> lock(mu_);
+        out->swap(forward_local_);
+    }
+
+    /* Partitions reduced natively (all, and on the stage thread), and copies handed to owners. */
+    uint64_t local_reduced() { return local_reduced_.load(); }
+    uint64_t local_reduced_on_thread() { return local_threaded_.load(); }
+    uint64_t local_coordinated() { return local_coordinated_.load(); }
+
     void start() {
         std::lock_guard<std::mutex> lock(mu_); /* the full barrier that hands the sockets over */
+        if (stage_ != nullptr) stage_->start();
         thread_ = std::thread([this] { run(); });
     }
 
@@ -166,6 +389,7 @@ class BpsWorkerCore {
         stopping_ = true;
         wake();
         thread_.join();
+        if (stage_ != nullptr) stage_->stop();
     }
 
     int done_fd() const { return done_fd_; }
@@ -173,13 +397,19 @@ class BpsWorkerCore {
     /* Register a tensor's partition table once (per tensor, not per call); returns its id. */
     int64_t add_table(const std::string &name, std::vector<BpsPart> parts) {
         std::lock_guard<std::mutex> lock(mu_);
-        tables_.push_back(BpsTable{name, std::move(parts)});
+        bool local = !parts.empty() && parts[0].owner >= 0;
+        tables_.push_back(BpsTable{name, std::move(parts), local});
         return (int64_t)tables_.size() - 1;
     }
 
-    /* Start a push_pull/broadcast of ``buf`` over a registered table: the per-call path. */
-    void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+    /* Start a push_pull/broadcast of ``buf`` over a registered table: the per-call path. False (and
+     * nothing started) for a local-reduce table once Python runs the local reduce (local_python()). */
+    bool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                       bool root_self, unsigned char *buf, uint64_t nbytes) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (python_local_ && tables_.at((size_t)table).local) return false;
+        }
         BpsOp *op = new BpsOp();
         op->id = id;
         op->cmd = cmd;
@@ -194,22 +424,34 @@ class BpsWorkerCore {
             const BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
             op->name = t.name;
             op->parts = t.parts;
+            op->local = t.local;
+            /* checked again under the same lock as the inbox: local_python() cannot slip in between */
+            if (python_local_ && op->local) {
+                delete op;
+                return false;
+            }
+            submit_locked(op);
         }
-        submit(op);
+        wake();
+        return true;
     }
 
     /* Take an op (ownership passes here); it completes through completions(). */
     void submit(BpsOp *op) {
-        op->started = bps_now();
-        op->parts_left = (int)op->parts.size();
         {
             std::lock_guard<std::mutex> lock(mu_);
-            ops_[op->id] = op;
-            for (size_t i = 0; i < op->parts.size(); ++i) {
-                inbox_.push_back(BpsQueued{op->priority, 0, op, (int)i});
-            }
+            submit_locked(op);
         }
         wake();
+    }
+
+    void submit_locked(BpsOp *op) {
+        op->started = bps_now();
+        op->parts_left = (int)op->parts.size();
+        ops_[op->id] = op;
+        for (size_t i = 0; i < op->parts.size(); ++i) {
+            inbox_.push_back(BpsQueued{op->priority, 0, op, (int)i});
+        }
     }
 
     void send_raw(BpsRawSend *m) {
@@ -286,7 +528,7 @@ class BpsWorkerCore {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = ops_.find(id);
         if (it == ops_.end()) return true;
-        if (!it->second->done.load() || it->second->zero_copy.load() > 0) return false;
+        if (!it->second->done.load() || it->second->zero_copy.load() > 0 || it->second->tasks.load() > 0) return false;
         delete it->second;
         ops_.erase(it);
         return true;
@@ -334,13 +576,16 @@ class BpsWorkerCore {
 
     void run() {
         prctl(PR_SET_NAME, "byteps-net", 0, 0, 0);
-        std::vector<bps_zmq_pollitem> items(socks_.size() + 1);
+        std::vector<bps_zmq_pollitem> items(socks_.size() + 2);
         for (size_t i = 0; i < socks_.size(); ++i) items[i] = bps_zmq_pollitem{socks_[i], 0, BPS_ZMQ_POLLIN, 0};
         items[socks_.size()] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
+        /* the local ROUTER, if any (a NULL socket with fd -1 is never ready) */
+        items[socks_.size() + 1] = bps_zmq_pollitem{router_, -1, (short)(router_ ? BPS_ZMQ_POLLIN : 0), 0};
+        int nitems = router_ ? (int)items.size() : (int)items.size() - 1;
         BpsMessage msg;
         double next_check = 0;
         while (!stopping_) {
-            int rc = bps_zmq.poll(items.data(), (int)items.size(), 100);
+            int rc = bps_zmq.poll(items.data(), nitems, 100);
             if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
             if (items[socks_.size()].revents) {
                 uint64_t n;
@@ -348,6 +593,14 @@ class BpsWorkerCore {
                 (void)got;
             }
             take_inbox();
+            take_stage_done();
+            if (router_ != nullptr && items[socks_.size() + 1].revents) {
+                for (int k = 0; k < 256; ++k) {
+                    int got = bps_recv_message(router_, &msg);
+                    if (got <= 0) break;
+                    on_local(&msg);
+                }
+            }
             for (size_t i = 0; i < socks_.size(); ++i) {
                 if (!items[i].revents) continue;
                 for (int k = 0; k < 256; ++k) { /* drain, bounded so the others get a turn */
@@ -369,18 +622,40 @@ class BpsWorkerCore {
     void take_inbox() {
         std::vector<BpsQueued> in;
         std::vector<std::unique_ptr<BpsRawSend>> raw;
-        bool abort;
+        std::vector<std::string> allow;
+        std::vector<std::pair<std::pair<uint64_t, uint64_t>, int>> claims;
+        bool abort, python_local;
         {
             std::lock_guard<std::mutex> lock(mu_);
             in.swap(inbox_);
             raw.swap(raw_);
+            allow.swap(allow_in_);
+            claims.swap(claims_in_);
             abort = abort_;
+            python_local = python_local_;
         }
+        for (auto &a : allow) allowed_.insert(a);
+        for (auto &m : raw) send_raw_now(m.get());
         for (auto &q : in) {
+            if (q.op->local) {
+                local_start(q.op, q.part); /* before any message of this turn: it may be for this op */
+                continue;
+            }
             q.seq = seq_++;
             queue_.push(q);
         }
-        for (auto &m : raw) send_raw_now(m.get());
+        for (auto &c : claims) local_claimed(c.first, c.second);
+        if (python_local && !python_local_mode_) { /* join(): what we held goes to Python now */
+            python_local_mode_ = true;
+            for (auto &kv : early_)
+                for (auto &frames : kv.second) forward_local(frames);
+            early_.clear();
+        }
+        if (recheck_.exchange(false)) {
+            std::vector<std::pair<uint64_t, uint64_t>> ids;
+            for (auto &kv : groups_) ids.push_back(kv.first);
+            for (auto &id : ids) maybe_reduce(id);
+        }
         if (abort) {
             while (!queue_.empty()) queue_.pop();
             std::vector<BpsOp *> all;
@@ -394,12 +669,25 @@ class BpsWorkerCore {
             pending_.clear();
             in_flight_ = 0;
             priorities_.clear();
+            groups_.clear();
+            awaiting_.clear();
+            early_.clear();
+            claimed_.clear();
         }
     }
 
     void send_raw_now(BpsRawSend *m) {
-        void *sock = socks_[m->server];
-        int rc = bps_send_copy(sock, m->header.data(), m->header.size(), true);
+        void *sock;
+        int rc = 0;
+        if (m->server >= 0) {
+            sock = socks_[m->server];
+        } else if (m->server == BPS_TO_ROUTER) {
+            sock = router_;
+            rc = bps_send_copy(sock, m->ident.data(), m->ident.size(), true);
+        } else {
+            sock = peers_[-2 - m->server];
+        }
+        if (rc == 0) rc = bps_send_copy(sock, m->header.data(), m->header.size(), true);
         size_t n = m->body.size();
         if (rc == 0 && m->zc_data != nullptr) {
             n = m->zc_len;
@@ -438,11 +726,14 @@ class BpsWorkerCore {
     /* STAGE (colocated) and PUSH of one partition. */
     void push(BpsOp *op, int index) {
         BpsPart &p = op->parts[index];
-        uint64_t rnd = next_round(p.key);
+        /* a local owner pushes the machine's sum from its shared region, in the round it took at start */
+        uint64_t rnd = op->local ? p.rnd : next_round(p.key);
         bool empty = op->cmd == BPS_CMD_BROADCAST && !op->root_self;
         uint8_t flags = 0;
-        const unsigned char *data = op->buf + p.offset;
-        if (p.staging != nullptr && !empty) {
+        const unsigned char *data = op->local ? p.staging : op->buf + p.offset;
+        if (op->local) {
+            if (p.colocated) flags = BPS_FLAG_SHM;
+        } else if (p.staging != nullptr && !empty) {
             memcpy(p.staging, data, p.length);
             flags = BPS_FLAG_SHM;
         }
@@ -512,6 +803,10 @@ class BpsWorkerCore {
         op->owed[server]--;
         received_[server] += m->size(0) + (m->count > 1 ? m->size(1) : 0);
         if (op->done.load()) return;
+        if (op->local) {
+            local_pulled(op, index, server, h, m);
+            return;
+        }
         if (h.cmd == BPS_CMD_REPLY) {
             receive(op, p, server, h, m);
         } else if (h.cmd == BPS_CMD_ERROR) {
@@ -581,6 +876,11 @@ class BpsWorkerCore {
                 ++it;
             }
         }
+        if (op->local) { /* late LOCAL_READYs are then held as early ones; late LOCAL_DONEs go to Python, which drops them */
+            for (auto it = groups_.begin(); it != groups_.end();) it = it->second.op == op ? groups_.erase(it) : std::next(it);
+            for (auto it = awaiting_.begin(); it != awaiting_.end();)
+                it = it->second.op == op ? awaiting_.erase(it) : std::next(it);
+        }
         complete(op);
     }
 
@@ -616,17 +916,349 @@ class BpsWorkerCore {
             }
         }
         for (BpsOp *op : late) {
+            std::set<std::string> names; /* sorted, as core/engine.py's time-out names them */
+            for (auto &kv : op->owed)
+                if (kv.second > 0) names.insert("server " + std::to_string(kv.first));
+            for (auto &kv : op->owed_local)
+                if (kv.second > 0) names.insert("local rank " + std::to_string(kv.first));
+            if (op->local) { /* an owner names the local ranks whose copies it still waits for */
+                for (auto &kv : groups_) {
+                    if (kv.second.op != op || kv.second.reducing) continue;
+                    for (int r : missing(kv.second)) names.insert("local rank " + std::to_string(r));
+                }
+            }
             std::string who;
-            for (auto &kv : op->owed) {
-                if (kv.second <= 0) continue;
+            for (auto &n : names) {
                 if (!who.empty()) who += ", ";
-                who += "server " + std::to_string(kv.first);
+                who += n;
             }
             if (who.empty()) who = "its turn to be sent";
             char secs[32];
             snprintf(secs, sizeof secs, "%.0f", now - op->started);
             fail(op, BPS_ERR_TIMEOUT, std::string(secs) + "|" + who);
         }
+    }
+
+
+    /* Local reduce (core/local.py) ----------------------------------------------------------
+     * One partition, in the order it happens; every step runs on this thread except the sums and
+     * big copies, which run on the stage thread and come back through take_stage_done(). */
+
+    typedef std::pair<uint64_t, uint64_t> Ident; /* (wire key, round) */
+
+    struct Group { /* an owner's partition in LOCAL_REDUCE */
+        BpsOp *op;
+        int part;
+        int count = 0;                         /* LOCAL_READYs in (copies or bad descriptors) */
+        uint64_t ranks = 0;                    /* bit n: local rank n's copy is in */
+        std::vector<const void *> copies;
+        std::string error;                     /* the first unreadable copy */
+        bool reducing = false;
+    };
+
+    struct Await { /* a non-owner's partition waiting for LOCAL_DONE */
+        BpsOp *op;
+        int part;
+        int owner;
+    };
+
+    /* Every local rank of the op takes the partition's round now (both paths count rounds here). */
+    void local_start(BpsOp *op, int i) {
+        BpsPart &p = op->parts[i];
+        p.rnd = next_round(p.key);
+        Ident id(p.key, p.rnd);
+        if (op->done.load()) return;
+        if (p.owner == local_rank_) { /* LOCAL_REDUCE: the copies that came before the op are taken now */
+            Group &g = groups_[id];
+            g.op = op;
+            g.part = i;
+            auto e = early_.find(id);
+            if (e != early_.end()) {
+                for (auto &frames : e->second) add_copy(g, frames[1], frames[2]);
+                early_.erase(e);
+            }
+            maybe_reduce(id);
+            return;
+        }
+        /* COORDINATE: our copy into our shared region, then LOCAL_READY to the owner */
+        op->owed_local[p.owner]++;
+        awaiting_[id] = Await{op, i, p.owner};
+        stage_or_inline(BPS_TASK_COPY_IN, op, i, p.staging, {op->buf + p.offset});
+    }
+
+    /* Run a copy or sum inline (small) or on the stage thread (>= 256 KB); then after_task(). */
+    void stage_or_inline(int kind, BpsOp *op, int i, void *dst, std::vector<const void *> srcs) {
+        BpsTask t{op->priority, 0, kind, op, i, dst, std::move(srcs), op->parts[i].length, op->dtype, 0};
+        if (t.nbytes >= BPS_STAGE_THREAD_MIN_BYTES) {
+            op->tasks++;
+            if (kind == BPS_TASK_SUM) local_threaded_++;
+            stage_->submit(std::move(t));
+            return;
+        }
+        t.rc = bps_run_task(t, 1);
+        after_task(t);
+    }
+
+    void take_stage_done() {
+        if (stage_ == nullptr) return;
+        std::vector<BpsTask> done;
+        stage_->done(&done);
+        for (BpsTask &t : done) {
+            t.op->tasks--;
+            after_task(t);
+        }
+    }
+
+    void after_task(BpsTask &t) {
+        BpsOp *op = t.op;
+        if (op->done.load()) return; /* failed meanwhile (time-out, abort) */
+        BpsPart &p = op->parts[t.part];
+        if (t.kind == BPS_TASK_COPY_IN) {
+            BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, op->dtype,
+                                     (uint32_t)local_rank_, BPS_FLAG_SHM);
+            if (send_local(p.owner, &h, &p.desc, sizeof p.desc) != 0) {
+                fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': sending to local rank " +
+                                               std::to_string(p.owner) + " failed: " + strerror(errno));
+                return;
+            }
+            local_coordinated_++;
+        } else if (t.kind == BPS_TASK_SUM) {
+            if (t.rc != 0) {
+                groups_.erase(Ident(p.key, p.rnd));
+                local_failed(op, t.part, BPS_ERR_PROTOCOL,
+                             "tensor '" + op->name + "': local reduce failed: unknown dtype code " +
+                                 std::to_string(op->dtype));
+                return;
+            }
+            local_reduced_++;
+            /* PUSH of the machine's sum: queued by priority within the credit like any partition */
+            queue_.push(BpsQueued{op->priority, seq_++, op, t.part});
+        } else { /* COPY_OUT: the result is in the tensor */
+            part_done(op);
+        }
+    }
+
+    /* A LOCAL_READY's copy: a view of the sender's shared region (its descriptor is checked). */
+    void add_copy(Group &g, const std::string &header, const std::string &body) {
+        BpsHeader h;
+        memcpy(&h, header.data(), sizeof h);
+        BpsPart &p = g.op->parts[g.part];
+        unsigned char *src;
+        uint64_t len;
+        std::string err;
+        g.count++;
+        if (h.arg < 64) g.ranks |= 1ull << h.arg;
+        if (maps_.view(body.data(), body.size(), &src, &len, &err) != 0) {
+            if (g.error.empty()) g.error = err;
+        } else if (len != p.length) {
+            if (g.error.empty())
+                g.error = "local rank " + std::to_string(h.arg) + " sent " + std::to_string(len) +
+                          " bytes for a partition of " + std::to_string(p.length);
+        } else {
+            g.copies.push_back(src);
+        }
+    }
+
+    int expected_copies() const {
+        uint64_t joined = joined_mask_.load() & ~(1ull << local_rank_);
+        return local_size_ - 1 - __builtin_popcountll(joined);
+    }
+
+    std::vector<int> missing(const Group &g) const {
+        std::vector<int> out;
+        uint64_t joined = joined_mask_.load();
+        for (int r = 0; r < local_size_; ++r)
+            if (r != local_rank_ && !(joined >> r & 1) && !(g.ranks >> r & 1)) out.push_back(r);
+        return out;
+    }
+
+    /* LOCAL_REDUCE once every local rank's copy is in (those in join() send none). */
+    void maybe_reduce(const Ident &id) {
+        auto it = groups_.find(id);
+        if (it == groups_.end()) return;
+        Group &g = it->second;
+        if (g.reducing || g.count < expected_copies()) return;
+        g.reducing = true;
+        BpsOp *op = g.op;
+        BpsPart &p = op->parts[g.part];
+        if (!g.error.empty()) {
+            int part = g.part;
+            std::string text = "tensor '" + op->name + "': a local rank's shared copy: " + g.error;
+            groups_.erase(it);
+            local_failed(op, part, BPS_ERR_PROTOCOL, text);
+            return;
+        }
+        std::vector<const void *> srcs{op->buf + p.offset};
+        srcs.insert(srcs.end(), g.copies.begin(), g.copies.end());
+        stage_or_inline(BPS_TASK_SUM, op, g.part, p.staging, std::move(srcs));
+    }
+
+    /* PULL of an owner's partition: the machine's result, then LOCAL_BROADCAST. */
+    void local_pulled(BpsOp *op, int i, int server, const BpsHeader &h, BpsMessage *m) {
+        BpsPart &p = op->parts[i];
+        groups_.erase(Ident(p.key, p.rnd));
+        std::string who = "tensor '" + op->name + "': server " + std::to_string(server);
+        if (h.cmd == BPS_CMD_ERROR) {
+            std::string body = m->count > 1 ? std::string((const char *)m->data(1), m->size(1)) : "{}";
+            std::string msg = bps_json_error_field(body);
+            set_error(op, BPS_ERR_SERVER, body);
+            /* the others get what Python's owner sends: str(TensorMismatchError(...)) */
+            local_broadcast(op, i, nullptr, "{\"error\":\"push_pull of tensor '" + bps_json_escape(op->name) +
+                                                "' failed: " + (msg.empty() ? "unknown error" : msg) + "\"}");
+            part_done(op);
+            return;
+        }
+        std::string err;
+        const unsigned char *src = nullptr;
+        const void *desc = &p.desc;
+        if (h.cmd != BPS_CMD_REPLY) {
+            err = "unexpected command " + std::to_string(h.cmd) + " from server " + std::to_string(server);
+        } else if (m->count < 2) {
+            err = who + " replied without a body";
+        } else if (h.flags & BPS_FLAG_COMPRESSED) {
+            err = who + " replied compressed to an uncompressed push";
+        } else if (h.flags & BPS_FLAG_SHM) { /* the others copy from the server's store directly */
+            unsigned char *view;
+            uint64_t len;
+            if (maps_.view(m->data(1), m->size(1), &view, &len, &err) == 0 && len != p.length)
+                err = who + " replied " + std::to_string(len) + " bytes for a partition of " + std::to_string(p.length);
+            src = view;
+            desc = m->data(1);
+        } else if (m->size(1) != p.length) {
+            err = who + " replied " + std::to_string(m->size(1)) + " bytes for a partition of " +
+                  std::to_string(p.length);
+        } else { /* over TCP: into our shared region, which the others read */
+            memcpy(p.staging, m->data(1), p.length);
+            src = p.staging;
+        }
+        if (!err.empty()) {
+            local_failed(op, i, BPS_ERR_PROTOCOL, err);
+            return;
+        }
+        local_broadcast(op, i, desc, "");
+        stage_or_inline(BPS_TASK_COPY_OUT, op, i, op->buf + p.offset, {src});
+    }
+
+    /* A partition of an owner failed: the op fails, and the others are told (ERROR), as in Python. */
+    void local_failed(BpsOp *op, int i, int kind, const std::string &text) {
+        set_error(op, kind, text);
+        local_broadcast(op, i, nullptr, bps_json_error(text));
+        part_done(op);
+    }
+
+    /* LOCAL_BROADCAST: LOCAL_DONE with the result's descriptor, or ERROR with ``error_body``, to every
+     * other local rank (those in join() too, as Python does: they drop it). */
+    void local_broadcast(BpsOp *op, int i, const void *desc, const std::string &error_body) {
+        BpsPart &p = op->parts[i];
+        BpsHeader h = desc ? bps_header(BPS_CMD_LOCAL_DONE, node_id_, p.key, p.rnd, p.length, BPS_NO_DTYPE,
+                                        (uint32_t)local_rank_, BPS_FLAG_SHM)
+                           : bps_header(BPS_CMD_ERROR, node_id_, p.key, p.rnd, error_body.size(), BPS_NO_DTYPE,
+                                        (uint32_t)local_rank_, 0);
+        for (int r = 0; r < local_size_; ++r) {
+            if (r == local_rank_) continue;
+            if (desc)
+                send_local(r, &h, desc, BPS_DESCRIPTOR_SIZE);
+            else
+                send_local(r, &h, error_body.data(), error_body.size());
+        }
+    }
+
+    int send_local(int r, const BpsHeader *h, const void *body, size_t n) {
+        void *sock = peers_[r];
+        int rc = bps_send_copy(sock, h, sizeof *h, true);
+        if (rc == 0) rc = bps_send_copy(sock, body, n, false);
+        return rc;
+    }
+
+    void part_done(BpsOp *op) {
+        if (op->done.load()) return;
+        if (--op->parts_left <= 0) complete(op);
+    }
+
+    /* A message on our local ROUTER: [identity, header, body]. */
+    void on_local(BpsMessage *m) {
+        BpsHeader h;
+        if (m->count != 3 || m->truncated) {
+            forward_local(m);
+            return;
+        }
+        std::string ident((const char *)m->data(0), m->size(0));
+        if ((!auth_open_ && allowed_.count(ident) == 0) || !bps_parse_header(m->data(1), m->size(1), &h)) {
+            forward_local(m); /* handshakes, strangers, malformed: Python answers, refuses or logs */
+            return;
+        }
+        Ident id(h.key, h.round);
+        if (h.cmd == BPS_CMD_LOCAL_READY) {
+            std::string header((const char *)m->data(1), m->size(1)), body((const char *)m->data(2), m->size(2));
+            auto g = groups_.find(id);
+            if (g != groups_.end()) {
+                add_copy(g->second, header, body);
+                maybe_reduce(id);
+                return;
+            }
+            auto c = claimed_.find(id);
+            if (c != claimed_.end() || python_local_mode_) {
+                if (c != claimed_.end() && --c->second <= 0) claimed_.erase(c);
+                forward_local(m);
+                return;
+            }
+            early_[id].push_back({ident, header, body}); /* before our op: held until it starts */
+            return;
+        }
+        auto a = awaiting_.find(id);
+        if ((h.cmd != BPS_CMD_LOCAL_DONE && h.cmd != BPS_CMD_ERROR) || a == awaiting_.end()) {
+            forward_local(m); /* Python's partition, or an op that failed already */
+            return;
+        }
+        Await w = a->second;
+        awaiting_.erase(a);
+        BpsOp *op = w.op;
+        BpsPart &p = op->parts[w.part];
+        op->owed_local[w.owner]--;
+        if (h.cmd == BPS_CMD_ERROR) {
+            set_error(op, BPS_ERR_SERVER, std::string((const char *)m->data(2), m->size(2)));
+            part_done(op);
+            return;
+        }
+        unsigned char *src;
+        uint64_t len;
+        std::string err;
+        if (maps_.view(m->data(2), m->size(2), &src, &len, &err) != 0 || len != p.length) {
+            if (err.empty())
+                err = "copy_into: dst has " + std::to_string(p.length) + " bytes and src has " + std::to_string(len) +
+                      " bytes";
+            set_error(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': local result unreadable: " + err);
+            part_done(op);
+            return;
+        }
+        stage_or_inline(BPS_TASK_COPY_OUT, op, w.part, op->buf + p.offset, {src});
+    }
+
+    /* Python took partition ``id`` (claim): the copies we hold for it, and ``count`` more, are its. */
+    void local_claimed(const Ident &id, int count) {
+        auto e = early_.find(id);
+        if (e != early_.end()) {
+            for (auto &frames : e->second) {
+                forward_local(frames);
+                count--;
+            }
+            early_.erase(e);
+        }
+        if (count > 0) claimed_[id] = count;
+    }
+
+    void forward_local(BpsMessage *m) {
+        std::vector<std::string> frames;
+        for (int i = 0; i < m->count; ++i) frames.emplace_back((const char *)m->data(i), m->size(i));
+        forward_local(frames);
+    }
+
+    void forward_local(const std::vector<std::string> &frames) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            forward_local_.push_back(frames);
+        }
+        notify_python();
     }
 
     uint32_t node_id_;
@@ -649,6 +1281,10 @@ class BpsWorkerCore {
     std::vector<int64_t> completed_;
     std::vector<BpsForward> forward_;
     bool abort_ = false;
+    std::vector<std::string> allow_in_;                   /* identities Python admitted */
+    std::vector<std::pair<Ident, int>> claims_in_;        /* partitions Python took */
+    std::vector<std::vector<std::string>> forward_local_; /* local messages for Python */
+    bool python_local_ = false;                           /* local_python() was called */
 
     std::mutex rounds_mu_;
     std::unordered_map<uint64_t, uint64_t> rounds_;
@@ -664,6 +1300,22 @@ class BpsWorkerCore {
     std::map<int64_t, int64_t> priorities_;  // priority -> bytes in flight (only with a credit)
     BpsPeerMaps maps_;
     bool have_done_ = false;
+
+    /* local reduce: set up by add_local() before start(); then network-thread state */
+    void *router_ = nullptr;
+    std::vector<void *> peers_;
+    int local_rank_ = 0, local_size_ = 1;
+    bool auth_open_ = false;
+    BpsStageThread *stage_ = nullptr;
+    std::set<std::string> allowed_;
+    std::map<Ident, Group> groups_;
+    std::map<Ident, Await> awaiting_;
+    std::map<Ident, std::vector<std::vector<std::string>>> early_; /* LOCAL_READYs before their op */
+    std::map<Ident, int> claimed_;
+    bool python_local_mode_ = false;
+    std::atomic<uint64_t> joined_mask_{0};
+    std::atomic<bool> recheck_{false};
+    std::atomic<uint64_t> local_reduced_{0}, local_threaded_{0}, local_coordinated_{0};
 };
 
 #endif

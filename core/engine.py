@@ -147,6 +147,11 @@ class Engine:
         self._graveyard = {}        # native id -> Op whose tensor ZeroMQ may still read (failed ops)
         self._completer = None      # thread delivering native completions
         self.native_submitted = 0   # ops handed to the native thread (tests check the path really ran)
+        # the native thread also runs this machine's local reduce (core/bps_worker.h "Local reduce"):
+        # set once at start from the job's config, so every local rank decides alike
+        self._native_local = False
+        self._local_python = False  # join() seen: Python runs this process's local reduce from then on
+        self.native_local_submitted = 0  # push_pulls the native thread reduced locally
 
     # ---------------------------------------------------------------- training-thread side
 
@@ -168,8 +173,7 @@ class Engine:
             self._local_exec.enqueue(op)  # in submission order; it runs once the key is known
         elif self._native is not None and not self._inbox and self._native_eligible(op):
             key = self._keys.get((op.name, op.spec))
-            if key is not None:  # declared before: straight to the native thread, no engine hop
-                self._native_submit(op, key)
+            if key is not None and self._native_submit(op, key):  # declared before: no engine hop
                 return op
         self._inbox.append(op)
         self._wake()
@@ -238,6 +242,17 @@ class Engine:
         for sock in self.servers:
             self.poller.unregister(sock)
             core.add_server(sock)
+        # the local reduce too, unless the topology executor does it (core/local_exec.py)
+        if (self.local is not None and getattr(self.cfg, "native_local", True)
+                and getattr(self.cfg, "local_strategy", "owners") != "topology"):
+            self.poller.unregister(self._local_sock)
+            core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
+                           self._gate.secret is None)
+            for identity in self._gate.admitted():
+                core.allow_local(identity)
+            self._native_local = True
+            logger.info("native local reduce: %d processes on this machine, sums >= %d bytes on thread "
+                        "byteps-reduce", self.local.size, STAGE_THREAD_MIN_BYTES)
         core.start()
         self._native = core
         self._completer = threading.Thread(target=self._deliver_native, name="byteps-complete", daemon=True)
@@ -245,9 +260,17 @@ class Engine:
         logger.info("native data plane: partitions to %d servers on thread byteps-net", len(self.servers))
 
     def _native_eligible(self, op):
-        """Ops the native thread runs whole: plain push_pull/broadcast of a one-process machine."""
-        return (type(op) is Op and op.codec is None and self.local is None
-                and (op.cmd == Cmd.PUSHPULL or op.cmd == Cmd.BROADCAST))
+        """Ops the native thread runs whole: plain push_pulls (through the machine's local reduce when
+        it has several processes) and broadcasts (never reduced locally: core/stages.py). A function of
+        the op and the job's config only, so every local rank takes the same path for an op; after
+        join() a process runs its local reduce in Python (the native side routes each partition's
+        LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
+        still meet)."""
+        if type(op) is not Op or op.codec is not None:
+            return False
+        if op.cmd == Cmd.BROADCAST:
+            return True
+        return op.cmd == Cmd.PUSHPULL and (self.local is None or (self._native_local and not self._local_python))
 
     def _native_table(self, op, tkey):
         """(table id, partitions) of ``op``'s tensor in the native core, registered on first use: per
@@ -257,33 +280,52 @@ class Engine:
         entry = self._native_parts.get(ident)
         if entry is not None:
             return entry
+        local = self.local is not None and op.cmd == Cmd.PUSHPULL
         with self._native_lock:  # the staging allocator is shared with the engine thread
             parts = self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype))
-            rows = np.zeros((len(parts), 9), dtype=np.int64)
+            rows = np.zeros((len(parts), 11), dtype=np.int64)
+            rows[:, 9] = -1
             for row, (i, off, length, server) in enumerate(parts):
                 key = wire.make_key(tkey, i)
                 rows[row, :4] = (key, off, length, server)
-                if self.stages_of(op, i, server)[0] == Stage.STAGE and length:
+                if local:  # every partition has a shared region: the owner sums into it, the others copy into it
                     view, (pid, fd, inode, base) = self._region(key, length)
-                    rows[row, 4:] = (view.ctypes.data, pid, fd, inode, base)
+                    rows[row, 4:] = (view.ctypes.data, pid, fd, inode, base, self.local.owner(tkey, i),
+                                     self.colocated[server])
+                elif self.stages_of(op, i, server)[0] == Stage.STAGE and length:
+                    view, (pid, fd, inode, base) = self._region(key, length)
+                    rows[row, 4:9] = (view.ctypes.data, pid, fd, inode, base)
             entry = self._native_parts[ident] = (self._native.add_table(op.name, rows), len(parts))
         return entry
 
     def _native_submit(self, op, tkey):
+        """Hand ``op`` to the native thread; False if it refused (a local-reduce op after join(): the
+        caller runs it in Python)."""
         op.tkey = tkey
         table, count = self._native_table(op, tkey)
         if not count:  # an empty tensor: nothing to send
             op._finish()
-            return
+            return True
         nid = next(self._native_ids)
-        self.native_submitted += 1
         op.parts_left = count
         self._native_ops[nid] = op  # before submit: the completion thread may deliver it at once
-        self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority,
-                            op.cmd == Cmd.BROADCAST and op.root == self.rank, op.buf)
+        if not self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority,
+                                   op.cmd == Cmd.BROADCAST and op.root == self.rank, op.buf):
+            del self._native_ops[nid]
+            return False
+        self.native_submitted += 1
+        if self.local is not None and op.cmd == Cmd.PUSHPULL:
+            self.native_local_submitted += 1
         # only now: the native side reads an id it does not hold as "finished and forgotten", so a
         # poll() or synchronize() that saw the id before submit() would finish the op with no data
         op.native_id = nid
+        return True
+
+    def native_local_stats(self):
+        """The native local reduce's counters (tests check the path really ran), or None."""
+        if not self._native_local:
+            return None
+        return dict(self._native.local_stats(), ops=self.native_local_submitted)
 
     def _deliver_native(self):
         """Completion thread: sets the events of ops the native thread finished (per op, not per partition)."""
@@ -342,6 +384,9 @@ class Engine:
         """Replies the native thread does not own (Python's partitions), and released zero-copy bodies."""
         for server, frames in self._native.forwarded():
             self._on_data(server, frames)
+        if self._native_local:  # handshakes of late local peers, Python's partitions, join()
+            for frames in self._native.forwarded_local():
+                self._on_local(None, frames)
         for token in self._native.released():
             self._keepalive.pop(token, None)
 
@@ -730,6 +775,8 @@ class Engine:
             self._early.clear()
             self._early_meta.clear()
             self.join_result = body["last"]
+            if self._native_local:
+                self._native.set_local_joined(0)
             ev = self._requests.pop(("join", ""), None)
             if ev is not None:
                 ev.set()
@@ -737,6 +784,14 @@ class Engine:
         self.joined = frozenset(body["joined"])
         if self.local is None:
             return
+        if self._native_local:
+            # join() is rare: Python runs this process's local reduce from now on (copies the native
+            # thread held come to _on_local); native ops in flight stop waiting for joined ranks
+            if not self._local_python:
+                self._local_python = True
+                self._native.local_python()
+            self._native.set_local_joined(sum(1 << w["local_rank"] for w in self.local.peers
+                                              if w["rank"] in self.joined))
         if self.rank in self.joined:  # copies other ranks sent us before we joined: we own those partitions
             for ident in list(self._early):
                 self._adopt(*ident)
@@ -798,8 +853,7 @@ class Engine:
         if self._local_exec is not None and self._local_exec.owns(op):
             self._local_exec.keyed(op, tkey)  # the topology executor runs it (core/local_exec.py)
             return
-        if self._native is not None and self._native_eligible(op):
-            self._native_submit(op, tkey)
+        if self._native is not None and self._native_eligible(op) and self._native_submit(op, tkey):
             return
         op.tkey = tkey
         self._queue(op, self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype)))
@@ -850,15 +904,17 @@ class Engine:
             self._sendq.release(length, op.priority)
             if first == Stage.LOCAL_REDUCE:
                 self._early_meta.pop((key, rnd), None)
-                self._groups[(key, rnd)] = {"op": op, "i": i, "off": off, "len": length,
-                                            "views": self._early.pop((key, rnd), [])}
+                group = self._groups[(key, rnd)] = {"op": op, "i": i, "off": off, "len": length,
+                                                    "views": self._early.pop((key, rnd), [])}
+                if self._native_local and not self._local_python:  # copies the native thread holds are ours
+                    self._native.local_claim(key, rnd, self.local.size - 1 - len(group["views"]))
                 self._maybe_reduce(key, rnd)
             else:  # COORDINATE: hand the owner a shared copy
                 owner = self.local.owner(op.tkey, i)
                 desc = self._stage(key, data)
-                self._io[self._local_peers[owner]].send_multipart([
-                    wire.pack(Cmd.LOCAL_READY, sender=self.control.node_id, key=key, round=rnd, length=length,
-                              dtype=op.dtype, arg=self.cfg.local_rank, flags=wire.FLAG_SHM), desc])
+                self._send_local(owner, wire.pack(Cmd.LOCAL_READY, sender=self.control.node_id, key=key, round=rnd,
+                                                  length=length, dtype=op.dtype, arg=self.cfg.local_rank,
+                                                  flags=wire.FLAG_SHM), desc)
                 self._awaiting_done[(key, rnd)] = (op, off, length)
                 op.servers[("local rank", owner)] += 1
 
@@ -1025,10 +1081,15 @@ class Engine:
         except ProtocolError:
             body = {}
         if header.cmd == Cmd.HELLO:
-            sock.send_multipart([peer] + wire.control(Cmd.CHALLENGE, self.control.node_id,
-                                                      self._gate.challenge(peer, body)))
+            reply = wire.control(Cmd.CHALLENGE, self.control.node_id, self._gate.challenge(peer, body))
+            if self._native_local:  # the native thread owns our ROUTER now
+                self._native.send(_worker_core.TO_ROUTER, reply[0], reply[1], ident=peer)
+            else:
+                sock.send_multipart([peer] + reply)
         elif not self._gate.check(peer, body.get("mac")):
             logger.warning("refused local peer %r: authentication failed", peer)
+        elif self._native_local:
+            self._native.allow_local(peer)
 
     def _maybe_reduce(self, key, rnd):
         """LOCAL_REDUCE once every local rank's copy of this partition is in."""
@@ -1122,9 +1183,16 @@ class Engine:
             body = wire.encode({"error": error})
             header = wire.pack(Cmd.ERROR, sender=self.control.node_id, key=key, round=rnd, length=len(body),
                                arg=self.cfg.local_rank)
-        for sock in self._local_peers.values():
-            self._io[sock].send_multipart([header, body])
+        for lr in self._local_peers:
+            self._send_local(lr, header, body)
         self._partition_done(op, length)
+
+    def _send_local(self, local_rank, header, body):
+        """A message to another local rank's ROUTER: through the native thread once it owns the sockets."""
+        if self._native_local:
+            self._native.send(-2 - local_rank, header, body)
+        else:
+            self._io[self._local_peers[local_rank]].send_multipart([header, body])
 
     def _partition_done(self, op, length):
         op.parts_left -= 1

@@ -16,8 +16,9 @@ stage                work                                               thread (
 COORDINATE           a non-owner hands its copy to the partition's      network (engine loop)
                      owner (LOCAL_READY with a shared-memory descriptor)
 LOCAL_REDUCE         the owner sums the machine's copies (``sum_many``)  ``byteps-reduce``
-                                                                         (ComputeStage, by
-                                                                         priority)
+                                                                         (ComputeStage, or the
+                                                                         native core's stage
+                                                                         thread; by priority)
 STAGE                the partition is copied into this process's shared  ``byteps-copy``
                      region for a colocated server (the server then      (ComputeStage, by
                      sums straight from it)                              priority)

@@ -36,3 +36,51 @@ def test_poll_never_reports_done_before_the_sum(cluster):
     for r, v in c.results().items():
         assert v["value"]["early"] == [], (r, v["value"])
         assert v["native_ops"] >= 150, (r, v["native_ops"])
+
+
+# The native local reduce: a machine's processes (L > 1) sum in the native core (COORDINATE, LOCAL_REDUCE
+# on the stage thread or inline, PUSH/PULL, LOCAL_BROADCAST) with core/local.py's protocol.
+#: partitions of 300000 bytes: float32 (3, 70001) and (200000,) are 3 partitions summed on the stage
+#: thread (>= 256 KB), int8 (3, 70001) one partition summed inline, SMALL_SHAPES one or a few tiny ones
+LOCAL_SHAPES = SMALL_SHAPES + [(3, 257), (3, 70001), (200000,)]
+LOCAL_NATIVE_POINTS = [(1, 2), (1, 4), (2, 2)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("m,l", LOCAL_NATIVE_POINTS, ids=[f"{m}x{l}" for m, l in LOCAL_NATIVE_POINTS])
+def test_local_reduce_native_is_bit_identical_to_python(cluster, m, l):
+    """Every dtype (fp16/bf16 and ints included), 1 to many partitions, above and below the inline-sum
+    size, 2 rounds: exact against the ground truth through both engines, and the two give the same bytes;
+    the native local path really ran (its counters), and the Python one really did not."""
+    env = {"BYTEPS_PARTITION_BYTES": "300000", "PARTITION_BYTES_NOTE": "see LOCAL_SHAPES"}
+    runs = {}
+    for native in ("1", "0"):
+        def make(*a, _native=native, **kw):
+            return cluster(*a, subdir=f"native{_native}", **kw)
+        runs[native] = check_matrix(make, m, 1, LOCAL_SHAPES, rounds=2, extreme=True, ipc=m == 1, local_size=l,
+                                    extra_env=dict(env, BYTEPS_NATIVE=native))
+    n = m * l
+    for r in range(n):
+        assert runs["1"][r]["value"] == runs["0"][r]["value"], f"rank {r}: native and Python sums differ"
+        assert runs["0"][r]["native_local"] is None, runs["0"][r]
+    stats = [runs["1"][r]["native_local"] for r in range(n)]
+    assert all(s is not None and s["ops"] > 0 and s["reduced"] > 0 and s["coordinated"] > 0 for s in stats), stats
+    assert sum(s["reduced_on_thread"] for s in stats) > 0, stats  # big partitions were summed off the network thread
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
+def test_missing_local_rank_is_named_in_the_time_out(cluster, native):
+    c = cluster(1, 1, local_size=2, env={"BYTEPS_TIMEOUT": "3", "BYTEPS_PARTITION_BYTES": "4000",
+                                         "BYTEPS_NATIVE": native})
+    c.run_workers("local_rank_missing", {"sleep": 12})
+    codes, _, _ = c.wait_all(90)
+    assert codes == [0, 0], c.all_logs()
+    res = c.results()[0]
+    got = res["value"]
+    for name in ("multi", "one") if native == "1" else ("multi",):  # Python's owner names no one for its own
+        err = got[name]
+        assert err.startswith("BytePSTimeoutError") and f"tensor {name!r}" in err and "local rank 1" in err, err
+        assert "BYTEPS_TIMEOUT=3" in err and "a local rank waits for its machine's other processes" in err, err
+    assert got["one"].startswith("BytePSTimeoutError"), got
+    assert (res["native_local"] is not None) == (native == "1"), res
