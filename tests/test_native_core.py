@@ -71,9 +71,10 @@ def test_local_reduce_native_is_bit_identical_to_python(cluster, m, l):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
 def test_missing_local_rank_is_named_in_the_time_out(cluster, native):
-    c = cluster(1, 1, local_size=2, env={"BYTEPS_TIMEOUT": "3", "BYTEPS_PARTITION_BYTES": "4000",
+    timeout = 8  # also bounds start-up, which takes a few seconds on a loaded 2-core machine
+    c = cluster(1, 1, local_size=2, env={"BYTEPS_TIMEOUT": str(timeout), "BYTEPS_PARTITION_BYTES": "4000",
                                          "BYTEPS_NATIVE": native})
-    c.run_workers("local_rank_missing", {"sleep": 12})
+    c.run_workers("local_rank_missing", {"sleep": 2 * timeout + 6})
     codes, _, _ = c.wait_all(90)
     assert codes == [0, 0], c.all_logs()
     res = c.results()[0]
@@ -81,6 +82,40 @@ def test_missing_local_rank_is_named_in_the_time_out(cluster, native):
     for name in ("multi", "one") if native == "1" else ("multi",):  # Python's owner names no one for its own
         err = got[name]
         assert err.startswith("BytePSTimeoutError") and f"tensor {name!r}" in err and "local rank 1" in err, err
-        assert "BYTEPS_TIMEOUT=3" in err and "a local rank waits for its machine's other processes" in err, err
+        assert f"BYTEPS_TIMEOUT={timeout}" in err and "a local rank waits for its machine's other processes" in err, err
     assert got["one"].startswith("BytePSTimeoutError"), got
     assert (res["native_local"] is not None) == (native == "1"), res
+
+
+@pytest.mark.timeout(120)
+def test_local_reduce_urgent_tensor_overtakes_under_credit(cluster):
+    """1x2 machine, one 1000-byte partition on the wire at a time: the owners' pushes of the machine's
+    sums queue by priority, so the urgent tensor submitted second does not wait for 200 partitions."""
+    c = cluster(1, 1, local_size=2, env={"BYTEPS_PARTITION_BYTES": "1000", "BYTEPS_SCHEDULING_CREDIT": "1"})
+    c.run_workers("priority", {"big": 50000})
+    codes, _, _ = c.wait_all(90)
+    assert codes == [0, 0], c.all_logs()
+    for rank, res in c.results().items():
+        assert res["value"]["order"] == ["small", "big"], res
+        assert res["value"]["big_ok"] and res["value"]["small"] == [2.0] * 4, res
+        assert res["native_local"]["ops"] >= 2 and res["native_local"]["reduced"] > 0, res["native_local"]
+
+
+@pytest.mark.timeout(120)
+def test_join_falls_back_to_python_after_native_steps(cluster):
+    """join() on a 1x3 machine: the first steps run natively, then every process runs its local reduce in
+    Python (joined ranks add zeros); results as test_bad_input.test_join_ranks_contribute_zeros."""
+    import torch
+
+    c = cluster(1, 2, local_size=3, env={"BYTEPS_PARTITION_BYTES": "4000"})
+    c.run_workers("join")
+    codes, _, _ = c.wait_all(60)
+    assert codes == [0, 0, 0], c.all_logs()
+    res = c.results()
+    n = 3
+    for r in range(n):
+        v = res[r]["value"]
+        want = [(torch.tensor(float(sum(q + 1 for q in range(s, n)))) / n).item() for s in range(r + 1)]
+        assert v["steps"] == want and v["last"] == n - 1, (r, v)
+        assert v["after"] == sum(q + 1 for q in range(n)), v
+        assert res[r]["native_local"]["ops"] >= 1, res[r]["native_local"]  # step 0 ran natively everywhere
