@@ -8,11 +8,14 @@ without torch, TensorFlow, MXNet or a GPU), maps the folders to import names the
 Counted: ``import a.b``, ``from a import b`` (the module ``a.b`` when it is one of ours, else ``a``),
 relative imports, and imports inside functions and methods (a function-level import is still a
 dependency: it only hides the cycle from import time). Not counted: imports under
-``if TYPE_CHECKING:``, cimports of the Cython sources (``.pyx`` is not Python), and the implicit import
+``if TYPE_CHECKING:``, cimports of the Cython sources (a ``.pyx`` extension is a module of its own,
+with the dependencies of its plain import lines: ``from . import _server_core`` depends on the
+extension, not on the package's ``__init__``), and the implicit import
 of a module's parent packages (every module would then depend on ``byteps/__init__.py``).
 """
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the folders the issue names; setup.py maps them (and more) onto import names
@@ -48,6 +51,9 @@ def modules():
             rel = os.path.relpath(dirpath, base)
             prefix = pkg if rel == "." else pkg + "." + rel.replace(os.sep, ".")
             for name in filenames:
+                if name.endswith(".pyx"):  # a compiled extension: a module of ours with no Python imports
+                    found[f"{prefix}.{name[:-4]}"] = (os.path.join(dirpath, name), False)
+                    continue
                 if not name.endswith(".py"):
                     continue
                 if name == "__init__.py":
@@ -104,12 +110,35 @@ def imports_of(name, path, is_package, known):
     return out
 
 
+def pyx_imports(path, known):
+    """[(imported module, line)] of a Cython source's ``import a.b`` / ``from a.b import c`` lines (absolute
+    imports only, which is what our .pyx files use), restricted to modules in ``known``."""
+    out = []
+    with open(path) as f:
+        for lineno, text in enumerate(f, 1):
+            m = re.match(r"(?:from\s+([\w.]+)\s+import\s+([\w, ]+)|import\s+([\w.]+))\s*(?:#.*)?$", text)
+            if not m:
+                continue
+            targets = [f"{m.group(1)}.{n.strip()}" for n in m.group(2).split(",")] if m.group(1) else [m.group(3)]
+            for target in targets:
+                while target and target not in known:
+                    target = target.rpartition(".")[0]
+                if target:
+                    out.append((target, lineno))
+    return out
+
+
 def import_graph():
     """{module: {imported module: first line}} over byteps's own modules."""
     mods = modules()
     graph = {}
     for name, (path, is_package) in mods.items():
         edges = {}
+        if path.endswith(".pyx"):  # Cython is not Python's grammar: its plain import lines, not cimports
+            for target, line in pyx_imports(path, mods):
+                edges.setdefault(target, line)
+            graph[name] = edges
+            continue
         for target, line in imports_of(name, path, is_package, mods):
             edges.setdefault(target, line)
         graph[name] = edges
