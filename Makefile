@@ -11,7 +11,7 @@ TENSORFLOW ?= tensorflow-cpu==2.21.0
 
 setup: $(VENV)/.byteps-installed
 
-$(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/*.h
+$(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/*.h summation/*.pyx
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" "$(TENSORFLOW)" "setuptools>=64" wheel "cython>=3.0,<3.4" "numpy>=1.26"
