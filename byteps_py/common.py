@@ -164,9 +164,9 @@ def config():
 
 def tuning():
     """The partition size and credit this worker uses, and why (byteps/autotune.py): a dict with
-    ``partition_bytes``, ``credit``, ``source`` ("probe", "env" or "default"), ``text`` (the line
-    logged at INFO), and the ``bandwidth_Bps`` and ``rtt_s`` its credit came from (None if not
-    measured). A job of one process sends nothing: its values are the configuration's."""
+    ``partition_bytes``, ``credit``, ``source`` ("probe", "env", "default", or "local" for a job of one
+    process, which sends nothing and keeps the configuration's values), ``text`` (the line logged at
+    INFO), and the ``bandwidth_Bps`` and ``rtt_s`` its credit came from (None if not measured)."""
     job = _require()
     if job.engine is not None and job.engine.tuning is not None:
         return job.engine.tuning.as_dict()
