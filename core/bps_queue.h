@@ -27,19 +27,59 @@
 #include <queue>
 #include <vector>
 
+/* The order of every byteps priority queue (this one, and the native cores' send and stage queues):
+ * std::priority_queue pops the "largest", so larger priority first, then smaller seq (earlier). */
+template <typename T>
+struct BpsByPriority {
+    bool operator()(const T &a, const T &b) const {
+        if (a.priority != b.priority) return a.priority < b.priority;
+        return a.seq > b.seq;
+    }
+};
+
+/* The byte credit's rule (see above), without a lock: the owner serialises its calls. */
+class BpsCredit {
+  public:
+    explicit BpsCredit(int64_t credit) : credit_(credit) {}
+
+    bool fits(int64_t priority, int64_t nbytes) const {
+        if (credit_ <= 0) return true;
+        int64_t ahead = 0;  // bytes in flight of this priority or a more urgent one
+        for (auto it = priorities_.lower_bound(priority); it != priorities_.end(); ++it) ahead += it->second;
+        return ahead == 0 || ahead + nbytes <= credit_;
+    }
+
+    void take(int64_t priority, int64_t nbytes) {
+        in_flight_ += nbytes;
+        if (credit_ > 0) priorities_[priority] += nbytes;
+    }
+
+    void release(int64_t priority, int64_t nbytes) {
+        in_flight_ -= nbytes;
+        if (in_flight_ < 0) in_flight_ = 0;
+        auto it = priorities_.find(priority);
+        if (it != priorities_.end() && (it->second -= nbytes) <= 0) priorities_.erase(it);
+    }
+
+    void clear() {
+        in_flight_ = 0;
+        priorities_.clear();
+    }
+
+    int64_t in_flight() const { return in_flight_; }
+    int64_t credit() const { return credit_; }
+
+  private:
+    int64_t credit_;
+    int64_t in_flight_ = 0;
+    std::map<int64_t, int64_t> priorities_;  // priority -> bytes in flight (only with a credit)
+};
+
 struct BpsTask {
     int64_t priority;
     uint64_t seq;
     int64_t id;
     int64_t nbytes;
-};
-
-struct BpsTaskOrder {
-    // std::priority_queue pops the "largest": larger priority, then smaller seq
-    bool operator()(const BpsTask &a, const BpsTask &b) const {
-        if (a.priority != b.priority) return a.priority < b.priority;
-        return a.seq > b.seq;
-    }
 };
 
 class BpsQueue {
@@ -67,8 +107,7 @@ class BpsQueue {
         if (heap_.empty() || !fits(heap_.top())) return 0;
         const BpsTask t = heap_.top();
         heap_.pop();
-        in_flight_ += t.nbytes;
-        if (credit_ > 0) priorities_[t.priority] += t.nbytes;
+        credit_.take(t.priority, t.nbytes);
         *id = t.id;
         return 1;
     }
@@ -77,10 +116,7 @@ class BpsQueue {
     void release(int64_t nbytes, int64_t priority) {
         {
             std::lock_guard<std::mutex> lock(mu_);
-            in_flight_ -= nbytes;
-            if (in_flight_ < 0) in_flight_ = 0;
-            auto it = priorities_.find(priority);
-            if (it != priorities_.end() && (it->second -= nbytes) <= 0) priorities_.erase(it);
+            credit_.release(priority, nbytes);
         }
         cv_.notify_all();
     }
@@ -100,26 +136,19 @@ class BpsQueue {
 
     int64_t in_flight() {
         std::lock_guard<std::mutex> lock(mu_);
-        return in_flight_;
+        return credit_.in_flight();
     }
 
-    int64_t credit() const { return credit_; }
+    int64_t credit() const { return credit_.credit(); }
 
   private:
-    bool fits(const BpsTask &t) const {
-        if (credit_ <= 0) return true;
-        int64_t ahead = 0;  // bytes in flight of this priority or a more urgent one
-        for (auto it = priorities_.lower_bound(t.priority); it != priorities_.end(); ++it) ahead += it->second;
-        return ahead == 0 || ahead + t.nbytes <= credit_;
-    }
+    bool fits(const BpsTask &t) const { return credit_.fits(t.priority, t.nbytes); }
 
     std::mutex mu_;
     std::condition_variable cv_;
-    std::priority_queue<BpsTask, std::vector<BpsTask>, BpsTaskOrder> heap_;
+    std::priority_queue<BpsTask, std::vector<BpsTask>, BpsByPriority<BpsTask>> heap_;
     uint64_t next_seq_ = 0;
-    int64_t in_flight_ = 0;
-    std::map<int64_t, int64_t> priorities_;  // priority -> bytes in flight (only with a credit)
-    const int64_t credit_;  // <= 0: unlimited
+    BpsCredit credit_;  // <= 0: unlimited
     bool closed_ = false;
 };
 

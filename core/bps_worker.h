@@ -58,6 +58,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "bps_queue.h"
 #include "bps_reduce.h"
 #include "bps_wire.h"
 #include "bps_zmq.h"
@@ -128,7 +129,7 @@ struct BpsTable {
  * shared memory; run by priority (then arrival), like the network queue. */
 enum BpsTaskKind { BPS_TASK_SUM = 0, BPS_TASK_COPY_IN = 1, BPS_TASK_COPY_OUT = 2 };
 
-struct BpsTask {
+struct BpsStageTask {
     int64_t priority;
     uint64_t seq;
     int kind;
@@ -141,14 +142,8 @@ struct BpsTask {
     int rc;
 };
 
-struct BpsTaskOrder {
-    bool operator()(const BpsTask &a, const BpsTask &b) const {
-        if (a.priority != b.priority) return a.priority < b.priority;
-        return a.seq > b.seq;
-    }
-};
 
-static inline int bps_run_task(BpsTask &t, int nthreads) {
+static inline int bps_run_task(BpsStageTask &t, int nthreads) {
     if (t.kind == BPS_TASK_SUM) {
         int isz = bps_itemsize(t.dtype);
         if (isz <= 0 || t.nbytes % (uint64_t)isz) return -1;
@@ -177,7 +172,7 @@ class BpsStageThread {
         thread_.join();
     }
 
-    void submit(BpsTask t) {
+    void submit(BpsStageTask t) {
         {
             std::lock_guard<std::mutex> lock(mu_);
             t.seq = seq_++;
@@ -186,7 +181,7 @@ class BpsStageThread {
         cv_.notify_one();
     }
 
-    void done(std::vector<BpsTask> *out) {
+    void done(std::vector<BpsStageTask> *out) {
         std::lock_guard<std::mutex> lock(mu_);
         out->swap(done_);
     }
@@ -198,7 +193,7 @@ class BpsStageThread {
         for (;;) {
             cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
             if (stopping_) return;
-            BpsTask t = queue_.top();
+            BpsStageTask t = queue_.top();
             queue_.pop();
             lock.unlock();
             t.rc = bps_run_task(t, nthreads_);
@@ -217,8 +212,8 @@ class BpsStageThread {
     std::condition_variable cv_;
     bool stopping_ = false;
     uint64_t seq_ = 0;
-    std::priority_queue<BpsTask, std::vector<BpsTask>, BpsTaskOrder> queue_;
-    std::vector<BpsTask> done_;
+    std::priority_queue<BpsStageTask, std::vector<BpsStageTask>, BpsByPriority<BpsStageTask>> queue_;
+    std::vector<BpsStageTask> done_;
 };
 
 /* The JSON body of an ERROR for the other local ranks: {"error": text} (core/wire.py encode). */
@@ -261,12 +256,6 @@ struct BpsQueued {
     int part;
 };
 
-struct BpsQueuedOrder {
-    bool operator()(const BpsQueued &a, const BpsQueued &b) const {
-        if (a.priority != b.priority) return a.priority < b.priority;
-        return a.seq > b.seq;
-    }
-};
 
 /* A message Python queued for a server (slow paths): copied header and body, or a zero-copy body
  * that Python keeps alive until its token shows up in released(). */
@@ -547,7 +536,6 @@ class BpsWorkerCore {
 
     uint64_t bytes_sent(int server) { return server < (int)sent_.size() ? sent_[server].load() : 0; }
     uint64_t bytes_received(int server) { return server < (int)received_.size() ? received_[server].load() : 0; }
-    int64_t in_flight_bytes() { return in_flight_; }
 
     /* ZeroMQ's I/O thread is done with a zero-copy body. */
     static void zc_free(void *, void *hint) {
@@ -667,8 +655,7 @@ class BpsWorkerCore {
                 if (!op->done.load()) fail(op, BPS_ERR_ABORT, "");
             }
             pending_.clear();
-            in_flight_ = 0;
-            priorities_.clear();
+            credit_.clear();
             groups_.clear();
             awaiting_.clear();
             early_.clear();
@@ -702,16 +689,8 @@ class BpsWorkerCore {
         (void)n; /* Python counts its own messages (Engine.bytes_sent) */
     }
 
-    bool fits(const BpsQueued &q) const {
-        int64_t nbytes = (int64_t)q.op->parts[q.part].length;
-        if (credit_ <= 0) return true;
-        // the credit counts bytes of this priority or a more urgent one: bytes of less urgent
-        // tensors, which other workers may have deferred for this one, never hold it back (see
-        // core/bps_queue.h)
-        int64_t ahead = 0;
-        for (auto it = priorities_.lower_bound(q.priority); it != priorities_.end(); ++it) ahead += it->second;
-        return ahead == 0 || ahead + nbytes <= credit_;
-    }
+    /* the credit counts bytes of this priority or a more urgent one (core/bps_queue.h says why) */
+    bool fits(const BpsQueued &q) const { return credit_.fits(q.priority, (int64_t)q.op->parts[q.part].length); }
 
     void send_ready() {
         while (!queue_.empty() && fits(queue_.top())) {
@@ -761,15 +740,11 @@ class BpsWorkerCore {
         sent_[p.server] += sizeof h + body_len;
         pending_[std::make_pair(p.key, rnd)] = std::make_pair(op, index);
         op->owed[p.server]++;
-        in_flight_ += p.length;
-        if (credit_ > 0) priorities_[op->priority] += p.length;
+        credit_.take(op->priority, (int64_t)p.length);
     }
 
     void release(BpsOp *op, int index) {
-        in_flight_ -= op->parts[index].length;
-        if (in_flight_ < 0) in_flight_ = 0;
-        auto it = priorities_.find(op->priority);
-        if (it != priorities_.end() && (it->second -= op->parts[index].length) <= 0) priorities_.erase(it);
+        credit_.release(op->priority, (int64_t)op->parts[index].length);
     }
 
     void forward(int server, BpsMessage *m) {
@@ -988,7 +963,7 @@ class BpsWorkerCore {
 
     /* Run a copy or sum inline (small) or on the stage thread (>= 256 KB); then after_task(). */
     void stage_or_inline(int kind, BpsOp *op, int i, void *dst, std::vector<const void *> srcs) {
-        BpsTask t{op->priority, 0, kind, op, i, dst, std::move(srcs), op->parts[i].length, op->dtype, 0};
+        BpsStageTask t{op->priority, 0, kind, op, i, dst, std::move(srcs), op->parts[i].length, op->dtype, 0};
         if (t.nbytes >= BPS_STAGE_THREAD_MIN_BYTES) {
             op->tasks++;
             if (kind == BPS_TASK_SUM) local_threaded_++;
@@ -1001,15 +976,15 @@ class BpsWorkerCore {
 
     void take_stage_done() {
         if (stage_ == nullptr) return;
-        std::vector<BpsTask> done;
+        std::vector<BpsStageTask> done;
         stage_->done(&done);
-        for (BpsTask &t : done) {
+        for (BpsStageTask &t : done) {
             t.op->tasks--;
             after_task(t);
         }
     }
 
-    void after_task(BpsTask &t) {
+    void after_task(BpsStageTask &t) {
         BpsOp *op = t.op;
         if (op->done.load()) return; /* failed meanwhile (time-out, abort) */
         BpsPart &p = op->parts[t.part];
@@ -1262,7 +1237,7 @@ class BpsWorkerCore {
     }
 
     uint32_t node_id_;
-    int64_t credit_;
+    BpsCredit credit_;  /* network-thread state: bytes in flight by priority */
     double timeout_;
     int nthreads_;
     int notify_fd_;
@@ -1293,11 +1268,9 @@ class BpsWorkerCore {
     std::vector<int64_t> released_;
 
     /* network-thread state */
-    std::priority_queue<BpsQueued, std::vector<BpsQueued>, BpsQueuedOrder> queue_;
+    std::priority_queue<BpsQueued, std::vector<BpsQueued>, BpsByPriority<BpsQueued>> queue_;
     uint64_t seq_ = 0;
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsOp *, int>> pending_;
-    std::atomic<int64_t> in_flight_{0};
-    std::map<int64_t, int64_t> priorities_;  // priority -> bytes in flight (only with a credit)
     BpsPeerMaps maps_;
     bool have_done_ = false;
 

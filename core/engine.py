@@ -243,8 +243,7 @@ class Engine:
             self.poller.unregister(sock)
             core.add_server(sock)
         # the local reduce too, unless the topology executor does it (core/local_exec.py)
-        if (self.local is not None and getattr(self.cfg, "native_local", True)
-                and getattr(self.cfg, "local_strategy", "owners") != "topology"):
+        if self.local is not None and self.cfg.native_local and self.cfg.local_strategy != "topology":
             self.poller.unregister(self._local_sock)
             core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
                            self._gate.secret is None)
