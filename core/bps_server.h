@@ -664,6 +664,7 @@ class BpsServerCore {
         {
             std::lock_guard<std::mutex> lock(mu_);
             inbox_.push_back(std::move(c));
+            inbox_ready_.store(true, std::memory_order_release);
         }
         wake();
     }
@@ -707,6 +708,9 @@ class BpsServerCore {
             take_sums();
             if (items[0].revents) {
                 for (int k = 0; k < 256 && !stopping_; ++k) { /* a burst, then the inbox and sums again */
+                    /* a command Python posted before this message arrived is applied first: Python acknowledges
+                     * a join()'s end to the scheduler right after posting it, and workers then push at once */
+                    if (inbox_ready_.load(std::memory_order_acquire)) take_inbox();
                     int got = recv_message(&msg);
                     if (got <= 0) break;
                     on_message(&msg);
@@ -735,6 +739,7 @@ class BpsServerCore {
         {
             std::lock_guard<std::mutex> lock(mu_);
             in.swap(inbox_);
+            inbox_ready_.store(false, std::memory_order_relaxed);
         }
         for (Command &c : in) {
             switch (c.kind) {
@@ -870,10 +875,7 @@ class BpsServerCore {
             return;
         }
         if (!joined_.empty() && h.cmd == BPS_CMD_BROADCAST) { /* as in Horovod: not while ranks have joined */
-            std::string list = "[";
-            for (size_t i = 0; i < joined_.size(); ++i) list += (i ? ", " : "") + std::to_string(joined_[i]);
-            reply_error(ident, h, "broadcast is not supported while ranks " + list +
-                                      "] have joined (join()); it works again once every rank has joined");
+            reply_error(ident, h, joined_broadcast_error());
             return;
         }
         auto found = keys_.find(h.key);
@@ -1188,12 +1190,22 @@ class BpsServerCore {
         active_pushers_ = active_pushers;
         for (auto &kv : keys_) { /* rounds that were waiting only for a rank that just joined */
             BpsRound &st = *kv.second;
-            if (st.has_header && st.header.cmd == BPS_CMD_PUSHPULL && !st.senders.empty() &&
-                (int64_t)st.senders.size() >= active_pushers_) {
-                BpsHeader h = st.header;
+            if (!st.has_header || st.senders.empty()) continue;
+            BpsHeader h = st.header;
+            if (h.cmd == BPS_CMD_BROADCAST) { /* pushed before this JOIN: the joined rank never sends its part */
+                if (st.error.empty()) st.error = joined_broadcast_error();
+                maybe_complete(st, h);
+            } else if (h.cmd == BPS_CMD_PUSHPULL && (int64_t)st.senders.size() >= active_pushers_) {
                 maybe_complete(st, h);
             }
         }
+    }
+
+    std::string joined_broadcast_error() const { /* summation/server.py's _joined_broadcast_error */
+        std::string list = "[";
+        for (size_t i = 0; i < joined_.size(); ++i) list += (i ? ", " : "") + std::to_string(joined_[i]);
+        return "broadcast is not supported while ranks " + list +
+               "] have joined (join()); it works again once every rank has joined";
     }
 
     void reset_keys() {
@@ -1280,6 +1292,7 @@ class BpsServerCore {
 
     std::mutex mu_; /* guards what Python touches: the inbox and the queues below */
     std::vector<Command> inbox_;
+    std::atomic<bool> inbox_ready_{false}; /* inbox_ is not empty (read without the lock per message) */
     std::vector<BpsServerForward *> forward_;
     std::vector<std::string> logs_;
 

@@ -74,6 +74,7 @@ class Scheduler:
         self._pending_book = None  # (book, workers, servers yet to acknowledge) while an epoch starts
         self.joined = []          # worker identities that called join(), in order (Horovod's join)
         self.missed = {}          # joined worker -> {(name, spec)} keyed while it was in join()
+        self._join_release = None  # (JOIN body, servers yet to acknowledge) once every rank has joined
         self.local_reduce = False
 
     # ---------------------------------------------------------------- helpers
@@ -313,10 +314,17 @@ class Scheduler:
         active = [info for i, info in self.workers.items() if i not in self.joined]
         pushers = len({w["worker_id"] for w in active}) if self.local_reduce else len(active)
         body = {"joined": ranks, "pushers": pushers, "done": done, "last": ranks[-1]}
-        for target in [*self.servers, *self.workers]:
-            self._send(target, Cmd.JOIN, body)
         if done:
+            # two phases, as the address book: workers are released (and push again, from round 0) only
+            # once every server has reset its keys, or a push could reach a server still in join()
+            for target in self.servers:
+                self._send(target, Cmd.JOIN, body)
+            self._join_release = (body, set(self.servers))
+            self._maybe_release_join()
             self.joined = []
+        else:
+            for target in [*self.servers, *self.workers]:
+                self._send(target, Cmd.JOIN, body)
         for (name, seq), pending in list(self.declares.items()):  # declarations that waited only for this rank
             if self.joined and any(s["kind"] == "broadcast" for s in pending["specs"].values()):
                 # a broadcast declared before this rank joined: refuse it as one declared after (the
@@ -328,6 +336,18 @@ class Scheduler:
                         arg=1)
                 continue
             self._maybe_declared(name, seq)
+
+    def _maybe_release_join(self, acked=None):
+        """Release every worker from join() once every server has acknowledged that all ranks joined."""
+        if self._join_release is None:
+            return
+        body, waiting = self._join_release
+        waiting.discard(acked)
+        if waiting:
+            return
+        self._join_release = None
+        for target in self.workers:
+            self._send(target, Cmd.JOIN, body)
 
     def _on_leave(self, ident):
         self.left.add(ident)
@@ -482,6 +502,8 @@ class Scheduler:
             self._on_leave(ident)
         elif header.cmd == Cmd.ADDRBOOK:
             self._on_server_ready(ident, body)
+        elif header.cmd == Cmd.JOIN and ident in self.servers:
+            self._maybe_release_join(ident)
         elif header.cmd == Cmd.JOIN:
             self._on_join(ident)
         elif header.cmd == Cmd.ABORT:

@@ -232,6 +232,8 @@ class Server:
             if self.core is not None:
                 self.core.set_join(True, (), None)
             self._reset_keys()
+            # the scheduler releases the workers from join() only once every server has said this
+            self.control.send(Cmd.JOIN, {"done": True})
             return
         self.joined = tuple(body["joined"])
         self.active_pushers = body["pushers"]
@@ -239,8 +241,17 @@ class Server:
             self.core.set_join(False, self.joined, self.active_pushers)
         for st in self.keys.values():  # rounds that were waiting only for a rank that just joined
             h = st.header
-            if h is not None and h.cmd == Cmd.PUSHPULL and st.senders and len(st.senders) >= self.active_pushers:
+            if h is None or not st.senders:
+                continue
+            if h.cmd == Cmd.BROADCAST:  # pushed before this JOIN arrived: the joined rank never sends its part
+                st.error = st.error or self._joined_broadcast_error()
                 self._maybe_complete(st, h)
+            elif h.cmd == Cmd.PUSHPULL and len(st.senders) >= self.active_pushers:
+                self._maybe_complete(st, h)
+
+    def _joined_broadcast_error(self):
+        return (f"broadcast is not supported while ranks {list(self.joined)} have joined (join()); it works "
+                "again once every rank has joined")
 
     def _expected(self, cmd):
         """Messages that complete a round: one push_pull per machine still pushing; every rank for a broadcast."""
@@ -406,8 +417,7 @@ class Server:
             return True
         if self.joined and header.cmd == Cmd.BROADCAST:  # as in Horovod: not while ranks have joined
             self._discard_rest()
-            self._reply_error(ident, header, f"broadcast is not supported while ranks {list(self.joined)} have "
-                                             "joined (join()); it works again once every rank has joined")
+            self._reply_error(ident, header, self._joined_broadcast_error())
             return True
         st = self.keys.get(header.key)
         if st is None:

@@ -256,3 +256,37 @@ def hvd_join_order(out, args):
     # training continues after the join
     res["after"] = hvd.allreduce(torch.full((2,), float(rank)), op=hvd.Sum, name="join.after").tolist()
     return res
+
+
+@scenario
+def hvd_join_cached(out, args):
+    """As hvd_join_order, for a broadcast and an allgather whose names every rank has used before
+    (their keys are cached, so nothing is declared again): with the joiner's JOIN reaching the servers
+    after the others' pushes ("late") and before them ("early"), they fail at once."""
+    rank, size = hvd.rank(), hvd.size()
+    first = args["first"]
+    root = (first + 1) % size
+
+    def bcast():
+        return hvd.broadcast(torch.full((3,), float(rank)), root, name="join.cached.broadcast")
+
+    def gather():
+        return hvd.allgather(torch.full((rank + 1, 2), float(rank)), name="join.cached.allgather")
+
+    res = {"warm": [bcast().tolist(), gather().tolist()]}  # every rank: the keys are now known
+    for order in ("late", "early"):
+        for kind, fn in (("broadcast", bcast), ("allgather", gather)):
+            hvd.barrier()
+            t0 = time.monotonic()
+            if rank == first:
+                if order == "late":
+                    time.sleep(1.0)  # the others' pushes reach the servers before this join
+                res[f"{order}.{kind}"] = {"joined_first": True}
+            else:
+                if order == "early":
+                    time.sleep(1.0)  # this join reaches the servers first
+                res[f"{order}.{kind}"] = {"error": _etype(fn), "seconds": time.monotonic() - t0}
+            res[f"{order}.{kind}"]["last"] = hvd.join()
+    # the same names work again once every rank has joined
+    res["again"] = [bcast().tolist(), gather().tolist()]
+    return res

@@ -225,3 +225,28 @@ def test_join_first_joiner_not_rank_0_fails_fast(tmp_path):
             assert v[kind]["seconds"] < 10, (kind, r, v[kind]["seconds"])  # BYTEPS_TIMEOUT is 30 here
     for v in vals:
         assert v["after"] == [6.0, 6.0]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("first", [0, 3])
+def test_join_fails_fast_for_cached_names(tmp_path, first):
+    """A broadcast or allgather whose key every rank already has (no new declaration reaches the
+    scheduler) fails at once on the ranks still running, whichever rank joins first and whether
+    its JOIN reaches the servers before or after their pushes; the names work again afterwards."""
+    run = Run(tmp_path, "hvd_join_cached", 4, 2, args={"first": first}, timeout=170)
+    vals = run.values()
+    root = (first + 1) % 4
+    bcast = [float(root)] * 3
+    gathered = [[float(r)] * 2 for r in range(4) for _ in range(r + 1)]
+    for r, v in enumerate(vals):
+        assert v["warm"] == [bcast, gathered] and v["again"] == [bcast, gathered], r
+    for order in ("late", "early"):
+        for kind in ("broadcast", "allgather"):
+            sec = f"{order}.{kind}"
+            assert len({v[sec]["last"] for v in vals}) == 1, sec
+            for r, v in enumerate(vals):
+                if r == first:
+                    continue
+                e = v[sec]["error"]
+                assert e is not None and "RuntimeError" in e["types"], (sec, r, e)
+                assert v[sec]["seconds"] < 10, (sec, r, v[sec]["seconds"])  # BYTEPS_TIMEOUT is 30 here
