@@ -20,6 +20,7 @@ PACKAGE_DIR = {
     "byteps.topology": "topology",
     "byteps.torch": "plugins/torch",
     "byteps.tensorflow": "plugins/tensorflow",
+    "byteps.keras": "plugins/keras",
     "byteps.mxnet": "plugins/mxnet",
 }
 

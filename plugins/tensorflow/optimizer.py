@@ -15,13 +15,13 @@ def _densify(grad):
     return grad
 
 
-def _reduce_grads(grads, names, op, compression):
+def _reduce_grads(grads, names, op, compression, prescale=1.0, postscale=1.0):
     """push_pull the non-None gradients as one group; None stays None."""
     live = [i for i, g in enumerate(grads) if g is not None]
     if not live:
         return list(grads)
     reduced = push_pull_group([_densify(grads[i]) for i in live], [names[i] for i in live], op=op,
-                              compression=compression)
+                              compression=compression, prescale_factor=prescale, postscale_factor=postscale)
     out = list(grads)
     for i, r in zip(live, reduced):
         out[i] = r
@@ -93,6 +93,10 @@ class _DistributedOptimizerMixin:
     def _bps_names(self, variables):
         return [f"{self._bps_prefix}{self._get_variable_index(v)}" for v in variables]
 
+    def _bps_reduce(self, grads, variables):
+        return _reduce_grads(grads, self._bps_names(variables), self._bps_op, self._bps_compression,
+                             *self._bps_scale)
+
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         if not grads:
@@ -109,7 +113,7 @@ class _DistributedOptimizerMixin:
             return self._bps_apply_async(grads, variables, trainable_variables)
         if self._bps_passes == 1:
             if common.size() > 1:
-                grads = _reduce_grads(grads, self._bps_names(variables), self._bps_op, self._bps_compression)
+                grads = self._bps_reduce(grads, variables)
             return super().apply(grads, trainable_variables)
         return self._bps_apply_accumulated(grads, variables, trainable_variables)
 
@@ -145,8 +149,10 @@ class _DistributedOptimizerMixin:
         def update():
             total = [None if g is None else _densify(g) + tf.cast(tf.convert_to_tensor(a), g.dtype)
                      for g, a in zip(grads, acc)]
+            if self._bps_average_passes:
+                total = [None if g is None else g / tf.cast(self._bps_passes, g.dtype) for g in total]
             if common.size() > 1:
-                total = _reduce_grads(total, self._bps_names(variables), self._bps_op, self._bps_compression)
+                total = self._bps_reduce(total, variables)
             parent.apply(total, trainable_variables)
             for a in acc:
                 a.assign(tf.zeros(a.shape, dtype=a.dtype))
@@ -163,7 +169,8 @@ class _DistributedOptimizerMixin:
 
 def DistributedOptimizer(optimizer, name=None, compression=Compression.none, op=Average,
                          backward_passes_per_step=1, device_dense="", device_sparse="", sparse_as_dense=True,
-                         use_locking=False, asynchronous=None):
+                         use_locking=False, asynchronous=None, gradient_predivide_factor=1.0,
+                         average_aggregated_gradients=False):
     """Wrap a Keras 3 optimizer so that gradients are averaged over all workers before each update.
 
     Works with ``model.fit`` (``jit_compile=False``: the transfer is a ``tf.py_function``, which XLA
@@ -182,6 +189,10 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none, op=
             sum and update once (as ``byteps.torch`` and Horovod do; divide the loss by N for an
             average). The wrapped optimizer's ``iterations`` then counts updates.
         device_dense, device_sparse, sparse_as_dense, use_locking: accepted for compatibility.
+        gradient_predivide_factor: Horovod's: gradients are divided by this before the sum and
+            multiplied by ``factor / size()`` after it (``op=Average`` only).
+        average_aggregated_gradients: with ``backward_passes_per_step > 1``, divide the locally
+            summed gradients by the number of passes (Horovod's option; default: their sum).
         asynchronous: ``None`` follows the job (``BYTEPS_ENABLE_ASYNC``); ``True`` insists on it. In
             asynchronous mode each update is applied locally and its delta pushed; the worker then
             continues from the servers' latest parameters, starting from rank 0's (docs/async.md).
@@ -194,10 +205,15 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none, op=
                         "tf.compat.v1.train optimizers are not supported (use DistributedGradientTape)")
     if int(backward_passes_per_step) < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    op = _resolve_op(None, op)
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor is supported only with op=Average")
     base = optimizer.__class__
     cls = type(base.__name__, (_DistributedOptimizerMixin, base), {"__module__": base.__module__})
     new = cls.from_config(optimizer.get_config())
-    new._bps_op = _resolve_op(None, op)
+    new._bps_op = op
+    new._bps_scale = (1.0 / gradient_predivide_factor, float(gradient_predivide_factor))
+    new._bps_average_passes = bool(average_aggregated_gradients)
     new._bps_compression = compression
     new._bps_passes = int(backward_passes_per_step)
     job_async = common.is_initialized() and common.config().enable_async
