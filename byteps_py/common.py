@@ -30,6 +30,7 @@ class _Job:
         self.inflight = {}          # name -> the op in flight under it
         self.inflight_lock = threading.Lock()
         self.noname = itertools.count()
+        self.scoped_noname = {}   # process set id -> its own count of unnamed calls (auto_name)
         self.barriers = itertools.count()
         # BYTEPS_COMPRESSOR & co. are read at init() like every other variable (not per call: seven
         # environment look-ups cost more than the rest of a small push_pull's submission)
@@ -175,9 +176,14 @@ def tuning():
             "text": "a job of one process: nothing crosses a network", "bandwidth_Bps": None, "rtt_s": None}
 
 
-def auto_name(prefix):
-    """A name for an unnamed call: unique per call, identical on every worker calling in the same order."""
-    return f"{prefix}.noname.{next(_require().noname)}"
+def auto_name(prefix, scope=0):
+    """A name for an unnamed call: unique per call, identical on every worker calling in the same order.
+
+    ``scope``: a process set's id; its calls are numbered apart, since only its members make them."""
+    job = _require()
+    if not scope:
+        return f"{prefix}.noname.{next(job.noname)}"
+    return f"{prefix}.set{scope}.noname.{next(job.scoped_noname.setdefault(scope, itertools.count()))}"
 
 
 def sync_name(prefix, dtype, shape):
@@ -197,7 +203,7 @@ def sync_name(prefix, dtype, shape):
 
 
 def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=None, asynchronous=False,
-           compression=None):
+           compression=None, process_set=None):
     """Start a push_pull (or, with ``broadcast_root``, a broadcast) of a flat byte buffer, in place.
 
     Args:
@@ -215,6 +221,8 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         compression: the wire compressor of a push_pull's partitions that cross the network
             (a :class:`byteps.compression.WireCompressor`); None: the job's default
             (BYTEPS_COMPRESSOR, usually none); False: none (docs/compression.md).
+        process_set: None for every worker, or ``(set id, sorted global ranks)`` of a process set this
+            worker is a member of: only its members take part (the same id and ranks on each of them).
 
     Returns:
         An integer handle for :func:`poll` / :func:`synchronize`.
@@ -230,12 +238,22 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
                          "starting another one with the same name")
     if broadcast_root is not None and not 0 <= broadcast_root < job.size:
         raise ValueError(f"root rank {broadcast_root} for tensor {name!r} is outside 0..{job.size - 1}")
+    if process_set is not None:
+        process_set = (int(process_set[0]), tuple(int(r) for r in process_set[1]))
+        if job.rank not in process_set[1]:
+            raise ValueError(f"tensor {name!r}: rank {job.rank} is not a member of process set {process_set[0]} "
+                             f"(ranks {list(process_set[1])})")
+        if broadcast_root is not None and broadcast_root not in process_set[1]:
+            raise ValueError(f"root rank {broadcast_root} for tensor {name!r} is not a member of process set "
+                             f"{process_set[0]} (ranks {list(process_set[1])})")
+        if asynchronous:
+            raise ValueError(f"asynchronous push_pull of {name!r}: process sets are not supported in async mode")
     cmd = Cmd.PUSHPULL if broadcast_root is None else Cmd.BROADCAST
     if asynchronous:
         if not job.cfg.enable_async:
             raise ValueError(f"asynchronous push_pull of {name!r} needs BYTEPS_ENABLE_ASYNC=1 on every node")
         cmd = Cmd.ASYNC_PUSHPULL
-    op = Op(name, buf, dtype, shape, cmd=cmd, root=broadcast_root or 0, priority=priority)
+    op = Op(name, buf, dtype, shape, cmd=cmd, root=broadcast_root or 0, priority=priority, pset=process_set)
     if cmd == Cmd.PUSHPULL and compression is not None:
         from . import compression as _compression
 
@@ -244,8 +262,8 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         op.codec = job.default_codec
     handle = next(job.next_handle)
     job.handles[handle] = (op, finalize)
-    if job.engine is None:  # alone: the sum over one worker is the tensor itself
-        op._finish()
+    if job.engine is None or (process_set is not None and len(process_set[1]) == 1):
+        op._finish()  # alone: the sum over one worker is the tensor itself
         return handle
     with job.inflight_lock:
         if name in job.inflight:  # another thread started it meanwhile
@@ -338,6 +356,23 @@ def barrier():
         raise BytePSTimeoutError(f"barrier() waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the other workers")
     if job.engine.failure is not None:
         raise job.engine.failure
+
+
+def exchange(name, value):
+    """A barrier of every worker that hands each of them every worker's ``value`` (JSON-able):
+    ``{rank: value}``. ``name`` must be the same on every worker and unique per call."""
+    job = _require()
+    if job.engine is None:
+        return {job.rank: value}
+    released = job.engine.request("barrier", name, value)
+    if not released.wait(job.cfg.timeout + 5):
+        raise BytePSTimeoutError(f"{name}: waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the other workers")
+    if job.engine.failure is not None:
+        raise job.engine.failure
+    values = job.engine.barrier_values.pop(name, None)
+    if values is None:
+        raise BytePSTimeoutError(f"{name}: the scheduler released the barrier without the workers' values")
+    return values
 
 
 def transport_bytes():

@@ -93,13 +93,14 @@ class Engine:
         self._thread = threading.Thread(target=self._main, name="byteps-engine", daemon=True)
         # engine-thread state
         self._parts = {}            # (wire key, round) -> (op, offset, nbytes)
-        self._declaring = {}        # (name, seq) -> [ops waiting for the key]
-        self._decl_spec = {}        # (name, seq) -> spec
-        self._decl_pending = {}     # (name, spec) -> (name, seq) of its declaration in flight
+        self._declaring = {}        # (name, seq, set id) -> [ops waiting for the key]
+        self._decl_spec = {}        # (name, seq, set id) -> spec
+        self._decl_pending = {}     # (name, spec) -> (name, seq, set id) of its declaration in flight
         self._decl_seq = collections.Counter()
         self._keys = {}             # (name, spec) -> tensor key
         self._rounds = collections.Counter()  # wire key -> next round
         self._requests = {}         # ("barrier"|"leave", name) -> event set on release
+        self.barrier_values = {}    # barrier name -> {rank: value} of a barrier whose members sent values
         self._left = False
         self.servers = []
         # bytes (header + body frames) sent to / received from each server index on the data sockets
@@ -188,10 +189,13 @@ class Engine:
         self._wake()
         return rop
 
-    def request(self, kind, name=""):
-        """Run a control-plane collective ("barrier" or "leave"); return an event set on release."""
+    def request(self, kind, name="", value=None):
+        """Run a control-plane collective ("barrier" or "leave"); return an event set on release.
+
+        A barrier with a ``value`` hands every member all of them: ``barrier_values[name]`` maps each
+        rank to its value once the event is set."""
         ev = threading.Event()
-        self._inbox.append((kind, name, ev))
+        self._inbox.append((kind, name, ev, value))
         self._wake()
         return ev
 
@@ -265,7 +269,7 @@ class Engine:
         join() a process runs its local reduce in Python (the native side routes each partition's
         LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
         still meet)."""
-        if type(op) is not Op or op.codec is not None:
+        if type(op) is not Op or op.codec is not None or op.pset is not None:
             return False
         if op.cmd == Cmd.BROADCAST:
             return True
@@ -747,6 +751,8 @@ class Engine:
         elif cmd == Cmd.BARRIER and body.get("name") == autotune.AGREE_BARRIER:
             self._agreed = body
         elif cmd == Cmd.BARRIER:
+            if "values" in body:
+                self.barrier_values[body.get("name")] = {int(r): v for r, v in body["values"].items()}
             ev = self._requests.pop(("barrier", body.get("name")), None)
             if ev is not None:
                 ev.set()
@@ -798,7 +804,7 @@ class Engine:
             self._maybe_reduce(*ident)
 
     def _on_declared(self, body):
-        ident = (body.get("name"), body.get("seq"))
+        ident = (body.get("name"), body.get("seq"), body.get("set_id", 0))
         ops = self._declaring.pop(ident, [])
         spec = self._decl_spec.pop(ident, None)
         self._decl_pending.pop((ident[0], spec), None)
@@ -821,10 +827,10 @@ class Engine:
                 self.control.beat()
             item = self._inbox.popleft()
             if not isinstance(item, Op):
-                kind, name, ev = item
+                kind, name, ev, value = item
                 self._requests[(kind, name)] = ev
                 cmd = {"barrier": Cmd.BARRIER, "leave": Cmd.LEAVE, "join": Cmd.JOIN}[kind]
-                self.control.send(cmd, {"name": name})
+                self.control.send(cmd, {"name": name} if value is None else {"name": name, "value": value})
                 continue
             op = item
             if isinstance(op, RangeOp):  # a range of the topology executor: its key is known
@@ -836,15 +842,18 @@ class Engine:
                 continue
             waiting = self._decl_pending.get((op.name, op.spec))  # a dict: 10,000 new tensors stay linear
             if waiting is None:
-                seq = self._decl_seq[op.name]
-                self._decl_seq[op.name] += 1
-                waiting = (op.name, seq)
+                set_id = 0 if op.pset is None else op.pset[0]
+                seq = self._decl_seq[(op.name, set_id)]  # counted per set: a set's members meet each other
+                self._decl_seq[(op.name, set_id)] += 1
+                waiting = (op.name, seq, set_id)
                 self._decl_spec[waiting] = op.spec
                 self._decl_pending[(op.name, op.spec)] = waiting
                 self._declaring[waiting] = []
-                self.control.send(Cmd.DECLARE, {"name": op.name, "seq": seq, "shape": list(op.shape),
-                                                "dtype": dtypes.name(op.dtype),
-                                                "kind": self._declared_kind(op)})
+                body = {"name": op.name, "seq": seq, "shape": list(op.shape), "dtype": dtypes.name(op.dtype),
+                        "kind": self._declared_kind(op)}
+                if op.pset is not None:
+                    body.update(set_id=set_id, members=list(op.pset[1]))
+                self.control.send(Cmd.DECLARE, body)
             self._declaring[waiting].append(op)
 
     def _dispatch(self, op, tkey):
@@ -948,12 +957,13 @@ class Engine:
     def stages_of(self, op, i, server):
         """The ordered stages of partition ``i`` of ``op`` on this process (core/stages.py)."""
         kind = KINDS[op.cmd]
-        owner = self.local is None or self.local.owns(op.tkey, i)
-        ident = (owner, self.colocated[server], kind)
+        local = self.local is not None and op.pset is None  # a process set's members push themselves
+        owner = not local or self.local.owns(op.tkey, i)
+        ident = (owner, self.colocated[server], kind, local)
         got = self._stage_lists.get(ident)
         if got is None:
             got = self._stage_lists[ident] = stages.stage_list(
-                owner=owner, local_size=self.cfg.local_size, local_reduce=self.local is not None,
+                owner=owner, local_size=self.cfg.local_size, local_reduce=local,
                 colocated=self.colocated[server] and not (op.cmd == Cmd.BROADCAST and op.root != self.rank),
                 kind=kind)
             logger.info("pipeline of a %s partition (%s, %s server): %s", kind, "owner" if owner else "not owner",
@@ -998,11 +1008,14 @@ class Engine:
             flags = wire.FLAG_COMPRESSED
         else:
             body = data
-        if op.codec is not None and op.cmd == Cmd.PUSHPULL:
-            flags |= wire.FLAG_PYTHON  # the server's Python path takes every push of a compressed op
+        if (op.codec is not None and op.cmd == Cmd.PUSHPULL) or op.pset is not None:
+            # the server's Python path takes every push of a compressed op, and of a process set's
+            # (it knows how many members push each of those keys)
+            flags |= wire.FLAG_PYTHON
         nbytes = body.nbytes if hasattr(body, "nbytes") else len(body)
         header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,
-                           length=data.size if flags else nbytes, dtype=op.dtype, arg=op.root, flags=flags)
+                           length=data.size if flags & (wire.FLAG_SHM | wire.FLAG_COMPRESSED) else nbytes,
+                           dtype=op.dtype, arg=op.root, flags=flags)
         self._send_data(server, header, body)
         self.bytes_sent[server] += len(header) + nbytes
 

@@ -203,8 +203,9 @@ class LocalExec:
         self._thread.start()
 
     def takes(self, op):
-        """push_pulls go through the executor; broadcasts, async exchanges and ranges do not."""
-        return op.cmd == Cmd.PUSHPULL and not isinstance(op, RangeOp)
+        """push_pulls go through the executor; broadcasts, async exchanges, ranges and a process set's
+        push_pulls (its members push themselves) do not."""
+        return op.cmd == Cmd.PUSHPULL and not isinstance(op, RangeOp) and op.pset is None
 
     def enqueue(self, op):
         """Queue ``op`` in submission order (called by Engine.submit on the training thread)."""

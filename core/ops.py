@@ -18,9 +18,9 @@ class Op:
     """One push_pull or broadcast of one tensor, in flight."""
 
     __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey", "parts_left",
-                 "servers", "error", "done", "started", "callbacks", "codec", "native_id")
+                 "servers", "error", "done", "started", "callbacks", "codec", "native_id", "pset")
 
-    def __init__(self, name, buf, dtype, shape, cmd=Cmd.PUSHPULL, root=0, priority=0):
+    def __init__(self, name, buf, dtype, shape, cmd=Cmd.PUSHPULL, root=0, priority=0, pset=None):
         self.name = name
         self.buf = buf              # flat uint8 numpy view of the tensor's memory: input and output
         self.dtype = dtype
@@ -28,7 +28,10 @@ class Op:
         self.cmd = cmd
         self.root = root
         self.priority = priority
-        self.spec = (self.shape, dtype, int(cmd))
+        # a process set's members, (set id, sorted global ranks), or None for every rank: its tensors have
+        # keys of their own, every member pushes itself (no local reduce), and servers sum the members only
+        self.pset = pset
+        self.spec = (self.shape, dtype, int(cmd), pset)
         self.tkey = None
         self.parts_left = 0
         self.servers = collections.Counter()  # ("server", 1) / ("local rank", 0) / "the copy stage" -> replies owed

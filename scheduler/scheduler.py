@@ -67,6 +67,7 @@ class Scheduler:
         # partition-size agreement): the release hands every member all of them
         self.barrier_values = {}
         self.declares = {}        # (name, spec json) ... see _on_declare
+        self.set_declares = {}    # (name, seq, set id) -> declarations of a process set's tensor (_on_set_declare)
         self.keys = {}            # (name, spec) -> tensor key, stable for the whole job
         self.phase_start = time.monotonic()
         self.idle_since = None    # when every worker had left; bounded by BYTEPS_TIMEOUT
@@ -75,6 +76,7 @@ class Scheduler:
         self.joined = []          # worker identities that called join(), in order (Horovod's join)
         self.missed = {}          # joined worker -> {(name, spec)} keyed while it was in join()
         self._join_release = None  # (JOIN body, servers yet to acknowledge) once every rank has joined
+        self._set_keys_pending = {}  # process set key -> (its members' replies, servers yet to learn it)
         self.local_reduce = False
 
     # ---------------------------------------------------------------- helpers
@@ -254,6 +256,10 @@ class Scheduler:
         # Keyed by (name, per-worker declaration count) so a worker's second declaration of the same
         # name (a resized tensor) meets the other workers' second declaration, never their first.
         seq = body.get("seq", 0)
+        set_id, members = body.get("set_id", 0), body.get("members")
+        if set_id:
+            self._on_set_declare(ident, name, seq, spec, set_id, members)
+            return
         if spec["kind"] == "broadcast" and self.joined:
             self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": (
                 f"broadcast of {name!r} is not supported while ranks {self._joined_ranks()} have joined (join())")},
@@ -267,6 +273,57 @@ class Scheduler:
         pending = self.declares.setdefault((name, seq), {"since": time.monotonic(), "specs": {}})
         pending["specs"][ident] = spec
         self._maybe_declared(name, seq)
+
+    def _on_set_declare(self, ident, name, seq, spec, set_id, members):
+        """A tensor of process set ``set_id``: only its members declare it; its key is its own (the same
+        name in another set, or in the whole job, is another tensor); servers learn how many members
+        push it before any member gets the key."""
+        reply = {"name": name, "seq": seq, "set_id": set_id}
+        by_rank = {info["rank"]: i for i, info in self.workers.items()}
+        if not (isinstance(members, list) and members and all(r in by_rank for r in members)):
+            self._send(ident, Cmd.DECLARE, dict(reply, error=f"process set {set_id}: ranks {members} are not all "
+                                                             f"ranks of this job (0..{len(by_rank) - 1})"), arg=1)
+            return
+        pending = self.set_declares.setdefault((name, seq, set_id), {"since": time.monotonic(), "specs": {},
+                                                                      "members": {by_rank[r] for r in members}})
+        pending["specs"][ident] = dict(spec, members=sorted(members))
+        if not set(pending["specs"]) >= pending["members"]:
+            return
+        del self.set_declares[(name, seq, set_id)]
+        specs = pending["specs"]
+        distinct = {(tuple(s["shape"]), s["dtype"], s["kind"], tuple(s["members"])) for s in specs.values()}
+        if len(distinct) != 1:
+            detail = "; ".join(f"rank {self.workers[i]['rank']}: {s['dtype']}{list(s['shape'])} in a {s['kind']} "
+                               f"of ranks {s['members']}" for i, s in specs.items())
+            msg = f"tensor {name!r} of process set {set_id} differs across its members: {detail}"
+            logger.warning(msg)
+            for i in specs:
+                self._send(i, Cmd.DECLARE, dict(reply, error=msg), arg=1)
+            return
+        agreed = (name, distinct.pop(), set_id)
+        fresh = agreed not in self.keys
+        key = self.keys.setdefault(agreed, len(self.keys) + 1)
+        replies = [(i, dict(reply, key=key)) for i in specs]
+        if not fresh or not self.servers:
+            for i, r in replies:
+                self._send(i, Cmd.DECLARE, r)
+            return
+        # two phases, as the address book: no member may push before every server knows the key's pushers
+        for server in self.servers:
+            self._send(server, Cmd.DECLARE, {"key": key, "pushers": len(specs)})
+        self._set_keys_pending[key] = (replies, set(self.servers))
+
+    def _on_server_declared(self, ident, body):
+        """A server knows a process set key's pushers: answer its members once every server does."""
+        entry = self._set_keys_pending.get(body.get("key"))
+        if entry is None:
+            return
+        replies, waiting = entry
+        waiting.discard(ident)
+        if not waiting:
+            del self._set_keys_pending[body["key"]]
+            for i, r in replies:
+                self._send(i, Cmd.DECLARE, r)
 
     def _declarers(self):
         """Workers whose declarations a tensor waits for: every active one not in join()."""
@@ -364,6 +421,7 @@ class Scheduler:
             self.barriers.clear()
             self.barrier_values.clear()
             self.declares.clear()
+            self.set_declares.clear()
             self.joined, self.missed = [], {}
             self.running = False
             self.idle_since = time.monotonic()
@@ -404,6 +462,15 @@ class Scheduler:
                 for ident in self.barriers.pop(name, ()):
                     self._send(ident, Cmd.BARRIER, {"name": name, "error": msg})
                 del self.barrier_values[name]
+        for (name, seq, set_id), pending in list(self.set_declares.items()):
+            if now - pending["since"] > self.cfg.timeout:
+                have = sorted(self.workers[i]["rank"] for i in pending["specs"])
+                lacking = sorted(self.workers[i]["rank"] for i in pending["members"] - set(pending["specs"]))
+                msg = (f"tensor {name!r} of process set {set_id} was declared by ranks {have} but not by its members "
+                       f"{lacking} within {self.cfg.timeout:g} s (BYTEPS_TIMEOUT)")
+                for ident in pending["specs"]:
+                    self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "set_id": set_id, "error": msg}, arg=1)
+                del self.set_declares[(name, seq, set_id)]
         for (name, seq), pending in list(self.declares.items()):
             if now - pending["since"] > self.cfg.timeout:
                 have = sorted(self.workers[i]["rank"] for i in pending["specs"])
@@ -496,6 +563,8 @@ class Scheduler:
             return
         if header.cmd == Cmd.BARRIER:
             self._on_barrier(ident, body)
+        elif header.cmd == Cmd.DECLARE and ident in self.servers:
+            self._on_server_declared(ident, body)
         elif header.cmd == Cmd.DECLARE:
             self._on_declare(ident, body)
         elif header.cmd == Cmd.LEAVE:

@@ -159,6 +159,7 @@ class Server:
         self.pushers = None
         self.joined = ()         # ranks in join(): push_pulls complete without them (they add zeros)
         self.active_pushers = None
+        self.set_pushers = {}    # tensor key of a process set -> how many members push it (for the job)
         self.index = None
         self.epoch = None
         self.fast = transport.wrap(self.data, cfg.zmq_direct)  # the data plane's message I/O (core/_transport.pyx)
@@ -200,6 +201,9 @@ class Server:
                 self.core.set_book(None, None, self.control.node_id, {})
         elif header.cmd == Cmd.JOIN:
             self._on_join(body)
+        elif header.cmd == Cmd.DECLARE:  # a process set's key: its members' pushes complete its rounds
+            self.set_pushers[int(body["key"])] = int(body["pushers"])
+            self.control.send(Cmd.DECLARE, {"key": body["key"]})
         elif header.cmd == Cmd.TERMINATE:
             return 0
         elif header.cmd == Cmd.ABORT:
@@ -241,7 +245,7 @@ class Server:
             self.core.set_join(False, self.joined, self.active_pushers)
         for st in self.keys.values():  # rounds that were waiting only for a rank that just joined
             h = st.header
-            if h is None or not st.senders:
+            if h is None or not st.senders or self._set_pushers(h) is not None:  # join() is the whole job's
                 continue
             if h.cmd == Cmd.BROADCAST:  # pushed before this JOIN arrived: the joined rank never sends its part
                 st.error = st.error or self._joined_broadcast_error()
@@ -253,9 +257,17 @@ class Server:
         return (f"broadcast is not supported while ranks {list(self.joined)} have joined (join()); it works "
                 "again once every rank has joined")
 
-    def _expected(self, cmd):
-        """Messages that complete a round: one push_pull per machine still pushing; every rank for a broadcast."""
-        if cmd != Cmd.PUSHPULL:
+    def _set_pushers(self, h):
+        """How many members push this key, if it is a process set's (the scheduler said so); else None."""
+        return self.set_pushers.get(wire.split_key(h.key)[0]) if self.set_pushers else None
+
+    def _expected(self, h):
+        """Messages that complete a round: a process set's members; one push_pull per machine still pushing;
+        every rank for a broadcast."""
+        members = self._set_pushers(h)
+        if members is not None:
+            return members
+        if h.cmd != Cmd.PUSHPULL:
             return self.num_workers
         return self.active_pushers if self.joined else self.pushers
 
@@ -415,7 +427,8 @@ class Server:
             self._reply_error(ident, header, f"key {wire.split_key(header.key)}: rank {rank} sent {header.length} "
                                              f"bytes of dtype code {header.dtype}: not whole elements of a known dtype")
             return True
-        if self.joined and header.cmd == Cmd.BROADCAST:  # as in Horovod: not while ranks have joined
+        if self.joined and header.cmd == Cmd.BROADCAST and self._set_pushers(header) is None:
+            # as in Horovod: not while ranks have joined (join() is the whole job's, not a process set's)
             self._discard_rest()
             self._reply_error(ident, header, self._joined_broadcast_error())
             return True
@@ -445,7 +458,7 @@ class Server:
         st.senders.append(rank)
         st.waiters.append((ident, header.flags & wire.FLAG_SHM))
         st.header = header
-        if len(st.senders) >= self._expected(header.cmd):
+        if len(st.senders) >= self._expected(header):
             self._maybe_complete(st, header)
         return True
 
@@ -597,7 +610,7 @@ class Server:
                 self._discard_rest()
                 return f"key {wire.split_key(h.key)}: rank {rank}'s shared memory: {e}"
             got = src.size
-            if got == h.length and h.cmd == Cmd.PUSHPULL and self.pushers == 1:
+            if got == h.length and h.cmd == Cmd.PUSHPULL and self._expected(h) == 1:
                 st.echo = body  # one machine: answer with its own region, no copy
             elif got == h.length and h.cmd == Cmd.BROADCAST:
                 copy_into(st.store, src)

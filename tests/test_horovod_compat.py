@@ -262,7 +262,7 @@ def test_objects_barrier_join_reducescatter(api):
         assert v["reducescatter_sum"] == (idx * scale).unsqueeze(1).repeat(1, 2).tolist()
         assert v["reducescatter_avg"] == (idx * scale / N).unsqueeze(1).repeat(1, 2).tolist()
         assert v["reducescatter_min"].startswith("RuntimeError")
-        assert v["process_set"].startswith("NotImplementedError")
+        assert v["process_set"] is None  # a collective add_process_set works (tests/test_process_sets.py)
 
 
 @TIMEOUT

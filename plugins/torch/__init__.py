@@ -12,6 +12,7 @@ from byteps.common import is_initialized, local_rank, local_size, rank, size
 
 from . import completion as _completion
 from . import mpi_ops as _mpi_ops
+from . import process_sets as _process_sets
 from .compression import Compression
 from .ddp import ddp_comm_hook
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -28,6 +29,7 @@ from .collectives import (alltoall, alltoall_async, grouped_allgather, grouped_a
 from .ops import (broadcast_, broadcast_async_, declare, poll, push_pull, push_pull_async, push_pull_async_inplace,
                   push_pull_inplace, synchronize)
 from .optimizer import DistributedOptimizer, _DistributedOptimizer  # noqa: F401  (BytePS exports it)
+from .sync_batch_norm import SyncBatchNorm
 from byteps.elastic import get_pushpull_speed, resume, suspend
 from .process_group import ProcessGroupBytePS
 from .process_group import register as _register_backend
@@ -38,13 +40,15 @@ byteps_push_pull = push_pull_async_inplace  # BytePS's exported alias
 def init(comm=None, process_sets=None, lazy=False):
     """Join the job described by the environment (bpslaunch, torchrun, mpirun, horovodrun; docs/launchers.md).
 
-    ``comm`` and ``process_sets`` are Horovod's; only the whole job is supported (``comm`` may be
-    None or the list of every rank; ``process_sets`` None or empty). ``lazy`` is BytePS's, ignored.
+    ``comm`` and ``process_sets`` are Horovod's: ``comm`` may be None or the list of every rank
+    (sub-communicators are not supported); ``process_sets`` a list of ``ProcessSet`` (or rank lists),
+    numbered 1, 2, ... in order and the same on every rank, or ``"dynamic"`` (accepted: sets can be
+    added after ``init()`` either way). ``lazy`` is BytePS's, ignored.
     """
-    if process_sets:
-        raise NotImplementedError("byteps supports only the global process set; init(process_sets=...) "
-                                  "is not available")
+    fresh = not _common.is_initialized()  # init() of an initialized job changes nothing, as Horovod's
     _common.init(lazy=lazy)
+    if fresh:
+        _process_sets.init_sets(process_sets)
     if comm is not None:
         ranks = sorted(comm) if isinstance(comm, (list, tuple)) else None
         if ranks != list(range(_common.size())):
@@ -57,6 +61,7 @@ def shutdown():
     _common.shutdown()
     _completion.reset()
     _mpi_ops._reset()
+    _process_sets._reset()
 
 
 _register_backend()
@@ -75,7 +80,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "alltoall", "alltoall_async", "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
            "grouped_reducescatter_async", "sparse_allreduce_async",
            "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError", "UnsupportedTypeError",
-           "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+           "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "SyncBatchNorm",
            "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
            "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
            # DDP

@@ -16,13 +16,12 @@ thread, so every rank derives the same names. A name already in flight raises ``
 """
 import torch
 
-from byteps import common
 from byteps.errors import BytePSError
 
 from . import completion
 from .compression import Compression
-from .mpi_ops import (Average, Sum, _allgather_start, _check_process_set, _contiguous_copy, _grouped_start, _name,
-                      _release, _reserve, _submit_all, global_process_set, reducescatter_async)
+from .mpi_ops import (Average, Sum, _allgather_start, _contiguous_copy, _grouped_start, _members, _name, _release,
+                      _reserve, _submit_all, _wire_set, global_process_set, reducescatter_async)
 
 
 class ScalarInputError(BytePSError, ValueError):
@@ -88,22 +87,22 @@ def _splits_list(tensor, splits, n):
     return splits
 
 
-def _alltoall_start(tensor, splits, name):
-    n, me = common.size(), common.rank()
+def _alltoall_start(tensor, splits, name, pset=None):
+    n, me, _ = _members(pset)
     send = _splits_list(tensor, splits, n)
-    full = _name("alltoall", name)
+    full = _name("alltoall", name, pset)
     _check_move_dtype(tensor, full)
     src = _contiguous_copy(tensor.narrow(0, 0, sum(send)))
     row = torch.tensor([send], dtype=torch.int64)
     gathers = []
 
     def start_splits():
-        p = _allgather_start(row, f"{full}.splits")
+        p = _allgather_start(row, f"{full}.splits", pset)
         gathers.append(p)
         return p.handle
 
     def start_data():
-        p = _allgather_start(src, f"{full}.data")
+        p = _allgather_start(src, f"{full}.data", pset)
         gathers.append(p)
         return p.handle
 
@@ -127,17 +126,17 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 
     ``splits[d]`` rows of dim 0 go to rank ``d``, in order (default: dim 0 split equally, which
     must then divide by :func:`size`); ``sum(splits)`` may be less than dim 0 (the rest is not
-    sent). The output holds the rows every rank sent to this one, in source-rank order.
+    sent). The output holds the rows every rank sent to this one, in source-rank order. In a
+    process set, ranks are the set's members, indexed in the order of its ranks.
     """
-    _check_process_set(process_set)
-    return _alltoall_start(tensor, splits, name).handle
+    return _alltoall_start(tensor, splits, name, _wire_set(process_set)).handle
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits, name):
-        out, received = completion.synchronize(_alltoall_start(tensor, splits, name).handle)
-        ctx.received, ctx.name, ctx.rows = received, name, tensor.shape[0]
+    def forward(ctx, tensor, splits, name, pset):
+        out, received = completion.synchronize(_alltoall_start(tensor, splits, name, pset).handle)
+        ctx.received, ctx.name, ctx.rows, ctx.pset = received, name, tensor.shape[0], pset
         if splits is None:
             return out
         ctx.mark_non_differentiable(received)
@@ -146,10 +145,10 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *unused):
         name = None if ctx.name is None else f"{ctx.name}.grad"
-        g, _ = completion.synchronize(_alltoall_start(grad.contiguous(), ctx.received, name).handle)
+        g, _ = completion.synchronize(_alltoall_start(grad.contiguous(), ctx.received, name, ctx.pset).handle)
         if g.shape[0] < ctx.rows:  # rows past sum(splits) were not sent: their gradient is zero
             g = torch.cat([g, g.new_zeros((ctx.rows - g.shape[0],) + tuple(g.shape[1:]))])
-        return g, None, None
+        return g, None, None, None
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -158,22 +157,21 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
     Returns the output, or ``(output, received_splits)`` when ``splits`` is given.
     """
-    _check_process_set(process_set)
-    return _Alltoall.apply(tensor, splits, name)
+    return _Alltoall.apply(tensor, splits, name, _wire_set(process_set))
 
 
 # ------------------------------------------------------------------------------ grouped allgather
 
-def _grouped_allgather_start(tensors, name):
+def _grouped_allgather_start(tensors, name, pset=None):
     tensors = list(tensors)
-    full = _name("grouped_allgather", name)
+    full = _name("grouped_allgather", name, pset)
     for i, t in enumerate(tensors):
         _check_move_dtype(t, f"{full}.{i}")
     subs = []
 
     def starter(i, t):
         def start():
-            p = _allgather_start(t, f"{full}.{i}")
+            p = _allgather_start(t, f"{full}.{i}", pset)
             subs.append(p)
             return p.handle
         return start
@@ -187,31 +185,29 @@ def _grouped_allgather_start(tensors, name):
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Allgather every tensor of a list; ``synchronize`` returns a tuple of the gathered tensors."""
-    _check_process_set(process_set)
-    return _grouped_allgather_start(tensors, name).handle
+    return _grouped_allgather_start(tensors, name, _wire_set(process_set)).handle
 
 
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, *tensors):
-        pending = _grouped_allgather_start(tensors, name)
+    def forward(ctx, name, pset, *tensors):
+        pending = _grouped_allgather_start(tensors, name, pset)
         outs = completion.synchronize(pending.handle)
-        ctx.counts, ctx.name = pending.extra, name
+        ctx.counts, ctx.name, ctx.pset = pending.extra, name, pset
         return outs
 
     @staticmethod
     def backward(ctx, *grads):
         name = None if ctx.name is None else f"{ctx.name}.grad"
         reduced = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], name, Average,
-                                                        1.0, 1.0))
-        me = common.rank()
-        return (None, *[r.narrow(0, sum(c[:me]), c[me]) for r, c in zip(reduced, ctx.counts)])
+                                                        1.0, 1.0, ctx.pset))
+        me = _members(ctx.pset)[1]
+        return (None, None, *[r.narrow(0, sum(c[:me]), c[me]) for r, c in zip(reduced, ctx.counts)])
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """Allgather every tensor of a list; returns a list (differentiable, like :func:`allgather`)."""
-    _check_process_set(process_set)
-    return list(_GroupedAllgather.apply(name, *tensors))
+    return list(_GroupedAllgather.apply(name, _wire_set(process_set), *tensors))
 
 
 # ------------------------------------------------------------------------------ reducescatter
@@ -225,18 +221,18 @@ def _check_reducescatter(tensor, op):
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.op, ctx.name = op, name
-        return completion.synchronize(reducescatter_async(tensor, name, op, global_process_set, prescale_factor,
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.op, ctx.name, ctx.pset = op, name, _wire_set(process_set)
+        return completion.synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
                                                           postscale_factor))
 
     @staticmethod
     def backward(ctx, grad):
         name = None if ctx.name is None else f"{ctx.name}.grad"
-        g = completion.synchronize(_allgather_start(_contiguous_copy(grad), name).handle)
+        g = completion.synchronize(_allgather_start(_contiguous_copy(grad), name, ctx.pset).handle)
         if ctx.op == Sum:  # Horovod: the gradient of a Sum reducescatter is size x the gathered gradient
-            g = g * common.size()
-        return g, None, None, None, None
+            g = g * _members(ctx.pset)[0]
+        return g, None, None, None, None, None
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
@@ -244,19 +240,20 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     """Reduce ``tensor`` over every rank and return this rank's block of dim 0 (the first ``dim0 %
     size`` ranks get one extra row). Differentiable: the gradient is the upstream gradient gathered
     from every rank (times ``size`` for Sum), as in Horovod."""
-    _check_process_set(process_set)
+    _wire_set(process_set)
     _check_reducescatter(tensor, op)
     compressed, cctx = compression.compress(tensor)
-    out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor)
+    out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, cctx)
 
 
-def _grouped_reducescatter_start(tensors, name, op, prescale_factor, postscale_factor):
+def _grouped_reducescatter_start(tensors, name, op, prescale_factor, postscale_factor,
+                                 process_set=global_process_set):
     tensors = list(tensors)
     for t in tensors:
         _check_reducescatter(t, op)
-    full = _name("grouped_reducescatter", name)
-    starters = [lambda i=i, t=t: reducescatter_async(t, f"{full}.{i}", op, global_process_set, prescale_factor,
+    full = _name("grouped_reducescatter", name, _wire_set(process_set))
+    starters = [lambda i=i, t=t: reducescatter_async(t, f"{full}.{i}", op, process_set, prescale_factor,
                                                       postscale_factor)
                 for i, t in enumerate(tensors)]
     return _start_chain(full, starters, lambda outcomes, pending: pending.finish(
@@ -266,36 +263,36 @@ def _grouped_reducescatter_start(tensors, name, op, prescale_factor, postscale_f
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
     """Reducescatter every tensor of a list; ``synchronize`` returns a tuple."""
-    _check_process_set(process_set)
-    return _grouped_reducescatter_start(tensors, name, op, prescale_factor, postscale_factor).handle
+    return _grouped_reducescatter_start(tensors, name, op, prescale_factor, postscale_factor, process_set).handle
 
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
-        ctx.op, ctx.name = op, name
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.op, ctx.name, ctx.pset = op, name, _wire_set(process_set)
         return completion.synchronize(_grouped_reducescatter_start(tensors, name, op, prescale_factor,
-                                                                   postscale_factor).handle)
+                                                                   postscale_factor, process_set).handle)
 
     @staticmethod
     def backward(ctx, *grads):
         name = None if ctx.name is None else f"{ctx.name}.grad"
         gathered = completion.synchronize(_grouped_allgather_start([_contiguous_copy(g) for g in grads],
-                                                                   name).handle)
+                                                                   name, ctx.pset).handle)
         if ctx.op == Sum:
-            gathered = [g * common.size() for g in gathered]
-        return (None, None, None, None, *gathered)
+            gathered = [g * _members(ctx.pset)[0] for g in gathered]
+        return (None, None, None, None, None, *gathered)
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reducescatter every tensor of a list; returns a list (differentiable, like :func:`reducescatter`)."""
-    _check_process_set(process_set)
+    _wire_set(process_set)
     tensors = list(tensors)
     for t in tensors:
         _check_reducescatter(t, op)
     pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, *[c for c, _ in pairs])
+    outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                       *[c for c, _ in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
@@ -304,11 +301,11 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """Horovod's sparse allreduce of a COO tensor: its indices and values are allgathered, and the
     returned callable waits and builds the (uncoalesced) sum; Average divides the values by ``size``."""
-    _check_process_set(process_set)
+    pset = _wire_set(process_set)
     t = tensor
-    indices = _allgather_start(t._indices().transpose(0, 1).contiguous(), f"{name}.indices")
-    values = _allgather_start(t._values().contiguous(), f"{name}.values")
-    n = common.size()
+    indices = _allgather_start(t._indices().transpose(0, 1).contiguous(), f"{name}.indices", pset)
+    values = _allgather_start(t._values().contiguous(), f"{name}.values", pset)
+    n = _members(pset)[0]
 
     def handle():
         vals = completion.synchronize(values.handle)

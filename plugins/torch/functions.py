@@ -1,4 +1,5 @@
 """Broadcast helpers: parameters, optimizer state, arbitrary picklable objects."""
+import collections
 import io
 import pickle
 
@@ -36,18 +37,17 @@ def broadcast_parameters(params, root_rank, prefix="Parameter."):
         synchronize(h)
 
 
-_object_counter = [0]
+_object_counter = collections.Counter()  # process set id -> unnamed object collectives so far
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Return root_rank's ``obj`` on every worker (pickled on the root, unpickled elsewhere).
 
     Only authenticated job members can take part (docs/architecture.md); never use it with a
-    root you do not trust, since unpickling runs code.
+    root you do not trust, since unpickling runs code. In a ``process_set``, only its members call it.
     """
     if name is None:
-        name = f"broadcast_object.{_object_counter[0]}"
-        _object_counter[0] += 1
+        name = _object_name("broadcast_object", process_set)
     if common.rank() == root_rank:
         buf = io.BytesIO()
         pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
@@ -55,20 +55,29 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
         length = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    synchronize(broadcast_async_(length, root_rank, name=f"{name}.size"))
+    synchronize(broadcast_async_(length, root_rank, name=f"{name}.size", process_set=process_set))
     if common.rank() != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    synchronize(broadcast_async_(payload, root_rank, name=f"{name}.data"))
+    synchronize(broadcast_async_(payload, root_rank, name=f"{name}.data", process_set=process_set))
     if common.rank() == root_rank:
         return obj
     return pickle.loads(payload.numpy().tobytes())
 
 
 def allgather_object(obj, name=None, process_set=None):
-    """A list with every rank's ``obj``, in rank order (one broadcast per rank)."""
-    base = name or f"allgather_object.{_object_counter[0]}"
-    _object_counter[0] += 1
-    return [broadcast_object(obj, root, name=f"{base}.{root}") for root in range(common.size())]
+    """A list with every rank's ``obj``, in rank order (one broadcast per rank; in a ``process_set``,
+    its members' objects in the order of its ranks)."""
+    base = name or _object_name("allgather_object", process_set)
+    ranks = list(range(common.size())) if process_set is None else process_set.ranks
+    return [broadcast_object(obj, root, name=f"{base}.{root}", process_set=process_set) for root in ranks]
+
+
+def _object_name(prefix, process_set):
+    """Unnamed object collectives are numbered per process set: only its members count them."""
+    pid = getattr(process_set, "process_set_id", 0) or 0
+    n = _object_counter[pid]
+    _object_counter[pid] += 1
+    return f"{prefix}.{n}" if not pid else f"{prefix}.set{pid}.{n}"
 
 
 def broadcast_optimizer_state(optimizer, root_rank, prefix="Parameter.", model=None):

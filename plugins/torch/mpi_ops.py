@@ -32,8 +32,8 @@ from byteps.errors import BytePSError
 
 from . import completion
 from .compression import Compression, wire_codec
-from .ops import _buffers, broadcast_async_ as _bps_broadcast_async_, dtype_code
-from .process_sets import (ProcessSet, _check_process_set, add_process_set,  # noqa: F401  (Horovod's names)
+from .ops import _broadcast_start, _buffers, _start, broadcast_async_ as _bps_broadcast_async_, dtype_code
+from .process_sets import (ProcessSet, _check_process_set, _members, _wire_set, add_process_set,  # noqa: F401
                            global_process_set, remove_process_set)
 
 Average = 0
@@ -58,8 +58,12 @@ _busy = set()               # names of multi-stage operations in flight in this 
 _busy_lock = threading.Lock()
 
 
-def _name(prefix, name):
-    return f"{prefix}.{name}" if name is not None else common.auto_name(prefix)
+def _name(prefix, name, pset=None):
+    """The byteps name of an operation; unnamed ones are numbered per prefix, and per process set (whose
+    members alone count its operations)."""
+    if name is not None:
+        return f"{prefix}.{name}"
+    return common.auto_name(prefix, 0 if pset is None else pset[0])
 
 
 def _code(tensor, name, move=False):
@@ -136,14 +140,17 @@ def _contiguous_copy(tensor):
 
 # ------------------------------------------------------------------------------ allreduce
 
-def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0, priority=0, compression=None):
-    """Start an in-place allreduce of ``tensor`` under the byteps name ``full``; returns a handle."""
+def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0, priority=0, compression=None,
+                     pset=None):
+    """Start an in-place allreduce of ``tensor`` under the byteps name ``full`` among every rank or a
+    process set's members (``pset``: None or ``(id, ranks)``); returns a handle."""
     if op in (Min, Max, Product):
-        return _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor)
+        return _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor, pset)
     code = _code(tensor, full)
     _check_inflight(full)
-    work, write_back, buf = _buffers(tensor, name=full)  # CUDA may stay on the GPU (BYTEPS_LOCAL_STRATEGY=topology)
-    size = common.size()
+    # CUDA may stay on the GPU (BYTEPS_LOCAL_STRATEGY=topology), except in a process set
+    work, write_back, buf = _buffers(tensor, push_pull=pset is None, name=full)
+    size = _members(pset)[0]
     _scale_(work, prescale_factor)
 
     @torch.no_grad()
@@ -164,20 +171,20 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
         return work
 
     return common.submit(full, buf, code, tuple(tensor.shape), priority=priority, finalize=finalize,
-                         compression=compression)
+                         compression=compression, process_set=pset)
 
 
-def _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor):
+def _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor, pset=None):
     """Min/Max/Product: every rank broadcasts its tensor; each reduces the ``size`` tensors locally."""
     _code(tensor, full)
     _reserve(full)
     pending = None
     try:
-        n, me = common.size(), common.rank()
+        n, me, ranks = _members(pset)
         src = _scale_(_contiguous_copy(tensor), prescale_factor)
-        bufs = [src if r == me else torch.empty_like(src) for r in range(n)]
+        bufs = [src if i == me else torch.empty_like(src) for i in range(n)]
         pending = completion.Pending(full)
-        handles = _submit_all([lambda r=r: _bps_broadcast_async_(bufs[r], r, name=f"{full}.{r}") for r in range(n)],
+        handles = _submit_all([lambda i=i: _broadcast_start(bufs[i], ranks[i], f"{full}.{i}", pset) for i in range(n)],
                               pending, full)
     except BaseException:
         _release(full)
@@ -234,18 +241,18 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     reduction, ``postscale_factor`` after (Average also divides by :func:`size`). Integer tensors
     are scaled in fp64 and truncated toward zero, as in Horovod.
     """
-    _check_process_set(process_set)
+    pset = _wire_set(process_set)
     op = _resolve_op(op, average)
-    return _allreduce_start(tensor, _name("allreduce", name), op, prescale_factor, postscale_factor)
+    return _allreduce_start(tensor, _name("allreduce", name, pset), op, prescale_factor, postscale_factor, pset=pset)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
     """Out-of-place :func:`allreduce_async_`: ``synchronize`` returns a new tensor; the input is untouched."""
-    _check_process_set(process_set)
+    pset = _wire_set(process_set)
     op = _resolve_op(op, average)
-    return _allreduce_start(_contiguous_copy(tensor), _name("allreduce", name), op, prescale_factor,
-                            postscale_factor)
+    return _allreduce_start(_contiguous_copy(tensor), _name("allreduce", name, pset), op, prescale_factor,
+                            postscale_factor, pset=pset)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -257,19 +264,19 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, codec=None):
-        ctx.name, ctx.op, ctx.scale, ctx.codec = name, op, (prescale_factor, postscale_factor), codec
-        full = _name("allreduce", name)
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, codec=None, pset=None):
+        ctx.name, ctx.op, ctx.scale, ctx.codec, ctx.pset = name, op, (prescale_factor, postscale_factor), codec, pset
+        full = _name("allreduce", name, pset)
         return completion.synchronize(_allreduce_start(_contiguous_copy(tensor), full, op, prescale_factor,
-                                                       postscale_factor, compression=codec))
+                                                       postscale_factor, compression=codec, pset=pset))
 
     @staticmethod
     def backward(ctx, grad):
         name = None if ctx.name is None else f"{ctx.name}.grad"
-        full = _name("allreduce", name)
+        full = _name("allreduce", name, ctx.pset)
         out = completion.synchronize(_allreduce_start(_contiguous_copy(grad), full, ctx.op, *ctx.scale,
-                                                      compression=ctx.codec))
-        return out, None, None, None, None, None
+                                                      compression=ctx.codec, pset=ctx.pset))
+        return out, None, None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -279,19 +286,19 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     The gradient is allreduced with the same op (so the gradient of a Sum is ``size`` times the
     upstream gradient). ``compression`` is applied before and undone after.
     """
-    _check_process_set(process_set)
+    pset = _wire_set(process_set)
     op = _resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
     # a wire compressor (byteps.compression) is the identity on the tensor and travels to the engine
-    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, wire_codec(compression))
+    out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, wire_codec(compression), pset)
     return compression.decompress(out, ctx)
 
 
 # ------------------------------------------------------------------------------ grouped allreduce
 
-def _grouped_start(tensors, name, op, prescale_factor, postscale_factor):
+def _grouped_start(tensors, name, op, prescale_factor, postscale_factor, pset=None):
     tensors = list(tensors)
-    full = _name("grouped_allreduce", name)
+    full = _name("grouped_allreduce", name, pset)
     for i, t in enumerate(tensors):
         _code(t, f"{full}.{i}")
     _reserve(full)
@@ -299,7 +306,7 @@ def _grouped_start(tensors, name, op, prescale_factor, postscale_factor):
     try:
         pending = completion.Pending(full)
         handles = _submit_all([lambda i=i, t=t: _allreduce_start(t, f"{full}.{i}", op, prescale_factor,
-                                                                  postscale_factor)
+                                                                  postscale_factor, pset=pset)
                                for i, t in enumerate(tensors)], pending, full)
     except BaseException:
         _release(full)
@@ -322,17 +329,17 @@ def _grouped_start(tensors, name, op, prescale_factor, postscale_factor):
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                              process_set=global_process_set):
     """In-place allreduce of every tensor of a list (position-wise); ``synchronize`` returns a tuple."""
-    _check_process_set(process_set)
+    pset = _wire_set(process_set)
     op = _resolve_op(op, average)
-    return _grouped_start(tensors, name, op, prescale_factor, postscale_factor)
+    return _grouped_start(tensors, name, op, prescale_factor, postscale_factor, pset)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set):
     """Out-of-place :func:`grouped_allreduce_async_`."""
-    _check_process_set(process_set)
+    pset = _wire_set(process_set)
     op = _resolve_op(op, average)
-    return _grouped_start([_contiguous_copy(t) for t in tensors], name, op, prescale_factor, postscale_factor)
+    return _grouped_start([_contiguous_copy(t) for t in tensors], name, op, prescale_factor, postscale_factor, pset)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -343,25 +350,26 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
-        ctx.name, ctx.op, ctx.scale = name, op, (prescale_factor, postscale_factor)
+    def forward(ctx, name, op, prescale_factor, postscale_factor, pset, *tensors):
+        ctx.name, ctx.op, ctx.scale, ctx.pset = name, op, (prescale_factor, postscale_factor), pset
         return completion.synchronize(_grouped_start([_contiguous_copy(t) for t in tensors], name, op,
-                                                     prescale_factor, postscale_factor))
+                                                     prescale_factor, postscale_factor, pset))
 
     @staticmethod
     def backward(ctx, *grads):
         name = None if ctx.name is None else f"{ctx.name}.grad"
-        outs = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], name, ctx.op, *ctx.scale))
-        return (None, None, None, None, *outs)
+        outs = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], name, ctx.op, *ctx.scale,
+                                                     ctx.pset))
+        return (None, None, None, None, None, *outs)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Allreduce every tensor of a list; returns a list of new tensors (differentiable)."""
-    _check_process_set(process_set)
+    pset = _wire_set(process_set)
     op = _resolve_op(op, average)
     pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, *[c for c, _ in pairs])
+    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, pset, *[c for c, _ in pairs])
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 
@@ -377,44 +385,42 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank, ctx.name = root_rank, name
-        return completion.synchronize(broadcast_async(tensor, root_rank, name))
+    def forward(ctx, tensor, root_rank, name, pset):
+        ctx.root_rank, ctx.name, ctx.pset = root_rank, name, pset
+        return completion.synchronize(_broadcast_start(_contiguous_copy(tensor), root_rank, name, pset))
 
     @staticmethod
     def backward(ctx, grad):
         name = None if ctx.name is None else f"{ctx.name}.grad"
-        reduced = completion.synchronize(_allreduce_start(_contiguous_copy(grad), _name("allreduce", name), Average))
+        reduced = completion.synchronize(_allreduce_start(_contiguous_copy(grad), _name("allreduce", name, ctx.pset),
+                                                          Average, pset=ctx.pset))
         if common.rank() != ctx.root_rank:
             reduced = reduced * 0
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """A new tensor holding root_rank's ``tensor`` (differentiable: the gradient is averaged over ranks
-    and kept on the root only)."""
-    _check_process_set(process_set)
-    return _Broadcast.apply(tensor, root_rank, name)
+    and kept on the root only). In a process set, ``root_rank`` is a member's global rank."""
+    return _Broadcast.apply(tensor, root_rank, name, _wire_set(process_set))
 
 
 # ------------------------------------------------------------------------------ allgather
 
-def _allgather_start(tensor, name):
-    full = _name("allgather", name)
+def _allgather_start(tensor, name, pset=None):
+    full = _name("allgather", name, pset)
     _code(tensor, full, move=True)
     _reserve(full)
     pending = None
     try:
-        n, me = common.size(), common.rank()
+        n, me, ranks = _members(pset)
         src = _contiguous_copy(tensor)
         if src.dim() == 0:
             src = src.reshape(1)
         sizes = torch.zeros(n, dtype=torch.int64)
         sizes[me] = src.shape[0]
         pending = completion.Pending(full)
-        from .ops import push_pull_async_inplace
-
-        first = push_pull_async_inplace(sizes, average=False, name=f"{full}.sizes")
+        first = _start(sizes, f"{full}.sizes", False, 0, pset=pset)
     except BaseException:
         _release(full)
         if pending is not None:
@@ -433,7 +439,7 @@ def _allgather_start(tensor, name):
         parts = list(out.split(counts))
         parts[me].copy_(src)
         try:
-            handles = [_bps_broadcast_async_(parts[r], r, name=f"{full}.{r}") for r in range(n) if counts[r] > 0]
+            handles = [_broadcast_start(parts[i], ranks[i], f"{full}.{i}", pset) for i in range(n) if counts[i] > 0]
         except Exception as e:  # cannot happen for a consistent job; fail rather than hang
             _release(full)
             pending.finish(error=e)
@@ -455,15 +461,14 @@ def _allgather_start(tensor, name):
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start concatenating every rank's ``tensor`` along dim 0 (dim-0 sizes may differ); returns a handle."""
-    _check_process_set(process_set)
-    return _allgather_start(tensor, name).handle
+    return _allgather_start(tensor, name, _wire_set(process_set)).handle
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
-        ctx.name = name
-        pending = _allgather_start(tensor, name)
+    def forward(ctx, tensor, name, pset):
+        ctx.name, ctx.pset = name, pset
+        pending = _allgather_start(tensor, name, pset)
         out = completion.synchronize(pending.handle)
         ctx.counts = pending.extra
         return out
@@ -471,16 +476,17 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         name = None if ctx.name is None else f"{ctx.name}.grad"
-        reduced = completion.synchronize(_allreduce_start(_contiguous_copy(grad), _name("allreduce", name), Average))
-        me = common.rank()
+        reduced = completion.synchronize(_allreduce_start(_contiguous_copy(grad), _name("allreduce", name, ctx.pset),
+                                                          Average, pset=ctx.pset))
+        me = _members(ctx.pset)[1]
         offset = sum(ctx.counts[:me])
-        return reduced.narrow(0, offset, ctx.counts[me]), None
+        return reduced.narrow(0, offset, ctx.counts[me]), None, None
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
-    """Every rank's ``tensor`` concatenated along dim 0, in rank order (differentiable)."""
-    _check_process_set(process_set)
-    return _Allgather.apply(tensor, name)
+    """Every rank's ``tensor`` concatenated along dim 0, in rank order (differentiable); in a process
+    set, its members' tensors in the order of its ranks."""
+    return _Allgather.apply(tensor, name, _wire_set(process_set))
 
 
 # ------------------------------------------------------------------------------ reducescatter
@@ -489,23 +495,24 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
                         postscale_factor=1.0):
     """Reduce ``tensor`` over all ranks, then keep this rank's block of dim 0 (the first
     ``dim0 % size`` ranks get one extra row, as in Horovod). Average and Sum only."""
-    _check_process_set(process_set)
+    pset = _wire_set(process_set)
     if op not in (Average, Sum):
         raise RuntimeError("Reducescatter currently only supports AVERAGE and SUM.")
     if tensor.dim() == 0:
         raise ValueError("Reducescatter does not support scalar inputs")
-    full = _name("reducescatter", name)
+    full = _name("reducescatter", name, pset)
     _reserve(full)
     pending = None
     try:
         pending = completion.Pending(full)
-        h = _allreduce_start(_contiguous_copy(tensor), full + ".sum", op, prescale_factor, postscale_factor)
+        h = _allreduce_start(_contiguous_copy(tensor), full + ".sum", op, prescale_factor, postscale_factor,
+                             pset=pset)
     except BaseException:
         _release(full)
         if pending is not None:
             pending.discard()
         raise
-    n, me = common.size(), common.rank()
+    n, me, _ = _members(pset)
     rows = tensor.shape[0]
     counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
 
@@ -542,9 +549,12 @@ def join(device=-1):
 
 
 def barrier(process_set=global_process_set):
-    """Block until every rank has called ``barrier()``."""
-    _check_process_set(process_set)
-    common.barrier()
+    """Block until every rank (of ``process_set``) has called ``barrier()``."""
+    pset = _wire_set(process_set)
+    if pset is None:
+        common.barrier()
+        return
+    completion.synchronize(_allreduce_start(torch.zeros(1), _name("barrier", None, pset), Sum, pset=pset))
 
 
 def cross_rank():

@@ -110,11 +110,15 @@ def _device_buffer(work):
     return arr
 
 
-def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None):
-    name = name if name is not None else common.auto_name(prefix)
+def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None,
+           pset=None):
+    """Submit ``tensor`` in place; ``pset``: None (every rank) or a process set's ``(id, ranks)``."""
+    if name is None:  # numbered per prefix, and per process set (whose members alone count its operations)
+        name = common.auto_name(prefix, 0 if pset is None else pset[0])
     code = dtype_code(tensor, name, move=root is not None)
-    work, write_back, buf = _buffers(tensor, push_pull=root is None and not asynchronous, name=name)
-    size = common.size()
+    work, write_back, buf = _buffers(tensor, push_pull=root is None and not asynchronous and pset is None,
+                                     name=name)
+    size = common.size() if pset is None else len(pset[1])
 
     def finalize():
         if average and root is None and size > 1:
@@ -128,7 +132,12 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
         return work
 
     return common.submit(name, buf, code, _wire_shape(tensor), broadcast_root=root, priority=priority,
-                         finalize=finalize, asynchronous=asynchronous, compression=compression)
+                         finalize=finalize, asynchronous=asynchronous, compression=compression, process_set=pset)
+
+
+def _broadcast_start(tensor, root_rank, name, pset=None):
+    """In-place broadcast among every rank or a process set's members (``pset``: see :func:`_start`)."""
+    return _start(tensor, name, False, 0, root=root_rank, prefix="broadcast", pset=pset)
 
 
 def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority=0, compression=None):
@@ -222,13 +231,11 @@ def broadcast_async_(tensor, root_rank, name=None, priority=0, process_set=None)
     """Start replacing ``tensor`` on every worker by root_rank's ``tensor``; returns a handle.
 
     A real broadcast: only the root's bytes travel, so NaN/Inf on other ranks cannot leak.
-    ``process_set`` is Horovod's; only the global set is supported.
+    ``process_set`` (Horovod's): only its members take part; ``root_rank`` is a global rank among them.
     """
-    if process_set is not None:
-        from .process_sets import _check_process_set
+    from .process_sets import _wire_set
 
-        _check_process_set(process_set)
-    return _start(tensor, name, False, priority, root=root_rank, prefix="broadcast")
+    return _start(tensor, name, False, priority, root=root_rank, prefix="broadcast", pset=_wire_set(process_set))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):

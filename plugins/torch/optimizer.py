@@ -195,7 +195,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             its own operation as soon as it is ready (there is no fusion to group).
         sparse_as_dense: accepted for Horovod compatibility: sparse gradients are always reduced
             densely (Horovod allgathers them unless this is set) and handed back sparse, as Horovod does.
-        process_set: only the global process set is supported.
+        process_set: only the global process set (a set's members can allreduce gradients themselves
+            with ``allreduce(..., process_set=)``).
         fusion: send gradients through balanced fusion buffers (byteps/fusion.py, Herring's):
             small gradients share buffers laid out once in rank 0's first-step order, and each
             buffer is split over the servers in the optimal k/n proportions. ``None`` follows
@@ -206,14 +207,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             result is :func:`byteps.torch.async_optimizer.AsyncDistributedOptimizer`: workers push
             parameter deltas and pull the latest parameters, with no barrier (docs/async.md).
     """
-    from .mpi_ops import Adasum, Average, _OP_NAMES, _check_process_set
+    from .mpi_ops import Adasum, Average, _OP_NAMES, _wire_set
 
     if asynchronous or (asynchronous is None and common.is_initialized() and common.config().enable_async):
         from .async_optimizer import AsyncDistributedOptimizer
         return AsyncDistributedOptimizer(optimizer, named_parameters)
 
-    if process_set is not None:
-        _check_process_set(process_set)
+    if _wire_set(process_set) is not None:
+        raise NotImplementedError("byteps' DistributedOptimizer averages over every rank; process sets are "
+                                  "available on the collectives (allreduce(..., process_set=...) and others)")
     op = Average if op is None else op
     if op == Adasum:
         raise NotImplementedError("byteps does not implement Adasum; use op=hvd.Average or hvd.Sum")
