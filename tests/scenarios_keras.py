@@ -96,3 +96,38 @@ def keras_api(out, args):
     loaded.fit(x[rows], y[rows], batch_size=PER_WORKER, epochs=1, shuffle=False, verbose=0)
     res["loaded"]["weights"] = [w.tolist() for w in loaded.get_weights()]
     return res
+
+
+@scenario
+def tf_mirrored(out, args):
+    """byteps.tensorflow.distribute.MirroredStrategy with model.fit (float64): weights identical on
+    every worker and equal to a one-process run on the combined batches."""
+    _tf()
+    import keras
+
+    import byteps.tensorflow as bps
+
+    keras.config.set_floatx("float64")
+    r, n = bps.rank(), bps.size()
+    x, y = (a.astype(np.float64) for a in _fit_data(PER_WORKER, STEPS, n))
+    rows = fit_rows(r, n)
+    strategy = bps.distribute.MirroredStrategy()
+    with strategy.scope():
+        model = _make_model(keras, seed=3000 + r)
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate=BASE_LR, momentum=0.5), loss="mse",
+                      jit_compile=False)
+    init_weights = None
+    hist = model.fit(x[rows], y[rows], batch_size=PER_WORKER, epochs=2, shuffle=False, verbose=0,
+                     callbacks=[bps.callbacks.BroadcastGlobalVariablesCallback(0)])
+    res = {"replicas": strategy.num_replicas_in_sync, "weights": [w.tolist() for w in model.get_weights()],
+           "loss": hist.history["loss"]}
+    if r == 0:
+        init_weights = _make_model(keras, seed=3000).get_weights()  # rank 0's initial weights, rebuilt
+        ref = _make_model(keras, seed=3000)
+        ref.set_weights(init_weights)
+        ref.compile(optimizer=keras.optimizers.SGD(learning_rate=BASE_LR, momentum=0.5), loss="mse",
+                    jit_compile=False)
+        rh = ref.fit(x, y, batch_size=PER_WORKER * n, epochs=2, shuffle=False, verbose=0)
+        res["ref_weights"] = [w.tolist() for w in ref.get_weights()]
+        res["ref_loss"] = rh.history["loss"]
+    return res

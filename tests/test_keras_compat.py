@@ -109,3 +109,16 @@ def test_schedule_callback_takes_horovod_and_byteps_argument_orders():
     assert (keywords.initial_lr, keywords.multiplier, keywords.staircase) == (0.3, f, False)
     with pytest.raises(ValueError, match="multiplier"):
         S(initial_lr=0.3)
+
+
+@pytest.mark.timeout(300)
+def test_mirrored_strategy_fit_matches_single_process(tmp_path):
+    """byteps.tensorflow.distribute.MirroredStrategy: reductions reach every worker."""
+    vals = Run(tmp_path, "tf_mirrored", N, 1, timeout=240).values()
+    for r in range(1, N):
+        assert vals[r]["weights"] == vals[0]["weights"], f"rank {r}'s weights differ from rank 0's"
+    assert vals[0]["replicas"] == 1
+    for got, ref in zip(vals[0]["weights"], vals[0]["ref_weights"]):
+        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
+    # the logged loss is each worker's own (Keras' metrics), like any fit without MetricAverageCallback
+    np.testing.assert_allclose(np.mean([v["loss"] for v in vals], axis=0), vals[0]["ref_loss"], rtol=1e-10)

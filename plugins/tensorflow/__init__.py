@@ -8,7 +8,7 @@ Keras callbacks in :mod:`byteps.tensorflow.callbacks`. Everything works in eager
 """
 from byteps.common import (barrier, init, is_initialized, local_rank, local_size, rank, shutdown, size)
 
-from . import callbacks
+from . import callbacks, distribute
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_variables
 from .ops import Average, Sum, allreduce, broadcast, broadcast_group, push_pull, push_pull_group
@@ -17,4 +17,4 @@ from .optimizer import DistributedGradientTape, DistributedOptimizer
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "barrier",
            "Average", "Sum", "push_pull", "allreduce", "push_pull_group", "broadcast", "broadcast_group",
            "broadcast_variables", "broadcast_object", "allgather_object", "Compression",
-           "DistributedGradientTape", "DistributedOptimizer", "callbacks"]
+           "DistributedGradientTape", "DistributedOptimizer", "callbacks", "distribute"]
