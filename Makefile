@@ -15,7 +15,7 @@ $(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/*.h summation
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" "$(TENSORFLOW)" "setuptools>=64" wheel "cython>=3.0,<3.4" "numpy>=1.26"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,ray]"
 	touch $@
 
 train: setup

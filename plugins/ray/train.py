@@ -1,4 +1,6 @@
-"""Ray Train integration: ``TorchTrainer(train_fn, backend_config=BytePSConfig(), scaling_config=...)``.
+"""Ray Train integration: ``TorchTrainer(train_fn, torch_config=BytePSConfig(), scaling_config=...)``, or
+``DataParallelTrainer(train_fn, backend_config=BytePSConfig(), ...)`` (Ray 2.60's TorchTrainer names its
+backend configuration ``torch_config``; it passes it on as DataParallelTrainer's ``backend_config``).
 
 Ray Train places the workers (ScalingConfig); on start this backend lays the byteps job out around
 them (plugins/ray/layout.py: a colocated server on each worker node, standalone servers on CPU-only
@@ -26,12 +28,15 @@ class BytePSConfig(BackendConfig):
         cpus_per_server: logical CPUs each server's bundle reserves.
         env_vars: extra environment for every byteps process (BYTEPS_* tuning).
         timeout_s: bound on each start-up step.
+        backend: the name TorchTrainer reads from a ``torch_config`` (it picks gloo/nccl when it is
+            empty); informational only, byteps sets up no torch.distributed process group.
     """
 
     num_cpu_servers: Optional[int] = None
     cpus_per_server: float = 1.0
     env_vars: Optional[dict] = None
     timeout_s: float = 120.0
+    backend: str = "byteps"
 
     @property
     def backend_cls(self):
