@@ -6,6 +6,7 @@ client-side validation of required fields); serializing the model back must give
 so a misspelled or misplaced field (which the deserializer would drop) fails the test.
 """
 import glob
+import time
 import json
 import os
 
@@ -160,3 +161,67 @@ def test_k8s_env_contract():
         cluster_env.k8s_env({"DMLC_ROLE": "worker", "POD_NAME": "no-ordinal"})
     with pytest.raises(ConfigError, match="index 4 >= DMLC_NUM_WORKER=4"):
         cluster_env.k8s_env({"DMLC_ROLE": "worker", "JOB_COMPLETION_INDEX": "4", "DMLC_NUM_WORKER": "4"})
+
+
+WORKER_SCRIPT = """\
+import json, os, sys
+import torch
+import byteps.torch as bps
+from byteps import common
+bps.init()
+t = (torch.arange(100_003) % 13 - 6).double() * (bps.rank() + 1)
+out = {"rank": bps.rank(), "sum": bps.push_pull(t, average=False, name="t").tolist()[:13],
+       "roles": list(common._job.engine.placement.roles), "weights": list(common._job.engine.placement.weights)}
+bps.shutdown()
+json.dump(out, open(os.path.join(sys.argv[1], f"w{out['rank']}.json"), "w"))
+"""
+
+
+def test_the_manifests_job_runs_with_bpslaunch_k8s(objects, tmp_path):
+    """Every container of the manifests as a real `bpslaunch --k8s` process on this machine: each pod gets
+    its own loopback address as POD_IP, and the scheduler's DNS name is replaced by its address."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = tmp_path / "train.py"
+    script.write_text(WORKER_SCRIPT)
+    pods = [("byteps-scheduler", 0, "127.0.0.10")] + [("byteps-server", i, f"127.0.0.{20 + i}") for i in range(1)] \
+        + [("byteps-worker", i, f"127.0.0.{30 + i}") for i in range(2)]
+    procs = []
+    try:
+        for job, index, ip in pods:
+            for name, env in pod_envs(objects, job, index, ip).items():
+                # the kubelet's environment, before bpslaunch --k8s derives its part again for real
+                env = {**os.environ, **{k: v for k, v in env.items()
+                                         if k not in ("DMLC_NODE_HOST", "DMLC_WORKER_ID", "BYTEPS_LAUNCHER")}}
+                env.update(DMLC_PS_ROOT_PORT=port, OMP_NUM_THREADS="1", BYTEPS_TIMEOUT="60", PYTHONUNBUFFERED="1")
+                if job != "byteps-scheduler":
+                    env["DMLC_PS_ROOT_URI"] = "127.0.0.10"  # the scheduler's DNS name does not resolve here
+                argv = [sys.executable, "-m", "byteps.launcher", "--k8s"]
+                if name == "worker":
+                    argv += ["--", sys.executable, str(script), str(tmp_path)]
+                log = open(tmp_path / f"{job}-{index}-{name}.log", "wb")
+                procs.append((f"{job}-{index}/{name}", subprocess.Popen(argv, env=env, stdout=log,
+                                                                       stderr=subprocess.STDOUT)))
+        deadline = time.monotonic() + 120
+        for tag, p in procs:
+            try:
+                code = p.wait(max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+            logs = "\n".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted(tmp_path.glob("*.log")))
+            assert code == 0, f"{tag} exited {code}\n{logs}"
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    res = [json.load(open(tmp_path / f"w{r}.json")) for r in range(2)]
+    for r in res:
+        assert r["sum"] == [((i % 13) - 6) * 3.0 for i in range(13)]
+        # n = 2, k = 1 (Eq. 1-2): the standalone server sums 2/4, each colocated one 1/4
+        assert sorted(zip(r["roles"], r["weights"])) == [("colocated", 1), ("colocated", 1), ("standalone", 2)]
