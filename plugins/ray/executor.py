@@ -19,11 +19,11 @@ import secrets
 import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .layout import plan_layout
-from .services import BytePSRayError, ServiceGroup, describe_failure, wait_placement_group
+from .services import BytePSRayError, ServiceGroup, describe_failure, release, wait_placement_group
 
 POLL_INTERVAL = 0.5  #: seconds between health checks of the services while workers run
 
@@ -146,21 +146,11 @@ class RayExecutor:
 
     def shutdown(self):
         """Stop every process and remove every actor and placement group of the job. Idempotent."""
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # noqa: BLE001 -- already gone
-                pass
-        self.workers, self.worker_nodes = [], []
+        release(self.workers, self._pg)
+        self.workers, self.worker_nodes, self._pg = [], [], None
         if self.services is not None:
             self.services.stop()
             self.services = None
-        if self._pg is not None:
-            try:
-                remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001
-                pass
-            self._pg = None
 
     # ------------------------------------------------------------------------ running
 

@@ -236,15 +236,20 @@ class ServiceGroup:
                 pass
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=10)
-        for _, actor, _ in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        self.actors = []
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:  # noqa: BLE001
-                pass
-            self.pg = None
+        release([a for _, a, _ in self.actors], self.pg)
+        self.actors, self.pg = [], None
+
+
+def release(actors, pg):
+    """Kill ``actors`` and remove ``pg`` (None: none), ignoring what is already gone. Never raises:
+    it runs on the way out of a failure, whose error is the one to report."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 -- already dead
+            pass
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001 -- already removed
+            pass
