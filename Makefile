@@ -30,6 +30,12 @@ test: setup mxnet-env
 mxnet-env:
 	python3 tests/mxnet_env.py
 
+# Optional, as root: Debian's Slurm, so tests/test_slurm.py also runs jobs on a real (one-machine) Slurm
+# instead of skipping that part (docs/slurm.md)
+.PHONY: slurm-env
+slurm-env:
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm
+
 test-all: setup
 	$(PY) -m pytest -q -m "slow or not slow"
 

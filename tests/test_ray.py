@@ -159,10 +159,27 @@ def test_layout_follows_the_plan_on_recorded_clusters():
         layout.plan_layout(nodes, ["n0", "n1"], {"GPU": 1}, num_cpu_servers=4)
 
 
+class Scaler:
+    """An executable for RayExecutor.execute: state created once on each worker by start()."""
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    def summed(self):
+        import byteps.torch as bps
+
+        bps.init()
+        out = bps.push_pull(torch.full((4,), float(self.factor * (bps.rank() + 1))), average=False, name="e")
+        bps.shutdown()
+        return out.tolist()
+
+
 def test_exact_sums_and_servers_where_the_plan_says(cluster):
     ex = executor()
     try:
-        ex.start()
+        ex.start(executable_cls=Scaler, executable_args=[10])
+        assert ex.execute(lambda s: s.summed()) == [[30.0] * 4] * 2
+        assert ex.execute_single(lambda s: s.factor, rank=1) == 10
         where = ex.placement()
         assert set(where["workers"]) == cluster["gpu"] and where["scheduler"] in cluster["gpu"]
         roles = {node: role for node, _, role in where["servers"]}
