@@ -1,6 +1,6 @@
 """bpslaunch: start the processes of a byteps job and take them all down together.
 
-Two modes:
+Modes:
 
 * **Local mode** (``bpslaunch --local --workers W --servers S [--local-size L] -- CMD ...``)
   runs a whole job on this machine: one scheduler (``python -m byteps.scheduler``), S
@@ -586,7 +586,8 @@ def _plan_slurm(opts, command):
                       stdin=subprocess.DEVNULL)
         if task.server:
             # a server-only task ends when its server does (the scheduler ends the job)
-            job.spawn(f"server {task.node}", SERVER_ARGV, dict(base, DMLC_ROLE="server", BYTEPS_SERVER_ROLE=task.server),
+            job.spawn(f"server {task.node}", SERVER_ARGV,
+                      dict(base, DMLC_ROLE="server", BYTEPS_SERVER_ROLE=task.server),
                       essential=not task.local_ranks, stdin=subprocess.DEVNULL)
         for j in task.local_ranks:
             job.spawn(f"worker {task.worker_id}.{j}", command, worker_env(j))

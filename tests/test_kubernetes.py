@@ -140,7 +140,8 @@ def test_the_pods_environments_make_one_consistent_job(objects):
     assert jobs["byteps-server"].spec.template.spec.node_selector == {"byteps.io/node-kind": "cpu"}
     assert jobs["byteps-worker"].spec.template.spec.node_selector == {"byteps.io/node-kind": "gpu"}
     for name in ("byteps-server", "byteps-worker"):
-        (term,) = jobs[name].spec.template.spec.affinity.pod_anti_affinity.required_during_scheduling_ignored_during_execution
+        anti = jobs[name].spec.template.spec.affinity.pod_anti_affinity
+        (term,) = anti.required_during_scheduling_ignored_during_execution
         assert term.topology_key == "kubernetes.io/hostname"
 
 

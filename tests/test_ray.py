@@ -219,6 +219,24 @@ def test_training_equals_single_process_training(cluster):
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
 
 
+def test_services_the_scheduler_ended_are_started_again(cluster):
+    # the scheduler ends a job whose workers all left and then stayed idle for BYTEPS_TIMEOUT
+    ex = bray.RayExecutor(num_workers=2, resources_per_worker=GPU, cpus_per_server=0.25, timeout_s=60,
+                          env_vars=dict(FAST, BYTEPS_TIMEOUT="6"))
+    try:
+        ex.start()
+        assert ex.execute(lambda _: exact_sums(1)["sums"]) == [expected_sums(2, 1)] * 2
+        first = ex.services.pids()
+        deadline = time.monotonic() + 30
+        while ex.services.check(allow_clean_exit=True):
+            assert time.monotonic() < deadline, "the scheduler did not end the idle job"
+            time.sleep(0.5)
+        assert ex.execute(lambda _: exact_sums(1)["sums"]) == [expected_sums(2, 1)] * 2
+        assert not set(ex.services.pids()) & set(first)  # new processes (pids are handed out in sequence)
+    finally:
+        ex.shutdown()
+
+
 def actor_pids(ex):
     return ex.services.pids()
 
@@ -249,8 +267,14 @@ def test_a_killed_actor_is_reported_and_nothing_is_left(cluster, victim):
             ray.get(a.node_id.remote(), timeout=30)
     table = ray.util.placement_group_table()
     assert all(table[pg]["state"] == "REMOVED" for pg in pgs if pg in table)
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+    while any(alive(p) for p in pids):
         assert time.monotonic() < deadline, f"byteps service processes {pids} outlived their actors"
         time.sleep(0.1)
 
@@ -273,7 +297,8 @@ def test_torch_trainer_with_the_byteps_backend(cluster, tmp_path):
     from ray.train.torch import TorchTrainer
 
     # Ray 2.60's TorchTrainer takes the backend configuration as torch_config (DataParallelTrainer: backend_config)
-    trainer = TorchTrainer(report_sum, train_loop_config={"out": str(tmp_path)}, torch_config=bray.BytePSConfig(cpus_per_server=0.25, env_vars=FAST),
+    trainer = TorchTrainer(report_sum, train_loop_config={"out": str(tmp_path)},
+                           torch_config=bray.BytePSConfig(cpus_per_server=0.25, env_vars=FAST),
                            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, **GPU}),
                            run_config=RunConfig(storage_path=str(tmp_path), name="bps"))
     result = trainer.fit()

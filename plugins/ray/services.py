@@ -169,7 +169,7 @@ class ServiceGroup:
         tags = ["scheduler"] + [f"server {i} ({s.role})" for i, s in enumerate(servers)]
         for i, (tag, node) in enumerate(zip(tags, [lay.scheduler_node] + [s.node_id for s in servers])):
             actor = ServiceActor.options(
-                num_cpus=bundles[i]["CPU"], name=None,
+                num_cpus=bundles[i]["CPU"],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             ).remote()
             self.actors.append((tag, actor, node))
