@@ -22,6 +22,7 @@ PACKAGE_DIR = {
     "byteps.tensorflow": "plugins/tensorflow",
     "byteps.keras": "plugins/keras",
     "byteps.mxnet": "plugins/mxnet",
+    "byteps.ray": "plugins/ray",
 }
 
 

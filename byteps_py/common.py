@@ -203,7 +203,7 @@ def sync_name(prefix, dtype, shape):
 
 
 def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=None, asynchronous=False,
-           compression=None, process_set=None):
+           compression=None, sync=False, process_set=None):
     """Start a push_pull (or, with ``broadcast_root``, a broadcast) of a flat byte buffer, in place.
 
     Args:
@@ -221,6 +221,8 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         compression: the wire compressor of a push_pull's partitions that cross the network
             (a :class:`byteps.compression.WireCompressor`); None: the job's default
             (BYTEPS_COMPRESSOR, usually none); False: none (docs/compression.md).
+        sync: the caller synchronizes the handle at once (a synchronous API call): a small op may
+            then run its round trip on the calling thread (core/bps_worker.h submit_direct).
         process_set: None for every worker, or ``(set id, sorted global ranks)`` of a process set this
             worker is a member of: only its members take part (the same id and ranks on each of them).
 
@@ -273,7 +275,7 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         job.inflight[name] = op
     op.callbacks.append(lambda done: _leave_inflight(job, done))
     try:
-        job.engine.submit(op)
+        job.engine.submit(op, sync)
     except BaseException:
         _leave_inflight(job, op)
         del job.handles[handle]

@@ -111,8 +111,9 @@ def _device_buffer(work):
 
 
 def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None,
-           pset=None):
-    """Submit ``tensor`` in place; ``pset``: None (every rank) or a process set's ``(id, ranks)``."""
+           sync=False, pset=None):
+    """Submit ``tensor`` in place (``sync``: the caller synchronizes it at once; common.submit); ``pset``:
+    None (every rank) or a process set's ``(id, ranks)``."""
     if name is None:  # numbered per prefix, and per process set (whose members alone count its operations)
         name = common.auto_name(prefix, 0 if pset is None else pset[0])
     code = dtype_code(tensor, name, move=root is not None)
@@ -132,7 +133,8 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
         return work
 
     return common.submit(name, buf, code, _wire_shape(tensor), broadcast_root=root, priority=priority,
-                         finalize=finalize, asynchronous=asynchronous, compression=compression, process_set=pset)
+                         finalize=finalize, asynchronous=asynchronous, compression=compression, sync=sync,
+                         process_set=pset)
 
 
 def _broadcast_start(tensor, root_rank, name, pset=None):
@@ -196,7 +198,7 @@ def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0, co
     """Synchronous :func:`push_pull_async_inplace`; returns ``tensor``. Unnamed calls share one name per
     dtype and shape (``push_pull.sync.<dtype>.<shape>``), so repeated calls reuse one key."""
     name = name if name is not None else _unnamed_sync("push_pull", tensor)
-    return synchronize(push_pull_async_inplace(tensor, average, name, version, priority, compression))
+    return synchronize(_start(tensor, name, average, priority, compression=_wire(compression), sync=True))
 
 
 class _PushPull(torch.autograd.Function):
@@ -204,12 +206,12 @@ class _PushPull(torch.autograd.Function):
     def forward(ctx, tensor, average, name, version, priority, codec=None):
         ctx.average, ctx.name, ctx.codec = average, name, codec
         name = name if name is not None else _unnamed_sync("push_pull", tensor)
-        return synchronize(push_pull_async(tensor, average, name, version, priority, codec))
+        return synchronize(_start(out_of_place(tensor), name, average, priority, compression=_wire(codec), sync=True))
 
     @staticmethod
     def backward(ctx, grad):
         name = _unnamed_sync("push_pull.grad", grad) if ctx.name is None else f"{ctx.name}.grad"
-        out = synchronize(push_pull_async(grad, ctx.average, name, compression=ctx.codec))
+        out = synchronize(_start(out_of_place(grad), name, ctx.average, 0, compression=_wire(ctx.codec), sync=True))
         return out, None, None, None, None, None
 
 
