@@ -58,6 +58,13 @@ def hvd_process_sets(out, args):
         w = x.clone().requires_grad_()
         hvd.allreduce(w, op=hvd.Sum, name="g", process_set=ps).sum().backward()
         res[f"{label}.grad"] = w.grad.tolist()
+    # DistributedOptimizer(process_set=): gradients averaged over the set's members only
+    if b.included():
+        w = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.float64))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)], process_set=b)
+        (w * x).sum().backward()
+        opt.step()
+        res["B.optimizer"] = w.detach().tolist()
     # unnamed global operations still pair up after unnamed set operations on some ranks only
     res["global_after"] = hvd.allreduce(x, op=hvd.Sum).tolist()
     # dynamic sets: collective add, use, remove

@@ -61,6 +61,13 @@ def test_static_sets_sum_their_members_only(vals):
 
 
 @pytest.mark.timeout(240)
+def test_distributed_optimizer_in_a_set(vals):
+    want = (1 - total(B) / len(B)).tolist()  # SGD(lr=1) from ones with the members' averaged gradient
+    for r, v in enumerate(vals):
+        assert v.get("B.optimizer") == (want if r in B else None), r
+
+
+@pytest.mark.timeout(240)
 def test_set_rank_allgather_broadcast_alltoall(vals):
     for r, v in enumerate(vals):
         a_in, b_in = r in A, r in B

@@ -12,9 +12,10 @@ from .ops import dtype_code, push_pull_async_inplace, synchronize
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op=0,
-                 gradient_predivide_factor=1.0, sparse_as_dense=False, fusion=False):
+                 gradient_predivide_factor=1.0, sparse_as_dense=False, fusion=False, pset=None):
         super(self.__class__, self).__init__(params)
         self._compression = compression
+        self._pset = pset  # None, or a process set's (id, ranks): gradients are averaged over its members
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
@@ -83,13 +84,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                             dtype_code(compressed, name))
             self._handles[p] = (None, compressed, ctx)
             return
-        if self.op == Average and self.gradient_predivide_factor == 1.0:
+        if self.op == Average and self.gradient_predivide_factor == 1.0 and self._pset is None:
             handle = push_pull_async_inplace(compressed, average=True, name=name, priority=priority,
                                              compression=wire_codec(compressor))
         else:  # Horovod: prescale 1/f, postscale f (Average also divides by size)
             f = self.gradient_predivide_factor if self.op == Average else 1.0
             handle = _allreduce_start(compressed, name, self.op, 1.0 / f, f, priority=priority,
-                                      compression=wire_codec(compressor))
+                                      compression=wire_codec(compressor), pset=self._pset)
         self._handles[p] = (handle, compressed, ctx)
 
     def _on_grad(self, p):
@@ -195,8 +196,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             its own operation as soon as it is ready (there is no fusion to group).
         sparse_as_dense: accepted for Horovod compatibility: sparse gradients are always reduced
             densely (Horovod allgathers them unless this is set) and handed back sparse, as Horovod does.
-        process_set: only the global process set (a set's members can allreduce gradients themselves
-            with ``allreduce(..., process_set=)``).
+        process_set: Horovod's: gradients are averaged (or summed) over this process set's members
+            only; build the optimizer on its members alone. Not with ``fusion``.
         fusion: send gradients through balanced fusion buffers (byteps/fusion.py, Herring's):
             small gradients share buffers laid out once in rank 0's first-step order, and each
             buffer is split over the servers in the optimal k/n proportions. ``None`` follows
@@ -213,9 +214,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         from .async_optimizer import AsyncDistributedOptimizer
         return AsyncDistributedOptimizer(optimizer, named_parameters)
 
-    if _wire_set(process_set) is not None:
-        raise NotImplementedError("byteps' DistributedOptimizer averages over every rank; process sets are "
-                                  "available on the collectives (allreduce(..., process_set=...) and others)")
+    pset = _wire_set(process_set)
     op = Average if op is None else op
     if op == Adasum:
         raise NotImplementedError("byteps does not implement Adasum; use op=hvd.Average or hvd.Sum")
@@ -235,12 +234,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
         from .mpi_ops import Sum
 
-        if op not in (Average, Sum) or gradient_predivide_factor != 1.0:
+        if op not in (Average, Sum) or gradient_predivide_factor != 1.0 or pset is not None:
             raise ValueError("DistributedOptimizer(fusion=True) supports op=Average or Sum without "
-                             "gradient_predivide_factor")
+                             "gradient_predivide_factor, over every rank (no process_set)")
         if isinstance(compression, (dict, WireCompressor)):
             raise ValueError("DistributedOptimizer(fusion=True) cannot be combined with a wire compressor or "
                              "per-tensor compression; use Compression.none or Compression.fp16")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, sparse_as_dense, bool(fusion))
+               gradient_predivide_factor, sparse_as_dense, bool(fusion), pset)
