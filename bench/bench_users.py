@@ -34,8 +34,8 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
   measured in the same job between worker ranks 0 and 1 over loopback (plain ``socket``,
   TCP_NODELAY, rank 0 sends N bytes, rank 1 echoes N bytes; median of ``--rtts`` round trips,
   measured before and after the collectives), and a **ZeroMQ round trip** of the same size
-  (DEALER -> ROUTER echo through pyzmq, one message in flight): byteps's data plane runs on
-  ZeroMQ, whose I/O threads every message crosses, so that is the floor of a synchronous call;
+  (DEALER -> ROUTER echo through pyzmq, one message in flight): the carrier byteps used before
+  its direct TCP links (core/bps_link.h), and still the one with ``BYTEPS_DIRECT_TCP=0``;
 * per byteps block: minor page faults per call in the worker (``getrusage``, around each call)
   and in the servers (/proc), and memory each call left behind (RSS growth per call, workers and
   servers). If the job's processes would hold more than ``--mem-budget`` or the machine's available

@@ -1,0 +1,82 @@
+"""The floor of a synchronous push_pull on this machine, without byteps: plain TCP, no framework.
+
+``--clients 1`` is the raw round trip bench_users.py reports (one process sends N bytes, another
+echoes them). ``--clients 2`` is what a push_pull of two single-process workers through one server
+needs at least: each client sends N bytes to a server process, which answers both once both have
+arrived. ``--busy-us`` makes each client spin that long before every call, as a training script's
+Python runs between calls (byteps' own Python per synchronous call is about 10-20 us here).
+
+On a machine with fewer cores than processes, the exchange with busy clients costs far more than
+the sum of its parts: the server has to be scheduled in between the clients' work.
+
+    python bench/raw_exchange.py --clients 1
+    python bench/raw_exchange.py --clients 2 --busy-us 15
+"""
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _recv_exactly(sock, buf):
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        got += sock.recv_into(view[got:])
+
+
+def serve(listener, clients, size, calls):
+    conns = [listener.accept()[0] for _ in range(clients)]
+    for c in conns:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf, reply = bytearray(size), b"r" * size
+    for _ in range(calls):
+        for c in conns:
+            _recv_exactly(c, buf)
+        for c in conns:
+            c.sendall(reply)
+
+
+def client(port, size, calls, busy_s, warmup):
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    msg, buf, times = b"c" * size, bytearray(size), []
+    for _ in range(calls):
+        start = time.perf_counter()
+        while time.perf_counter() - start < busy_s:
+            pass
+        sent = time.perf_counter()
+        sock.sendall(msg)
+        _recv_exactly(sock, buf)
+        times.append(time.perf_counter() - sent)
+    print(f"{statistics.median(times[warmup:]) * 1e6:.1f}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--size", type=int, default=4096, help="bytes each way (default 4096)")
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--busy-us", type=float, default=0.0, help="each client spins this long before a call")
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "client":
+        client(args.port, args.size, args.calls, args.busy_us * 1e-6, args.calls // 10)
+        return
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, __file__, "--role", "client", "--port", str(port), "--size",
+                               str(args.size), "--calls", str(args.calls), "--busy-us", str(args.busy_us)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(args.clients)]
+    serve(listener, args.clients, args.size, args.calls)
+    medians = [float(p.communicate(timeout=60)[0]) for p in procs]
+    print(f"{args.clients} client(s), {args.size} B, busy {args.busy_us:g} us: median time from send to "
+          f"reply {statistics.median(medians):.1f} us (clients: {', '.join(f'{m:.1f}' for m in medians)})")
+
+
+if __name__ == "__main__":
+    main()
