@@ -47,6 +47,11 @@ VARIABLES = {
     "BYTEPS_NATIVE": ("1", "1: workers and servers run their plain partitions on native threads (byteps-net, byteps-serve) that never take the GIL per partition; 0: the Python loops"),
     "BYTEPS_NATIVE_LOCAL": ("1", "1: with BYTEPS_NATIVE=1 and several worker processes per machine, the native thread also runs the local reduce (core/bps_worker.h); 0: the Python engine does (an A/B switch)"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
+    # the job timeline (docs/timeline.md)
+    "BYTEPS_TIMELINE": ("", "path of one Chrome/Perfetto trace of the whole job, written by the scheduler (empty: off)"),
+    "BYTEPS_TIMELINE_FLUSH_STEPS": ("50", "workers send their spans to the scheduler every N steps (0: only at the end)"),
+    "BYTEPS_TIMELINE_BUFFER": ("1000000", "spans each process holds between sends; more are dropped and counted"),
+    "BYTEPS_TIMELINE_CLOCK_INTERVAL": ("2", "seconds between clock probes to the scheduler while tracing"),
     # read outside this module, listed so docs/env.md stays complete
     "BYTEPS_PIPELINE": ("", "optional pipeline stages to drop, e.g. -stage,-local_reduce (core/stages.py)"),
     # wire compression, read by byteps_py/compression.py (docs/compression.md)
@@ -171,6 +176,10 @@ class Config:
     zmq_direct: bool = True
     native: bool = True
     native_local: bool = True
+    timeline: str = ""
+    timeline_flush_steps: int = 50
+    timeline_buffer: int = 1000000
+    timeline_clock_interval: float = 2.0
 
     @property
     def distributed(self):
@@ -262,6 +271,10 @@ def load(env=None, role=None):
         zmq_direct=_bool(env, "BYTEPS_ZMQ_DIRECT", default="1"),
         native=_bool(env, "BYTEPS_NATIVE", default="1"),
         native_local=_bool(env, "BYTEPS_NATIVE_LOCAL", default="1"),
+        timeline=_get(env, "BYTEPS_TIMELINE", ""),
+        timeline_flush_steps=_int(env, "BYTEPS_TIMELINE_FLUSH_STEPS", 50, minimum=0),
+        timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 1000000, minimum=1),
+        timeline_clock_interval=_float(env, "BYTEPS_TIMELINE_CLOCK_INTERVAL", "2"),
     )
 
 

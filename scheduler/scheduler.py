@@ -28,6 +28,7 @@ from byteps.core import auth, wire
 from byteps.core.control import describe_node
 from byteps.errors import BytePSError, ConfigError, ProtocolError
 from byteps.log import logger, setup as setup_logging
+from byteps.timeline.trace import Collector
 
 Cmd = wire.Cmd
 SCHEDULER_ID = 0xFFFFFFFE
@@ -75,6 +76,8 @@ class Scheduler:
         self.joined = []          # worker identities that called join(), in order (Horovod's join)
         self.missed = {}          # joined worker -> {(name, spec)} keyed while it was in join()
         self.local_reduce = False
+        # the job timeline (BYTEPS_TIMELINE, or a worker's start_timeline(path)): every node's spans
+        self.timeline = Collector(cfg.timeline)
 
     # ---------------------------------------------------------------- helpers
 
@@ -207,6 +210,8 @@ class Scheduler:
         for ident, info in servers:
             self._send(ident, Cmd.ADDRBOOK, dict(book, you=info))
         self._pending_book = (book, workers, {ident for ident, _ in servers})
+        for ident, _ in servers + workers:
+            self.timeline.expect(ident)
         self.running = True
         self.total_workers = len(workers)
         self.left.clear()
@@ -434,6 +439,7 @@ class Scheduler:
                 return 0
 
     def _dispatch(self, frames):
+        arrived = time.monotonic_ns()  # a clock probe's t1: before any work on the message
         if len(frames) != 3:
             logger.warning("dropped a message with %d frames", len(frames))
             return
@@ -463,6 +469,9 @@ class Scheduler:
         if header.cmd == Cmd.EXIT:
             self._on_exit(body)
             return
+        if header.cmd == Cmd.TRACE:  # also after the sender's epoch ended (its last spans come then)
+            self._on_trace(ident, body)
+            return
         if ident not in self._nodes():
             logger.debug("message %s from an unregistered peer ignored", Cmd(header.cmd).name)
             return
@@ -473,6 +482,9 @@ class Scheduler:
                            self.cfg.heartbeat_timeout)
         self.last_seen[ident] = now
         if header.cmd == Cmd.HEARTBEAT:
+            return
+        if header.cmd == Cmd.CLOCK:  # a timestamped round trip (byteps/timeline Clock)
+            self._send(ident, Cmd.CLOCK, {"t0": body.get("t0", 0), "t1": arrived, "t2": time.monotonic_ns()})
             return
         if header.cmd == Cmd.BARRIER:
             self._on_barrier(ident, body)
@@ -488,6 +500,53 @@ class Scheduler:
             self._fail(f"{self._describe(ident)} aborted the job: {body.get('reason')}")
         else:
             logger.warning("unexpected %s from %r", Cmd(header.cmd).name, ident)
+
+    def _on_trace(self, ident, body):
+        had_path = bool(self.timeline.path)
+        if not self.timeline.add(ident, body):
+            logger.debug("TRACE from a peer that is not in the job ignored")
+            return
+        if not had_path and self.timeline.path:  # start_timeline(path) on one worker: every node records
+            for other in self._nodes():
+                if other != ident:
+                    self._send(other, Cmd.TRACE, {"start": self.timeline.path})
+        if body.get("final") and not self.cfg.timeline and self.timeline.path:
+            self.write_timeline()  # stop_timeline(): a snapshot now; the end of the job writes it again
+
+    def finish_timeline(self, grace):
+        """At the end of the job (or its failure): wait up to ``grace`` seconds for the last spans of
+        every node still alive, then write the trace. A node that died loses only what it had not sent."""
+        if not self.timeline.path:
+            return
+        deadline = time.monotonic() + grace
+        while True:
+            now = time.monotonic()
+            alive = [i for i in self.timeline.known
+                     if now - self.last_seen.get(i, now) < self.cfg.heartbeat_timeout]
+            missing = self.timeline.missing_finals(alive)
+            if not missing or now >= deadline:
+                break
+            if self.sock.poll(min(100, (deadline - now) * 1000)):
+                frames = self.sock.recv_multipart()
+                try:
+                    is_trace = len(frames) == 3 and wire.unpack(frames[1]).cmd == Cmd.TRACE
+                except ProtocolError:
+                    is_trace = False
+                if is_trace:
+                    self._dispatch(frames)
+        if missing:
+            logger.warning("timeline: no final spans from %d nodes within %g s; writing what arrived", len(missing),
+                           grace)
+        self.write_timeline()
+
+    def write_timeline(self):
+        try:
+            path = self.timeline.write()
+        except OSError as e:
+            logger.error("timeline: cannot write %s: %s", self.timeline.path, e)
+            return
+        if path:
+            logger.info("timeline of %d nodes written to %s", len(self.timeline.nodes), path)
 
     def close(self):
         self.sock.close(linger=2000)
@@ -524,4 +583,5 @@ def main():
     except KeyboardInterrupt:
         return 130
     finally:
+        sched.finish_timeline(grace=min(10.0, cfg.timeout))
         sched.close()
