@@ -460,7 +460,7 @@ class Engine:
             info["local_port"] = self._local_sock.bind_to_random_port("tcp://127.0.0.1")
             self._io[self._local_sock] = transport.wrap(self._local_sock, self.cfg.zmq_direct)
         if self.cfg.timeline:
-            timeline.start(self.cfg)
+            timeline.start(self.cfg).wake = self._wake
         self.control = ControlClient(self.ctx, self.cfg, info)
         self.poller = zmq.Poller()
         self.poller.register(self.control.sock, zmq.POLLIN)
@@ -780,6 +780,7 @@ class Engine:
     def _start_timeline(self, path=""):
         """Record spans from now on (start_timeline(), or the scheduler relaying another node's)."""
         rec = timeline.start(self.cfg, path)
+        rec.wake = self._wake
         rec.node.update(role="worker", rank=self.rank, worker_id=self.cfg.worker_id, local_rank=self.cfg.local_rank,
                         host=self.cfg.node_host)
         if self._native is not None:

@@ -19,6 +19,8 @@ from .spans import CODES, rows_from_native
 
 #: the process's recorder while tracing, else None (the engines' hot paths test exactly this)
 recorder = None
+#: steps this process has marked (mark_step)
+steps = 0
 #: spans per TRACE message (a control message body is at most 16 MiB of JSON)
 CHUNK_SPANS = 40000
 #: clock probes sent back to back at start, before the estimate is first used
@@ -75,19 +77,21 @@ class Recorder:
         self.spans = []
         self.dropped = 0
         self.marks = []             # (step, t_ns, tid)
-        self.step = 0
         self.keys = {}              # tensor key -> name (workers; servers only see keys)
         self.node = {"pid": os.getpid()}
         self.native = []            # addresses of native span buffers (core/_trace.pyx)
         self.clock = Clock(clock_interval)
         self.thread_names = {}      # tid -> name, kept after the thread ends (its spans are sent later)
         self.flush_due = False
+        self.wake = None            # wakes the thread that sends (the worker's engine thread)
         self.last_sent = time.monotonic()
         self.stopped = False
         self._lock = threading.Lock()
 
     def span(self, stage, t0, key, rnd, nbytes, server=-1, priority=0, peer=-1):
         """Record [t0, now] of ``stage`` (a name in spans.STAGES) on the calling thread."""
+        if self.stopped:
+            return
         if len(self.spans) >= self.capacity:
             self.dropped += 1
             return
@@ -114,11 +118,14 @@ class Recorder:
             except OSError:  # it has just ended
                 pass
 
-    def mark_step(self):
-        self.step += 1
-        self.marks.append((self.step, time.monotonic_ns(), threading.get_native_id()))
-        if self.flush_steps and self.step % self.flush_steps == 0:
+    def mark_step(self, step):
+        if self.stopped:
+            return
+        self.marks.append((step, time.monotonic_ns(), threading.get_native_id()))
+        if self.flush_steps and step % self.flush_steps == 0:
             self.flush_due = True
+            if self.wake is not None:  # the owner thread may sleep in its poll: send now, not next tick
+                self.wake()
 
     def chunks(self, final=False):
         """The TRACE bodies that carry everything recorded since the last call."""
@@ -164,18 +171,25 @@ def start(cfg, path=""):
 
 
 def stop():
-    """Stop recording; what was recorded is still sent by the next flush."""
+    """Stop recording now; what was recorded is sent by the next flush (the owner thread's)."""
     r = recorder
     if r is not None:
+        from byteps.core import _trace
+
         r.stopped = True
+        for address in r.native:
+            _trace.enable(address, 0)
         r.flush_due = True
 
 
 def mark_step():
-    """Mark the end of a training step on this worker (the optimizers call it; users may too)."""
+    """Mark the end of a training step on this worker (the optimizers call it; users may too).
+    Steps are counted whether or not tracing is on, so a trace started late numbers them right."""
+    global steps
+    steps += 1
     r = recorder
     if r is not None:
-        r.mark_step()
+        r.mark_step(steps)
 
 
 def span(stage, t0, key, rnd, nbytes, server=-1, priority=0, peer=-1):
@@ -192,11 +206,6 @@ def flush(control, final=False):
     r = recorder
     if r is None or not (final or r.flush_due):
         return
-    if r.stopped:
-        from byteps.core import _trace
-
-        for address in r.native:
-            _trace.enable(address, 0)
     r.send(control, final or r.stopped)
     if r.stopped:
         recorder = None
