@@ -750,9 +750,8 @@ class Engine:
             self.size = body["size"]
             self.control.node_id = body["you"]["node_id"]
             self.workers = {w["rank"]: w for w in body["workers"]}
-            if timeline.recorder is not None:
-                timeline.recorder.node.update(role="worker", rank=self.rank, worker_id=self.cfg.worker_id,
-                                              local_rank=self.cfg.local_rank, host=self.cfg.node_host)
+            if body.get("timeline") or timeline.recorder is not None:  # BYTEPS_TIMELINE here or at the scheduler
+                self._start_timeline()
         elif cmd == Cmd.DECLARE:
             self._on_declared(body)
         elif cmd == Cmd.BARRIER and body.get("name") == autotune.AGREE_BARRIER:

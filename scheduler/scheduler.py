@@ -203,6 +203,7 @@ class Scheduler:
         machines = len({info["worker_id"] for _, info in workers})
         self.local_reduce = local
         book = {"epoch": self.epoch, "size": len(workers), "local_reduce": local,
+                "timeline": bool(self.timeline.path),  # every node records when the scheduler writes a trace
                 "pushers": machines if local else len(workers),
                 "servers": [info for _, info in servers], "workers": [info for _, info in workers]}
         # Two phases: workers get the address book only once every server has acknowledged it,

@@ -192,8 +192,8 @@ class Server:
             self.ranks = {w["node_id"]: w["rank"] for w in body["workers"]}
             logger.info("server %d serving %d workers (epoch %d)", self.index, self.num_workers, self.epoch)
             self._log_role(body)
-            if timeline.recorder is not None:
-                timeline.recorder.node.update(role="server", index=self.index, host=self.cfg.node_host)
+            if body.get("timeline") or timeline.recorder is not None:  # BYTEPS_TIMELINE here or at the scheduler
+                timeline.start(self.cfg).node.update(role="server", index=self.index, host=self.cfg.node_host)
             if self.core is None:
                 self._start_native()
             if self.core is not None:  # before our answer: no push can arrive before the book
