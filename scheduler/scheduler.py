@@ -18,6 +18,7 @@ Any node that goes silent for BYTEPS_HEARTBEAT_TIMEOUT is declared lost: every o
 ABORT naming it, and the scheduler exits 1.
 """
 import os
+import signal
 import sys
 import time
 
@@ -577,12 +578,26 @@ def main():
         write_port_file(port_file, sched.port)
     logger.info("listening on %s:%d for %d workers and %d servers", cfg.root_uri, sched.port, cfg.num_worker,
                 cfg.num_server)
+    if sched.timeline.path:  # bpslaunch ends a failed job with SIGTERM: keep what the nodes sent
+        signal.signal(signal.SIGTERM, _terminated)
+    grace = min(10.0, cfg.timeout)
     try:
         return sched.run()
     except JobFailed:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        grace = 0.0  # the nodes are being stopped too: write at once
+        return 143
     finally:
-        sched.finish_timeline(grace=min(10.0, cfg.timeout))
+        sched.finish_timeline(grace)
         sched.close()
+
+
+class Terminated(Exception):
+    pass
+
+
+def _terminated(signum, frame):
+    raise Terminated()

@@ -198,7 +198,9 @@ def test_start_and_stop_timeline_without_the_variable(tmp_path):
     assert codes == [0, 0] and sched_code == 0, c.all_logs()
     trace = report.load(path)
     steps = {_label(trace, pid): sorted(m[0] for m in marks) for pid, marks in trace.steps.items()}
-    assert steps == {"worker 0": [2, 3], "worker 1": [2, 3]}, steps  # only what was recorded between the calls
+    # only what was recorded between the calls; a worker may start a step early (the first start_timeline()
+    # anywhere starts every node: the scheduler relays it)
+    assert all(s[-2:] == [2, 3] and set(s) <= {1, 2, 3} for s in steps.values()) and len(steps) == 2, steps
     assert any(s["name"] == "SUM" for s in trace.server_spans())  # the server recorded too
 
 

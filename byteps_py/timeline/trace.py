@@ -25,12 +25,16 @@ def _worker_pid(rank):
 
 
 class NodeTrace:
-    """What one node sent: spans already shifted onto the scheduler's clock."""
+    """What one node sent, on its own clock; :meth:`offset` moves it onto the scheduler's.
+
+    One offset per node: the estimate with the tightest error bound of all it reported (its probes
+    go on through the job). A single shift keeps the node's own spans in their exact order; a
+    per-batch shift would not (a span sent in one batch and the next stage in another)."""
 
     def __init__(self):
         self.node = {}
-        self.spans = []      # rows with t0, t1 in scheduler ns
-        self.marks = []      # (step, t in scheduler ns)
+        self.spans = []      # rows, times in the node's CLOCK_MONOTONIC ns
+        self.marks = []      # (step, t in the node's ns)
         self.threads = {}
         self.dropped = 0
         self.keys = {}       # tensor key (a string: JSON) -> tensor name
@@ -40,15 +44,10 @@ class NodeTrace:
     def add(self, body):
         self.node.update(body.get("node") or {})
         clock = body.get("clock") or {}
-        off = int(clock.get("offset_ns") or 0)
-        if not self.clocks or self.clocks[-1] != clock:
+        if clock.get("samples") and (not self.clocks or self.clocks[-1] != clock):
             self.clocks.append(clock)
-        for r in body.get("spans") or ():
-            r = list(r)
-            r[2] += off
-            r[3] += off
-            self.spans.append(r)
-        self.marks += [(step, t + off) for step, t, _ in body.get("marks") or ()]
+        self.spans += body.get("spans") or ()
+        self.marks += [(step, t) for step, t, _ in body.get("marks") or ()]
         self.threads.update({int(k): v for k, v in (body.get("threads") or {}).items()})
         self.dropped += int(body.get("dropped") or 0)
         self.keys.update({str(k): v for k, v in (body.get("keys") or {}).items()})
@@ -70,10 +69,17 @@ class NodeTrace:
             return _worker_pid(n["rank"])
         return 100000 + int(n.get("pid") or 0)
 
+    def best_clock(self):
+        return min(self.clocks, key=lambda c: c["error_ns"]) if self.clocks else None
+
+    def offset(self):
+        c = self.best_clock()
+        return int(c["offset_ns"]) if c else 0
+
     def error_ns(self):
-        """The clock's error bound: the worst of the estimates used for its spans (None: never measured)."""
-        errs = [c.get("error_ns") for c in self.clocks if c.get("samples")]
-        return max(errs) if errs else None
+        """The error bound of the offset used (None: never measured)."""
+        c = self.best_clock()
+        return c["error_ns"] if c else None
 
 
 class Collector:
@@ -107,11 +113,13 @@ class Collector:
             keys.update(n.keys)
         events = [{"ph": "M", "name": "process_name", "pid": SCHEDULER_PID, "args": {"name": "scheduler (clock reference)"}},
                   {"ph": "M", "name": "process_sort_index", "pid": SCHEDULER_PID, "args": {"sort_index": 0}}]
-        ts = [r[2] for n in self.nodes.values() for r in n.spans] + [t for n in self.nodes.values() for _, t in n.marks]
+        ts = [r[2] + n.offset() for n in self.nodes.values() for r in n.spans] + \
+            [t + n.offset() for n in self.nodes.values() for _, t in n.marks]
         base = min(ts) if ts else self.started_ns
         us = lambda t: round((t - base) / 1000, 3)  # noqa: E731 (ns on the scheduler's clock -> trace us)
         for n in sorted(self.nodes.values(), key=NodeTrace.pid):
             pid = n.pid()
+            off = n.offset()
             err = n.error_ns()
             bound = "clock not measured" if err is None else f"clock ±{err / 1000:.1f} us"
             host = n.node.get("host", "?")
@@ -133,21 +141,22 @@ class Collector:
                 else:
                     args["server"] = server
                     args["priority"] = prio
-                events.append({"ph": "X", "cat": "byteps", "name": name, "pid": pid, "tid": tid, "ts": us(t0),
+                events.append({"ph": "X", "cat": "byteps", "name": name, "pid": pid, "tid": tid, "ts": us(t0 + off),
                                "dur": round(max(t1 - t0, 0) / 1000, 3), "args": args})
             if n.marks:
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": STEPS_TID,
                                "args": {"name": "steps"}})
-                marks = sorted(n.marks)
+                marks = sorted((step, t + off) for step, t in n.marks)
                 # step N runs from mark N-1 to mark N (the first from the first span this worker recorded)
-                first = min((r[2] for r in n.spans), default=marks[0][1])
+                first = min((r[2] + off for r in n.spans), default=marks[0][1])
                 prev = min(first, marks[0][1])
                 for step, t in marks:
                     events.append({"ph": "X", "cat": "step", "name": f"step {step}", "pid": pid, "tid": STEPS_TID,
                                    "ts": us(prev), "dur": round((t - prev) / 1000, 3), "args": {"step": step}})
                     prev = t
         other = {"base_ns": base, "nodes": {
-            n.label(): {"pid": n.pid(), "clock": n.clocks[-1] if n.clocks else None, "clock_error_ns": n.error_ns(),
+            n.label(): {"pid": n.pid(), "clock": n.best_clock(), "clock_estimates": len(n.clocks),
+                        "clock_error_ns": n.error_ns(),
                         "dropped_spans": n.dropped, "complete": n.final, "spans": len(n.spans)}
             for n in self.nodes.values()}, "server_stages": list(SERVER_STAGES)}
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"byteps": other}}
