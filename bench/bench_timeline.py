@@ -11,7 +11,7 @@ boundary of the native threads costs one relaxed atomic load (core/bps_trace.h) 
 paths one attribute test; on, a clock read and a 64-byte append under a mutex per span, plus the
 sends to the scheduler every BYTEPS_TIMELINE_FLUSH_STEPS steps.
 
-    python bench/bench_timeline.py [--steps 40] [--reps 2] [--sleep 0.02] [--json out.json]
+    python bench/bench_timeline.py [--steps 40] [--reps 2] [--sleep 0.02] [--sizes N,N,...] [--json out.json]
 """
 import argparse
 import json
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "timeline_worker.py")
 
 
-def run(mode, steps, sleep, tmp):
+def run(mode, steps, sleep, sizes, tmp):
     times = os.path.join(tmp, f"times-{mode}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for name in ("BYTEPS_TIMELINE", "BYTEPS_PARTITION_BYTES", "BYTEPS_SCHEDULING_CREDIT"):
@@ -33,7 +33,7 @@ def run(mode, steps, sleep, tmp):
     argv = [sys.executable, "-m", "byteps.launcher", "--local", "--workers", "2", "--servers", "2", "--timeout", "300"]
     if mode == "on":
         argv += ["--timeline", os.path.join(tmp, "bench.trace.json")]
-    argv += ["--", sys.executable, WORKER, str(steps), "--sleep", str(sleep), "--times", times]
+    argv += ["--", sys.executable, WORKER, str(steps), "--sleep", str(sleep), "--sizes", sizes, "--times", times]
     res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=330)
     if res.returncode != 0:
         raise SystemExit(f"{mode} run failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
@@ -49,13 +49,15 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--sleep", type=float, default=0.02, help="seconds of 'computation' per step")
+    p.add_argument("--sizes", default="1000,300000,1500000",
+                   help="tensor sizes in float32 elements (many small ones: the most spans per step)")
     p.add_argument("--json", help="write the results here")
     opts = p.parse_args()
     results = {"off": [], "on": []}
     with tempfile.TemporaryDirectory(prefix="bench-timeline-") as tmp:
         for _ in range(opts.reps):
             for mode in ("off", "on"):
-                results[mode].append(run(mode, opts.steps, opts.sleep, tmp))
+                results[mode].append(run(mode, opts.steps, opts.sleep, opts.sizes, tmp))
         trace_bytes = os.path.getsize(os.path.join(tmp, "bench.trace.json"))
     summary = {}
     for mode, runs in results.items():
@@ -63,7 +65,7 @@ def main():
         summary[mode] = {"median_step_ms": 1e3 * statistics.median([t for r in runs for t in r]),
                          "run_medians_ms": [round(1e3 * m, 2) for m in medians]}
     overhead = summary["on"]["median_step_ms"] / summary["off"]["median_step_ms"] - 1
-    report = {"steps": opts.steps, "reps": opts.reps, "sleep_s": opts.sleep, "modes": summary,
+    report = {"steps": opts.steps, "reps": opts.reps, "sleep_s": opts.sleep, "sizes": opts.sizes, "modes": summary,
               "overhead": overhead, "trace_bytes_last_run": trace_bytes, "cpus": os.cpu_count()}
     print(f"{'mode':<6}{'median step ms':>16}   run medians (ms)")
     for mode, s in summary.items():

@@ -220,6 +220,7 @@ def test_off_records_nothing():
 
 def test_recorder_is_bounded_and_counts_what_it_drops():
     from byteps import config, timeline
+    from byteps.timeline import spans
 
     cfg = config.load({"BYTEPS_TIMELINE_BUFFER": "3"})
     rec = timeline.Recorder(cfg.timeline_buffer, 0, 1.0)
@@ -227,10 +228,12 @@ def test_recorder_is_bounded_and_counts_what_it_drops():
         rec.span("PUSH", i + 1, i, 0, 100)
     rec.mark_step(1)
     (chunk,) = rec.chunks(final=True)
-    assert len(chunk["spans"]) == 3 and chunk["dropped"] == 7 and chunk["final"]
+    got = spans.decode(chunk["spans"])
+    assert got["t0"].tolist() == [1, 2, 3] and chunk["dropped"] == 7 and chunk["final"]
+    assert set(got["stage"].tolist()) == {spans.CODES["PUSH"]} and got["key"].tolist() == [0, 1, 2]
     assert chunk["marks"][0][0] == 1
     (again,) = rec.chunks()
-    assert again["spans"] == [] and again["dropped"] == 0
+    assert len(spans.decode(again["spans"])) == 0 and again["dropped"] == 0
 
 
 def test_clock_estimate_uses_the_tightest_round_trip():

@@ -10,7 +10,9 @@ import json
 import os
 import time
 
-from .spans import SERVER_STAGES, STAGES
+import numpy as np
+
+from .spans import SERVER_STAGES, SPAN_DTYPE, STAGES, decode
 
 SCHEDULER_PID = 1
 STEPS_TID = 1  # the steps track of a worker (a real thread id is never 1 in a worker process)
@@ -33,7 +35,7 @@ class NodeTrace:
 
     def __init__(self):
         self.node = {}
-        self.spans = []      # rows, times in the node's CLOCK_MONOTONIC ns
+        self.batches = []    # arrays of spans.SPAN_DTYPE, times in the node's CLOCK_MONOTONIC ns
         self.marks = []      # (step, t in the node's ns)
         self.threads = {}
         self.dropped = 0
@@ -46,7 +48,8 @@ class NodeTrace:
         clock = body.get("clock") or {}
         if clock.get("samples") and (not self.clocks or self.clocks[-1] != clock):
             self.clocks.append(clock)
-        self.spans += body.get("spans") or ()
+        if body.get("spans"):
+            self.batches.append(decode(body["spans"]))
         self.marks += [(step, t) for step, t, _ in body.get("marks") or ()]
         self.threads.update({int(k): v for k, v in (body.get("threads") or {}).items()})
         self.dropped += int(body.get("dropped") or 0)
@@ -68,6 +71,11 @@ class NodeTrace:
         if n.get("rank") is not None:
             return _worker_pid(n["rank"])
         return 100000 + int(n.get("pid") or 0)
+
+    def spans(self):
+        if len(self.batches) != 1:
+            self.batches = [np.concatenate(self.batches) if self.batches else np.empty(0, SPAN_DTYPE)]
+        return self.batches[0]
 
     def best_clock(self):
         return min(self.clocks, key=lambda c: c["error_ns"]) if self.clocks else None
@@ -113,7 +121,7 @@ class Collector:
             keys.update(n.keys)
         events = [{"ph": "M", "name": "process_name", "pid": SCHEDULER_PID, "args": {"name": "scheduler (clock reference)"}},
                   {"ph": "M", "name": "process_sort_index", "pid": SCHEDULER_PID, "args": {"sort_index": 0}}]
-        ts = [r[2] + n.offset() for n in self.nodes.values() for r in n.spans] + \
+        ts = [int(n.spans()["t0"].min()) + n.offset() for n in self.nodes.values() if len(n.spans())] + \
             [t + n.offset() for n in self.nodes.values() for _, t in n.marks]
         base = min(ts) if ts else self.started_ns
         us = lambda t: round((t - base) / 1000, 3)  # noqa: E731 (ns on the scheduler's clock -> trace us)
@@ -129,7 +137,7 @@ class Collector:
             for tid, name in n.threads.items():
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
             server_node = n.node.get("role") == "server"
-            for stage, tid, t0, t1, key, rnd, nbytes, server, prio, peer in n.spans:
+            for t0, t1, key, rnd, nbytes, prio, server, peer, tid, stage in n.spans().tolist():
                 name = STAGES.get(stage, str(stage))
                 tkey, part = key >> 32, key & 0xFFFFFFFF
                 args = {"tensor": keys.get(str(tkey), f"key {tkey}"), "partition": part,
@@ -148,7 +156,7 @@ class Collector:
                                "args": {"name": "steps"}})
                 marks = sorted((step, t + off) for step, t in n.marks)
                 # step N runs from mark N-1 to mark N (the first from the first span this worker recorded)
-                first = min((r[2] + off for r in n.spans), default=marks[0][1])
+                first = int(n.spans()["t0"].min()) + off if len(n.spans()) else marks[0][1]
                 prev = min(first, marks[0][1])
                 for step, t in marks:
                     events.append({"ph": "X", "cat": "step", "name": f"step {step}", "pid": pid, "tid": STEPS_TID,
@@ -157,7 +165,7 @@ class Collector:
         other = {"base_ns": base, "nodes": {
             n.label(): {"pid": n.pid(), "clock": n.best_clock(), "clock_estimates": len(n.clocks),
                         "clock_error_ns": n.error_ns(),
-                        "dropped_spans": n.dropped, "complete": n.final, "spans": len(n.spans)}
+                        "dropped_spans": n.dropped, "complete": n.final, "spans": len(n.spans())}
             for n in self.nodes.values()}, "server_stages": list(SERVER_STAGES)}
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"byteps": other}}
 
