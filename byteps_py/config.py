@@ -50,7 +50,7 @@ VARIABLES = {
     # the job timeline (docs/timeline.md)
     "BYTEPS_TIMELINE": ("", "path of one Chrome/Perfetto trace of the whole job, written by the scheduler (empty: off)"),
     "BYTEPS_TIMELINE_FLUSH_STEPS": ("50", "workers send their spans to the scheduler every N steps (0: only at the end)"),
-    "BYTEPS_TIMELINE_BUFFER": ("1000000", "spans each process holds between sends; more are dropped and counted"),
+    "BYTEPS_TIMELINE_BUFFER": ("250000", "spans each process holds between sends; more are dropped and counted"),
     "BYTEPS_TIMELINE_CLOCK_INTERVAL": ("2", "seconds between clock probes to the scheduler while tracing"),
     # read outside this module, listed so docs/env.md stays complete
     "BYTEPS_PIPELINE": ("", "optional pipeline stages to drop, e.g. -stage,-local_reduce (core/stages.py)"),
@@ -178,7 +178,7 @@ class Config:
     native_local: bool = True
     timeline: str = ""
     timeline_flush_steps: int = 50
-    timeline_buffer: int = 1000000
+    timeline_buffer: int = 250000
     timeline_clock_interval: float = 2.0
 
     @property
@@ -273,7 +273,7 @@ def load(env=None, role=None):
         native_local=_bool(env, "BYTEPS_NATIVE_LOCAL", default="1"),
         timeline=_get(env, "BYTEPS_TIMELINE", ""),
         timeline_flush_steps=_int(env, "BYTEPS_TIMELINE_FLUSH_STEPS", 50, minimum=0),
-        timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 1000000, minimum=1),
+        timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 250000, minimum=1),
         timeline_clock_interval=_float(env, "BYTEPS_TIMELINE_CLOCK_INTERVAL", "2"),
     )
 

@@ -65,7 +65,8 @@ class BpsTrace {
   public:
     bool on() const { return on_.load(std::memory_order_relaxed); }
 
-    /* Start recording into a buffer of ``capacity`` spans (0: stop recording; what is held stays). */
+    /* Start recording into a buffer of ``capacity`` spans (0: stop recording; what is held stays).
+     * The memory is reserved once: a push_back never reallocates (and copies) under a recording thread. */
     void enable(size_t capacity) {
         std::lock_guard<std::mutex> lock(mu_);
         capacity_ = capacity;
@@ -82,12 +83,12 @@ class BpsTrace {
         spans_.push_back(s);
     }
 
-    /* Hand every held span to ``out`` and return (and reset) the count of spans dropped meanwhile. */
+    /* Copy every held span to ``out`` and return (and reset) the count of spans dropped meanwhile.
+     * A copy, not a swap: the reserved buffer stays (its pages are already mapped). */
     uint64_t drain(std::vector<BpsSpan> *out) {
         std::lock_guard<std::mutex> lock(mu_);
-        out->swap(spans_);
+        out->assign(spans_.begin(), spans_.end());
         spans_.clear();
-        spans_.reserve(capacity_);
         uint64_t d = dropped_;
         dropped_ = 0;
         return d;
