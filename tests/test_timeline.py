@@ -42,6 +42,18 @@ def check_trace(path, workers, servers, steps):
     for pid, marks in trace.steps.items():
         assert [m[0] for m in sorted(marks)] == list(range(1, steps + 1)), marks
 
+    # Perfetto shows a JSON track's slices only if they nest: no two on one track may overlap partly
+    tracks = {}
+    for s in trace.spans:
+        tracks.setdefault((s["pid"], s["tid"]), []).append(s)
+    for key, spans in tracks.items():
+        open_ends = []
+        for s in sorted(spans, key=lambda s: (s["ts"], -s["end"])):
+            while open_ends and open_ends[-1] <= s["ts"] + 0.002:  # the trace rounds to 1 ns
+                open_ends.pop()
+            assert not open_ends or s["end"] <= open_ends[-1] + 0.002, (key, s, open_ends)
+            open_ends.append(s["end"])
+
     pushes = [s for s in trace.spans if s["name"] == "PUSH"]
     pairs = report.pairs(trace)
     assert pushes and len(pairs) == len(pushes), f"{len(pushes)} pushes, {len(pairs)} with a server RECV"

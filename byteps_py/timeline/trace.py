@@ -2,9 +2,12 @@
 
 Output is Chrome's JSON trace format, which the Perfetto UI and its trace processor read: one
 process track per worker, server and the scheduler, one thread track per recording thread (its
-Linux name: byteps-net, byteps-serve, byteps-engine, ...), one ``X`` event per span with the
-tensor, partition, round, bytes and server in ``args``, a ``steps`` track of each worker's steps,
-and ``otherData.byteps`` with each node's clock offset and error bound and its dropped spans.
+Linux name: byteps-net, byteps-serve, byteps-engine, ...) with the work done there (STAGE, PULL,
+RECV, SUM, ...), lanes beside it for the waits that overlap (QUEUE, PUSH, ROUND: ``byteps-net:
+PUSH #3``), one ``X`` event per span with the tensor, partition, round, bytes and server in
+``args``, a ``steps`` track of each worker's steps, and ``otherData.byteps`` with each node's clock
+offset and error bound and its dropped spans. Every track's slices nest properly, as Perfetto
+requires of JSON traces.
 """
 import json
 import os
@@ -16,6 +19,35 @@ from .spans import SERVER_STAGES, SPAN_DTYPE, STAGES, decode
 
 SCHEDULER_PID = 1
 STEPS_TID = 1  # the steps track of a worker (a real thread id is never 1 in a worker process)
+#: stages that are a partition waiting, not its thread working: many overlap on one thread, and
+#: Perfetto shows only properly nested slices on a track, so they go on lanes of their own
+WAITS = frozenset({"QUEUE", "PUSH", "ROUND", "COORDINATE"})
+LANE_TID_BASE = 1 << 24  # above Linux's largest thread id (pid_max <= 2^22)
+
+
+class Lanes:
+    """Tracks for overlapping waits of one process: a span goes on the first lane of its (thread,
+    stage) that is free when it starts (spans must come in start order)."""
+
+    def __init__(self, pid, threads):
+        self.pid, self.threads = pid, threads
+        self.lanes = {}   # (tid, stage) -> [(end, lane tid)]
+        self.next = LANE_TID_BASE
+        self.names = []   # thread_name events of the lanes
+
+    def tid(self, tid, stage, t0, t1):
+        lanes = self.lanes.setdefault((tid, stage), [])
+        for i, (end, lane) in enumerate(lanes):
+            if end <= t0:
+                lanes[i] = (t1, lane)
+                return lane
+        lane = self.next
+        self.next += 1
+        lanes.append((t1, lane))
+        owner = self.threads.get(tid, f"thread {tid}")
+        self.names.append({"ph": "M", "name": "thread_name", "pid": self.pid, "tid": lane,
+                           "args": {"name": f"{owner}: {stage} #{len(lanes)}"}})
+        return lane
 
 
 def _server_pid(index):
@@ -137,8 +169,11 @@ class Collector:
             for tid, name in n.threads.items():
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
             server_node = n.node.get("role") == "server"
-            for t0, t1, key, rnd, nbytes, prio, server, peer, tid, stage in n.spans().tolist():
+            lanes = Lanes(pid, n.threads)
+            for t0, t1, key, rnd, nbytes, prio, server, peer, tid, stage in sorted(n.spans().tolist()):
                 name = STAGES.get(stage, str(stage))
+                if name in WAITS:
+                    tid = lanes.tid(tid, name, t0, t1)
                 tkey, part = key >> 32, key & 0xFFFFFFFF
                 args = {"tensor": keys.get(str(tkey), f"key {tkey}"), "partition": part,
                         "round": rnd, "bytes": nbytes}
@@ -151,6 +186,7 @@ class Collector:
                     args["priority"] = prio
                 events.append({"ph": "X", "cat": "byteps", "name": name, "pid": pid, "tid": tid, "ts": us(t0 + off),
                                "dur": round(max(t1 - t0, 0) / 1000, 3), "args": args})
+            events += lanes.names
             if n.marks:
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": STEPS_TID,
                                "args": {"name": "steps"}})
