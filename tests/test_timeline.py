@@ -122,6 +122,33 @@ def test_summary_and_chart(loopback, tmp_path):
     assert stages[-1] == "PULL" and "SUM" in stages and "PUSH" in stages, stages
 
 
+@pytest.mark.timeout(200)
+def test_python_engines_record_the_same_stages(tmp_path):
+    """BYTEPS_NATIVE=0: the Python engine and server loop record QUEUE, PUSH, PULL and RECV, ROUND,
+    REPLY on their own threads, and the pushes nest in the same way."""
+    path = str(tmp_path / "py.trace.json")
+    c = Cluster(str(tmp_path), 2, 2, env={"BYTEPS_TIMELINE": path, "BYTEPS_NATIVE": "0"}).start()
+    try:
+        for wid in range(2):
+            c.workers.append(c._spawn([sys.executable, WORKER, "4"], "worker", {"DMLC_WORKER_ID": str(wid)},
+                                      log=f"worker{wid}.log"))
+        codes, _, sched_code = c.wait_all(60)
+    finally:
+        c.kill_all()
+    assert codes == [0, 0] and sched_code == 0, c.all_logs()
+    trace = report.load(path)
+    names = {s["name"] for s in trace.spans}
+    assert {"QUEUE", "PUSH", "PULL", "RECV", "ROUND", "REPLY"} <= names, names
+    threads = {trace.threads.get((s["pid"], s["tid"])) for s in trace.spans if s["name"] in ("PULL", "RECV")}
+    assert "byteps-engine" in threads and "byteps-net" not in threads and "byteps-serve" not in threads, threads
+    err_us = {label: (n["clock_error_ns"] or 0) / 1e3 for label, n in trace.nodes.items()}
+    pairs = report.pairs(trace)
+    assert pairs and len(pairs) == len([s for s in trace.spans if s["name"] == "PUSH"])
+    for push, recv in pairs:
+        tol = err_us[_label(trace, push["pid"])] + err_us[_label(trace, recv["pid"])]
+        assert push["ts"] - tol <= recv["ts"] and recv["end"] <= push["end"] + tol, (push, recv, tol)
+
+
 def _trace_processor_binary():
     """The trace_processor_shell the perfetto package would use, or None. The package downloads it on
     first use; this machine cannot (no route to get.perfetto.dev), so a test run here needs

@@ -163,8 +163,6 @@ class Recorder:
             control.send(Cmd.TRACE, body)
 
 
-
-
 def start(cfg, path=""):
     """Start recording in this process (BYTEPS_TIMELINE, or start_timeline()); returns the recorder."""
     global recorder
@@ -220,8 +218,7 @@ def probe_clock(control):
     if r is not None and r.clock.due():
         from byteps.core.wire import Cmd
 
-        r.remember_threads()
-
+        r.remember_threads()  # now and then: short-lived threads are gone by the final send
         control.send(Cmd.CLOCK, {"t0": time.monotonic_ns()})
 
 

@@ -199,8 +199,9 @@ def text(summary):
 
 
 def chart(trace, path):
-    """A PNG: for each step, the slowest worker's time by stage (union of its partitions' spans) and the
-    rest (computation, Python)."""
+    """A PNG: for each step, how long each stage was active on the workers (the union of its
+    partitions' spans; stages overlap, so the stack can be taller than the step, marked in black)
+    and the time with no communication at all (computation, Python)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,7 +214,7 @@ def chart(trace, path):
         inside = [x for x in trace.worker_spans() if x["ts"] >= s and x["end"] <= e]
         comm = union([(x["ts"], x["end"]) for x in inside]) / 1e3
         rows.append((step, {st: union([(x["ts"], x["end"]) for x in inside if x["name"] == st]) / 1e3
-                            for st in order}, (e - s) / 1e3 - comm))
+                            for st in order}, (e - s) / 1e3 - comm, (e - s) / 1e3))
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.4), 4))
     labels = [str(r[0]) for r in rows] or ["(no steps marked)"]
     bottom = [0.0] * len(rows)
@@ -222,9 +223,10 @@ def chart(trace, path):
         if any(vals):
             ax.bar(labels, vals, bottom=bottom, label=st)
             bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.bar(labels, [r[2] for r in rows], bottom=bottom, label="no communication", color="lightgrey")
+    ax.bar(labels, [max(r[2], 0.0) for r in rows], bottom=bottom, label="no communication", color="lightgrey")
+    ax.plot(labels, [r[3] for r in rows], "k_", markersize=20, label="step time")
     ax.set_xlabel("step")
-    ax.set_ylabel("ms (stages overlap: each bar is the time a stage was active)")
+    ax.set_ylabel("ms a stage was active (stages overlap)")
     ax.set_title("where each step's time went")
     ax.legend(fontsize=7)
     fig.tight_layout()
