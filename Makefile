@@ -15,7 +15,7 @@ $(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/*.h summation
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" "$(TENSORFLOW)" "setuptools>=64" wheel "cython>=3.0,<3.4" "numpy>=1.26"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,ray]"
 	touch $@
 
 train: setup
@@ -29,6 +29,12 @@ test: setup mxnet-env
 .PHONY: mxnet-env
 mxnet-env:
 	python3 tests/mxnet_env.py
+
+# Optional, as root: Debian's Slurm, so tests/test_slurm.py also runs jobs on a real (one-machine) Slurm
+# instead of skipping that part (docs/slurm.md)
+.PHONY: slurm-env
+slurm-env:
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm
 
 test-all: setup
 	$(PY) -m pytest -q -m "slow or not slow"

@@ -21,6 +21,7 @@ PACKAGE_DIR = {
     "byteps.torch": "plugins/torch",
     "byteps.tensorflow": "plugins/tensorflow",
     "byteps.mxnet": "plugins/mxnet",
+    "byteps.ray": "plugins/ray",
 }
 
 

@@ -220,7 +220,7 @@ def sync_name(prefix, dtype, shape):
 
 
 def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=None, asynchronous=False,
-           compression=None):
+           compression=None, sync=False):
     """Start a push_pull (or, with ``broadcast_root``, a broadcast) of a flat byte buffer, in place.
 
     Args:
@@ -238,6 +238,8 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         compression: the wire compressor of a push_pull's partitions that cross the network
             (a :class:`byteps.compression.WireCompressor`); None: the job's default
             (BYTEPS_COMPRESSOR, usually none); False: none (docs/compression.md).
+        sync: the caller synchronizes the handle at once (a synchronous API call): a small op may
+            then run its round trip on the calling thread (core/bps_worker.h submit_direct).
 
     Returns:
         An integer handle for :func:`poll` / :func:`synchronize`.
@@ -278,7 +280,7 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         job.inflight[name] = op
     op.callbacks.append(lambda done: _leave_inflight(job, done))
     try:
-        job.engine.submit(op)
+        job.engine.submit(op, sync)
     except BaseException:
         _leave_inflight(job, op)
         del job.handles[handle]

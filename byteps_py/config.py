@@ -46,6 +46,7 @@ VARIABLES = {
     "BYTEPS_ENABLE_ASYNC": ("0", "asynchronous training: servers keep the parameters, workers push deltas, no barrier"),
     "BYTEPS_NATIVE": ("1", "1: workers and servers run their plain partitions on native threads (byteps-net, byteps-serve) that never take the GIL per partition; 0: the Python loops"),
     "BYTEPS_NATIVE_LOCAL": ("1", "1: with BYTEPS_NATIVE=1 and several worker processes per machine, the native thread also runs the local reduce (core/bps_worker.h); 0: the Python engine does (an A/B switch)"),
+    "BYTEPS_DIRECT_TCP": ("1", "1: with BYTEPS_NATIVE=1 on both ends, a worker's data messages to a server go over a direct TCP link the native threads read and write themselves (core/bps_link.h); 0: through ZeroMQ (an A/B switch)"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # the job timeline (docs/timeline.md)
     "BYTEPS_TIMELINE": ("", "path of one Chrome/Perfetto trace of the whole job, written by the scheduler (empty: off)"),
@@ -176,6 +177,7 @@ class Config:
     zmq_direct: bool = True
     native: bool = True
     native_local: bool = True
+    direct_tcp: bool = True
     timeline: str = ""
     timeline_flush_steps: int = 50
     timeline_buffer: int = 250000
@@ -271,6 +273,7 @@ def load(env=None, role=None):
         zmq_direct=_bool(env, "BYTEPS_ZMQ_DIRECT", default="1"),
         native=_bool(env, "BYTEPS_NATIVE", default="1"),
         native_local=_bool(env, "BYTEPS_NATIVE_LOCAL", default="1"),
+        direct_tcp=_bool(env, "BYTEPS_DIRECT_TCP", default="1"),
         timeline=_get(env, "BYTEPS_TIMELINE", ""),
         timeline_flush_steps=_int(env, "BYTEPS_TIMELINE_FLUSH_STEPS", 50, minimum=0),
         timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 250000, minimum=1),

@@ -1,6 +1,6 @@
 """bpslaunch: start the processes of a byteps job and take them all down together.
 
-Two modes:
+Modes:
 
 * **Local mode** (``bpslaunch --local --workers W --servers S [--local-size L] -- CMD ...``)
   runs a whole job on this machine: one scheduler (``python -m byteps.scheduler``), S
@@ -14,7 +14,11 @@ Two modes:
   is validated by :func:`byteps.config.load` first, so a missing or malformed variable is
   an error (exit status 2), not a silent ``exit 0`` as in the original launcher.
 
-In both modes every child belongs to one :class:`Job`, and every way out (normal end, a
+* **Cluster managers**: ``bpslaunch --slurm [--server-nodes K] -- CMD`` under ``srun`` and
+  ``bpslaunch --k8s -- CMD`` in a Kubernetes pod derive the roles and DMLC_* variables from the
+  manager's environment (byteps/cluster_env.py; docs/slurm.md, docs/kubernetes.md).
+
+In every mode every child belongs to one :class:`Job`, and every way out (normal end, a
 failing child, a signal, ``--timeout``) goes through :meth:`Job.teardown`, which ends the
 children *and their descendants*, drains their output and removes the temporary directory.
 Exit status: 0 when every process succeeded; the first failing child's code (128+N for a
@@ -65,6 +69,13 @@ modes:
            (default: the number of NVIDIA_VISIBLE_DEVICES/CUDA_VISIBLE_DEVICES, else 1).
              DMLC_ROLE=worker DMLC_WORKER_ID=0 DMLC_NUM_WORKER=2 DMLC_NUM_SERVER=1 \\
              DMLC_PS_ROOT_URI=10.0.0.1 DMLC_PS_ROOT_PORT=9000 bpslaunch python train.py
+
+  slurm    Under srun (one task per node, or one per worker process): roles, ranks and the
+           scheduler address come from SLURM_*; the last K nodes run only a server.
+             srun --ntasks-per-node=1 bpslaunch --slurm --server-nodes 1 -- python train.py
+
+  k8s      In a pod of examples/kubernetes/: DMLC_WORKER_ID from the pod's index, DMLC_NODE_HOST
+           from POD_IP, the rest from the manifest; then as role mode.
 
 CMD runs directly as an argument list, without a shell; write `--` before it to end
 bpslaunch's own options (`bpslaunch --local --workers 2 -- python train.py`). A single quoted
@@ -544,6 +555,55 @@ def _plan_role(opts, command):
     return run_workers
 
 
+def _plan_slurm(opts, command):
+    """bpslaunch --slurm: this task's scheduler/server/workers, from SLURM_* (byteps/cluster_env.py)."""
+    from . import cluster_env
+
+    task = cluster_env.slurm_task(os.environ, server_nodes=opts.server_nodes, local_size=opts.local_size)
+    base = dict(os.environ, PYTHONUNBUFFERED="1", **task.env)
+    for name in ("DMLC_ROLE", "BYTEPS_LOCAL_RANK", "BYTEPS_SCHEDULER_PORT_FILE", "BYTEPS_SERVER_ROLE"):
+        base.pop(name, None)
+    if task.local_ranks and not command:
+        raise ConfigError("bpslaunch --slurm needs a command for the workers (bpslaunch --slurm -- CMD)")
+
+    def worker_env(j):
+        return dict(base, DMLC_ROLE="worker", BYTEPS_LOCAL_RANK=str(j))
+
+    if task.local_ranks:
+        config.load(worker_env(task.local_ranks[0]))  # fail here, once, naming the bad variable
+        _thread_env(base, int(task.env["BYTEPS_LOCAL_SIZE"]))
+    else:
+        config.load(dict(base, DMLC_ROLE="server"))
+    host = task.hosts[task.node]
+    parts = (["scheduler"] if task.scheduler else []) + ([f"{task.server} server"] if task.server else []) + \
+        ([f"worker {task.worker_id}, local ranks {list(task.local_ranks)}"] if task.local_ranks else [])
+    _say(f"slurm: node {task.node} ({host}) of {list(task.hosts)}: "
+         + (", ".join(parts) or "nothing to run (a spare task on a server node)"))
+
+    def run(job):
+        if task.scheduler:
+            job.spawn("scheduler", SCHEDULER_ARGV, dict(base, DMLC_ROLE="scheduler"), essential=False,
+                      stdin=subprocess.DEVNULL)
+        if task.server:
+            # a server-only task ends when its server does (the scheduler ends the job)
+            job.spawn(f"server {task.node}", SERVER_ARGV,
+                      dict(base, DMLC_ROLE="server", BYTEPS_SERVER_ROLE=task.server),
+                      essential=not task.local_ranks, stdin=subprocess.DEVNULL)
+        for j in task.local_ranks:
+            job.spawn(f"worker {task.worker_id}.{j}", command, worker_env(j))
+        return job.wait()
+
+    return run
+
+
+def _plan_k8s(opts, command):
+    """bpslaunch --k8s: the pod's DMLC_* from its name/index and IP, then role mode."""
+    from . import cluster_env
+
+    os.environ.update(cluster_env.k8s_env(os.environ))
+    return _plan_role(opts, command)
+
+
 # ---------------------------------------------------------------------------------------
 # Command line
 
@@ -582,6 +642,14 @@ def _parser():
     p.add_argument("--local-size", type=_positive_int, metavar="L",
                    help="processes of CMD per worker machine (default 1 with --local; in role "
                         "mode overrides BYTEPS_LOCAL_SIZE)")
+    p.add_argument("--slurm", action="store_true",
+                   help="run this Slurm task's part of the job (under srun): roles, ranks and the scheduler "
+                        "address from SLURM_* (docs/slurm.md)")
+    p.add_argument("--server-nodes", type=int, default=0, metavar="K",
+                   help="--slurm: the step's last K nodes run only a standalone server (default 0)")
+    p.add_argument("--k8s", action="store_true",
+                   help="run this Kubernetes pod's role: DMLC_WORKER_ID from the pod index, DMLC_NODE_HOST "
+                        "from POD_IP (docs/kubernetes.md)")
     p.add_argument("--timeout", type=_positive_float, metavar="SEC",
                    help="wall-clock limit for the whole job; on expiry everything is stopped "
                         "and bpslaunch exits 124")
@@ -633,6 +701,12 @@ def _parse(argv):
         command = command[1:]
     if len(command) == 1 and any(c in command[0] for c in _SHELL_CHARS):
         command = ["/bin/sh", "-c", command[0]]  # BytePS: one quoted command string, run by a shell
+    if sum((opts.local, opts.slurm, opts.k8s)) > 1:
+        parser.error("--local, --slurm and --k8s are different modes; give one")
+    if opts.server_nodes and not opts.slurm:
+        parser.error("--server-nodes only applies with --slurm")
+    if opts.server_nodes < 0:
+        parser.error("--server-nodes must be >= 0")
     if opts.local and opts.workers is None:
         parser.error("--local needs --workers W")
     if not opts.local and (opts.workers is not None or opts.servers is not None):
@@ -707,7 +781,8 @@ def main(argv=None):
     if opts.timeline:  # every child inherits it; the scheduler (ours or a role-mode one) writes the file
         os.environ["BYTEPS_TIMELINE"] = os.path.abspath(opts.timeline)
     try:
-        run = _plan_local(opts, command) if opts.local else _plan_role(opts, command)
+        plan = _plan_local if opts.local else _plan_slurm if opts.slurm else _plan_k8s if opts.k8s else _plan_role
+        run = plan(opts, command)
     except ConfigError as e:
         _say(f"error: {e}")
         return 2

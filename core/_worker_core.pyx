@@ -81,6 +81,11 @@ cdef extern from "bps_worker.h" nogil:
         cbool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                            cbool root_self, unsigned char *buf, uint64_t nbytes)
         void add_server(void *sock)
+        void add_link(int server, int fd)
+        int links_up()
+        cbool submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+                            cbool root_self, unsigned char *buf, uint64_t nbytes)
+        uint64_t direct_calls()
         void add_local(void *router, vector[void *] peers, int local_rank, cbool open)
         void allow_local(const string &identity)
         void set_local_joined(uint64_t mask)
@@ -155,6 +160,18 @@ cdef class WorkerCore:
         self.sockets.append(sock)
         self.core.add_server(<void *><uintptr_t>sock.underlying)
         self.servers += 1
+
+    def add_link(self, int server, int fd):
+        """Hand over a direct TCP link to server ``server`` (core/bps_link.h): a connected socket whose
+        token the server accepted. The native thread owns the fd from now on and closes it."""
+        if not 0 <= server < self.servers:
+            raise ValueError(f"no server {server} (have {self.servers})")
+        self.core.add_link(server, fd)
+
+    @property
+    def links_up(self):
+        """How many servers are reached over a working direct link (the rest over ZeroMQ)."""
+        return self.core.links_up()
 
     def add_local(self, router, dict peers, int local_rank, int local_size, bint open):
         """Hand over the machine's local sockets (authenticated already): our ROUTER and the DEALER to
@@ -245,6 +262,26 @@ cdef class WorkerCore:
         # releasing the GIL here would let another Python thread take it for up to a switch interval
         # False: a local-reduce op refused because Python runs the local reduce now (local_python())
         return self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes)
+
+    def submit_direct(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
+                      bint root_self, buf):
+        """A synchronous call's fast path (BpsWorkerCore::submit_direct): run the op's round trip on
+        this thread, without the GIL, when byteps-net is idle; True if it ran (done, or handed to
+        byteps-net after a short wait), False if the fast path does not apply (then :meth:`submit`)."""
+        cdef Py_buffer view
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+        cdef unsigned char *data = <unsigned char *>view.buf
+        cdef uint64_t nbytes = view.len
+        PyBuffer_Release(&view)  # the caller keeps ``buf`` (and so its memory) alive
+        cdef cbool ran
+        with nogil:
+            ran = self.core.submit_direct(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes)
+        return ran
+
+    @property
+    def direct_calls(self):
+        """Synchronous calls whose round trip ran on the caller's thread."""
+        return self.core.direct_calls()
 
     def send(self, int server, header, body, token=None, bytes ident=None):
         """Queue ``[header, body]`` for server ``server`` (or a local socket: :data:`TO_ROUTER` with

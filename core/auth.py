@@ -79,10 +79,6 @@ class Gate:
             self._passed.add(identity)
         return ok
 
-    def admitted(self):
-        """Identities that passed (a copy)."""
-        return set(self._passed)
-
     def allows(self, identity):
         return self.secret is None or identity in self._passed
 

@@ -30,8 +30,10 @@
  * private mappings with transparent huge pages. A store's arena is reused or unmapped only
  * when ZeroMQ has released every zero-copy reply read from it.
  *
- * Transport seam: the socket is touched only by recv_message(), send_reply()/send_frames() and the
- * zero-copy release callbacks (core/bps_zmq.h); a UCX transport implements those.
+ * Transport seam (core/bps_link.h): messages come in whole from the ROUTER or from a worker's direct
+ * TCP link (accepted here once the worker presents the one-time token Python gave it: expect_link),
+ * and every message out goes through send_to(identity, frames), which picks that worker's link or
+ * the ROUTER; zero-copy bodies say when they are released. A UCX transport implements the same.
  */
 #ifndef BPS_SERVER_H
 #define BPS_SERVER_H
@@ -60,6 +62,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+
+#include "bps_link.h"
 #include "bps_reduce.h"
 #include "bps_trace.h"
 #include "bps_wire.h"
@@ -68,6 +74,7 @@
 enum {
     BPS_SERVER_FLAG_PYTHON = 4,          /* core/wire.py FLAG_PYTHON: the whole op is Python's */
     BPS_SERVER_CMD_PROBE = 27,
+    BPS_SERVER_CMD_LINK = 28,            /* core/wire.py Cmd.LINK: a direct link's token, and its answer */
     BPS_SERVER_NO_DTYPE = 255,
 };
 static const uint64_t BPS_MAX_BODY = 1ull << 33;          /* core/wire.py MAX_BODY */
@@ -548,6 +555,9 @@ class BpsServerCore {
 
     ~BpsServerCore() {
         stop();
+        by_ident_.clear();
+        conns_.clear(); /* before the stores: a queued zero-copy reply releases its arena */
+        if (listen_fd_ >= 0) ::close(listen_fd_);
         pool_.reset();
         keys_.clear();
         for (auto &kv : parked_) {
@@ -577,6 +587,19 @@ class BpsServerCore {
         wake();
         thread_.join();
     }
+
+    /* A listening TCP socket for workers' direct links (before start()); this thread owns and closes it. */
+    void set_listener(int fd) { listen_fd_ = fd; }
+
+    /* Python gave ``ident`` (authenticated) this one-time token for a direct link. */
+    void expect_link(const std::string &ident, const std::string &token) {
+        Command c(Command::LINK);
+        c.ident = ident;
+        c.token = token;
+        post(std::move(c));
+    }
+
+    uint64_t links_accepted() const { return links_accepted_.load(); }
 
     /* An eventfd that is readable while forwarded messages, log lines or released tokens wait. */
     int notify_fd() const { return notify_fd_; }
@@ -654,12 +677,12 @@ class BpsServerCore {
 
   private:
     struct Command {
-        enum Kind { BOOK, JOIN, RESET, ADMIT, SEND } kind;
+        enum Kind { BOOK, JOIN, RESET, ADMIT, SEND, LINK } kind;
         int64_t a = 0, b = 0;
         uint32_t node = 0;
         std::vector<uint32_t> nodes;
         std::vector<int64_t> ranks;
-        std::string ident;
+        std::string ident, token;
         BpsServerSend *send = nullptr;
         explicit Command(Kind k) : kind(k) {}
     };
@@ -696,11 +719,21 @@ class BpsServerCore {
 
     void run() {
         prctl(PR_SET_NAME, "byteps-serve", 0, 0, 0);
-        bps_zmq_pollitem items[2] = {{sock_, 0, BPS_ZMQ_POLLIN, 0}, {nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0}};
+        std::vector<bps_zmq_pollitem> items;
         BpsMessage msg;
         double next_check = 0;
         while (!stopping_) {
-            int rc = bps_zmq.poll(items, 2, 100);
+            /* ROUTER, wake-up, listener, then one item per link (rebuilt: links come and go) */
+            items.assign(3, bps_zmq_pollitem{nullptr, -1, 0, 0});
+            items[0] = bps_zmq_pollitem{sock_, 0, BPS_ZMQ_POLLIN, 0};
+            items[1] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
+            items[2] = bps_zmq_pollitem{nullptr, listen_fd_, (short)(listen_fd_ >= 0 ? BPS_ZMQ_POLLIN : 0), 0};
+            for (auto &c : conns_)
+                items.push_back(bps_zmq_pollitem{nullptr, c->fd(),
+                                                 (short)(BPS_ZMQ_POLLIN | (c->wants_write() ? BPS_ZMQ_POLLOUT : 0)), 0});
+            bool buffered = false; /* a link that stopped mid-burst has whole messages in hand: no sleep */
+            for (auto &c : conns_) buffered |= c->pending_input();
+            int rc = bps_zmq.poll(items.data(), (int)items.size(), buffered ? 0 : 100);
             if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
             if (items[1].revents) {
                 uint64_t n;
@@ -718,6 +751,13 @@ class BpsServerCore {
                     if (k % 32 == 31) take_sums();
                 }
             }
+            size_t nconns = items.size() - 3; /* links accepted below wait for the next turn */
+            for (size_t i = 0; i < nconns && !stopping_; ++i) {
+                if (items[3 + i].revents || conns_[i]->pending_input())
+                    serve_link(conns_[i].get(), items[3 + i].revents, &msg);
+            }
+            if (items[2].revents) accept_links();
+            drop_dead_links();
             if (notify_pending_) {
                 notify_pending_ = false;
                 notify();
@@ -731,8 +771,97 @@ class BpsServerCore {
         }
     }
 
-    /* Transport seam: one whole message, without blocking (1: got one, 0: none). */
+    /* Transport seam: one whole message from the ROUTER, without blocking (1: got one, 0: none). */
     int recv_message(BpsMessage *m) { return bps_recv_message(sock_, m); }
+
+    /* Transport seam: one message to a worker, over its direct link if it has one, else the ROUTER. A
+     * worker that is gone is skipped (ROUTER_MANDATORY says EHOSTUNREACH; the scheduler reports the
+     * loss to everyone); its zero-copy frames are released either way. */
+    void send_to(const std::string &ident, BpsFrames &f) {
+        auto it = by_ident_.find(ident);
+        if (it != by_ident_.end() && !it->second->dead()) {
+            it->second->send(f);
+            return;
+        }
+        bps_zmq_send_frames(sock_, f, &ident);
+    }
+
+    /* ---------------------------------------------------------------- direct links */
+
+    void accept_links() {
+        for (;;) {
+            int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (fd < 0) return; /* EAGAIN, or a connection that failed before we took it */
+            int one = 1;
+            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+            conns_.emplace_back(new BpsLink(fd));
+        }
+    }
+
+    void serve_link(BpsLink *c, short revents, BpsMessage *msg) {
+        if (revents & BPS_ZMQ_POLLOUT) c->flush();
+        for (int k = 0; k < 256 && !c->dead() && !stopping_; ++k) {
+            if (c->ident.empty()) { /* the first message must present a token */
+                if (c->recv(msg) <= 0) return;
+                link_hello(c, msg);
+                if (c->ident.empty()) return; /* refused: it goes after this turn */
+            } else {
+                if (c->recv(msg, &c->ident) <= 0) return;
+                on_message(msg);
+            }
+            msg->clear();
+            if (k % 32 == 31) take_sums();
+        }
+    }
+
+    /* [header LINK, token (16 bytes) + identity]: admit the link if Python gave that identity the token. */
+    void link_hello(BpsLink *c, BpsMessage *m) {
+        BpsHeader h;
+        bool ok = m->count == 2 && bps_parse_header(m->data(0), m->size(0), &h) && h.cmd == BPS_SERVER_CMD_LINK &&
+                  m->size(1) > 16;
+        std::string ident, token;
+        if (ok) {
+            token.assign((const char *)m->data(1), 16);
+            ident.assign((const char *)m->data(1) + 16, m->size(1) - 16);
+            auto it = expected_.find(ident);
+            ok = it != expected_.end() && it->second == token;
+            if (ok) expected_.erase(it); /* one use */
+        }
+        BpsHeader answer = bps_header(BPS_SERVER_CMD_LINK, node_id_, 0, 0, 0, BPS_SERVER_NO_DTYPE, ok ? 1 : 0, 0);
+        BpsFrames f;
+        f.copy(&answer, sizeof answer);
+        c->send(f);
+        if (!ok) {
+            log("refused a direct link: its token does not match one this server handed out");
+            c->ident.clear();
+            close_link_later(c);
+            return;
+        }
+        c->ident = ident;
+        auto old = by_ident_.find(ident);
+        if (old != by_ident_.end()) close_link_later(old->second); /* a worker that reconnected */
+        by_ident_[ident] = c;
+        links_accepted_.fetch_add(1);
+    }
+
+    void close_link_later(BpsLink *c) { closing_.insert(c); }
+
+    /* Links that broke, or were refused, go; their identities fall back to the ROUTER. */
+    void drop_dead_links() {
+        for (size_t i = 0; i < conns_.size();) {
+            BpsLink *c = conns_[i].get();
+            bool refused = closing_.count(c) > 0;
+            if (!c->dead() && !refused) {
+                ++i;
+                continue;
+            }
+            if (refused && c->wants_write()) c->flush(); /* best effort: the refusal's answer */
+            auto it = by_ident_.find(c->ident);
+            if (it != by_ident_.end() && it->second == c) by_ident_.erase(it);
+            closing_.erase(c);
+            conns_.erase(conns_.begin() + (long)i);
+        }
+    }
 
     void take_inbox() {
         std::vector<Command> in;
@@ -762,6 +891,9 @@ class BpsServerCore {
                 case Command::SEND:
                     send_frames(c.send);
                     delete c.send;
+                    break;
+                case Command::LINK:
+                    expected_[c.ident] = c.token;
                     break;
             }
         }
@@ -1141,49 +1273,43 @@ class BpsServerCore {
         st.reset();
     }
 
-    /* Transport seam: [identity, header, body]; a body of COPY_BELOW bytes or more is sent zero-copy
-     * from ``arena`` (counted until ZeroMQ releases it). A worker that is gone is skipped (ROUTER_MANDATORY
-     * says EHOSTUNREACH; the scheduler reports the loss to everyone). */
+    /* REPLY [header, body]; a body of COPY_BELOW bytes or more is sent zero-copy from ``arena`` (counted
+     * until the transport releases it). */
     void send_reply(const std::string &ident, uint64_t key, uint64_t round, uint64_t length, uint8_t dtype,
                     uint8_t flags, const void *body, size_t n, BpsArena *arena) {
         BpsHeader hdr = bps_header(BPS_CMD_REPLY, node_id_, key, round, length, dtype, 0, flags);
-        if (bps_send_copy(sock_, ident.data(), ident.size(), true) != 0) return;
-        if (bps_send_copy(sock_, &hdr, sizeof hdr, true) != 0) return;
+        BpsFrames f;
+        f.copy(&hdr, sizeof hdr);
         if (arena == nullptr || n < BPS_COPY_BELOW) {
-            bps_send_copy(sock_, body, n, false);
-            return;
+            f.copy(body, n);
+        } else {
+            arena->replies.fetch_add(1);
+            f.zero_copy((void *)body, n, &BpsServerCore::store_released, arena);
         }
-        arena->replies.fetch_add(1);
-        bps_send_zero_copy(sock_, (void *)body, n, false, &BpsServerCore::store_released, arena);
+        send_to(ident, f);
     }
 
     void reply_error(const std::string &ident, const BpsHeader &h, const std::string &text) {
         std::string body = bps_error_json(text);
         BpsHeader hdr = bps_header(BPS_CMD_ERROR, node_id_, h.key, h.round, body.size(), BPS_SERVER_NO_DTYPE, 0, 0);
-        if (bps_send_copy(sock_, ident.data(), ident.size(), true) != 0) return;
-        if (bps_send_copy(sock_, &hdr, sizeof hdr, true) != 0) return;
-        bps_send_copy(sock_, body.data(), body.size(), false);
+        BpsFrames f;
+        f.copy(&hdr, sizeof hdr);
+        f.copy(body.data(), body.size());
+        send_to(ident, f);
     }
 
-    /* Python's message: every frame copied but a zero-copy last one. */
+    /* Python's message [identity, frames...]: every frame copied but a zero-copy last one. */
     void send_frames(BpsServerSend *m) {
         size_t n = m->frames.size();
         bool zc = m->zc_data != nullptr;
-        int rc = 0;
-        for (size_t i = 0; i < n && rc == 0; ++i) {
-            rc = bps_send_copy(sock_, m->frames[i].data(), m->frames[i].size(), zc || i + 1 < n);
+        BpsFrames f;
+        for (size_t i = 1; i < n && f.n < BPS_LINK_MAX_FRAMES - 1; ++i) f.copy(m->frames[i].data(), m->frames[i].size());
+        if (zc) f.zero_copy(m->zc_data, m->zc_len, &BpsServerCore::raw_released, new BpsServerZcHint{this, m->token});
+        if (n == 0) { /* nobody to send to: Python may drop its buffer now */
+            f.release_from(0);
+            return;
         }
-        if (!zc) return;
-        if (rc == 0) {
-            BpsServerZcHint *hint = new BpsServerZcHint{this, m->token};
-            bps_send_zero_copy(sock_, m->zc_data, m->zc_len, false, &BpsServerCore::raw_released, hint);
-        } else { /* never sent: Python may drop its buffer now */
-            {
-                std::lock_guard<std::mutex> lock(zc_mu_);
-                released_.push_back(m->token);
-            }
-            notify_pending_ = true;
-        }
+        send_to(m->frames[0], f);
     }
 
     /* ---------------------------------------------------------------- events from Python */
@@ -1311,6 +1437,13 @@ class BpsServerCore {
     std::set<uint64_t> python_keys_;
     BpsPeerMaps maps_;
     std::unique_ptr<BpsSumPool> pool_;
+    /* direct links (core/bps_link.h) */
+    int listen_fd_ = -1;
+    std::vector<std::unique_ptr<BpsLink>> conns_;
+    std::unordered_map<std::string, BpsLink *> by_ident_;
+    std::map<std::string, std::string> expected_; /* identity -> its one-time token */
+    std::set<BpsLink *> closing_;
+    std::atomic<uint64_t> links_accepted_{0};
 };
 
 #endif

@@ -32,14 +32,17 @@
  * (key, round), a compressed reply, ...) to Python's queue, waking the engine through its pipe.
  * Rounds of every wire key are counted here, for both paths.
  *
- * Transport seam: a server link is a ZeroMQ DEALER socket (core/bps_zmq.h) and, for a colocated
- * server, shared memory (core/bps_wire.h descriptors). A new transport (UCX, issue 16) implements
- * the same three things: send a header with a body or a descriptor, poll for whole messages, and
- * say when a zero-copy body is released.
+ * Transport seam (core/bps_link.h): a message to a server is a BpsFrames, sent by send_server()
+ * over the server's direct TCP link (BpsLink, once Python set one up: add_link) or its ZeroMQ DEALER;
+ * for a colocated server the body is a shared-memory descriptor (core/bps_wire.h). Replies come back
+ * on either, whole, as a BpsMessage. A new transport (UCX, issue 16) implements the same three
+ * things: send frames (one of them maybe zero-copy), poll for whole messages, and say when a
+ * zero-copy body is released.
  */
 #ifndef BPS_WORKER_H
 #define BPS_WORKER_H
 
+#include <poll.h>
 #include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
@@ -61,6 +64,7 @@
 #include "bps_queue.h"
 #include "bps_trace.h"
 #include "bps_reduce.h"
+#include "bps_link.h"
 #include "bps_wire.h"
 #include "bps_zmq.h"
 
@@ -77,6 +81,13 @@ enum BpsErrorKind {
 /* Partitions at least this large are summed / copied on the stage thread, smaller ones inline (the
  * hand-off costs more than the work): core/engine.py STAGE_THREAD_MIN_BYTES. */
 static const uint64_t BPS_STAGE_THREAD_MIN_BYTES = 256 << 10;
+
+/* A synchronous call of one partition up to this size may run its round trip on the caller's thread
+ * (submit_direct); the hand-offs it saves matter only while the bytes take less time than they. */
+static const uint64_t BPS_DIRECT_MAX_BYTES = 64 << 10;
+/* How long a direct caller waits for its reply before byteps-net takes the partition over: short, so
+ * that other threads' messages to that server are never held back for long. */
+static const double BPS_DIRECT_WINDOW_S = 0.005;
 
 static inline double bps_now() {
     struct timespec ts;
@@ -117,6 +128,7 @@ struct BpsOp {
     std::atomic<int> tasks{0}; /* stage-thread tasks still reading or writing its memory */
     std::atomic<int> zero_copy{0}; /* bodies ZeroMQ still reads from the tensor */
     std::atomic<bool> done{false};
+    std::atomic<bool> direct{false}; /* its caller runs it (submit_direct): byteps-net leaves it alone */
     int waiters = 0;        /* callers blocked in wait_op(): the first to wake delivers the op */
 };
 
@@ -313,8 +325,103 @@ class BpsWorkerCore {
 
     void add_server(void *sock) {
         socks_.push_back(sock);
+        links_.emplace_back(nullptr);
+        link_mu_.emplace_back(new std::mutex());
+        direct_owned_.emplace_back(false);
         sent_.emplace_back(0);
         received_.emplace_back(0);
+    }
+
+    /* A direct TCP link to server ``server`` (before start()): a connected socket whose token the server
+     * accepted (core/engine.py _open_links). This thread owns and closes it; ZeroMQ stays the fallback. */
+    void add_link(int server, int fd) { links_.at((size_t)server).reset(new BpsLink(fd)); }
+
+    /* A synchronous call's fast path: the caller's thread sends its op's one partition on the server's
+     * link and reads the reply itself, without the two thread hand-offs of the normal path (wake
+     * byteps-net; byteps-net wakes the caller), when byteps-net has nothing in flight or queued and the
+     * link is idle. Runs without the GIL. If the reply has not come within BPS_DIRECT_WINDOW_S, the
+     * partition is handed to byteps-net as if it had sent it (adopted) and the caller waits as usual.
+     * Messages for others that arrive meanwhile go to byteps-net in order. Returns false (nothing
+     * done) when the fast path does not apply: the caller then submits as usual. */
+    bool submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+                       bool root_self, unsigned char *buf, uint64_t nbytes) {
+        int server;
+        BpsPart part;
+        std::string name;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            const BpsTable &t = tables_.at((size_t)table);
+            if (t.local || t.parts.size() != 1) return false;
+            part = t.parts[0];
+            name = t.name;
+        }
+        server = part.server;
+        if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= (int)links_.size() || !links_[(size_t)server])
+            return false;
+        std::unique_lock<std::mutex> link_lock(*link_mu_[(size_t)server]);
+        BpsLink *l = links_[(size_t)server].get();
+        if (l->dead() || l->wants_write() || l->pending_input()) return false;
+        BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes);
+        op->name = name;
+        op->parts.push_back(part);
+        op->parts_left = 1;
+        op->started = bps_now();
+        op->direct.store(true);
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_) {
+                delete op;
+                return false;
+            }
+            ops_[id] = op;
+        }
+        direct_owned_[(size_t)server].store(true);
+        BpsPart &p = op->parts[0];
+        uint64_t rnd = next_round(p.key);
+        bool empty = cmd == BPS_CMD_BROADCAST && !root_self;
+        uint64_t body_len = empty ? 0 : p.length;
+        /* the bytes go inline even to a colocated server: for so few, a descriptor saves nothing */
+        BpsHeader h = bps_header(cmd, node_id_, p.key, rnd, body_len, dtype, root, 0);
+        BpsFrames f;
+        f.copy(&h, sizeof h);
+        f.copy(buf + p.offset, body_len);
+        bool replied = false, strays = false;
+        p.trace_t = bps_span_start(); /* PUSH: until the reply (direct_wait, or byteps-net if it adopts it) */
+        if (l->send(f) == 0) {
+            sent_[(size_t)server] += sizeof h + body_len;
+            replied = direct_wait(op, server, l, rnd, &strays);
+        } else {
+            set_error(op, BPS_ERR_PROTOCOL, "tensor '" + name + "': sending to server " + std::to_string(server) +
+                                                " failed: " + l->error());
+            replied = true;
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            op->direct.store(false);
+            if (replied) {
+                op->parts_left = 0;
+                op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
+            } else { /* byteps-net owns the partition from now on, as if it had sent it */
+                adopt_in_.push_back(BpsQueued{priority, rnd, op, 0});
+                net_ops_++;
+            }
+        }
+        direct_owned_[(size_t)server].store(false);
+        bool more = l->pending_input() || l->dead();
+        link_lock.unlock();
+        if (!replied || strays || more) wake();
+        if (replied) direct_calls_.fetch_add(1);
+        return true;
+    }
+
+    /* Calls that completed on the caller's thread (submit_direct; tests check the path ran). */
+    uint64_t direct_calls() const { return direct_calls_.load(); }
+
+    /* Servers reached over a direct link (tests and logs check the path really ran). */
+    int links_up() const {
+        int n = 0;
+        for (auto &l : links_) n += l && !l->dead();
+        return n;
     }
 
     /* The machine's local reduce (before start()): our ROUTER, a DEALER per other local rank (NULL for
@@ -407,15 +514,7 @@ class BpsWorkerCore {
             std::lock_guard<std::mutex> lock(mu_);
             if (python_local_ && tables_.at((size_t)table).local) return false;
         }
-        BpsOp *op = new BpsOp();
-        op->id = id;
-        op->cmd = cmd;
-        op->dtype = dtype;
-        op->root = root;
-        op->priority = priority;
-        op->root_self = root_self;
-        op->buf = buf;
-        op->nbytes = nbytes;
+        BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes);
         {
             std::lock_guard<std::mutex> lock(mu_);
             const BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
@@ -446,6 +545,7 @@ class BpsWorkerCore {
         op->started = bps_now();
         op->parts_left = (int)op->parts.size();
         ops_[op->id] = op;
+        net_ops_++;
         for (size_t i = 0; i < op->parts.size(); ++i) {
             inbox_.push_back(BpsQueued{op->priority, 0, op, (int)i});
         }
@@ -545,7 +645,7 @@ class BpsWorkerCore {
     uint64_t bytes_sent(int server) { return server < (int)sent_.size() ? sent_[server].load() : 0; }
     uint64_t bytes_received(int server) { return server < (int)received_.size() ? received_[server].load() : 0; }
 
-    /* ZeroMQ's I/O thread is done with a zero-copy body. */
+    /* ZeroMQ's I/O thread, or byteps-net once a link wrote it, is done with a zero-copy body. */
     static void zc_free(void *, void *hint) {
         BpsZcHint *h = (BpsZcHint *)hint;
         if (h->op != nullptr) {
@@ -558,6 +658,90 @@ class BpsWorkerCore {
     }
 
   private:
+    static BpsOp *new_op(int64_t id, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, bool root_self,
+                         unsigned char *buf, uint64_t nbytes) {
+        BpsOp *op = new BpsOp();
+        op->id = id;
+        op->cmd = cmd;
+        op->dtype = dtype;
+        op->root = root;
+        op->priority = priority;
+        op->root_self = root_self;
+        op->buf = buf;
+        op->nbytes = nbytes;
+        return op;
+    }
+
+    /* The direct caller's wait for the reply of (its key, ``rnd``) on link ``l`` (its lock held):
+     * true once the reply was taken into the op, false when the window passed. */
+    bool direct_wait(BpsOp *op, int server, BpsLink *l, uint64_t rnd, bool *strays) {
+        BpsPart &p = op->parts[0];
+        double deadline = bps_now() + BPS_DIRECT_WINDOW_S;
+        BpsMessage msg;
+        for (;;) {
+            while (l->recv(&msg) > 0) {
+                BpsHeader h;
+                bool mine = msg.count >= 1 && bps_parse_header(msg.data(0), msg.size(0), &h) && h.key == p.key &&
+                            h.round == rnd;
+                if (!mine) { /* someone else's: byteps-net handles it, in arrival order */
+                    BpsMessage *keep = new BpsMessage();
+                    for (int i = 0; i < msg.count; ++i) msg.take(i, &keep->frames[i]);
+                    keep->count = msg.count;
+                    msg.count = 0;
+                    std::lock_guard<std::mutex> lock(mu_);
+                    strays_in_.push_back(std::make_pair(server, keep));
+                    *strays = true;
+                    continue;
+                }
+                received_[(size_t)server] += msg.size(0) + (msg.count > 1 ? msg.size(1) : 0);
+                uint64_t t_reply = bps_span_start();
+                bps_span(BPS_TRACE_PUSH, p.trace_t, p.key, rnd, p.length, server, op->priority);
+                if (h.cmd == BPS_CMD_REPLY) {
+                    receive(op, p, server, h, &msg);
+                    bps_span(BPS_TRACE_PULL, t_reply, p.key, rnd, p.length, server, op->priority);
+                } else if (h.cmd == BPS_CMD_ERROR) {
+                    set_error(op, BPS_ERR_SERVER, msg.count > 1 ? std::string((const char *)msg.data(1), msg.size(1)) : "{}");
+                } else {
+                    set_error(op, BPS_ERR_PROTOCOL,
+                              "unexpected command " + std::to_string(h.cmd) + " from server " + std::to_string(server));
+                }
+                return true;
+            }
+            if (l->dead()) return false; /* byteps-net adopts it; the scheduler reports the lost server */
+            if (l->wants_write()) l->flush();
+            double left = deadline - bps_now();
+            if (left <= 0) return false;
+            struct pollfd pfd = {l->fd(), (short)(POLLIN | (l->wants_write() ? POLLOUT : 0)), 0};
+            struct timespec ts = {0, (long)(left * 1e9)};
+            ppoll(&pfd, 1, &ts, nullptr);
+        }
+    }
+
+    /* Partitions direct callers handed over (their replies may be next on the link), and messages
+     * they read for others. Called before any link is read, and again for a reply nobody expects. */
+    void take_direct() {
+        std::vector<BpsQueued> adopt;
+        std::vector<std::pair<int, BpsMessage *>> strays;
+        bool abort;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            adopt.swap(adopt_in_);
+            strays.swap(strays_in_);
+            abort = abort_;
+        }
+        for (auto &a : adopt) {
+            BpsPart &p = a.op->parts[(size_t)a.part];
+            pending_[std::make_pair(p.key, a.seq)] = std::make_pair(a.op, a.part);
+            a.op->owed[p.server]++;
+            credit_.take(a.op->priority, (int64_t)p.length);
+            if (abort) fail(a.op, BPS_ERR_ABORT, "");
+        }
+        for (auto &m : strays) {
+            on_message(m.first, m.second);
+            delete m.second;
+        }
+    }
+
     void wake() {
         uint64_t one = 1;
         ssize_t rc = write(wake_fd_, &one, sizeof one);
@@ -572,36 +756,58 @@ class BpsWorkerCore {
 
     void run() {
         prctl(PR_SET_NAME, "byteps-net", 0, 0, 0);
-        std::vector<bps_zmq_pollitem> items(socks_.size() + 2);
-        for (size_t i = 0; i < socks_.size(); ++i) items[i] = bps_zmq_pollitem{socks_[i], 0, BPS_ZMQ_POLLIN, 0};
-        items[socks_.size()] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
+        const size_t nsocks = socks_.size();
+        const size_t wake_at = nsocks, router_at = nsocks + 1, links_at = nsocks + 2;
+        std::vector<bps_zmq_pollitem> items(links_at + links_.size());
+        for (size_t i = 0; i < nsocks; ++i) items[i] = bps_zmq_pollitem{socks_[i], 0, BPS_ZMQ_POLLIN, 0};
+        items[wake_at] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
         /* the local ROUTER, if any (a NULL socket with fd -1 is never ready) */
-        items[socks_.size() + 1] = bps_zmq_pollitem{router_, -1, (short)(router_ ? BPS_ZMQ_POLLIN : 0), 0};
-        int nitems = router_ ? (int)items.size() : (int)items.size() - 1;
+        items[router_at] = bps_zmq_pollitem{router_, -1, (short)(router_ ? BPS_ZMQ_POLLIN : 0), 0};
         BpsMessage msg;
         double next_check = 0;
         while (!stopping_) {
-            int rc = bps_zmq.poll(items.data(), nitems, 100);
+            bool buffered = false;
+            for (size_t i = 0; i < links_.size(); ++i) { /* a dead link, or one a direct caller holds: not polled */
+                BpsLink *l = direct_owned_[i].load() ? nullptr : live_link((int)i);
+                short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->wants_write() ? BPS_ZMQ_POLLOUT : 0));
+                items[links_at + i] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
+                buffered |= l != nullptr && l->pending_input(); /* whole messages in hand: no sleep */
+            }
+            int rc = bps_zmq.poll(items.data(), (int)items.size(), buffered ? 0 : 100);
             if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
-            if (items[socks_.size()].revents) {
+            if (items[wake_at].revents) {
                 uint64_t n;
                 ssize_t got = read(wake_fd_, &n, sizeof n);
                 (void)got;
             }
             take_inbox();
+            take_direct();
             take_stage_done();
-            if (router_ != nullptr && items[socks_.size() + 1].revents) {
+            if (router_ != nullptr && items[router_at].revents) {
                 for (int k = 0; k < 256; ++k) {
                     int got = bps_recv_message(router_, &msg);
                     if (got <= 0) break;
                     on_local(&msg);
                 }
             }
-            for (size_t i = 0; i < socks_.size(); ++i) {
+            for (size_t i = 0; i < nsocks; ++i) {
                 if (!items[i].revents) continue;
                 for (int k = 0; k < 256; ++k) { /* drain, bounded so the others get a turn */
                     int got = bps_recv_message(socks_[i], &msg);
                     if (got <= 0) break;
+                    on_message((int)i, &msg);
+                }
+            }
+            for (size_t i = 0; i < links_.size(); ++i) {
+                short ev = items[links_at + i].revents;
+                BpsLink *l = live_link((int)i);
+                if (l == nullptr || (!ev && !l->pending_input())) continue;
+                std::unique_lock<std::mutex> link_lock(*link_mu_[i], std::try_to_lock);
+                if (!link_lock) continue; /* a direct caller reads it now */
+                take_direct();            /* what it handed over comes before what we read next */
+                if (ev & BPS_ZMQ_POLLOUT) l->flush();
+                for (int k = 0; k < 256 && !l->dead(); ++k) {
+                    if (l->recv(&msg) <= 0) break;
                     on_message((int)i, &msg);
                 }
             }
@@ -613,6 +819,23 @@ class BpsWorkerCore {
             }
             flush_completions();
         }
+    }
+
+    /* Server ``server``'s direct link while it works, else NULL (ZeroMQ then carries its messages:
+     * a link breaks only when the server goes, and the scheduler reports that loss to everyone). */
+    BpsLink *live_link(int server) {
+        BpsLink *l = links_[(size_t)server].get();
+        return l != nullptr && !l->dead() ? l : nullptr;
+    }
+
+    /* Transport seam: one message to server ``server``. 0, or -1 with errno set. */
+    int send_server(int server, BpsFrames &f) {
+        BpsLink *l = live_link(server);
+        if (l == nullptr) return bps_zmq_send_frames(socks_[(size_t)server], f);
+        std::lock_guard<std::mutex> link_lock(*link_mu_[(size_t)server]); /* a direct caller may hold it briefly */
+        if (l->send(f) == 0) return 0;
+        errno = ECONNRESET;
+        return -1;
     }
 
     void take_inbox() {
@@ -659,8 +882,8 @@ class BpsWorkerCore {
                 std::lock_guard<std::mutex> lock(mu_);
                 for (auto &kv : ops_) all.push_back(kv.second);
             }
-            for (BpsOp *op : all) {
-                if (!op->done.load()) fail(op, BPS_ERR_ABORT, "");
+            for (BpsOp *op : all) { /* a direct caller's op fails when it is handed over (take_direct) */
+                if (!op->done.load() && !op->direct.load()) fail(op, BPS_ERR_ABORT, "");
             }
             pending_.clear();
             credit_.clear();
@@ -672,29 +895,20 @@ class BpsWorkerCore {
     }
 
     void send_raw_now(BpsRawSend *m) {
-        void *sock;
-        int rc = 0;
+        BpsFrames f;
+        f.copy(m->header.data(), m->header.size());
+        if (m->zc_data != nullptr)
+            f.zero_copy(m->zc_data, m->zc_len, &BpsWorkerCore::zc_free, new BpsZcHint{this, nullptr, m->token});
+        else
+            f.copy(m->body.data(), m->body.size());
         if (m->server >= 0) {
-            sock = socks_[m->server];
+            send_server(m->server, f);
         } else if (m->server == BPS_TO_ROUTER) {
-            sock = router_;
-            rc = bps_send_copy(sock, m->ident.data(), m->ident.size(), true);
+            bps_zmq_send_frames(router_, f, &m->ident);
         } else {
-            sock = peers_[-2 - m->server];
+            bps_zmq_send_frames(peers_[-2 - m->server], f);
         }
-        if (rc == 0) rc = bps_send_copy(sock, m->header.data(), m->header.size(), true);
-        size_t n = m->body.size();
-        if (rc == 0 && m->zc_data != nullptr) {
-            n = m->zc_len;
-            BpsZcHint *h = new BpsZcHint{this, nullptr, m->token};
-            rc = bps_send_zero_copy(sock, m->zc_data, m->zc_len, false, &BpsWorkerCore::zc_free, h);
-        } else if (rc == 0) {
-            rc = bps_send_copy(sock, m->body.data(), m->body.size(), false);
-        } else if (m->zc_data != nullptr) {
-            std::lock_guard<std::mutex> lock(zc_mu_);
-            released_.push_back(m->token);
-        }
-        (void)n; /* Python counts its own messages (Engine.bytes_sent) */
+        /* Python counts its own messages (Engine.bytes_sent); a failed send released the body */
     }
 
     /* the credit counts bytes of this priority or a more urgent one (core/bps_queue.h says why) */
@@ -732,19 +946,17 @@ class BpsWorkerCore {
         uint64_t body_len = empty ? 0 : (flags ? BPS_DESCRIPTOR_SIZE : p.length);
         BpsHeader h = bps_header(op->cmd, node_id_, p.key, rnd, flags ? p.length : body_len, op->dtype,
                                  op->root, flags);
-        void *sock = socks_[p.server];
-        int rc = bps_send_copy(sock, &h, sizeof h, true);
-        if (rc == 0) {
-            if (flags) {
-                rc = bps_send_copy(sock, &p.desc, sizeof p.desc, false);
-            } else if (body_len < 65536) {
-                rc = bps_send_copy(sock, data, body_len, false);
-            } else { /* zero-copy from the tensor: ZeroMQ reads it while it is on the wire */
-                op->zero_copy.fetch_add(1);
-                BpsZcHint *hint = new BpsZcHint{this, op, -1};
-                rc = bps_send_zero_copy(sock, (void *)data, body_len, false, &BpsWorkerCore::zc_free, hint);
-            }
+        BpsFrames f;
+        f.copy(&h, sizeof h);
+        if (flags) {
+            f.copy(&p.desc, sizeof p.desc);
+        } else if (body_len < 65536) {
+            f.copy(data, body_len);
+        } else { /* zero-copy from the tensor: the transport reads it while it is on the wire */
+            op->zero_copy.fetch_add(1);
+            f.zero_copy((void *)data, body_len, &BpsWorkerCore::zc_free, new BpsZcHint{this, op, -1});
         }
+        int rc = send_server(p.server, f);
         if (rc != 0) {
             fail(op, BPS_ERR_PROTOCOL, std::string("tensor '") + op->name + "': sending to server " +
                                            std::to_string(p.server) + " failed: " + strerror(errno));
@@ -779,6 +991,10 @@ class BpsWorkerCore {
             return;
         }
         auto it = pending_.find(std::make_pair(h.key, h.round));
+        if (it == pending_.end()) {
+            take_direct(); /* a partition a direct caller handed over just now? */
+            it = pending_.find(std::make_pair(h.key, h.round));
+        }
         if (it == pending_.end()) {
             forward(server, m); /* Python's partition, or an op that failed already */
             return;
@@ -879,6 +1095,7 @@ class BpsWorkerCore {
         op->parts_left = 0;
         {
             std::lock_guard<std::mutex> lock(mu_);
+            if (!op->done.load()) net_ops_--;
             op->done.store(true);
             /* A caller blocked in wait_op() sees the op done under this same mutex and delivers it
              * itself, so the completion thread is not told about it: the two would only contend for
@@ -903,7 +1120,7 @@ class BpsWorkerCore {
             std::lock_guard<std::mutex> lock(mu_);
             for (auto &kv : ops_) {
                 BpsOp *op = kv.second;
-                if (!op->done.load() && now - op->started > timeout_) late.push_back(op);
+                if (!op->done.load() && !op->direct.load() && now - op->started > timeout_) late.push_back(op);
             }
         }
         for (BpsOp *op : late) {
@@ -1260,6 +1477,10 @@ class BpsWorkerCore {
     int notify_fd_;
     int wake_fd_, done_fd_;
     std::vector<void *> socks_;
+    std::vector<std::unique_ptr<BpsLink>> links_; /* per server: its direct TCP link, or NULL */
+    std::vector<std::unique_ptr<std::mutex>> link_mu_; /* per server: who writes or reads its link now */
+    std::deque<std::atomic<bool>> direct_owned_;      /* per server: a direct caller holds its link */
+    std::atomic<uint64_t> direct_calls_{0};
     std::deque<std::atomic<uint64_t>> sent_, received_;
     std::thread thread_;
     std::atomic<bool> stopping_{false};
@@ -1273,6 +1494,9 @@ class BpsWorkerCore {
     std::vector<int64_t> completed_;
     std::vector<BpsForward> forward_;
     bool abort_ = false;
+    int64_t net_ops_ = 0;                       /* ops byteps-net runs that are not done: a direct call needs 0 */
+    std::vector<BpsQueued> adopt_in_;           /* direct partitions handed over (seq: their round) */
+    std::vector<std::pair<int, BpsMessage *>> strays_in_; /* messages direct callers read for others */
     std::vector<std::string> allow_in_;                   /* identities Python admitted */
     std::vector<std::pair<Ident, int>> claims_in_;        /* partitions Python took */
     std::vector<std::vector<std::string>> forward_local_; /* local messages for Python */

@@ -167,14 +167,16 @@ class Engine:
             self.stop()
             raise self.failure
 
-    def submit(self, op):
+    def submit(self, op, sync=False):
+        """Start ``op``. ``sync``: the caller waits for it at once (a synchronous API call), so a small
+        op may run its round trip on this thread (BpsWorkerCore::submit_direct)."""
         if self.failure is not None:
             raise self.failure
         if self._local_exec is not None and self._local_exec.takes(op):
             self._local_exec.enqueue(op)  # in submission order; it runs once the key is known
         elif self._native is not None and not self._inbox and self._native_eligible(op):
             key = self._keys.get((op.name, op.spec))
-            if key is not None and self._native_submit(op, key):  # declared before: no engine hop
+            if key is not None and self._native_submit(op, key, sync):  # declared before: no engine hop
                 return op
         self._inbox.append(op)
         self._wake()
@@ -243,6 +245,7 @@ class Engine:
         for sock in self.servers:
             self.poller.unregister(sock)
             core.add_server(sock)
+        self._open_links(core)
         # the local reduce too, unless the topology executor does it (core/local_exec.py)
         if self.local is not None and self.cfg.native_local and self.cfg.local_strategy != "topology":
             self.poller.unregister(self._local_sock)
@@ -259,7 +262,58 @@ class Engine:
         self._native = core
         self._completer = threading.Thread(target=self._deliver_native, name="byteps-complete", daemon=True)
         self._completer.start()
-        logger.info("native data plane: partitions to %d servers on thread byteps-net", len(self.servers))
+        logger.info("native data plane: partitions to %d servers on thread byteps-net (%d over direct TCP links)",
+                    len(self.servers), core.links_up)
+
+    def _open_links(self, core):
+        """Direct TCP links to the servers (core/bps_link.h): ask each for a one-time token over the
+        authenticated ZeroMQ socket, connect, present it, and hand the socket to the native thread. A
+        server that has none (its Python loop, BYTEPS_DIRECT_TCP=0 there) stays on ZeroMQ."""
+        if not self.cfg.direct_tcp:
+            return
+        poller, asked = zmq.Poller(), {}
+        for i, sock in enumerate(self.servers):
+            sock.send_multipart(wire.control(Cmd.LINK, self.control.node_id))
+            poller.register(sock, zmq.POLLIN)
+            asked[sock] = i
+        answers, limit = {}, min(self.cfg.timeout, 10.0)
+        deadline = time.monotonic() + limit
+        while asked and time.monotonic() < deadline:
+            for sock, _ in poller.poll(timeout=100):
+                frames = sock.recv_multipart()
+                try:
+                    header = wire.unpack(frames[0])
+                    if header.cmd == Cmd.LINK:
+                        answers[asked.pop(sock)] = wire.decode(frames[1]) if len(frames) > 1 else {}
+                except ProtocolError as e:
+                    logger.warning("malformed answer while opening direct links: %s", e)
+                # anything else here is a late PROBE echo (a timed-out probe): dropped
+        for sock, i in asked.items():
+            logger.warning("server %d did not answer LINK within %g s: its data goes through ZeroMQ", i, limit)
+        for i, answer in sorted(answers.items()):
+            info = self.book["servers"][i]
+            if "error" in answer:
+                logger.info("server %d: %s; its data goes through ZeroMQ", i, answer["error"])
+                continue
+            try:
+                fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
+                                         self.servers[i].getsockopt(zmq.IDENTITY), self.control.node_id,
+                                         min(self.cfg.timeout, 10.0))
+            except (OSError, ValueError, KeyError, ProtocolError) as e:
+                logger.warning("no direct link to server %d (%s:%s): %s; its data goes through ZeroMQ", i,
+                               info["host"], answer.get("port"), e)
+                continue
+            core.add_link(i, fd)
+
+    @property
+    def native_direct_calls(self):
+        """Synchronous calls whose round trip ran on the caller's thread (tests check the path ran)."""
+        return self._native.direct_calls if self._native is not None else 0
+
+    @property
+    def native_links(self):
+        """Servers this worker reaches over a working direct TCP link (tests check the path really ran)."""
+        return self._native.links_up if self._native is not None else 0
 
     def _native_eligible(self, op):
         """Ops the native thread runs whole: plain push_pulls (through the machine's local reduce when
@@ -300,9 +354,10 @@ class Engine:
             entry = self._native_parts[ident] = (self._native.add_table(op.name, rows), len(parts))
         return entry
 
-    def _native_submit(self, op, tkey):
-        """Hand ``op`` to the native thread; False if it refused (a local-reduce op after join(): the
-        caller runs it in Python)."""
+    def _native_submit(self, op, tkey, sync=False):
+        """Hand ``op`` to the native thread (``sync``: or run it on this thread if it is small and the
+        native thread idle); False if it refused (a local-reduce op after join(): the caller runs it
+        in Python)."""
         op.tkey = tkey
         table, count = self._native_table(op, tkey)
         if not count:  # an empty tensor: nothing to send
@@ -311,8 +366,10 @@ class Engine:
         nid = next(self._native_ids)
         op.parts_left = count
         self._native_ops[nid] = op  # before submit: the completion thread may deliver it at once
-        if not self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority,
-                                   op.cmd == Cmd.BROADCAST and op.root == self.rank, op.buf):
+        root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
+        if not (sync and count == 1 and self._native.submit_direct(nid, table, op.cmd, op.dtype, op.root,
+                                                                   op.priority, root_self, op.buf)) and \
+                not self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority, root_self, op.buf):
             del self._native_ops[nid]
             return False
         self.native_submitted += 1

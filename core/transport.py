@@ -13,7 +13,14 @@ version of the same interface.
 Frames below :data:`COPY_BELOW` bytes arrive as ``bytes``; larger ones as zero-copy frames that
 support ``len()`` and the buffer protocol (wrap them in ``memoryview`` for slicing).
 """
+import socket
+import struct
+
 import zmq
+
+from byteps.errors import ProtocolError
+
+from . import wire
 
 try:
     from byteps.core import _transport
@@ -58,3 +65,72 @@ def wrap(sock, direct=True, copy_below=COPY_BELOW):
     if direct and direct_available()[0]:
         return _transport.FastSocket(sock, copy_below)
     return PyzmqSocket(sock, copy_below)
+
+
+# ---------------------------------------------------------------- direct links (core/bps_link.h)
+# The native threads own a link once it is up; Python only opens it: the LINK request over ZeroMQ,
+# then the token on the new TCP socket and the server's answer, in the link's framing.
+
+LINK_MAGIC = 0x4B4C5042  # "BPLK"
+_LINK_HEAD = struct.Struct("<II")
+TOKEN_BYTES = 16
+
+
+def link_pack(frames):
+    """One message in the link's framing: magic, frame count, each frame's length, the frames."""
+    lens = struct.pack(f"<{len(frames)}Q", *(len(f) for f in frames))
+    return b"".join([_LINK_HEAD.pack(LINK_MAGIC, len(frames)), lens, *frames])
+
+
+def link_recv(sock):
+    """Read one whole message from a blocking socket (its timeout applies); ProtocolError if malformed."""
+    magic, count = _LINK_HEAD.unpack(_read_exactly(sock, _LINK_HEAD.size))
+    if magic != LINK_MAGIC or not 1 <= count <= 8:
+        raise ProtocolError(f"not a byteps link message (magic {magic:#x}, {count} frames)")
+    lens = struct.unpack(f"<{count}Q", _read_exactly(sock, 8 * count))
+    if any(n > wire.MAX_CONTROL_BODY for n in lens):
+        raise ProtocolError(f"link handshake frame of {max(lens)} bytes")
+    return [_read_exactly(sock, n) for n in lens]
+
+
+def _read_exactly(sock, n):
+    buf = bytearray()
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            raise ConnectionError("the server closed the link during its handshake")
+        buf += got
+    return bytes(buf)
+
+
+def open_link(host, port, token, identity, node_id, timeout):
+    """Connect a direct link and present ``token`` for ``identity``; the connected socket's fd (now the
+    caller's) once the server accepted it. OSError/ProtocolError/ConnectionError if it did not."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(link_pack([wire.pack(wire.Cmd.LINK, sender=node_id, length=TOKEN_BYTES + len(identity)),
+                                token + identity]))
+        frames = link_recv(sock)
+        header = wire.unpack(frames[0])
+        if header.cmd != wire.Cmd.LINK or header.arg != 1:
+            raise ConnectionError(f"the server refused the link ({wire.Cmd(header.cmd).name}, arg {header.arg})")
+        sock.setblocking(False)
+        return sock.detach()
+    finally:
+        sock.close()  # after detach() this closes nothing
+
+
+def listen_link(host):
+    """A listening socket for workers' links on ``host`` (random port): (fd, port); the fd is the caller's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(128)
+        sock.setblocking(False)
+        port = sock.getsockname()[1]
+        return sock.detach(), port
+    finally:
+        sock.close()

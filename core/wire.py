@@ -80,6 +80,9 @@ class Cmd(enum.IntEnum):
                          # reply: the server's latest parameters (docs/async.md)
     PROBE = 27         # worker -> server: any bytes; reply: PROBE with the same bytes (byteps/autotune.py
                        # measures round trip and bandwidth with it before choosing the partition size)
+    LINK = 28          # worker -> server (authenticated, over ZeroMQ): may I open a direct TCP link? reply:
+                       # LINK {port, token} or {error}; then, first on the new link: LINK with token + identity,
+                       # answered by LINK with arg 1 (accepted) or 0 (core/bps_link.h)
 
 
 _CMDS = frozenset(int(c) for c in Cmd)

@@ -89,6 +89,9 @@ cdef extern from "bps_server.h" nogil:
         void set_join(cbool done, const vector[int64_t] &joined, int64_t active_pushers)
         void reset()
         void admit(const string &ident, cbool ok)
+        void set_listener(int fd)
+        void expect_link(const string &ident, const string &token)
+        uint64_t links_accepted()
         void send(BpsServerSend *m)
         void forwarded(vector[BpsServerForward *] *out)
         void logs(vector[string] *out)
@@ -205,6 +208,22 @@ cdef class ServerCore:
             del self.core
             self.core = NULL
 
+    def set_listener(self, int fd):
+        """Hand over a listening TCP socket for workers' direct links (core/bps_link.h), before start();
+        the native thread owns the fd from now on and closes it."""
+        self.core.set_listener(fd)
+
+    def expect_link(self, bytes ident, bytes token):
+        """Admit one direct link from ``ident`` (authenticated) that presents ``token`` (16 bytes)."""
+        if len(token) != 16:
+            raise ValueError(f"a link token is 16 bytes, not {len(token)}")
+        self.core.expect_link(ident, token)
+
+    @property
+    def links_accepted(self):
+        """Direct links accepted so far (tests and logs check the path really ran)."""
+        return self.core.links_accepted()
+
     def start(self):
         self.core.start()
 
@@ -291,5 +310,7 @@ cdef class ServerCore:
         return list(got)
 
     def stats(self):
-        """Counters: pushes handled natively, rounds completed, messages forwarded to Python."""
-        return {"pushes": self.core.pushes(), "rounds": self.core.rounds(), "forwarded": self.core.forwards()}
+        """Counters: pushes handled natively, rounds completed, messages forwarded to Python, direct links
+        accepted."""
+        return {"pushes": self.core.pushes(), "rounds": self.core.rounds(), "forwarded": self.core.forwards(),
+                "links": self.core.links_accepted()}

@@ -175,6 +175,7 @@ class Server:
         self.core = None
         self._zero_copy = {}  # token -> a body ZeroMQ still reads (sent through the native thread)
         self._tokens = itertools.count()
+        self.link_port = None  # where workers open direct links to the native thread, once it listens
 
     # ---------------------------------------------------------------- control plane
 
@@ -275,6 +276,13 @@ class Server:
         # anything Python received before the hand-over was handled already: the socket is idle here
         core = _server_core.ServerCore(self.data, self.gate.secret is not None, self.alloc is not None,
                                        self.cfg.server_engine_threads, get_num_threads())
+        if self.cfg.direct_tcp:  # workers' direct links (core/bps_link.h); ZeroMQ serves them meanwhile
+            try:
+                fd, self.link_port = transport.listen_link(self.cfg.node_host)
+                core.set_listener(fd)
+            except OSError as e:
+                logger.info("no direct links (cannot listen on %s: %s): workers' data goes through ZeroMQ",
+                            self.cfg.node_host, e)
         for ident in self.gate.admitted():
             core.admit(ident, True)
         if timeline.recorder is not None:
@@ -372,6 +380,18 @@ class Server:
         self._send([ident, wire.pack(Cmd.PROBE, sender=self.control.node_id, key=header.key, round=header.round,
                                      length=len(body)), body], copy=False)
 
+    def _on_link(self, ident):
+        """LINK from an authenticated worker: a one-time token for a direct TCP link (core/bps_link.h),
+        or why not (the worker then stays on ZeroMQ)."""
+        self._discard_rest()
+        if self.core is None or self.link_port is None:
+            answer = {"error": "this server has no direct links (BYTEPS_NATIVE=0 or BYTEPS_DIRECT_TCP=0 here)"}
+        else:
+            token = os.urandom(transport.TOKEN_BYTES)
+            self.core.expect_link(ident, token)  # queued before the answer below: the token is known first
+            answer = {"port": self.link_port, "token": token.hex()}
+        self._send([ident] + wire.control(Cmd.LINK, self.control.node_id, answer))
+
     def _on_data(self):
         """Handle one data-plane message; False if none was queued."""
         frames = self.fast.recv_multipart()
@@ -400,6 +420,9 @@ class Server:
                 return True
             if header.cmd == Cmd.PROBE:
                 self._on_probe(ident, header)
+                return True
+            if header.cmd == Cmd.LINK:
+                self._on_link(ident)
                 return True
             if header.cmd not in (Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.ASYNC_PUSHPULL):
                 raise ProtocolError(f"{Cmd(header.cmd).name} is not a data request")

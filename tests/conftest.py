@@ -7,6 +7,7 @@ process is killed and reaped at teardown, and each wait is bounded.
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -143,6 +144,48 @@ class Run:
 
     def values(self, section=None):
         return [self.value(r, section) for r in range(self.n)]
+
+
+def server_data_port(pid, wait=20.0):
+    """The ZeroMQ data port of the server process ``pid``: of its listening TCP ports, the one that
+    greets a new connection with ZMTP's signature (0xFF first); its direct-link listener
+    (core/bps_link.h) says nothing until spoken to."""
+    import psutil
+
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        ports = sorted(c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
+                       if c.status == psutil.CONN_LISTEN)
+        for port in ports:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                try:
+                    if s.recv(1) == b"\xff":
+                        return port
+                except OSError:  # no greeting: the link listener
+                    pass
+        time.sleep(0.1)
+    raise AssertionError(f"server {pid} listens on no ZeroMQ port")
+
+
+def member_dealer(ctx, port):
+    """A DEALER to a server's data port that has passed the job's handshake (core/auth.py), as a
+    worker's has: (socket, identity). Messages sent at once are held until the AUTH is checked."""
+    import zmq
+
+    from byteps.core import auth, wire
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    ident = auth.new_identity()
+    sock.setsockopt(zmq.IDENTITY, ident)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    knock = auth.Knock(FAST_ENV["BYTEPS_JOB_SECRET"].encode(), ident)
+    sock.send_multipart(wire.control(wire.Cmd.HELLO, body=knock.hello()))
+    assert sock.poll(20000), "no CHALLENGE"
+    header, body = sock.recv_multipart()
+    assert wire.unpack(header).cmd == wire.Cmd.CHALLENGE
+    sock.send_multipart(wire.control(wire.Cmd.AUTH, body={"mac": knock.answer(wire.decode(body), "server")}))
+    return sock, ident
 
 
 def memfd_arenas(pid):

@@ -6,18 +6,12 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
 import zmq
 
-from byteps.core import wire
-
-
-def _server_port(server_pid):
-    for conn in psutil.Process(server_pid).net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN:
-            return conn.laddr.port
-    raise AssertionError("the server listens on no port")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
+from conftest import server_data_port  # noqa: E402
+from byteps.core import wire  # noqa: E402
 
 
 @pytest.mark.timeout(90)
@@ -43,7 +37,7 @@ def test_worker_with_wrong_secret_is_refused_and_job_goes_on(cluster):
 def test_unauthenticated_data_never_enters_a_sum(cluster):
     c = cluster(2, 1)
     time.sleep(0.5)
-    port = _server_port(c.servers[0].pid)
+    port = server_data_port(c.servers[0].pid)
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)

@@ -3,15 +3,15 @@ overrides, the probe's arithmetic, and the servers' PROBE echo over an authentic
 import math
 import os
 import sys
-import time
 
-import psutil
 import pytest
 import zmq
 
-from byteps import autotune
-from byteps.core import auth, wire
-from byteps.errors import ConfigError
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
+from conftest import server_data_port  # noqa: E402
+from byteps import autotune  # noqa: E402
+from byteps.core import auth, wire  # noqa: E402
+from byteps.errors import ConfigError  # noqa: E402
 
 GBIT = 1e9 / 8
 
@@ -142,16 +142,6 @@ def test_probe_rejects_a_wrong_echo():
         autotune.probe(lambda p: p, sizes=(64,))
 
 
-def _server_port(pid):
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        for conn in psutil.Process(pid).net_connections(kind="tcp"):
-            if conn.status == psutil.CONN_LISTEN:
-                return conn.laddr.port
-        time.sleep(0.1)
-    raise AssertionError("the server listens on no port")
-
-
 def _knock(sock, secret):
     knock = auth.Knock(secret, sock.getsockopt(zmq.IDENTITY))
     sock.send_multipart(wire.control(wire.Cmd.HELLO, 0, knock.hello()))
@@ -164,7 +154,7 @@ def _knock(sock, secret):
 @pytest.mark.timeout(90)
 def test_server_echoes_probe_to_authenticated_peers_only(cluster):
     c = cluster(1, 1)
-    port = _server_port(c.servers[0].pid)
+    port = server_data_port(c.servers[0].pid)
     ctx = zmq.Context()
     try:
         stranger = ctx.socket(zmq.DEALER)

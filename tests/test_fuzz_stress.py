@@ -35,7 +35,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
-from conftest import FAST_ENV  # noqa: E402
+from conftest import FAST_ENV, server_data_port  # noqa: E402
 
 from byteps.core import auth, shm, wire  # noqa: E402
 from byteps.errors import ProtocolError  # noqa: E402
@@ -306,7 +306,7 @@ def live_fuzz(cluster, frames_per_peer, seed, layout="2x1", ipc="1"):
         assert time.monotonic() < deadline and all(p.poll() is None for p in c.workers), c.all_logs()
         time.sleep(0.05)
     secret = FAST_ENV["BYTEPS_JOB_SECRET"].encode()
-    targets = [(f"server{i}", p.pid, _ports(p.pid)[0]) for i, p in enumerate(c.servers)]
+    targets = [(f"server{i}", p.pid, server_data_port(p.pid)) for i, p in enumerate(c.servers)]
     if local > 1:  # each worker's local-reduce ROUTER
         targets += [(f"worker0.{lr}", p.pid, _ports(p.pid)[0]) for lr, p in enumerate(c.workers)]
     before = {name: _memory(pid) for name, pid, _ in targets}
@@ -353,7 +353,7 @@ def live_fuzz(cluster, frames_per_peer, seed, layout="2x1", ipc="1"):
     # a stranger gets handshake answers (a CHALLENGE; the scheduler's refusal), never data or job state
     assert set(summary["stranger_answers"]) <= {"CHALLENGE"}, summary
     assert set(summary["scheduler_answers"]) <= {"CHALLENGE", "ERROR"}, summary
-    assert set(summary["member_answers"]) <= {"CHALLENGE", "REPLY", "ERROR", "PROBE"}, summary  # PROBE: echoed
+    assert set(summary["member_answers"]) <= {"CHALLENGE", "REPLY", "ERROR", "PROBE", "LINK"}, summary  # PROBE: echoed; LINK: a token
     # the job still sums exactly
     open(os.path.join(c.tmp, "go"), "w").close()
     codes, scodes, sched = c.wait_all(120)

@@ -17,15 +17,14 @@ import sys
 import time
 
 import numpy as np
-import psutil
 import pytest
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
-from conftest import FAST_ENV  # noqa: E402
+from conftest import member_dealer, server_data_port  # noqa: E402
 from test_push_pull import SMALL_SHAPES, check_matrix  # noqa: E402
 
-from byteps.core import auth, shm, wire  # noqa: E402
+from byteps.core import shm, wire  # noqa: E402
 from byteps.errors import ProtocolError  # noqa: E402
 from byteps.core.wire import Cmd  # noqa: E402
 
@@ -196,25 +195,10 @@ def _by_key(answers):
     return out
 
 
-def _server_port(pid):
-    return sorted(c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
-                  if c.status == psutil.CONN_LISTEN)[0]
-
-
 def _answers(port):
     ctx = zmq.Context()
     try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        ident = auth.new_identity()
-        sock.setsockopt(zmq.IDENTITY, ident)
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        knock = auth.Knock(FAST_ENV["BYTEPS_JOB_SECRET"].encode(), ident)
-        sock.send_multipart(wire.control(Cmd.HELLO, body=knock.hello()))
-        assert sock.poll(20000), "no CHALLENGE"
-        header, body = sock.recv_multipart()
-        assert wire.unpack(header).cmd == Cmd.CHALLENGE
-        sock.send_multipart(wire.control(Cmd.AUTH, body={"mac": knock.answer(wire.decode(body), "server")}))
+        sock, _ = member_dealer(ctx, port)
         for frames in SCRIPT:  # sent at once: the server holds them until the AUTH is checked
             sock.send_multipart(frames)
         out = []
@@ -239,7 +223,7 @@ def test_same_answers_native_and_python(cluster, native):
     while not all(os.path.exists(os.path.join(c.tmp, f"progress.{r}")) for r in (0, 1)):
         assert time.monotonic() < deadline and all(p.poll() is None for p in c.workers), c.all_logs()
         time.sleep(0.05)
-    got = _answers(_server_port(c.servers[0].pid))
+    got = _answers(server_data_port(c.servers[0].pid))
     open(os.path.join(c.tmp, "go"), "w").close()
     codes, scodes, sched = c.wait_all(120)
     # per key in order (answers of different keys may interleave: Python answers its keys on its own thread)

@@ -31,7 +31,8 @@ def test_wheel_contents(wheel):
     assert any(n.startswith("byteps/core/_reduce") and n.endswith(".so") for n in names), names
     assert not any(n.endswith(".c") for n in names), "generated C sources must not ship"
     for pkg in ["byteps/__init__.py", "byteps/VERSION", "byteps/core/engine.py", "byteps/server/server.py",
-                "byteps/scheduler/scheduler.py", "byteps/torch/__init__.py", "byteps/topology/__init__.py"]:
+                "byteps/scheduler/scheduler.py", "byteps/torch/__init__.py", "byteps/topology/__init__.py",
+                "byteps/ray/executor.py", "byteps/cluster_env.py"]:
         assert pkg in names, pkg
     assert any(n.endswith("entry_points.txt") for n in names)
 

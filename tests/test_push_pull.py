@@ -40,11 +40,11 @@ SMALL_SHAPES = [(), (0,), (5,), (1001,)]
 PARTITION_ENV = {"BYTEPS_PARTITION_BYTES": "1000"}
 
 
-def specs(shapes, extreme=True, order_free=False):
-    """Every (dtype, kind, shape, sum/average). ``order_free`` drops non-integer floats, whose sum
-    depends on the summation tree (a local reduce adds a machine's values before the server)."""
+def specs(shapes, extreme=True, order_free=False, dtypes=None):
+    """Every (dtype, kind, shape, sum/average), of ``dtypes`` if given. ``order_free`` drops non-integer
+    floats, whose sum depends on the summation tree (a local reduce adds a machine's values before the server)."""
     out = []
-    for dtype in DTYPES:
+    for dtype in dtypes or DTYPES:
         kinds = ["int", "rand"] if dtype in FLOATS else (["rand", "extreme"] if extreme else ["rand"])
         if order_free and dtype in FLOATS:
             kinds = ["int"]
@@ -77,13 +77,13 @@ def candidates(spec, n, rnd):
 
 
 def check_matrix(cluster, machines, k, shapes, rounds=2, extreme=True, ipc=True, local_size=1, push="owners",
-                 extra_env=None, colocated=None):
+                 extra_env=None, colocated=None, dtypes=None):
     env = dict(PARTITION_ENV, BYTEPS_ENABLE_IPC="1" if ipc else "0", BYTEPS_LOCAL_PUSH=push, **(extra_env or {}))
     colocated = ipc if colocated is None else colocated
     n = machines * local_size  # ranks
     if n == 1:
         env["BYTEPS_FORCE_DISTRIBUTED"] = "1"
-    all_specs = specs(shapes, extreme, order_free=local_size > 1)
+    all_specs = specs(shapes, extreme, order_free=local_size > 1, dtypes=dtypes)
     c = cluster(machines, k, local_size=local_size, env=env)
     c.run_workers("torch_sums", {"tensors": all_specs, "rounds": rounds})
     codes, server_codes, sched_code = c.wait_all(90)

@@ -110,7 +110,9 @@ def _device_buffer(work):
     return arr
 
 
-def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None):
+def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None,
+           sync=False):
+    """Submit one operation (``sync``: the caller synchronizes it at once; common.submit)."""
     name = name if name is not None else common.auto_name(prefix)
     code = dtype_code(tensor, name, move=root is not None)
     work, write_back, buf = _buffers(tensor, push_pull=root is None and not asynchronous, name=name)
@@ -128,7 +130,7 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
         return work
 
     return common.submit(name, buf, code, _wire_shape(tensor), broadcast_root=root, priority=priority,
-                         finalize=finalize, asynchronous=asynchronous, compression=compression)
+                         finalize=finalize, asynchronous=asynchronous, compression=compression, sync=sync)
 
 
 def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority=0, compression=None):
@@ -187,7 +189,7 @@ def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0, co
     """Synchronous :func:`push_pull_async_inplace`; returns ``tensor``. Unnamed calls share one name per
     dtype and shape (``push_pull.sync.<dtype>.<shape>``), so repeated calls reuse one key."""
     name = name if name is not None else _unnamed_sync("push_pull", tensor)
-    return synchronize(push_pull_async_inplace(tensor, average, name, version, priority, compression))
+    return synchronize(_start(tensor, name, average, priority, compression=_wire(compression), sync=True))
 
 
 class _PushPull(torch.autograd.Function):
@@ -195,12 +197,12 @@ class _PushPull(torch.autograd.Function):
     def forward(ctx, tensor, average, name, version, priority, codec=None):
         ctx.average, ctx.name, ctx.codec = average, name, codec
         name = name if name is not None else _unnamed_sync("push_pull", tensor)
-        return synchronize(push_pull_async(tensor, average, name, version, priority, codec))
+        return synchronize(_start(out_of_place(tensor), name, average, priority, compression=_wire(codec), sync=True))
 
     @staticmethod
     def backward(ctx, grad):
         name = _unnamed_sync("push_pull.grad", grad) if ctx.name is None else f"{ctx.name}.grad"
-        out = synchronize(push_pull_async(grad, ctx.average, name, compression=ctx.codec))
+        out = synchronize(_start(out_of_place(grad), name, ctx.average, 0, compression=_wire(ctx.codec), sync=True))
         return out, None, None, None, None, None
 
 

@@ -1,0 +1,365 @@
+/* The transport seam of the native threads: a message is up to 8 frames, sent over a ZeroMQ socket or
+ * over a direct TCP link.
+ *
+ * Why a direct link: every ZeroMQ message crosses ZeroMQ's I/O thread on both sides, two more thread
+ * wake-ups per hop. On a 2-core host a ZeroMQ round trip measured 91-168 us against 9-36 us for the
+ * same bytes over a plain TCP socket (docs/benchmarks.md), and a synchronous push_pull is a round trip.
+ * So once a worker and a server have authenticated over ZeroMQ, the worker asks the server for a link
+ * (Cmd.LINK: the server answers a port and a one-time token), connects a TCP socket, presents the
+ * token, and from then on the native threads (byteps-net, byteps-serve) write and read that socket
+ * themselves, with no thread in between. ZeroMQ stays for the control plane, for peers without a link
+ * (the Python loops, BYTEPS_DIRECT_TCP=0) and as the fallback when a link breaks.
+ *
+ * Framing on a link (little-endian):
+ *
+ *     u32 magic "BPLK" | u32 frame count n (1..8) | n x u64 frame length | the frames, back to back
+ *
+ * Frames are what ZeroMQ would have carried (a ROUTER's identity frame is not sent: the server knows
+ * who is on each link). Received frames are ZeroMQ messages (zmq_msg_init_size), so BpsMessage and
+ * everything that takes frames out of it work unchanged; a large frame is read straight into its
+ * message, small ones are copied out of a 256 KB read buffer (one recv for many small messages).
+ *
+ * Sends never block: what the socket does not take at once is queued and written when it is writable
+ * (POLLOUT). A zero-copy frame is read in place until it is written, then its free function runs on
+ * the sending thread, as ZeroMQ's would on its I/O thread; a frame that is never sent is released too.
+ */
+#ifndef BPS_LINK_H
+#define BPS_LINK_H
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "bps_zmq.h"
+
+static const uint32_t BPS_LINK_MAGIC = 0x4B4C5042u; /* "BPLK" */
+static const int BPS_LINK_MAX_FRAMES = 8;
+static const uint64_t BPS_LINK_MAX_FRAME = 1ull << 34; /* wire.MAX_BODY is 2^33: a bound, not a limit */
+static const size_t BPS_LINK_READ_BUFFER = 256 << 10;
+static const size_t BPS_LINK_DIRECT_READ = 64 << 10; /* larger frames are read straight into their message */
+
+/* One frame to send: copied (ffn NULL) or read in place until ffn(data, hint) runs. */
+struct BpsOutFrame {
+    const void *data;
+    size_t len;
+    bps_zmq_free_fn *ffn;
+    void *hint;
+};
+
+/* A message to send, built frame by frame. */
+struct BpsFrames {
+    BpsOutFrame f[BPS_LINK_MAX_FRAMES];
+    int n = 0;
+
+    void copy(const void *data, size_t len) { f[n++] = BpsOutFrame{data, len, nullptr, nullptr}; }
+    void zero_copy(void *data, size_t len, bps_zmq_free_fn *ffn, void *hint) {
+        f[n++] = BpsOutFrame{data, len, ffn, hint};
+    }
+    /* The frames from ``first`` on were never handed to a transport: their owners may have them back. */
+    void release_from(int first) {
+        for (int i = first; i < n; ++i)
+            if (f[i].ffn != nullptr) f[i].ffn((void *)f[i].data, f[i].hint);
+    }
+};
+
+/* The frames as one ZeroMQ multipart message, after ``ident`` (a ROUTER's routing frame) if given.
+ * 0, or -1 with errno set; zero-copy frames ZeroMQ did not take are released. */
+static inline int bps_zmq_send_frames(void *sock, BpsFrames &m, const std::string *ident = nullptr) {
+    int rc = 0;
+    if (ident != nullptr) rc = bps_send_copy(sock, ident->data(), ident->size(), m.n > 0);
+    for (int i = 0; i < m.n; ++i) {
+        bool more = i + 1 < m.n;
+        if (rc != 0) {
+            m.release_from(i);
+            return rc;
+        }
+        if (m.f[i].ffn != nullptr) /* on failure ZeroMQ closes the message, which runs ffn */
+            rc = bps_send_zero_copy(sock, (void *)m.f[i].data, m.f[i].len, more, m.f[i].ffn, m.f[i].hint);
+        else
+            rc = bps_send_copy(sock, m.f[i].data, m.f[i].len, more);
+    }
+    return rc;
+}
+
+/* One end of a direct TCP link; used by one thread at a time (the native thread that owns it). */
+class BpsLink {
+  public:
+    explicit BpsLink(int fd) : fd_(fd), buf_(BPS_LINK_READ_BUFFER) {}
+    BpsLink(const BpsLink &) = delete;
+    BpsLink &operator=(const BpsLink &) = delete;
+    ~BpsLink() {
+        drop_queue();
+        partial_.clear();
+        if (fd_ >= 0) ::close(fd_);
+    }
+
+    int fd() const { return fd_; }
+    bool dead() const { return dead_; }
+    bool wants_write() const { return !outq_.empty(); }
+    /* Bytes already read but not yet taken as messages: poll() will not report them, so the owner
+     * must call recv() again before it sleeps. */
+    bool pending_input() const { return !dead_ && r_ < w_; }
+    /* why the link died ("" while it lives) */
+    const std::string &error() const { return error_; }
+    /* the server side: whose link this is, once its token was presented ("" before) */
+    std::string ident;
+
+    /* Send one message; 0, or -1 once the link is dead (every zero-copy frame is released either way). */
+    int send(BpsFrames &m) {
+        if (dead_) {
+            m.release_from(0);
+            return -1;
+        }
+        uint64_t prefix[1 + BPS_LINK_MAX_FRAMES];
+        uint32_t head[2] = {BPS_LINK_MAGIC, (uint32_t)m.n};
+        memcpy(&prefix[0], head, sizeof head);
+        for (int i = 0; i < m.n; ++i) prefix[1 + i] = (uint64_t)m.f[i].len;
+        struct iovec iov[1 + BPS_LINK_MAX_FRAMES];
+        int cnt = 0;
+        iov[cnt++] = iovec{prefix, sizeof(uint64_t) * (1 + m.n)};
+        for (int i = 0; i < m.n; ++i) iov[cnt++] = iovec{(void *)m.f[i].data, m.f[i].len};
+        size_t written = 0;
+        if (outq_.empty()) { /* nothing ahead of it: straight to the socket */
+            ssize_t w = write_iov(iov, cnt);
+            if (w < 0) {
+                m.release_from(0);
+                return -1;
+            }
+            written = (size_t)w;
+        }
+        /* queue what the socket did not take: copied pieces into owned chunks, zero-copy frames by reference */
+        size_t at = 0;
+        Chunk *run = nullptr; /* the owned chunk that consecutive copied pieces go into */
+        for (int i = 0; i < cnt; ++i) {
+            size_t start = at, len = iov[i].iov_len;
+            at += len;
+            const BpsOutFrame *zc = (i > 0 && m.f[i - 1].ffn != nullptr) ? &m.f[i - 1] : nullptr;
+            if (written >= start + len) { /* already on the wire */
+                if (zc != nullptr) zc->ffn((void *)zc->data, zc->hint);
+                continue;
+            }
+            size_t skip = written > start ? written - start : 0;
+            const char *p = (const char *)iov[i].iov_base + skip;
+            if (zc != nullptr) {
+                outq_.push_back(Chunk{p, len - skip, std::string(), zc->ffn, zc->hint, zc->data});
+                run = nullptr;
+            } else {
+                if (run == nullptr) { /* deque::push_back keeps references to the other chunks valid */
+                    outq_.push_back(Chunk{nullptr, 0, std::string(), nullptr, nullptr, nullptr});
+                    run = &outq_.back();
+                }
+                run->own.append(p, len - skip);
+            }
+        }
+        return 0;
+    }
+
+    /* Write what is queued, as far as the socket takes it; 0, or -1 once dead. */
+    int flush() {
+        while (!outq_.empty() && !dead_) {
+            struct iovec iov[64];
+            int cnt = 0;
+            for (auto it = outq_.begin(); it != outq_.end() && cnt < 64; ++it) iov[cnt++] = it->iov();
+            ssize_t w = write_iov(iov, cnt);
+            if (w < 0) return -1;
+            if (w == 0) return 0; /* the socket is full: POLLOUT says when to go on */
+            size_t left = (size_t)w;
+            while (left > 0 && !outq_.empty()) {
+                Chunk &c = outq_.front();
+                size_t rest = c.size() - c.off;
+                if (left < rest) {
+                    c.off += left;
+                    left = 0;
+                    break;
+                }
+                left -= rest;
+                if (c.ffn != nullptr) c.ffn((void *)c.zc_base, c.hint);
+                outq_.pop_front();
+            }
+        }
+        return dead_ ? -1 : 0;
+    }
+
+    /* One whole message into ``m`` (its frames replaced), after ``prefix`` as frame 0 if given (a
+     * server puts the link's identity there, as a ROUTER would). 1: a message; 0: not complete yet
+     * (the socket is drained); -1: the link closed or broke (error() says how). */
+    int recv(BpsMessage *m, const std::string *prefix = nullptr) {
+        if (dead_) return -1;
+        for (;;) {
+            int got = parse(prefix);
+            if (got < 0) return -1;
+            if (got > 0) {
+                m->clear();
+                for (int i = 0; i < partial_.count; ++i) partial_.take(i, &m->frames[i]);
+                m->count = partial_.count;
+                partial_.clear();
+                nframes_ = -1;
+                return 1;
+            }
+            int more = fill();
+            if (more <= 0) return more;
+        }
+    }
+
+  private:
+    struct Chunk {
+        const char *ref;        /* a zero-copy frame's bytes (ffn set), else NULL: ``own`` holds them */
+        size_t len;
+        std::string own;
+        bps_zmq_free_fn *ffn;
+        void *hint;
+        const void *zc_base;    /* what ffn is called with */
+        size_t off = 0;         /* bytes of it already written */
+        size_t size() const { return ref != nullptr ? len : own.size(); }
+        struct iovec iov() const {
+            const char *base = ref != nullptr ? ref : own.data();
+            return iovec{(void *)(base + off), size() - off};
+        }
+    };
+
+    /* Write without blocking; bytes written (0: would block), or -1 once dead. */
+    ssize_t write_iov(struct iovec *iov, int cnt) {
+        for (;;) {
+            struct msghdr mh;
+            memset(&mh, 0, sizeof mh);
+            mh.msg_iov = iov;
+            mh.msg_iovlen = (size_t)cnt;
+            ssize_t w = ::sendmsg(fd_, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (w >= 0) return w;
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+            die(std::string("send: ") + strerror(errno));
+            return -1;
+        }
+    }
+
+    void die(const std::string &why) {
+        if (dead_) return;
+        dead_ = true;
+        error_ = why;
+        drop_queue();
+    }
+
+    void drop_queue() {
+        for (Chunk &c : outq_)
+            if (c.ffn != nullptr) c.ffn((void *)c.zc_base, c.hint);
+        outq_.clear();
+    }
+
+    size_t avail() const { return w_ - r_; }
+
+    /* Read what the socket has into the buffer; 1: got bytes, 0: nothing now, -1: closed or broken. */
+    int fill() {
+        if (r_ == w_) r_ = w_ = 0;
+        if (w_ == buf_.size()) { /* compact: the unparsed tail to the front */
+            memmove(buf_.data(), buf_.data() + r_, w_ - r_);
+            w_ -= r_;
+            r_ = 0;
+        }
+        /* a large frame in progress with nothing buffered: straight into its message */
+        if (nframes_ > 0 && cur_ < nframes_ && avail() == 0) {
+            uint64_t rest = lens_[cur_] - off_;
+            if (rest >= BPS_LINK_DIRECT_READ) {
+                ssize_t got = read_some((char *)partial_.mutable_data(base_ + cur_) + off_, (size_t)rest);
+                if (got > 0) off_ += (uint64_t)got;
+                return got > 0 ? 1 : (int)got;
+            }
+        }
+        ssize_t got = read_some((char *)buf_.data() + w_, buf_.size() - w_);
+        if (got > 0) w_ += (size_t)got;
+        return got > 0 ? 1 : (int)got;
+    }
+
+    /* >0 bytes, 0 would block, -1 closed or broken (the link is dead then) */
+    ssize_t read_some(char *dst, size_t n) {
+        for (;;) {
+            ssize_t got = ::recv(fd_, dst, n, MSG_DONTWAIT);
+            if (got > 0) return got;
+            if (got == 0) {
+                die("closed by the peer");
+                return -1;
+            }
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+            die(std::string("recv: ") + strerror(errno));
+            return -1;
+        }
+    }
+
+    /* Advance the message being assembled with what is buffered: 1 complete, 0 needs bytes, -1 bad. */
+    int parse(const std::string *prefix) {
+        if (nframes_ < 0) {
+            if (avail() < 8) return 0;
+            uint32_t head[2];
+            memcpy(head, buf_.data() + r_, 8);
+            int limit = BPS_LINK_MAX_FRAMES - (prefix != nullptr ? 1 : 0);
+            if (head[0] != BPS_LINK_MAGIC || head[1] == 0 || (int)head[1] > limit) {
+                die("malformed link message (magic or frame count)");
+                return -1;
+            }
+            if (avail() < 8 + 8 * (size_t)head[1]) return 0;
+            memcpy(lens_, buf_.data() + r_ + 8, 8 * (size_t)head[1]);
+            for (uint32_t i = 0; i < head[1]; ++i) {
+                if (lens_[i] > BPS_LINK_MAX_FRAME) {
+                    die("malformed link message (frame of " + std::to_string(lens_[i]) + " bytes)");
+                    return -1;
+                }
+            }
+            r_ += 8 + 8 * (size_t)head[1];
+            partial_.clear();
+            base_ = 0;
+            if (prefix != nullptr) {
+                bps_zmq.msg_init_size(&partial_.frames[0], prefix->size());
+                memcpy(partial_.mutable_data(0), prefix->data(), prefix->size());
+                partial_.count = base_ = 1;
+            }
+            nframes_ = (int)head[1];
+            cur_ = 0;
+            off_ = 0;
+            opened_ = false;
+        }
+        while (cur_ < nframes_) {
+            int slot = base_ + cur_;
+            if (!opened_) {
+                bps_zmq.msg_init_size(&partial_.frames[slot], (size_t)lens_[cur_]);
+                partial_.count = slot + 1;
+                opened_ = true;
+            }
+            uint64_t rest = lens_[cur_] - off_;
+            size_t n = (size_t)std::min<uint64_t>(rest, avail());
+            if (n > 0) {
+                memcpy((char *)partial_.mutable_data(slot) + off_, buf_.data() + r_, n);
+                r_ += n;
+                off_ += n;
+            }
+            if (off_ < lens_[cur_]) return 0;
+            cur_++;
+            off_ = 0;
+            opened_ = false;
+        }
+        return 1;
+    }
+
+    int fd_;
+    bool dead_ = false;
+    std::string error_;
+    std::deque<Chunk> outq_;
+    std::vector<unsigned char> buf_;
+    size_t r_ = 0, w_ = 0;
+    /* the message being assembled */
+    BpsMessage partial_;
+    int nframes_ = -1, cur_ = 0, base_ = 0;
+    uint64_t off_ = 0;
+    bool opened_ = false;
+    uint64_t lens_[BPS_LINK_MAX_FRAMES];
+};
+
+#endif

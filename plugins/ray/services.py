@@ -1,0 +1,255 @@
+"""The scheduler and the Summation Service servers of a byteps job, as Ray actors in a placement group.
+
+Each service actor runs ``python -m byteps.scheduler`` or ``python -m byteps.server`` as a child
+process (the same programs bpslaunch starts), with PR_SET_PDEATHSIG so the child dies with its actor
+even when Ray kills the actor with SIGKILL: no byteps process outlives its actor. The actors are
+synchronous (one task at a time, on the actor's main thread), which PDEATHSIG needs: the signal fires
+when the *thread* that forked exits.
+
+:class:`ServiceGroup` is shared by :class:`byteps.ray.RayExecutor` and the Ray Train backend.
+"""
+import collections
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from byteps.procctl import make_preexec
+
+from .layout import Layout
+
+#: Ray's node-id label: a bundle selecting it is placed on that node (Ray >= 2.4x sets it on every node)
+NODE_ID_LABEL = "ray.io/node-id"
+SCHEDULER_CPUS = 0.1  #: logical CPUs the scheduler's bundle asks for (it only routes control messages)
+TAIL_LINES = 40       #: lines of a service's output kept for error messages
+
+
+class BytePSRayError(RuntimeError):
+    """A byteps process on the Ray cluster failed. ``actor`` names it ("worker 1", "server 2
+    (standalone)", "scheduler"), ``node_id``/``node_host`` the node it ran on."""
+
+    def __init__(self, actor, node_id, node_host, message):
+        where = f" on node {node_id[:12]}" + (f" ({node_host})" if node_host else "") if node_id else ""
+        super().__init__(f"{actor}{where}: {message}")
+        self.actor, self.node_id, self.node_host = actor, node_id, node_host
+
+
+def describe_failure(exc):
+    """A short text for an exception coming out of ``ray.get`` (a task error or a dead actor)."""
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        return f"raised {type(cause).__name__}: {cause}"
+    if isinstance(exc, ray.exceptions.ActorDiedError) or isinstance(exc, ray.exceptions.RayActorError):
+        return f"the actor died ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    if isinstance(exc, ray.exceptions.GetTimeoutError):
+        return "did not answer in time"
+    return f"{type(exc).__name__}: {exc}"
+
+
+@ray.remote(num_cpus=0)
+class ServiceActor:
+    """One scheduler or server process (see the module docstring)."""
+
+    def __init__(self):
+        self.proc = None
+        self.tail = collections.deque(maxlen=TAIL_LINES)
+        self.reader = None
+
+    def node_id(self):
+        return ray.get_runtime_context().get_node_id()
+
+    def pid(self):
+        return None if self.proc is None else self.proc.pid
+
+    def _pump(self, tag):
+        for line in iter(self.proc.stdout.readline, b""):
+            text = line.decode(errors="replace").rstrip("\n")
+            self.tail.append(text)
+            print(f"[{tag}] {text}", flush=True)  # Ray forwards actor output to the driver
+
+    def start(self, tag, module, env, port_timeout):
+        """Start the service; for the scheduler (port 0) wait for its port and return it."""
+        env = dict(os.environ, **env, PYTHONUNBUFFERED="1")
+        port_file = None
+        if env.get("DMLC_ROLE") == "scheduler":
+            port_file = os.path.join(tempfile.mkdtemp(prefix="byteps-ray-"), "port")
+            env["BYTEPS_SCHEDULER_PORT_FILE"] = port_file
+        self.proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=make_preexec())
+        self.reader = threading.Thread(target=self._pump, args=(tag,), daemon=True)
+        self.reader.start()
+        if port_file is None:
+            return None
+        deadline = time.monotonic() + port_timeout
+        while True:
+            try:
+                with open(port_file) as f:
+                    text = f.read()
+                if text.endswith("\n"):
+                    return int(text)
+            except FileNotFoundError:
+                pass
+            if self.proc.poll() is not None:
+                self.reader.join(2)
+                raise RuntimeError(f"exited with code {self.proc.returncode} before listening:\n"
+                                   + "\n".join(self.tail))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"did not write its port within {port_timeout:g} s")
+            time.sleep(0.02)
+
+    def poll(self):
+        """None while running, else (exit code, last lines of output)."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        self.reader.join(2)
+        return self.proc.returncode, "\n".join(self.tail)
+
+    def stop(self, grace=5.0):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(grace)
+
+
+def pinned_bundles(bundles_by_node):
+    """``placement_group`` arguments that put each bundle on its node: [(node id, bundle)] ->
+    (bundles, bundle_label_selector)."""
+    return [b for _, b in bundles_by_node], [{NODE_ID_LABEL: node} for node, _ in bundles_by_node]
+
+
+def wait_placement_group(pg, what, timeout):
+    """Wait until Ray has reserved ``pg``; on time-out remove it and raise naming what it held."""
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise TimeoutError(f"Ray did not place {what} within {timeout:g} s: the cluster lacks the resources "
+                           f"(available: {ray.available_resources()})") from None
+
+
+class ServiceGroup:
+    """The scheduler and servers of one job laid out by :class:`~byteps.ray.layout.Layout`."""
+
+    def __init__(self, layout: Layout, cpus_per_server=1.0, env=None, timeout=120.0, job_id=None):
+        self.layout = layout
+        self.cpus_per_server = cpus_per_server
+        self.extra_env = dict(env or {})
+        self.timeout = timeout
+        self.job_id = job_id or f"ray-{secrets.token_hex(6)}"
+        # every connection of the job proves it knows this secret (core/auth.py)
+        self.secret = self.extra_env.pop("BYTEPS_JOB_SECRET", None) or secrets.token_hex(32)
+        self.pg = None
+        self.actors = []  #: [(tag, actor, node id)], scheduler first
+        self.port = None
+
+    # -- naming, for errors
+    def host(self, node_id):
+        return self.layout.hosts.get(node_id)
+
+    def start(self):
+        """Reserve the bundles (pinned to their nodes), start the scheduler, then the servers."""
+        lay = self.layout
+        servers = lay.servers
+        bundles, selectors = pinned_bundles(
+            [(lay.scheduler_node, {"CPU": SCHEDULER_CPUS})]
+            + [(s.node_id, {"CPU": self.cpus_per_server}) for s in servers])
+        self.pg = placement_group(bundles, bundle_label_selector=selectors, name=f"{self.job_id}-services")
+        wait_placement_group(self.pg, f"the byteps scheduler and {len(servers)} server(s) on nodes "
+                             f"{', '.join(s.node_id[:8] for s in servers)}", self.timeout)
+        tags = ["scheduler"] + [f"server {i} ({s.role})" for i, s in enumerate(servers)]
+        for i, (tag, node) in enumerate(zip(tags, [lay.scheduler_node] + [s.node_id for s in servers])):
+            actor = ServiceActor.options(
+                num_cpus=bundles[i]["CPU"],
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote()
+            self.actors.append((tag, actor, node))
+        self.restart()
+        return self
+
+    def restart(self):
+        """Start (again) the service processes: the scheduler on a fresh port, then the servers."""
+        lay = self.layout
+        env = dict(self.extra_env, **lay.base_env(0, self.job_id, self.secret))
+        tag, sched, node = self.actors[0]
+        env_s = dict(env, DMLC_ROLE="scheduler", DMLC_NODE_HOST=lay.hosts[node])
+        self.port = self._get(tag, node, sched.start.remote(tag, "byteps.scheduler", env_s, self.timeout))
+        env = dict(self.extra_env, **lay.base_env(self.port, self.job_id, self.secret))
+        refs = [(tag, node, actor.start.remote(tag, "byteps.server", dict(env, **lay.server_env(s)), self.timeout))
+                for (tag, actor, node), s in zip(self.actors[1:], lay.servers)]
+        for tag, node, ref in refs:
+            self._get(tag, node, ref)
+
+    def relaunch(self):
+        """The job ended (every worker left and stayed idle): stop what is left and start it again."""
+        for tag, actor, node in self.actors:
+            self._get(tag, node, actor.stop.remote())
+        self.restart()
+
+    def worker_env(self, rank):
+        """Everything worker ``rank`` needs in its environment to join this job."""
+        return dict(self.extra_env, **self.layout.base_env(self.port, self.job_id, self.secret),
+                    **self.layout.worker_env(rank))
+
+    def _get(self, tag, node, ref, timeout=None):
+        try:
+            return ray.get(ref, timeout=self.timeout if timeout is None else timeout)
+        except Exception as e:  # noqa: BLE001 -- every failure is reported with the actor's name
+            raise BytePSRayError(tag, node, self.host(node), describe_failure(e)) from e
+
+    def check(self, allow_clean_exit=False):
+        """Raise :class:`BytePSRayError` for a service that died or exited with an error; return True when
+        every service is running, False when they all ended cleanly (the job ended; see :meth:`restart`)."""
+        refs = [(tag, node, actor.poll.remote()) for tag, actor, node in self.actors]
+        states = [(tag, node, self._get(tag, node, ref)) for tag, node, ref in refs]
+        ended = 0
+        for tag, node, state in states:
+            if state is None:
+                continue
+            code, tail = state
+            if code != 0 or not allow_clean_exit:
+                raise BytePSRayError(tag, node, self.host(node), f"the {tag.split()[0]} process exited with code "
+                                     f"{code}; its last output:\n{tail}")
+            ended += 1
+        return ended == 0
+
+    def pids(self):
+        """Process ids of the running service processes (tests check that none outlives stop())."""
+        return [p for _, a, _ in self.actors for p in [ray.get(a.pid.remote(), timeout=self.timeout)] if p]
+
+    def stop(self):
+        """Stop the processes, kill the actors and free the bundles. Idempotent; never raises."""
+        refs = []
+        for _, actor, _ in self.actors:
+            try:
+                refs.append(actor.stop.remote())
+            except Exception:  # noqa: BLE001 -- the actor may already be gone
+                pass
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=10)
+        release([a for _, a, _ in self.actors], self.pg)
+        self.actors, self.pg = [], None
+
+
+def release(actors, pg):
+    """Kill ``actors`` and remove ``pg`` (None: none), ignoring what is already gone. Never raises:
+    it runs on the way out of a failure, whose error is the one to report."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 -- already dead
+            pass
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001 -- already removed
+            pass

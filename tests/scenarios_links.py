@@ -1,0 +1,53 @@
+"""Scenarios for tests/test_links.py: synchronous calls whose round trip runs on the caller's thread
+(core/bps_worker.h submit_direct), alone, against a late peer, and beside asynchronous traffic."""
+import threading
+import time
+
+import torch
+
+import byteps.torch as bps
+from scenarios import scenario
+
+
+def _want(numel, n, step, dtype=torch.int64):
+    """The exact sum of every rank's ``rank + step`` tensor (integers: no rounding)."""
+    return torch.full((numel,), sum(r + step for r in range(n)), dtype=dtype)
+
+
+@scenario
+def direct_calls(out, args):
+    """``steps`` synchronous 4 KB push_pulls (in place and out of place); on the steps in
+    ``late_steps`` the ranks in ``late_ranks`` sleep first, so the others' direct wait runs out and
+    byteps-net must take the partition over. Meanwhile, with ``busy``, a second thread keeps async
+    multi-partition push_pulls in flight, so direct callers see others' replies on their link.
+    Returns whether every result was exact, and the direct-call count."""
+    from byteps.common import _job
+
+    r, n = bps.rank(), bps.size()
+    late = set(args.get("late_steps", [])) if r in args.get("late_ranks", []) else set()
+    stop, bad = threading.Event(), []
+
+    def background():
+        k = 0
+        while not stop.is_set():
+            t = torch.full((300_000,), r + k, dtype=torch.int64)
+            bps.synchronize(bps.push_pull_async_inplace(t, average=False, name="busy"))
+            if not torch.equal(t, _want(300_000, n, k)):
+                bad.append(f"busy step {k}")
+            k += 1
+
+    helper = threading.Thread(target=background) if args.get("busy") else None
+    if helper is not None:
+        helper.start()
+    exact = True
+    for step in range(args["steps"]):
+        if step in late:
+            time.sleep(0.05)
+        t = torch.full((512,), r + step, dtype=torch.int64)
+        bps.push_pull_inplace(t, average=False, name="small")
+        out_t = bps.push_pull(torch.full((512,), r + step, dtype=torch.int64), average=False, name="small.oop")
+        exact &= torch.equal(t, _want(512, n, step)) and torch.equal(out_t, _want(512, n, step))
+    if helper is not None:
+        stop.set()
+        helper.join()
+    return {"exact": bool(exact) and not bad, "bad": bad, "direct": _job.engine.native_direct_calls}

@@ -1,0 +1,164 @@
+"""Direct TCP links between the native threads (core/bps_link.h): the data path without ZeroMQ.
+
+* exact sums of every dtype with every server reached over a link (proved by the workers' link
+  count), over TCP and with shared-memory descriptors, and the same with BYTEPS_DIRECT_TCP=0 (no
+  links: ZeroMQ carries everything);
+* partitions of 8 MiB over the network path: messages larger than a socket buffer, written in
+  pieces (the send queue, POLLOUT) and read straight into their frames;
+* the handshake against a real server: an authenticated job member gets a one-time token over
+  ZeroMQ; a wrong token is refused and the link closed; the right one is accepted once; a PROBE sent
+  on the link is echoed on the link (Python's reply leaves through the native thread's send_to);
+  a peer that never authenticated gets no token.
+"""
+import os
+import socket
+import sys
+import time
+
+import pytest
+import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
+from conftest import member_dealer, server_data_port  # noqa: E402
+from test_push_pull import SMALL_SHAPES, check_matrix  # noqa: E402
+
+from byteps.core import transport, wire  # noqa: E402
+from byteps.core.wire import Cmd  # noqa: E402
+
+POINTS = [(2, 2, False), (3, 1, True)]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("n,k,ipc", POINTS, ids=[f"{n}w{k}s-{'shm' if i else 'tcp'}" for n, k, i in POINTS])
+def test_exact_sums_over_direct_links(cluster, n, k, ipc):
+    res = check_matrix(cluster, n, k, SMALL_SHAPES + [(3, 257)], rounds=3, ipc=ipc)
+    assert [res[r]["native_links"] for r in range(n)] == [k] * n, res
+
+
+@pytest.mark.timeout(150)
+def test_direct_tcp_off_goes_through_zeromq(cluster):
+    res = check_matrix(cluster, 2, 2, SMALL_SHAPES, rounds=2, ipc=False, extra_env={"BYTEPS_DIRECT_TCP": "0"})
+    assert [res[r]["native_links"] for r in range(2)] == [0, 0], res
+
+
+@pytest.mark.timeout(180)
+def test_partitions_larger_than_the_socket_buffers(cluster):
+    """8 MiB partitions over TCP (no shared memory): each message is written in several pieces
+    and read straight into its frame; 3 rounds of 12-24 MiB float32 and int64 tensors."""
+    res = check_matrix(cluster, 2, 2, [(3 << 20,)], rounds=3, ipc=False, extreme=False, dtypes=["float32", "int64"],
+                       extra_env={"BYTEPS_PARTITION_BYTES": str(8 << 20)})
+    assert [res[r]["native_links"] for r in range(2)] == [2, 2], res
+
+
+# ------------------------------------------------------------------------------ the handshake, raw
+
+
+def _member(port):
+    ctx = zmq.Context()
+    sock, ident = member_dealer(ctx, port)
+    return ctx, sock, ident
+
+
+def _ask_link(sock):
+    sock.send_multipart(wire.control(Cmd.LINK))
+    assert sock.poll(20000), "no answer to LINK"
+    header, body = sock.recv_multipart()
+    assert wire.unpack(header).cmd == Cmd.LINK
+    return wire.decode(body)
+
+
+def _hello(port, token, ident):
+    """Present ``token`` on a new link; the server's answer (arg 1: accepted) and the socket."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(transport.link_pack([wire.pack(Cmd.LINK, length=16 + len(ident)), token + ident]))
+    return wire.unpack(transport.link_recv(s)[0]), s
+
+
+@pytest.mark.timeout(150)
+def test_link_handshake_against_a_real_server(cluster):
+    c = cluster(2, 1, env={"BYTEPS_LOG_LEVEL": "INFO"})
+    c.run_workers("wait_then_sum", {"wait": 120})
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(c.tmp, f"progress.{r}")) for r in (0, 1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in c.workers), c.all_logs()
+        time.sleep(0.05)
+    port = server_data_port(c.servers[0].pid)
+    ctx, sock, ident = _member(port)
+    try:
+        answer = _ask_link(sock)
+        assert set(answer) == {"port", "token"}, answer
+        token = bytes.fromhex(answer["token"])
+        assert len(token) == 16
+
+        wrong = bytes(b ^ 0xFF for b in token)
+        header, s = _hello(answer["port"], wrong, ident)
+        assert header.cmd == Cmd.LINK and header.arg == 0, header
+        s.settimeout(10)
+        assert s.recv(1) == b"", "a refused link must be closed"
+        s.close()
+
+        header, link = _hello(answer["port"], token, ident)
+        assert header.cmd == Cmd.LINK and header.arg == 1, header
+        # Python answers PROBE; its reply leaves through the native thread, on our link
+        body = os.urandom(3000)
+        link.sendall(transport.link_pack([wire.pack(Cmd.PROBE, key=7, round=3, length=len(body)), body]))
+        frames = transport.link_recv(link)
+        echo = wire.unpack(frames[0])
+        assert (echo.cmd, echo.key, echo.round, frames[1]) == (Cmd.PROBE, 7, 3, body)
+        assert not sock.poll(300), "the echo must come on the link, not on ZeroMQ"
+
+        header, again = _hello(answer["port"], token, ident)  # one use only
+        assert header.arg == 0, header
+        again.close()
+        link.close()
+    finally:
+        ctx.destroy(linger=0)
+
+    # a peer that never authenticated asks too: no token (the server logs and ignores it)
+    ctx = zmq.Context()
+    try:
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(f"tcp://127.0.0.1:{port}")
+        stranger.send_multipart(wire.control(Cmd.LINK))
+        assert not stranger.poll(1000), "a stranger got an answer to LINK"
+    finally:
+        ctx.destroy(linger=0)
+
+    open(os.path.join(c.tmp, "go"), "w").close()
+    codes, scodes, sched = c.wait_all(120)
+    assert codes == [0, 0] and scodes == [0] and sched == 0, c.all_logs()
+    for r, res in c.results().items():  # the job sums exactly, over its own links
+        assert res.get("value") == {"before": True, "after": True, "after_i": True}, (r, res, c.all_logs())
+        assert res["native_links"] == 1, res
+    assert "refused a direct link" in c.log("server0")
+
+
+# ------------------------------------------------------------------------------ direct calls
+
+
+DIRECT_CASES = {
+    "alone": {"steps": 200},
+    "late-peer": {"steps": 30, "late_steps": [3, 4, 10, 20], "late_ranks": [1]},
+    "beside-async": {"steps": 200, "busy": True},
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", list(DIRECT_CASES))
+def test_synchronous_calls_on_the_callers_thread(cluster, case):
+    """Synchronous 4 KB calls run their round trip on the caller's thread (most of them: byteps-net
+    must be idle); a late peer makes the caller hand its partition to byteps-net, and async traffic on
+    the same links must reach its owners; every result exact."""
+    c = cluster(2, 2, env={"BYTEPS_PARTITION_BYTES": "65536"})
+    c.run_workers("direct_calls", DIRECT_CASES[case])
+    codes, scodes, sched = c.wait_all(120)
+    assert codes == [0, 0] and scodes == [0, 0] and sched == 0, c.all_logs()
+    for r, res in c.results().items():
+        v = res["value"]
+        assert v["exact"], (r, v, c.all_logs())
+        assert res["native_links"] == 2, res
+        if case == "alone":  # nothing else in flight: nearly every call takes the fast path
+            assert v["direct"] >= 300, v
+        elif case == "late-peer":
+            assert v["direct"] > 0, v
