@@ -90,6 +90,13 @@ def extensions():
             extra_compile_args=["-O2", "-std=c++17", "-fno-strict-aliasing", "-pthread"],
             extra_link_args=["-pthread"],
         ),
+        Extension(  # empties the native span buffers of the two cores above (BYTEPS_TIMELINE)
+            "byteps.core._trace",
+            ["core/_trace.pyx"],
+            include_dirs=[os.path.join(HERE, "core")],
+            language="c++",
+            extra_compile_args=["-O2", "-std=c++17"],
+        ),
         Extension(  # libzmq is looked up at run time in the copy pyzmq loaded (no zmq.h needed)
             "byteps.core._transport",
             ["core/_transport.pyx"],

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from . import config as bps_config
+from . import config as bps_config, timeline
 from .errors import BytePSTimeoutError, NotInitializedError
 from .log import logger, setup as setup_logging
 
@@ -94,6 +94,29 @@ def shutdown():
                                    job.cfg.timeout)
         finally:
             engine.stop()
+
+
+def mark_step():
+    """Mark the end of a training step on the job timeline (docs/timeline.md); nothing when it is off.
+
+    The optimizers call it after each step; call it yourself in a loop that uses push_pull directly.
+    """
+    timeline.mark_step()
+
+
+def start_timeline(path):
+    """Horovod's ``start_timeline``: record the job timeline from now on; the scheduler writes ``path``
+    (unless BYTEPS_TIMELINE names a file already) when the job ends and at each ``stop_timeline()``."""
+    job = _require()
+    if job.engine is None:
+        raise ValueError("start_timeline() needs a distributed job: a single process has no servers to trace")
+    if not job.engine.request("timeline", os.path.abspath(path)).wait(job.cfg.timeout):
+        raise BytePSTimeoutError(f"start_timeline() waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the engine")
+
+
+def stop_timeline():
+    """Horovod's ``stop_timeline``: stop recording on this worker and send what it recorded."""
+    timeline.stop()
 
 
 def _at_exit():

@@ -48,6 +48,11 @@ VARIABLES = {
     "BYTEPS_NATIVE_LOCAL": ("1", "1: with BYTEPS_NATIVE=1 and several worker processes per machine, the native thread also runs the local reduce (core/bps_worker.h); 0: the Python engine does (an A/B switch)"),
     "BYTEPS_DIRECT_TCP": ("1", "1: with BYTEPS_NATIVE=1 on both ends, a worker's data messages to a server go over a direct TCP link the native threads read and write themselves (core/bps_link.h); 0: through ZeroMQ (an A/B switch)"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
+    # the job timeline (docs/timeline.md)
+    "BYTEPS_TIMELINE": ("", "path of one Chrome/Perfetto trace of the whole job, written by the scheduler (empty: off)"),
+    "BYTEPS_TIMELINE_FLUSH_STEPS": ("50", "workers send their spans to the scheduler every N steps (0: only at the end)"),
+    "BYTEPS_TIMELINE_BUFFER": ("250000", "spans each process holds between sends; more are dropped and counted"),
+    "BYTEPS_TIMELINE_CLOCK_INTERVAL": ("2", "seconds between clock probes to the scheduler while tracing"),
     # read outside this module, listed so docs/env.md stays complete
     "BYTEPS_PIPELINE": ("", "optional pipeline stages to drop, e.g. -stage,-local_reduce (core/stages.py)"),
     # wire compression, read by byteps_py/compression.py (docs/compression.md)
@@ -173,6 +178,10 @@ class Config:
     native: bool = True
     native_local: bool = True
     direct_tcp: bool = True
+    timeline: str = ""
+    timeline_flush_steps: int = 50
+    timeline_buffer: int = 250000
+    timeline_clock_interval: float = 2.0
 
     @property
     def distributed(self):
@@ -265,6 +274,10 @@ def load(env=None, role=None):
         native=_bool(env, "BYTEPS_NATIVE", default="1"),
         native_local=_bool(env, "BYTEPS_NATIVE_LOCAL", default="1"),
         direct_tcp=_bool(env, "BYTEPS_DIRECT_TCP", default="1"),
+        timeline=_get(env, "BYTEPS_TIMELINE", ""),
+        timeline_flush_steps=_int(env, "BYTEPS_TIMELINE_FLUSH_STEPS", 50, minimum=0),
+        timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 250000, minimum=1),
+        timeline_clock_interval=_float(env, "BYTEPS_TIMELINE_CLOCK_INTERVAL", "2"),
     )
 
 

@@ -656,6 +656,9 @@ def _parser():
     p.add_argument("--grace", type=float, default=30.0, metavar="SEC",
                    help="after all workers succeeded, how long the scheduler and servers may "
                         "take to exit on their own before they are terminated (default 30)")
+    p.add_argument("--timeline", metavar="PATH",
+                   help="write one Chrome/Perfetto trace of the whole job to PATH (sets BYTEPS_TIMELINE for every "
+                        "process; docs/timeline.md)")
     p.add_argument("--no-prefix", dest="prefix", action="store_false",
                    help="pass the children's output through unchanged instead of prefixing "
                         "each line with its process tag")
@@ -775,6 +778,8 @@ def main(argv=None):
         return _print_topology(opts)
     if opts.stages:
         return _print_stages(opts)
+    if opts.timeline:  # every child inherits it; the scheduler (ours or a role-mode one) writes the file
+        os.environ["BYTEPS_TIMELINE"] = os.path.abspath(opts.timeline)
     try:
         plan = _plan_local if opts.local else _plan_slurm if opts.slurm else _plan_k8s if opts.k8s else _plan_role
         run = plan(opts, command)

@@ -127,6 +127,15 @@ TO_ROUTER = BPS_TO_ROUTER
 bps_cpu_init()  # the local reduce's kernels (core/bps_reduce.h): this module's own copy of the dispatch
 
 
+cdef extern from "bps_trace.h" nogil:
+    uintptr_t bps_trace_address()
+
+
+def trace_buffer():
+    """Address of this process's native span buffer (core/bps_trace.h), for core/_trace.pyx."""
+    return bps_trace_address()
+
+
 cdef class WorkerCore:
     cdef BpsWorkerCore *core
     cdef readonly list sockets      # the pyzmq sockets handed over (kept alive, never used again here)

@@ -67,6 +67,7 @@
 
 #include "bps_link.h"
 #include "bps_reduce.h"
+#include "bps_trace.h"
 #include "bps_wire.h"
 #include "bps_zmq.h"
 
@@ -296,6 +297,7 @@ class BpsStoreAllocator {
 /* One summation into a round's store, with the ZeroMQ buffers it reads (closed once it has run). */
 struct BpsSumTask {
     uint64_t key = 0;
+    uint64_t round = 0; /* for the timeline */
     void *dst = nullptr;
     const void *srcs[2] = {nullptr, nullptr};
     int nsrc = 0;     /* 2: dst = srcs[0] + srcs[1]; 1: dst += srcs[0] */
@@ -305,11 +307,13 @@ struct BpsSumTask {
     int nkeep = 0;
 
     void run(int kernel_threads) {
+        uint64_t t0 = bps_span_start();
         if (nsrc == 2) {
             bps_sum_many(dst, srcs, 2, count, dtype, kernel_threads);
         } else {
             bps_sum_into(dst, srcs[0], count, dtype, kernel_threads);
         }
+        bps_span(BPS_TRACE_SUM, t0, key, round, count * (uint64_t)bps_itemsize(dtype), -1);
         for (int i = 0; i < nkeep; ++i) bps_zmq.msg_close(&keep[i]);
         nkeep = 0;
     }
@@ -996,6 +1000,7 @@ class BpsServerCore {
     }
 
     void on_push(const std::string &ident, const BpsHeader &h, BpsMessage *m) {
+        uint64_t t_recv = bps_span_start();
         pushes_.fetch_add(1);
         int64_t rank = rank_of(h.sender);
         int isz = bps_itemsize(h.dtype);
@@ -1028,6 +1033,7 @@ class BpsServerCore {
         st.waiters.push_back(BpsRound::Waiter{ident, (h.flags & BPS_FLAG_SHM) != 0});
         st.has_header = true;
         st.header = h;
+        bps_span(BPS_TRACE_RECV, t_recv, h.key, h.round, h.length, -1, 0, (int32_t)rank);
         if ((int64_t)st.senders.size() >= expected(h.cmd)) maybe_complete(st, h);
     }
 
@@ -1169,6 +1175,7 @@ class BpsServerCore {
         if (!ensure_stores(st)) return;
         BpsSumTask *t = new BpsSumTask();
         t->key = st.key;
+        t->round = st.round;
         t->dst = st.store().data;
         t->count = (size_t)st.nbytes / (size_t)bps_itemsize(dtype);
         t->dtype = dtype;
@@ -1232,6 +1239,8 @@ class BpsServerCore {
 
     /* Every pusher of the round is in and summed: answer them all (summation/server.py's _complete). */
     void complete(BpsRound &st, const BpsHeader &h) {
+        uint64_t t_reply = bps_span_start();
+        bps_span(BPS_TRACE_ROUND, (uint64_t)(st.since * 1e9), h.key, st.round, h.length, -1);
         if (st.error.empty() && h.cmd == BPS_CMD_BROADCAST && !st.has_root_ident) {
             st.error = bps_key_name(h.key) + ": broadcast root rank " + std::to_string(st.root) + " never sent its data";
         }
@@ -1261,6 +1270,7 @@ class BpsServerCore {
                 }
             }
         }
+        bps_span(BPS_TRACE_REPLY, t_reply, h.key, st.round, h.length, -1, 0, (int32_t)st.waiters.size());
         rounds_.fetch_add(1);
         st.round++;
         st.reset();

@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "bps_queue.h"
+#include "bps_trace.h"
 #include "bps_reduce.h"
 #include "bps_link.h"
 #include "bps_wire.h"
@@ -104,6 +105,7 @@ struct BpsPart {
     int32_t owner = -1;     /* local reduce: the local rank that sums and pushes it; -1: none */
     bool colocated = false; /* local reduce: the owner pushes a descriptor of ``staging`` */
     uint64_t rnd = 0;       /* local reduce: its round, taken when the op starts */
+    uint64_t trace_t = 0;   /* timeline: when its current stage began (0: not traced) */
 };
 
 struct BpsOp {
@@ -156,12 +158,18 @@ struct BpsStageTask {
 
 
 static inline int bps_run_task(BpsStageTask &t, int nthreads) {
+    uint64_t t0 = bps_span_start();
+    const BpsPart &p = t.op->parts[t.part];
     if (t.kind == BPS_TASK_SUM) {
         int isz = bps_itemsize(t.dtype);
         if (isz <= 0 || t.nbytes % (uint64_t)isz) return -1;
-        return bps_sum_many(t.dst, t.srcs.data(), (int)t.srcs.size(), t.nbytes / isz, t.dtype, nthreads);
+        int rc = bps_sum_many(t.dst, t.srcs.data(), (int)t.srcs.size(), t.nbytes / isz, t.dtype, nthreads);
+        bps_span(BPS_TRACE_LOCAL_REDUCE, t0, p.key, p.rnd, t.nbytes, p.server, t.priority);
+        return rc;
     }
     bps_copy(t.dst, t.srcs[0], t.nbytes, nthreads);
+    bps_span(t.kind == BPS_TASK_COPY_IN ? BPS_TRACE_STAGE : BPS_TRACE_LOCAL_BROADCAST, t0, p.key, p.rnd, t.nbytes,
+             p.server, t.priority);
     return 0;
 }
 
@@ -378,6 +386,7 @@ class BpsWorkerCore {
         f.copy(&h, sizeof h);
         f.copy(buf + p.offset, body_len);
         bool replied = false, strays = false;
+        p.trace_t = bps_span_start(); /* PUSH: until the reply (direct_wait, or byteps-net if it adopts it) */
         if (l->send(f) == 0) {
             sent_[(size_t)server] += sizeof h + body_len;
             replied = direct_wait(op, server, l, rnd, &strays);
@@ -685,8 +694,11 @@ class BpsWorkerCore {
                     continue;
                 }
                 received_[(size_t)server] += msg.size(0) + (msg.count > 1 ? msg.size(1) : 0);
+                uint64_t t_reply = bps_span_start();
+                bps_span(BPS_TRACE_PUSH, p.trace_t, p.key, rnd, p.length, server, op->priority);
                 if (h.cmd == BPS_CMD_REPLY) {
                     receive(op, p, server, h, &msg);
+                    bps_span(BPS_TRACE_PULL, t_reply, p.key, rnd, p.length, server, op->priority);
                 } else if (h.cmd == BPS_CMD_ERROR) {
                     set_error(op, BPS_ERR_SERVER, msg.count > 1 ? std::string((const char *)msg.data(1), msg.size(1)) : "{}");
                 } else {
@@ -920,12 +932,17 @@ class BpsWorkerCore {
         bool empty = op->cmd == BPS_CMD_BROADCAST && !op->root_self;
         uint8_t flags = 0;
         const unsigned char *data = op->local ? p.staging : op->buf + p.offset;
+        bps_span(BPS_TRACE_QUEUE, p.trace_t ? p.trace_t : (uint64_t)(op->started * 1e9), p.key, rnd, p.length,
+                 p.server, op->priority);
         if (op->local) {
             if (p.colocated) flags = BPS_FLAG_SHM;
         } else if (p.staging != nullptr && !empty) {
+            uint64_t t_stage = bps_span_start();
             memcpy(p.staging, data, p.length);
+            bps_span(BPS_TRACE_STAGE, t_stage, p.key, rnd, p.length, p.server, op->priority);
             flags = BPS_FLAG_SHM;
         }
+        p.trace_t = bps_span_start(); /* PUSH: until the reply arrives (on_message) */
         uint64_t body_len = empty ? 0 : (flags ? BPS_DESCRIPTOR_SIZE : p.length);
         BpsHeader h = bps_header(op->cmd, node_id_, p.key, rnd, flags ? p.length : body_len, op->dtype,
                                  op->root, flags);
@@ -987,6 +1004,8 @@ class BpsWorkerCore {
         pending_.erase(it);
         release(op, index);
         BpsPart &p = op->parts[index];
+        uint64_t t_reply = bps_span_start();
+        bps_span(BPS_TRACE_PUSH, p.trace_t, p.key, h.round, p.length, server, op->priority);
         op->owed[server]--;
         received_[server] += m->size(0) + (m->count > 1 ? m->size(1) : 0);
         if (op->done.load()) return;
@@ -996,6 +1015,7 @@ class BpsWorkerCore {
         }
         if (h.cmd == BPS_CMD_REPLY) {
             receive(op, p, server, h, m);
+            bps_span(BPS_TRACE_PULL, t_reply, p.key, h.round, p.length, server, op->priority);
         } else if (h.cmd == BPS_CMD_ERROR) {
             std::string body = m->count > 1 ? std::string((const char *)m->data(1), m->size(1)) : "{}";
             set_error(op, BPS_ERR_SERVER, body);
@@ -1219,6 +1239,7 @@ class BpsWorkerCore {
                 return;
             }
             local_reduced_++;
+            p.trace_t = bps_span_start(); /* its QUEUE wait starts now */
             /* PUSH of the machine's sum: queued by priority within the credit like any partition */
             queue_.push(BpsQueued{op->priority, seq_++, op, t.part});
         } else { /* COPY_OUT: the result is in the tensor */

@@ -9,6 +9,7 @@ import time
 
 import zmq
 
+from byteps import timeline
 from byteps.errors import PeerLostError, ProtocolError
 
 from . import auth, wire
@@ -58,11 +59,15 @@ class ControlClient:
     def recv(self):
         """Receive one control message (call when the socket is readable): (header, body dict)."""
         frames = self.sock.recv_multipart()
+        arrived = time.monotonic_ns()
         self._last_heard = time.monotonic()
         self._heard_once = True
         if len(frames) != 2:
             raise ProtocolError(f"control message from the scheduler has {len(frames)} frames, expected 2")
-        return wire.unpack(frames[0]), wire.decode(frames[1])
+        header, body = wire.unpack(frames[0]), wire.decode(frames[1])
+        if header.cmd == wire.Cmd.CLOCK and timeline.recorder is not None:  # the caller ignores it
+            timeline.recorder.clock.on_reply(body, arrived)
+        return header, body
 
     def beat(self):
         """Send a heartbeat if one is due. Long bursts of work call this between items: the silence
@@ -75,6 +80,8 @@ class ControlClient:
         now = time.monotonic()
         if now - self._last_sent >= self.cfg.heartbeat_interval:
             self.send(wire.Cmd.HEARTBEAT)
+        if timeline.recorder is not None and self.node_id != wire.NO_SENDER:  # registered: the scheduler answers
+            timeline.probe_clock(self)
         silent = now - self._last_heard
         if self._heard_once and silent > self.cfg.heartbeat_timeout:
             raise PeerLostError(f"lost the scheduler at {self.cfg.scheduler_endpoint}: no message for {silent:.1f} s "

@@ -44,7 +44,7 @@ import time
 import numpy as np
 import zmq
 
-from byteps import autotune, compression
+from byteps import autotune, compression, timeline
 from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, ProtocolError, TensorMismatchError
 from byteps.log import logger
 from byteps.placement import Placement
@@ -93,6 +93,7 @@ class Engine:
         self._thread = threading.Thread(target=self._main, name="byteps-engine", daemon=True)
         # engine-thread state
         self._parts = {}            # (wire key, round) -> (op, offset, nbytes)
+        self._push_started = {}     # (wire key, round) -> when its PUSH began (only while tracing)
         self._declaring = {}        # (name, seq, set id) -> [ops waiting for the key]
         self._decl_spec = {}        # (name, seq, set id) -> spec
         self._decl_pending = {}     # (name, spec) -> (name, seq, set id) of its declaration in flight
@@ -259,6 +260,8 @@ class Engine:
             self._native_local = True
             logger.info("native local reduce: %d processes on this machine, sums >= %d bytes on thread "
                         "byteps-reduce", self.local.size, STAGE_THREAD_MIN_BYTES)
+        if timeline.recorder is not None:
+            timeline.recorder.add_native(_worker_core.trace_buffer())
         core.start()
         self._native = core
         self._completer = threading.Thread(target=self._deliver_native, name="byteps-complete", daemon=True)
@@ -517,6 +520,8 @@ class Engine:
             self._local_sock.setsockopt(zmq.LINGER, 0)
             info["local_port"] = self._local_sock.bind_to_random_port("tcp://127.0.0.1")
             self._io[self._local_sock] = transport.wrap(self._local_sock, self.cfg.zmq_direct)
+        if self.cfg.timeline:
+            timeline.start(self.cfg).wake = self._wake
         self.control = ControlClient(self.ctx, self.cfg, info)
         self.poller = zmq.Poller()
         self.poller.register(self.control.sock, zmq.POLLIN)
@@ -737,6 +742,7 @@ class Engine:
                 logger.warning("the engine loop was busy for %.1f s (%d outstanding partitions)", now - began,
                                len(self._parts))
             self.control.tick()
+            timeline.flush(self.control)
             if now >= next_check:  # walks every outstanding op: not once per message
                 self._check_timeouts()
                 next_check = now + 0.5
@@ -768,6 +774,7 @@ class Engine:
             self._stopped.set()
             if self._completer is not None:
                 self._completer.join(5)
+            timeline.remember_threads()  # byteps-net and byteps-reduce, before they end
             self._native.stop()  # before the sockets it owns are closed
             for nid in list(self._native_ops):  # never leave a caller waiting on a stopped thread
                 op = self._native_ops.pop(nid, None)
@@ -780,6 +787,7 @@ class Engine:
             if sock is not None:
                 sock.close(linger=0)
         if ctl is not None:
+            timeline.flush(ctl, final=True)  # after the native thread stopped: its last spans are in
             ctl.close()
         self.ctx.term()
         self._staging.clear()
@@ -792,7 +800,7 @@ class Engine:
     def _on_control(self):
         header, body = self.control.recv()
         cmd = header.cmd
-        if cmd == Cmd.HEARTBEAT:
+        if cmd in (Cmd.HEARTBEAT, Cmd.CLOCK):  # ControlClient.recv took the clock sample
             return
         if cmd == Cmd.CHALLENGE:
             self.control.on_challenge(body)
@@ -803,6 +811,8 @@ class Engine:
             self.size = body["size"]
             self.control.node_id = body["you"]["node_id"]
             self.workers = {w["rank"]: w for w in body["workers"]}
+            if body.get("timeline") or timeline.recorder is not None:  # BYTEPS_TIMELINE here or at the scheduler
+                self._start_timeline()
         elif cmd == Cmd.DECLARE:
             self._on_declared(body)
         elif cmd == Cmd.BARRIER and body.get("name") == autotune.AGREE_BARRIER:
@@ -820,12 +830,23 @@ class Engine:
                 ev.set()
         elif cmd == Cmd.JOIN:
             self._on_join(body)
+        elif cmd == Cmd.TRACE:  # another worker called start_timeline(): record too
+            self._start_timeline()
         elif cmd == Cmd.ABORT:
             raise PeerLostError(body.get("reason", "the scheduler aborted the job"))
         elif cmd == Cmd.ERROR:
             raise BytePSError(f"the scheduler refused this worker: {body.get('error')}")
         else:
             logger.warning("unexpected control message %s", Cmd(cmd).name)
+
+    def _start_timeline(self, path=""):
+        """Record spans from now on (start_timeline(), or the scheduler relaying another node's)."""
+        rec = timeline.start(self.cfg, path)
+        rec.wake = self._wake
+        rec.node.update(role="worker", rank=self.rank, worker_id=self.cfg.worker_id, local_rank=self.cfg.local_rank,
+                        host=self.cfg.node_host)
+        if self._native is not None:
+            rec.add_native(_worker_core.trace_buffer())
 
     def _on_join(self, body):
         if body["done"]:
@@ -885,6 +906,11 @@ class Engine:
             item = self._inbox.popleft()
             if not isinstance(item, Op):
                 kind, name, ev, value = item
+                if kind == "timeline":  # start_timeline(name): record, and tell the scheduler at once
+                    self._start_timeline(name)
+                    timeline.recorder.flush_due = True
+                    ev.set()
+                    continue
                 self._requests[(kind, name)] = ev
                 cmd = {"barrier": Cmd.BARRIER, "leave": Cmd.LEAVE, "join": Cmd.JOIN}[kind]
                 self.control.send(cmd, {"name": name} if value is None else {"name": name, "value": value})
@@ -915,6 +941,8 @@ class Engine:
 
     def _dispatch(self, op, tkey):
         """Cut the op into partitions and queue them for the network."""
+        if timeline.recorder is not None:
+            timeline.recorder.keys[tkey] = op.name
         if self._local_exec is not None and self._local_exec.owns(op):
             self._local_exec.keyed(op, tkey)  # the topology executor runs it (core/local_exec.py)
             return
@@ -959,6 +987,8 @@ class Engine:
             rnd = self._next_round(key)
             data = op.buf[off:off + length]
             server = self.placement.server(op.tkey, i)
+            if timeline.recorder is not None:
+                timeline.span("QUEUE", int(op.started * 1e9), key, rnd, length, server, op.priority)
             first = self.stages_of(op, i, server)[0]
             if first == Stage.STAGE and length >= STAGE_THREAD_MIN_BYTES:
                 self._stage_async(op, key, rnd, server, off, data)
@@ -1073,6 +1103,8 @@ class Engine:
         header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,
                            length=data.size if flags & (wire.FLAG_SHM | wire.FLAG_COMPRESSED) else nbytes,
                            dtype=op.dtype, arg=op.root, flags=flags)
+        if timeline.recorder is not None:  # PUSH lasts until the reply (_on_data)
+            self._push_started[(key, rnd)] = time.monotonic_ns()
         self._send_data(server, header, body)
         self.bytes_sent[server] += len(header) + nbytes
 
@@ -1280,6 +1312,10 @@ class Engine:
         if entry is None:  # the op timed out or failed already
             return
         op, off, length = entry
+        pushed = self._push_started.pop((header.key, header.round), 0)
+        if pushed and timeline.recorder is not None:
+            timeline.span("PUSH", pushed, header.key, header.round, length, server, op.priority)
+            pulled = time.monotonic_ns()
         self._sendq.release(length, op.priority)
         op.servers[("server", server)] -= 1
         group = self._groups.pop((header.key, header.round), None)
@@ -1292,6 +1328,8 @@ class Engine:
                 pid, fd, inode, base = op.shared
                 echo = shm.describe((pid, fd, inode, base + off), length)
             desc = self._receive(frames, header, op, server, dst, expect, owner=group is not None, echo=echo)
+            if pushed and timeline.recorder is not None:
+                timeline.span("PULL", pulled, header.key, header.round, length, server, op.priority)
             if group is not None:
                 if op.error is None:
                     copy_into(op.buf[off:off + length], dst if desc is None else self._maps.view(desc))

@@ -62,6 +62,8 @@ class Cmd(enum.IntEnum):
     ABORT = 8          # scheduler -> node: the job failed (body names the lost peer / reason)
     TERMINATE = 9      # scheduler -> server: the job is complete, exit 0
     JOIN = 10          # worker -> scheduler: join(); scheduler -> all: who has joined / the release
+    CLOCK = 14         # node -> scheduler: {t0}; reply {t0, t1, t2}: a timestamped round trip (byteps/timeline)
+    TRACE = 15         # node -> scheduler: a batch of timeline spans; scheduler -> node: {start: path}
     # authentication handshake on every connection (core/auth.py)
     HELLO = 11         # client -> server: {nonce}
     CHALLENGE = 12     # server -> client: {nonce, proof}

@@ -18,6 +18,7 @@ Any node that goes silent for BYTEPS_HEARTBEAT_TIMEOUT is declared lost: every o
 ABORT naming it, and the scheduler exits 1.
 """
 import os
+import signal
 import sys
 import time
 
@@ -28,6 +29,7 @@ from byteps.core import auth, wire
 from byteps.core.control import describe_node
 from byteps.errors import BytePSError, ConfigError, ProtocolError
 from byteps.log import logger, setup as setup_logging
+from byteps.timeline.trace import Collector
 
 Cmd = wire.Cmd
 SCHEDULER_ID = 0xFFFFFFFE
@@ -78,6 +80,8 @@ class Scheduler:
         self._join_release = None  # (JOIN body, servers yet to acknowledge) once every rank has joined
         self._set_keys_pending = {}  # process set key -> (its members' replies, servers yet to learn it)
         self.local_reduce = False
+        # the job timeline (BYTEPS_TIMELINE, or a worker's start_timeline(path)): every node's spans
+        self.timeline = Collector(cfg.timeline)
 
     # ---------------------------------------------------------------- helpers
 
@@ -203,6 +207,7 @@ class Scheduler:
         machines = len({info["worker_id"] for _, info in workers})
         self.local_reduce = local
         book = {"epoch": self.epoch, "size": len(workers), "local_reduce": local,
+                "timeline": bool(self.timeline.path),  # every node records when the scheduler writes a trace
                 "pushers": machines if local else len(workers),
                 "servers": [info for _, info in servers], "workers": [info for _, info in workers]}
         # Two phases: workers get the address book only once every server has acknowledged it,
@@ -210,6 +215,8 @@ class Scheduler:
         for ident, info in servers:
             self._send(ident, Cmd.ADDRBOOK, dict(book, you=info))
         self._pending_book = (book, workers, {ident for ident, _ in servers})
+        for ident, _ in servers + workers:
+            self.timeline.expect(ident)
         self.running = True
         self.total_workers = len(workers)
         self.left.clear()
@@ -521,6 +528,7 @@ class Scheduler:
                 return 0
 
     def _dispatch(self, frames):
+        arrived = time.monotonic_ns()  # a clock probe's t1: before any work on the message
         if len(frames) != 3:
             logger.warning("dropped a message with %d frames", len(frames))
             return
@@ -550,6 +558,9 @@ class Scheduler:
         if header.cmd == Cmd.EXIT:
             self._on_exit(body)
             return
+        if header.cmd == Cmd.TRACE:  # also after the sender's epoch ended (its last spans come then)
+            self._on_trace(ident, body)
+            return
         if ident not in self._nodes():
             logger.debug("message %s from an unregistered peer ignored", Cmd(header.cmd).name)
             return
@@ -560,6 +571,9 @@ class Scheduler:
                            self.cfg.heartbeat_timeout)
         self.last_seen[ident] = now
         if header.cmd == Cmd.HEARTBEAT:
+            return
+        if header.cmd == Cmd.CLOCK:  # a timestamped round trip (byteps/timeline Clock)
+            self._send(ident, Cmd.CLOCK, {"t0": body.get("t0", 0), "t1": arrived, "t2": time.monotonic_ns()})
             return
         if header.cmd == Cmd.BARRIER:
             self._on_barrier(ident, body)
@@ -579,6 +593,53 @@ class Scheduler:
             self._fail(f"{self._describe(ident)} aborted the job: {body.get('reason')}")
         else:
             logger.warning("unexpected %s from %r", Cmd(header.cmd).name, ident)
+
+    def _on_trace(self, ident, body):
+        had_path = bool(self.timeline.path)
+        if not self.timeline.add(ident, body):
+            logger.debug("TRACE from a peer that is not in the job ignored")
+            return
+        if not had_path and self.timeline.path:  # start_timeline(path) on one worker: every node records
+            for other in self._nodes():
+                if other != ident:
+                    self._send(other, Cmd.TRACE, {"start": self.timeline.path})
+        if body.get("final") and not self.cfg.timeline and self.timeline.path:
+            self.write_timeline()  # stop_timeline(): a snapshot now; the end of the job writes it again
+
+    def finish_timeline(self, grace):
+        """At the end of the job (or its failure): wait up to ``grace`` seconds for the last spans of
+        every node still alive, then write the trace. A node that died loses only what it had not sent."""
+        if not self.timeline.path:
+            return
+        deadline = time.monotonic() + grace
+        while True:
+            now = time.monotonic()
+            alive = [i for i in self.timeline.known
+                     if now - self.last_seen.get(i, now) < self.cfg.heartbeat_timeout]
+            missing = self.timeline.missing_finals(alive)
+            if not missing or now >= deadline:
+                break
+            if self.sock.poll(min(100, (deadline - now) * 1000)):
+                frames = self.sock.recv_multipart()
+                try:
+                    is_trace = len(frames) == 3 and wire.unpack(frames[1]).cmd == Cmd.TRACE
+                except ProtocolError:
+                    is_trace = False
+                if is_trace:
+                    self._dispatch(frames)
+        if missing:
+            logger.warning("timeline: no final spans from %d nodes within %g s; writing what arrived", len(missing),
+                           grace)
+        self.write_timeline()
+
+    def write_timeline(self):
+        try:
+            path = self.timeline.write()
+        except OSError as e:
+            logger.error("timeline: cannot write %s: %s", self.timeline.path, e)
+            return
+        if path:
+            logger.info("timeline of %d nodes written to %s", len(self.timeline.nodes), path)
 
     def close(self):
         self.sock.close(linger=2000)
@@ -608,11 +669,26 @@ def main():
         write_port_file(port_file, sched.port)
     logger.info("listening on %s:%d for %d workers and %d servers", cfg.root_uri, sched.port, cfg.num_worker,
                 cfg.num_server)
+    if sched.timeline.path:  # bpslaunch ends a failed job with SIGTERM: keep what the nodes sent
+        signal.signal(signal.SIGTERM, _terminated)
+    grace = min(10.0, cfg.timeout)
     try:
         return sched.run()
     except JobFailed:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        grace = 0.0  # the nodes are being stopped too: write at once
+        return 143
     finally:
+        sched.finish_timeline(grace)
         sched.close()
+
+
+class Terminated(Exception):
+    pass
+
+
+def _terminated(signum, frame):
+    raise Terminated()

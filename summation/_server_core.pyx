@@ -112,6 +112,15 @@ unavailable_reason = "" if available else (_transport.unavailable_reason or "lib
 bps_cpu_init()  # this module's copy of the kernels picks its SIMD level (bps_reduce.h)
 
 
+cdef extern from "bps_trace.h" nogil:
+    uintptr_t bps_trace_address()
+
+
+def trace_buffer():
+    """Address of this process's native span buffer (core/bps_trace.h), for core/_trace.pyx."""
+    return bps_trace_address()
+
+
 cdef class NativeFrame:
     """A received ZeroMQ message buffer handed to Python (no copy): ``len()``, the buffer protocol,
     ``.buffer`` and ``.bytes``, like core/_transport.pyx's Frame."""

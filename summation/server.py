@@ -42,7 +42,7 @@ import time
 
 import zmq
 
-from byteps import compression, config as bps_config, placement
+from byteps import compression, config as bps_config, placement, timeline
 from byteps.core import auth, dtypes, shm, transport, wire
 from byteps.core._reduce import aligned_empty, copy_into, get_num_threads, sum_into, sum_many
 from byteps.core.control import ControlClient
@@ -61,6 +61,10 @@ Cmd = wire.Cmd
 COPY_BELOW = transport.COPY_BELOW
 #: log a stall warning when a round has waited this long for its last pushes
 STALL_WARNING_S = 60.0
+
+
+#: a server has no steps: it sends its spans to the scheduler this often while tracing
+SERVER_FLUSH_S = 5.0
 
 
 def _name(h):
@@ -153,6 +157,8 @@ class Server:
             info["shm"] = self.probe.info()
         self.maps = shm.PeerMaps()
         self.gate = auth.Gate(auth.job_secret())  # workers prove they know the job's secret first
+        if cfg.timeline:
+            timeline.start(cfg)
         self.control = ControlClient(self.ctx, cfg, info)
         self.keys = {}
         self.num_workers = None
@@ -188,6 +194,8 @@ class Server:
             self.ranks = {w["node_id"]: w["rank"] for w in body["workers"]}
             logger.info("server %d serving %d workers (epoch %d)", self.index, self.num_workers, self.epoch)
             self._log_role(body)
+            if body.get("timeline") or timeline.recorder is not None:  # BYTEPS_TIMELINE here or at the scheduler
+                timeline.start(self.cfg).node.update(role="server", index=self.index, host=self.cfg.node_host)
             if self.core is None:
                 self._start_native()
             if self.core is not None:  # before our answer: no push can arrive before the book
@@ -205,6 +213,11 @@ class Server:
         elif header.cmd == Cmd.DECLARE:  # a process set's key: its members' pushes complete its rounds
             self.set_pushers[int(body["key"])] = int(body["pushers"])
             self.control.send(Cmd.DECLARE, {"key": body["key"]})
+        elif header.cmd == Cmd.TRACE:  # a worker called start_timeline(): record too
+            rec = timeline.start(self.cfg)
+            rec.node.update(role="server", index=self.index, host=self.cfg.node_host)
+            if self.core is not None:
+                rec.add_native(_server_core.trace_buffer())
         elif header.cmd == Cmd.TERMINATE:
             return 0
         elif header.cmd == Cmd.ABORT:
@@ -295,6 +308,8 @@ class Server:
                             self.cfg.node_host, e)
         for ident in self.gate.admitted():
             core.admit(ident, True)
+        if timeline.recorder is not None:
+            timeline.recorder.add_native(_server_core.trace_buffer())
         core.start()
         self.core = core
         if self.poller is not None:
@@ -471,6 +486,7 @@ class Server:
             return True
         if not st.senders:
             st.since = time.monotonic()
+        received = time.monotonic_ns() if timeline.recorder is not None else 0
         problem = st.error or self._check(st, header, rank)
         if problem is None:
             problem = self._accept(st, header, rank, ident)
@@ -481,6 +497,9 @@ class Server:
         st.senders.append(rank)
         st.waiters.append((ident, header.flags & wire.FLAG_SHM))
         st.header = header
+        if received:
+            timeline.span("RECV", received, header.key, header.round, header.length,
+                          peer=rank if isinstance(rank, int) else -1)
         if len(st.senders) >= self._expected(header):
             self._maybe_complete(st, header)
         return True
@@ -750,6 +769,9 @@ class Server:
 
     def _complete(self, st, h):
         node = self.control.node_id
+        replying = time.monotonic_ns() if timeline.recorder is not None else 0
+        if replying:
+            timeline.span("ROUND", int(st.since * 1e9), h.key, st.round, h.length)
         if st.error is None and h.cmd == Cmd.BROADCAST and st.root_ident is None:
             st.error = f"key {wire.split_key(h.key)}: broadcast root rank {st.root} never sent its data"
         if st.error is None and st.held is not None:  # a lone push: the sum is that push
@@ -776,6 +798,8 @@ class Server:
                     body = store
                 self._send([ident, wire.pack(Cmd.REPLY, sender=node, key=h.key, round=st.round, length=st.nbytes
                                              if flags else len(body), dtype=st.dtype, flags=flags), body], copy=False)
+        if replying:
+            timeline.span("REPLY", replying, h.key, st.round, h.length, peer=len(st.waiters))
         st.round += 1
         st.reset()
 
@@ -817,12 +841,16 @@ class Server:
             now = time.monotonic()
             if now >= next_check:  # walks every key: not once per message
                 self._warn_stalls(now)
+                if timeline.recorder is not None:  # no steps here: send spans every few seconds
+                    timeline.recorder.flush_due |= now - timeline.recorder.last_sent > SERVER_FLUSH_S
+                    timeline.flush(self.control)
                 next_check = now + 1.0
 
     def close(self):
         self.pool.close()
         core = self.core
         if core is not None:
+            timeline.remember_threads()  # byteps-serve and byteps-sum-i, before they end
             core.stop()  # before the socket it owns is closed
             for line in core.logs():  # its last warnings
                 logger.warning("%s", line)
@@ -830,6 +858,7 @@ class Server:
             logger.info("native data plane: %d pushes handled on byteps-serve, %d rounds completed, %d messages "
                         "forwarded to Python", stats["pushes"], stats["rounds"], stats["forwarded"])
         self.data.close(linger=1000)
+        timeline.flush(self.control, final=True)  # after byteps-serve stopped: its last spans are in
         self.control.close()
         self.maps.close()
         # replies are sent zero-copy from the stores: let ZeroMQ's I/O thread finish with them (at

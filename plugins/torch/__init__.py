@@ -22,7 +22,7 @@ from .mpi_ops import (Adasum, Average, HorovodInternalError, Max, Min, Product, 
                       ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
                       global_process_set, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
                       grouped_allreduce_async_, is_homogeneous, join, mpi_built, mpi_enabled, mpi_threads_supported,
-                      nccl_built, reducescatter_async, remove_process_set, rocm_built, start_timeline,
+                      mark_step, nccl_built, reducescatter_async, remove_process_set, rocm_built, start_timeline,
                       stop_timeline)
 from .collectives import (alltoall, alltoall_async, grouped_allgather, grouped_allgather_async,
                           grouped_reducescatter, grouped_reducescatter_async, reducescatter, sparse_allreduce_async)
@@ -83,5 +83,6 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "SyncBatchNorm",
            "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
            "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
+           "mark_step",
            # DDP
            "ddp_comm_hook", "ProcessGroupBytePS"]

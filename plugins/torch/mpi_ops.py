@@ -614,8 +614,17 @@ def rocm_built():
 
 
 def start_timeline(file_path, mark_cycles=False):
-    warnings.warn("byteps has no Horovod timeline; start_timeline() does nothing", stacklevel=2)
+    """Horovod's timeline on byteps's job timeline (docs/timeline.md): every worker, server and stage of
+    the job from now on, in one Chrome/Perfetto trace at ``file_path``. ``mark_cycles`` is accepted
+    and ignored (steps are marked by the optimizers and ``mark_step()``)."""
+    common.start_timeline(file_path)
 
 
 def stop_timeline():
-    pass
+    """Stop recording; the trace file is written by the scheduler (now, and again when the job ends)."""
+    common.stop_timeline()
+
+
+def mark_step():
+    """Mark the end of a training step on the job timeline (the optimizers do it after each step)."""
+    common.mark_step()

@@ -162,7 +162,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.", stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        loss = super(self.__class__, self).step(closure)
+        common.mark_step()  # the job timeline's step marker (docs/timeline.md)
+        return loss
 
     def zero_grad(self, set_to_none=True):
         if self._handles:

@@ -1,0 +1,52 @@
+"""What a span is, shared by the recorder, the scheduler's writer and the analysis.
+
+A span is one stage of one partition on one thread: :data:`SPAN_DTYPE`'s fields, times in the
+recording process's CLOCK_MONOTONIC nanoseconds. The native threads record exactly this layout
+(core/bps_trace.h ``BpsSpan``) and Python's spans are tuples in the same order, so a batch travels
+to the scheduler as one base64 string of the packed records: no per-span work on the node.
+"""
+import base64
+
+import numpy as np
+
+#: stage code -> name (core/bps_trace.h BpsTraceStage); worker stages first, then server stages
+STAGES = {
+    1: "QUEUE", 2: "STAGE", 3: "PUSH", 4: "PULL", 5: "COORDINATE", 6: "LOCAL_REDUCE", 7: "LOCAL_BROADCAST",
+    8: "RECV", 9: "SUM", 10: "ROUND", 11: "REPLY",
+}
+CODES = {name: code for code, name in STAGES.items()}
+SERVER_STAGES = ("RECV", "SUM", "ROUND", "REPLY")
+#: what each stage means, for the docs and the summary's legend
+MEANING = {
+    "QUEUE": "waiting in the worker's priority queue (and for byte credit)",
+    "STAGE": "copy into the shared staging region (colocated server, or a local rank's copy)",
+    "PUSH": "handed to the transport until the server's reply arrived: wire both ways plus the server",
+    "PULL": "the reply copied into the tensor",
+    "COORDINATE": "a non-owner's partition waiting for its machine's result",
+    "LOCAL_REDUCE": "sum of the machine's copies by the partition's owner",
+    "LOCAL_BROADCAST": "the machine's result copied back into the tensor",
+    "RECV": "server: one push taken in (checks; held, or summed inline)",
+    "SUM": "server: one summation into the round's store",
+    "ROUND": "server: from a round's first push until all pushes are in and summed",
+    "REPLY": "server: the round's replies handed to the transport",
+}
+
+#: core/bps_trace.h BpsSpan, byte for byte
+SPAN_DTYPE = np.dtype([("t0", "<u8"), ("t1", "<u8"), ("key", "<u8"), ("round", "<u8"), ("bytes", "<u8"),
+                       ("priority", "<i8"), ("server", "<i4"), ("peer", "<i4"), ("tid", "<i4"), ("stage", "<i4")])
+
+
+def pack(python_rows, native_raws):
+    """One array of Python's span tuples and the drained native buffers' bytes (spans begun before
+    tracing started, t0 == 0, are left out)."""
+    parts = [np.array(python_rows, dtype=SPAN_DTYPE)] + [np.frombuffer(r, dtype=SPAN_DTYPE) for r in native_raws]
+    a = np.concatenate(parts)
+    return a[a["t0"] > 0]
+
+
+def encode(a):
+    return base64.b64encode(a.tobytes()).decode("ascii")
+
+
+def decode(text):
+    return np.frombuffer(base64.b64decode(text), dtype=SPAN_DTYPE)

@@ -1,0 +1,124 @@
+/* Per-partition spans of the native threads for the job timeline (BYTEPS_TIMELINE; docs/timeline.md).
+ *
+ * One buffer per process (bps_trace()), filled by byteps-net / byteps-reduce on a worker and
+ * byteps-serve / byteps-sum-i on a server at each stage boundary, emptied by Python
+ * (byteps/timeline) through core/_trace.pyx. Why it looks like this:
+ *
+ *  - off costs one relaxed atomic load per boundary (bps_span returns before reading the clock);
+ *  - on, a span is 64 bytes appended under a mutex that only the recording threads and the
+ *    occasional drain take (a few threads, no contention worth a lock-free ring);
+ *  - the buffer is bounded: when it is full new spans are dropped and counted, never grown, so a
+ *    job that never drains cannot run out of memory; the count travels with the trace;
+ *  - times are CLOCK_MONOTONIC nanoseconds, the clock Python's time.monotonic_ns() reads, so native
+ *    and Python spans of one process need no conversion; byteps/timeline shifts both onto the
+ *    scheduler's clock.
+ */
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <vector>
+
+/* Stage codes; byteps_py/timeline/spans.py STAGES names them (keep the two in step). */
+enum BpsTraceStage {
+    BPS_TRACE_QUEUE = 1,           /* worker: submitted -> taken off the priority queue (credit) */
+    BPS_TRACE_STAGE = 2,           /* worker: copy into the shared staging region */
+    BPS_TRACE_PUSH = 3,            /* worker: handed to the transport -> the server's reply arrived */
+    BPS_TRACE_PULL = 4,            /* worker: the reply copied into the tensor */
+    BPS_TRACE_COORDINATE = 5,      /* worker, not the owner: copy to shm + LOCAL_READY -> LOCAL_DONE */
+    BPS_TRACE_LOCAL_REDUCE = 6,    /* worker, owner: sum of the machine's copies */
+    BPS_TRACE_LOCAL_BROADCAST = 7, /* worker: the machine's result copied back into the tensor */
+    BPS_TRACE_RECV = 8,            /* server: one push taken in (checks, held or summed inline) */
+    BPS_TRACE_SUM = 9,             /* server: one summation into the round's store */
+    BPS_TRACE_ROUND = 10,          /* server: first push of a round -> last push summed */
+    BPS_TRACE_REPLY = 11,          /* server: replies of a round handed to the transport */
+};
+
+struct BpsSpan {      /* 64 bytes; byteps_py/timeline/spans.py SPAN_DTYPE mirrors it */
+    uint64_t t0, t1;  /* CLOCK_MONOTONIC ns */
+    uint64_t key;     /* wire key: tensor key << 32 | partition */
+    uint64_t round;
+    uint64_t bytes;
+    int64_t priority;
+    int32_t server;   /* worker: the partition's server index; server: -1 */
+    int32_t peer;     /* server: the pushing rank; worker: -1 */
+    int32_t tid;      /* the recording thread (Linux tid: its name is in /proc) */
+    int32_t stage;    /* BpsTraceStage */
+};
+
+static inline uint64_t bps_trace_now() {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline int32_t bps_trace_tid() {
+    static thread_local int32_t tid = (int32_t)syscall(SYS_gettid);
+    return tid;
+}
+
+class BpsTrace {
+  public:
+    bool on() const { return on_.load(std::memory_order_relaxed); }
+
+    /* Start recording into a buffer of ``capacity`` spans (0: stop recording; what is held stays).
+     * The memory is reserved once: a push_back never reallocates (and copies) under a recording thread. */
+    void enable(size_t capacity) {
+        std::lock_guard<std::mutex> lock(mu_);
+        capacity_ = capacity;
+        spans_.reserve(capacity);
+        on_.store(capacity > 0, std::memory_order_relaxed);
+    }
+
+    void record(const BpsSpan &s) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (spans_.size() >= capacity_) {
+            dropped_++;
+            return;
+        }
+        spans_.push_back(s);
+    }
+
+    /* Copy every held span to ``out`` and return (and reset) the count of spans dropped meanwhile.
+     * A copy, not a swap: the reserved buffer stays (its pages are already mapped). */
+    uint64_t drain(std::vector<BpsSpan> *out) {
+        std::lock_guard<std::mutex> lock(mu_);
+        out->assign(spans_.begin(), spans_.end());
+        spans_.clear();
+        uint64_t d = dropped_;
+        dropped_ = 0;
+        return d;
+    }
+
+  private:
+    std::atomic<bool> on_{false};
+    std::mutex mu_;
+    std::vector<BpsSpan> spans_;
+    size_t capacity_ = 0;
+    uint64_t dropped_ = 0;
+};
+
+/* This process's buffer (one per extension module, which is one per process role). */
+static inline BpsTrace &bps_trace() {
+    static BpsTrace trace;
+    return trace;
+}
+
+/* Record [t0, now] of ``stage``; the one call at a stage boundary. Costs a load when tracing is off. */
+static inline void bps_span(int stage, uint64_t t0, uint64_t key, uint64_t round, uint64_t bytes, int32_t server,
+                            int64_t priority = 0, int32_t peer = -1) {
+    BpsTrace &tr = bps_trace();
+    if (!tr.on()) return;
+    tr.record(BpsSpan{t0, bps_trace_now(), key, round, bytes, priority, server, peer, bps_trace_tid(), stage});
+}
+
+/* Start time for a span: 0 (never read) while tracing is off, so off costs no clock read either. */
+static inline uint64_t bps_span_start() { return bps_trace().on() ? bps_trace_now() : 0; }
+
+/* The buffer's address, for core/_trace.pyx (a separate extension module: it must empty this
+ * module's buffer, not its own copy). */
+static inline uintptr_t bps_trace_address() { return (uintptr_t)&bps_trace(); }
