@@ -47,6 +47,8 @@ VARIABLES = {
     "BYTEPS_NATIVE": ("1", "1: workers and servers run their plain partitions on native threads (byteps-net, byteps-serve) that never take the GIL per partition; 0: the Python loops"),
     "BYTEPS_NATIVE_LOCAL": ("1", "1: with BYTEPS_NATIVE=1 and several worker processes per machine, the native thread also runs the local reduce (core/bps_worker.h); 0: the Python engine does (an A/B switch)"),
     "BYTEPS_DIRECT_TCP": ("1", "1: with BYTEPS_NATIVE=1 on both ends, a worker's data messages to a server go over a direct TCP link the native threads read and write themselves (core/bps_link.h); 0: through ZeroMQ (an A/B switch)"),
+    "BYTEPS_TRANSPORT": ("auto", "what carries a worker's direct links to servers: tcp (core/bps_link.h), ucx (UCP Active Messages, core/bps_ucx.h: verbs on an RDMA NIC) or auto (ucx when this machine has an RDMA device and UCX loads, else tcp); docs/ucx.md"),
+    "BYTEPS_UCX_PEER_ERRORS": ("1", "with BYTEPS_TRANSPORT=ucx: 1 asks UCX to detect dead peers (endpoint error handling), which rules out its shared-memory transports; 0 lets UCX use sm too (a dead peer is then reported by the scheduler alone); docs/ucx.md"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # read outside this module, listed so docs/env.md stays complete
     "BYTEPS_PIPELINE": ("", "optional pipeline stages to drop, e.g. -stage,-local_reduce (core/stages.py)"),
@@ -173,6 +175,8 @@ class Config:
     native: bool = True
     native_local: bool = True
     direct_tcp: bool = True
+    transport: str = "auto"
+    ucx_peer_errors: bool = True
 
     @property
     def distributed(self):
@@ -265,6 +269,8 @@ def load(env=None, role=None):
         native=_bool(env, "BYTEPS_NATIVE", default="1"),
         native_local=_bool(env, "BYTEPS_NATIVE_LOCAL", default="1"),
         direct_tcp=_bool(env, "BYTEPS_DIRECT_TCP", default="1"),
+        transport=_choice(env, "BYTEPS_TRANSPORT", ("auto", "tcp", "ucx")),
+        ucx_peer_errors=_bool(env, "BYTEPS_UCX_PEER_ERRORS", default="1"),  # read by core/bps_ucx.h
     )
 
 
