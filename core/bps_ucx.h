@@ -18,9 +18,10 @@
  * the threshold, about 8 KB over tcp, less over verbs) is received with ucp_am_recv_data_nbx straight
  * into its frames, one IOV entry per frame. The server sums from there (its first push is held as it
  * arrived, later ones are added into the store): one copy fewer than "receive, then copy into the
- * store" and the same as the TCP link. UCX registers the buffers it sends from and receives into
- * itself and caches the registrations (its rcache), which is what a ucp_mem_map per buffer would do
- * by hand; so there is no explicit ucp_mem_map here.
+ * store" and the same as the TCP link. Large frames are received into buffers reused across steps
+ * (BpsUcxRecvPool), so UCX registers each once and finds it in its registration cache (rcache)
+ * afterwards; the tensors workers send from are the training's own, registered the same way on
+ * first use. That is what an explicit ucp_mem_map per buffer would do by hand, so there is none.
  *
  * Wake-ups: the thread's poll includes ucp_worker_get_efd(); before it sleeps, pending_input()
  * progresses the worker and arms it (ucp_worker_arm); UCS_ERR_BUSY means events came meanwhile:
@@ -53,6 +54,7 @@ static const unsigned BPS_UCX_AM_ID = 0x4250; /* "BP": our one Active Message ha
 #include <time.h>
 
 #include <deque>
+#include <mutex>
 #include <unordered_map>
 
 #include <ucp/api/ucp.h>
@@ -132,6 +134,65 @@ static inline int bps_ucx_load(const char *path) {
 }
 
 static inline std::string bps_ucx_error(ucs_status_t s) { return bps_ucx.ucs_status_string(s); }
+
+/* Buffers that large received frames (>= 64 KB) land in, reused across steps: the same partition
+ * size comes back every step, so the same addresses do. That is what makes registration pay on an
+ * RDMA NIC: UCX pins and registers a buffer the first time it receives into it and finds the
+ * registration in its cache (rcache, keyed by address) every later step; a fresh allocation per
+ * message would be registered (and page-faulted) every time. Process-wide, any thread may give a
+ * buffer back (the frame's free function: a sum thread, Python); at most 1 GiB is kept idle. */
+class BpsUcxRecvPool {
+  public:
+    static const size_t MIN_BYTES = 64 << 10;
+
+    static BpsUcxRecvPool &get() {
+        static BpsUcxRecvPool *pool = new BpsUcxRecvPool(); /* never destroyed: frames may outlive anything */
+        return *pool;
+    }
+
+    /* A ZeroMQ frame of ``n`` bytes backed by a pooled buffer; 0, or -1 (out of memory). */
+    int frame(bps_zmq_msg *m, size_t n) {
+        size_t cap = (n + 4095) & ~(size_t)4095;
+        void *p = nullptr;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = free_.find(cap);
+            if (it != free_.end() && !it->second.empty()) {
+                p = it->second.back();
+                it->second.pop_back();
+                idle_ -= cap;
+                reused_++;
+            }
+        }
+        if (p == nullptr && posix_memalign(&p, 4096, cap) != 0) return -1;
+        return bps_zmq.msg_init_data(m, p, n, give_back, (void *)cap);
+    }
+
+    uint64_t reused() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return reused_;
+    }
+
+  private:
+    static void give_back(void *data, void *hint) {
+        BpsUcxRecvPool &pool = get();
+        size_t cap = (size_t)hint;
+        {
+            std::lock_guard<std::mutex> lock(pool.mu_);
+            if (pool.idle_ + cap <= (1ull << 30)) {
+                pool.free_[cap].push_back(data);
+                pool.idle_ += cap;
+                return;
+            }
+        }
+        free(data);
+    }
+
+    std::mutex mu_;
+    std::unordered_map<size_t, std::vector<void *>> free_; /* by capacity (page multiple) */
+    size_t idle_ = 0;
+    uint64_t reused_ = 0;
+};
 
 class BpsUcxWorker;
 
@@ -609,13 +670,15 @@ inline ucs_status_t BpsUcxLink::on_message(const void *header, size_t hlen, void
     }
     Incoming *in = new Incoming();
     int n = (int)head[1], niov = 0;
+    bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     for (int i = 0; i < n; ++i) {
-        bps_zmq.msg_init_size(&in->msg.frames[i], (size_t)lens[i]);
+        if (!rndv || lens[i] < BpsUcxRecvPool::MIN_BYTES || BpsUcxRecvPool::get().frame(&in->msg.frames[i], lens[i]) != 0)
+            bps_zmq.msg_init_size(&in->msg.frames[i], (size_t)lens[i]);
         in->msg.count = i + 1;
         if (lens[i] > 0) in->iov[niov++] = ucp_dt_iov_t{in->msg.mutable_data(i), (size_t)lens[i]};
     }
     inq_.push_back(in);
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) { /* eager: the bytes are here, copy them out */
+    if (!rndv) { /* eager: the bytes are here, copy them out */
         const char *src = (const char *)data;
         for (int i = 0; i < niov; ++i) {
             memcpy(in->iov[i].buffer, src, in->iov[i].length);

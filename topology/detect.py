@@ -252,7 +252,13 @@ def detect(root=SYSFS, nvlinks=None):
             switches[port] = Switch(port, numa, up or DEFAULT_PCIE_GBPS)
         gpus.append(Gpu(i, port, _link_gbps(root, bdf) or DEFAULT_PCIE_GBPS, "NVIDIA GPU", bdf))
     nics = []
+    # an RDMA device's fastest active port (topology/rdma.py) is its bandwidth B; pyverbs only for
+    # the live machine, a recorded tree is read as files
+    from .rdma import discover
+    rdma_rates = {d.name: d.rate_gbps for d in discover(sysfs_root=os.path.join(root, "class", "infiniband"),
+                                                        use_pyverbs=root == SYSFS).devices if d.rate_gbps}
     for name, bdf, speed in pci_nics(root):
+        speed = rdma_rates.get(name, speed)
         chain = _pci_chain(root, bdf)
         port = chain[0] if chain else None
         nics.append(Nic(name, _numa_of(root, bdf, valid), speed or DEFAULT_NIC_GBPS,
