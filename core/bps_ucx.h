@@ -256,9 +256,9 @@ class BpsUcxLink : public BpsConn {
         }
     };
 
-    static void on_error(void *arg, ucp_ep_h, ucs_status_t status) {
-        ((BpsUcxLink *)arg)->die("UCX endpoint: " + bps_ucx_error(status));
-    }
+    /* ``arg`` is the worker: an endpoint being closed is no longer in its map, so a late error
+     * never reaches a link that is gone. */
+    static void on_error(void *arg, ucp_ep_h ep, ucs_status_t status);
     static void on_sent(void *request, ucs_status_t, void *user_data) {
         Outgoing *o = (Outgoing *)user_data;
         o->release();
@@ -388,7 +388,7 @@ class BpsUcxWorker {
         p.sockaddr.addrlen = len;
         p.err_mode = err_mode_;
         p.err_handler.cb = BpsUcxLink::on_error;
-        p.err_handler.arg = l;
+        p.err_handler.arg = this;
         ucs_status_t s = bps_ucx.ucp_ep_create(worker_, &p, &l->ep_);
         if (s != UCS_OK) {
             *why = "ucp_ep_create to " + host + ":" + std::to_string(port) + ": " + bps_ucx_error(s);
@@ -517,7 +517,7 @@ class BpsUcxWorker {
         p.conn_request = req;
         p.err_mode = w->err_mode_;
         p.err_handler.cb = BpsUcxLink::on_error;
-        p.err_handler.arg = l;
+        p.err_handler.arg = w;
         if (bps_ucx.ucp_ep_create(w->worker_, &p, &l->ep_) != UCS_OK) {
             l->ep_ = nullptr;
             delete l;
@@ -587,6 +587,12 @@ inline BpsUcxLink::~BpsUcxLink() {
         w_->close(ep_, dead_);
         w_->drain_closing(dead_ ? 0.2 : 1.0); /* pending sends complete (their frames released) now */
     }
+}
+
+inline void BpsUcxLink::on_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
+    BpsUcxWorker *w = (BpsUcxWorker *)arg;
+    auto it = w->eps_.find(ep);
+    if (it != w->eps_.end()) it->second->die("UCX endpoint: " + bps_ucx_error(status));
 }
 
 inline int BpsUcxLink::fd() const { return w_->efd(); }
