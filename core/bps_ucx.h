@@ -234,6 +234,9 @@ class BpsUcxLink : public BpsConn {
   private:
     friend class BpsUcxWorker;
 
+    /* a whole message waits to be taken by recv() */
+    bool ready() const { return !dead_ && !inq_.empty() && inq_.front()->ready; }
+
     /* A message being received: ready once every frame holds its bytes. Owned by the link, or by
      * the rendezvous receive still in flight when the link went (``orphan``). */
     struct Incoming {
@@ -330,9 +333,14 @@ class BpsUcxWorker {
         reap_closing();
     }
 
-    /* Progress, then arm the wake-up fd; true when events came meanwhile (do not sleep). */
+    /* Before the thread sleeps: progress, then arm the wake-up fd. True when it must not sleep: a
+     * message of any of this worker's endpoints is ready (progress may have completed one for a
+     * link the caller already asked about; the armed fd will not report it), or events came while
+     * arming. */
     bool prepare_sleep() {
         progress();
+        for (auto &kv : eps_)
+            if (kv.second->ready()) return true;
         return bps_ucx.ucp_worker_arm(worker_) == UCS_ERR_BUSY;
     }
 
@@ -585,7 +593,7 @@ inline BpsUcxLink::~BpsUcxLink() {
     inq_.clear();
     if (ep_ != nullptr) {
         w_->close(ep_, dead_);
-        w_->drain_closing(dead_ ? 0.2 : 1.0); /* pending sends complete (their frames released) now */
+        w_->drain_closing(dead_ ? 0.1 : 0.5); /* pending sends complete (their frames released) now */
     }
 }
 
@@ -597,11 +605,7 @@ inline void BpsUcxLink::on_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
 
 inline int BpsUcxLink::fd() const { return w_->efd(); }
 
-inline bool BpsUcxLink::pending_input() {
-    if (dead_) return false;
-    bool busy = w_->prepare_sleep();
-    return busy || (!inq_.empty() && inq_.front()->ready);
-}
+inline bool BpsUcxLink::pending_input() { return !dead_ && w_->prepare_sleep(); }
 
 inline int BpsUcxLink::flush() {
     w_->progress();
