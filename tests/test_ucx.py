@@ -13,12 +13,11 @@ import pytest
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
-from conftest import member_dealer, server_data_port  # noqa: E402
-from test_faults import _wait_progress  # noqa: E402
+from conftest import ask_link, member_dealer, server_data_port  # noqa: E402
+from test_faults import _wait_progress, kill_a_worker  # noqa: E402
 from test_push_pull import SMALL_SHAPES, check_matrix  # noqa: E402
 
-from byteps.core import _worker_core, ucx, wire  # noqa: E402
-from byteps.core.wire import Cmd  # noqa: E402
+from byteps.core import _worker_core, ucx  # noqa: E402
 
 _OK, _WHY = ucx.load(_worker_core)
 pytestmark = pytest.mark.skipif(not _OK, reason=f"UCX unavailable: {_WHY}")
@@ -62,14 +61,6 @@ def test_large_partitions_over_ucx_rendezvous(cluster):
 # ------------------------------------------------------------------------------ authentication
 
 
-def _ask_link(sock):
-    sock.send_multipart(wire.control(Cmd.LINK))
-    assert sock.poll(20000), "no answer to LINK"
-    header, body = sock.recv_multipart()
-    assert wire.unpack(header).cmd == Cmd.LINK
-    return wire.decode(body)
-
-
 def _endpoint(port, token, ident):
     """A UCX endpoint from a fresh native worker core to the server's UCX listener, presenting
     ``token``: "" when the server admitted it, else why not."""
@@ -91,15 +82,12 @@ def test_ucx_endpoint_admitted_only_with_its_token(cluster):
     is accepted once. Meanwhile the job's own workers sum exactly over their UCX links."""
     c = cluster(2, 1, env=dict(UCX_ENV, BYTEPS_LOG_LEVEL="INFO"))
     c.run_workers("wait_then_sum", {"wait": 120})
-    deadline = time.monotonic() + 60
-    while not all(os.path.exists(os.path.join(c.tmp, f"progress.{r}")) for r in (0, 1)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in c.workers), c.all_logs()
-        time.sleep(0.05)
+    _wait_progress(c, [0, 1], timeout=60)
     port = server_data_port(c.servers[0].pid)
     ctx = zmq.Context()
     try:
         sock, ident = member_dealer(ctx, port)
-        answer = _ask_link(sock)
+        answer = ask_link(sock)
         assert {"token", "ucx_port"} <= set(answer), answer
         token, ucx_port = bytes.fromhex(answer["token"]), int(answer["ucx_port"])
 
@@ -154,16 +142,5 @@ def test_killed_server_over_ucx_is_named_by_every_survivor(cluster, tls):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("tls", sorted(FAULT_ENVS))
 def test_killed_worker_over_ucx_is_named_by_every_survivor(cluster, tls):
-    c = cluster(2, 1, env=FAULT_ENVS[tls])
-    c.run_workers("loop", {"sleep": 0.01})
-    _wait_progress(c, [0, 1])
-    victim = c.workers[1]
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(10)
-    assert c.workers[0].wait(30) == 0, c.all_logs()
-    res = c.results()[0]
-    assert res["value"]["error_type"] == "PeerLostError" and "lost worker rank 1" in res["value"]["error"], res
+    res = kill_a_worker(cluster(2, 1, env=FAULT_ENVS[tls]))
     assert res["link_transports"][0].startswith("ucx"), res
-    c.servers[0].wait(15)
-    c.scheduler.wait(15)
-    assert c.servers[0].returncode == 1 and c.scheduler.returncode == 1, c.all_logs()

@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from .detect import _read as _read_file
+
 SYSFS_ROOT = "/sys/class/infiniband"
 _ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 # ibv_port_state (verbs.h): the names ibv_devinfo prints
@@ -84,11 +86,7 @@ def parse_rate(text):
 
 
 def _read(path):
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
+    return _read_file(path, None)
 
 
 def _numa(text):
