@@ -217,18 +217,20 @@ class BpsUcxLink : public BpsConn {
         ucp_ep_attr_t attr;
         memset(&attr, 0, sizeof attr);
         ucp_transport_entry_t entries[8];
+        memset(entries, 0, sizeof entries); /* a UCX older than 1.14 ignores the field: names stay NULL */
         attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
         attr.transports.entries = entries;
         attr.transports.num_entries = 8;
         attr.transports.entry_size = sizeof(ucp_transport_entry_t);
         if (ep_ == nullptr || bps_ucx.ucp_ep_query(ep_, &attr) != UCS_OK) return "?";
         std::string out;
-        for (unsigned i = 0; i < attr.transports.num_entries; ++i) {
+        for (unsigned i = 0; i < attr.transports.num_entries && i < 8; ++i) {
+            if (entries[i].transport_name == nullptr || entries[i].device_name == nullptr) continue;
             std::string one = std::string(entries[i].transport_name) + "/" + entries[i].device_name;
             if (out.find(one) != std::string::npos) continue;
             out += (out.empty() ? "" : ", ") + one;
         }
-        return out;
+        return out.empty() ? "?" : out;
     }
 
   private:

@@ -18,8 +18,6 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .detect import _read as _read_file
-
 SYSFS_ROOT = "/sys/class/infiniband"
 _ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 # ibv_port_state (verbs.h): the names ibv_devinfo prints
@@ -85,8 +83,17 @@ def parse_rate(text):
     return float(m.group(1)) if m else None
 
 
+def read_file(path, default=""):
+    """A sysfs attribute's text, stripped; ``default`` when it cannot be read (topology/detect.py too)."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
 def _read(path):
-    return _read_file(path, None)
+    return read_file(path, None)
 
 
 def _numa(text):
