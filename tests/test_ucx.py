@@ -23,6 +23,10 @@ _OK, _WHY = ucx.load(_worker_core)
 pytestmark = pytest.mark.skipif(not _OK, reason=f"UCX unavailable: {_WHY}")
 
 UCX_ENV = {"BYTEPS_TRANSPORT": "ucx"}
+# an endpoint's transports can be asked from UCX 1.14 on (older ones say "?": e.g. Debian 12's 1.13,
+# loaded with RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true)
+_VERSION = tuple(int(x) for x in _WHY.split()[1].split(".")[:2]) if _OK else (0, 0)
+NAMES_TRANSPORTS = _VERSION >= (1, 14)
 
 
 def _assert_ucx(res, n, k):
@@ -46,7 +50,8 @@ def test_exact_sums_over_ucx(cluster, n, k, ipc, tls, used):
         env["BYTEPS_UCX_PEER_ERRORS"] = "0"
     res = check_matrix(cluster, n, k, SMALL_SHAPES + [(3, 257)], rounds=3, ipc=ipc, extra_env=env)
     _assert_ucx(res, n, k)
-    assert all(used in t for r in range(n) for t in res[r]["link_transports"]), res[0]["link_transports"]
+    if NAMES_TRANSPORTS:
+        assert all(used in t for r in range(n) for t in res[r]["link_transports"]), res[0]["link_transports"]
 
 
 
