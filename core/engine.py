@@ -301,7 +301,7 @@ class Engine:
             try:
                 fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
                                          ident, self.control.node_id, min(self.cfg.timeout, 10.0))
-            except (OSError, ValueError, KeyError, ProtocolError) as e:
+            except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:  # TypeError: no TCP port
                 logger.warning("no direct link to server %d (%s:%s): %s; its data goes through ZeroMQ", i,
                                info["host"], answer.get("port"), e)
                 continue

@@ -112,6 +112,8 @@ ZERO_COPY_MIN = 65536
 available = _transport.available and bps_zmq_load(_transport.library.encode()) == 0 \
     if _transport.available else False
 #: why not, when it cannot
+unavailable_reason = "" if available else (_transport.unavailable_reason or "libzmq's functions were not found")
+
 #: True when this build has the UCX transport (UCX headers were found at build time: setup.py)
 ucx_built = bps_ucx_built()
 
@@ -122,8 +124,6 @@ def ucx_load(str path):
         return True, bps_ucx_version().decode()
     return False, bps_ucx_why().decode("utf-8", "replace")
 
-
-unavailable_reason = "" if available else (_transport.unavailable_reason or "libzmq's functions were not found")
 
 bps_cpu_init()  # this module's copy of the kernels picks its SIMD level (bps_reduce.h)
 
