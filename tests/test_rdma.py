@@ -129,3 +129,16 @@ def test_rdma_rate_is_the_nics_bandwidth_in_placement(tmp_path):
     (dev / "device").symlink_to(tmp_path / "devices" / nic)  # as the kernel links it
     m = detect.detect(root=str(tmp_path), nvlinks=[])
     assert [(n.name, n.gbps) for n in m.nics] == [("mlx5_0", 200.0)]
+
+
+def test_transport_setting_errors():
+    """A bad BYTEPS_TRANSPORT is a ConfigError naming it; ``ucx`` insists: a native module built
+    without UCX (here _reduce, which never has it) is a RuntimeError saying why."""
+    from byteps import config
+    from byteps.core import _reduce
+    from byteps.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="BYTEPS_TRANSPORT='rdma' must be one of auto, tcp, ucx"):
+        config.load({"BYTEPS_TRANSPORT": "rdma"})
+    with pytest.raises(RuntimeError, match="BYTEPS_TRANSPORT=ucx, but UCX cannot be used: byteps was built without UCX"):
+        ucx.choose("ucx", _reduce)
