@@ -684,8 +684,9 @@ inline ucs_status_t BpsUcxLink::on_message(const void *header, size_t hlen, void
     int n = (int)head[1], niov = 0;
     bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     for (int i = 0; i < n; ++i) {
-        if (!rndv || lens[i] < BpsUcxRecvPool::MIN_BYTES || BpsUcxRecvPool::get().frame(&in->msg.frames[i], lens[i]) != 0)
-            bps_zmq.msg_init_size(&in->msg.frames[i], (size_t)lens[i]);
+        bool pooled = rndv && lens[i] >= BpsUcxRecvPool::MIN_BYTES &&
+                      BpsUcxRecvPool::get().frame(&in->msg.frames[i], lens[i]) == 0;
+        if (!pooled) bps_zmq.msg_init_size(&in->msg.frames[i], (size_t)lens[i]);
         in->msg.count = i + 1;
         if (lens[i] > 0) in->iov[niov++] = ucp_dt_iov_t{in->msg.mutable_data(i), (size_t)lens[i]};
     }

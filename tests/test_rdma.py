@@ -140,5 +140,6 @@ def test_transport_setting_errors():
 
     with pytest.raises(ConfigError, match="BYTEPS_TRANSPORT='rdma' must be one of auto, tcp, ucx"):
         config.load({"BYTEPS_TRANSPORT": "rdma"})
-    with pytest.raises(RuntimeError, match="BYTEPS_TRANSPORT=ucx, but UCX cannot be used: byteps was built without UCX"):
+    with pytest.raises(RuntimeError, match="BYTEPS_TRANSPORT=ucx, but UCX cannot be used: byteps was built "
+                                           "without UCX"):
         ucx.choose("ucx", _reduce)
