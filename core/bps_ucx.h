@@ -42,6 +42,7 @@
 #include "bps_wire.h"
 
 static const unsigned BPS_UCX_AM_ID = 0x4250; /* "BP": our one Active Message handler */
+static const uint64_t BPS_UCX_HELLO_MAX = 64 << 10; /* the most an endpoint may send before its token */
 
 #ifdef BPS_HAVE_UCX
 
@@ -293,6 +294,7 @@ class BpsUcxLink : public BpsConn {
 
     BpsUcxWorker *w_;
     ucp_ep_h ep_ = nullptr;
+    bool accepted_ = false; /* a server's endpoint from its listener: unadmitted while ident is empty */
     bool dead_ = false;
     std::string error_;
     std::deque<Incoming *> inq_;
@@ -533,6 +535,7 @@ class BpsUcxWorker {
             delete l;
             return;
         }
+        l->accepted_ = true;
         w->eps_[l->ep_] = l;
         w->accepted_.push_back(l);
     }
@@ -673,12 +676,19 @@ inline ucs_status_t BpsUcxLink::on_message(const void *header, size_t hlen, void
               hlen == 8 * (1 + (size_t)head[1]);
     if (ok) {
         memcpy(lens, (const char *)header + 8, 8 * (size_t)head[1]);
-        for (uint32_t i = 0; i < head[1]; ++i) total += lens[i];
-        ok = total == length;
+        for (uint32_t i = 0; i < head[1]; ++i) {
+            ok = ok && lens[i] <= BPS_LINK_MAX_FRAME;
+            total += lens[i];
+        }
+        ok = ok && total == length;
     }
     if (!ok) {
         die("malformed UCX message (header or lengths)");
         return UCS_OK;
+    }
+    if (accepted_ && ident.empty() && total > BPS_UCX_HELLO_MAX) { /* nothing large before the token */
+        die("a message of " + std::to_string(total) + " bytes before the endpoint presented its token");
+        return UCS_OK; /* a rendezvous not received is dropped (UCX completes the sender's request) */
     }
     Incoming *in = new Incoming();
     int n = (int)head[1], niov = 0;
