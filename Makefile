@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 # torch is pinned: an open range pulls a multi-GB CUDA build (docs/env.md, "Installing").
 TORCH ?= torch==2.13.0
 TENSORFLOW ?= tensorflow-cpu==2.21.0
+UCX ?= libucx-cu12>=1.15
 
 .PHONY: setup train test test-all bench clean
 
@@ -15,7 +16,9 @@ $(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/*.h summation
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" "$(TENSORFLOW)" "setuptools>=64" wheel "cython>=3.0,<3.4" "numpy>=1.26"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,ray]"
+	# UCX's headers must be there when byteps builds (the UCX transport, docs/ucx.md): the ucx extra, first
+	$(PY) -m pip install -q "$(UCX)"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,ray,ucx]"
 	touch $@
 
 train: setup

@@ -50,6 +50,22 @@ def cython_include_tree():
     return os.path.dirname(root)
 
 
+def ucx_include_dir():
+    """UCX's headers for the UCX transport (core/bps_ucx.h): the libucx wheel's (pip install
+    libucx-cu12), else a system UCX's (Debian libucx-dev); None builds without it (docs/ucx.md).
+    Only the headers are needed: libucp is loaded at run time (core/ucx.py), never linked."""
+    if os.environ.get("BYTEPS_BUILD_UCX", "1") == "0":
+        return None
+    import importlib.util
+    spec = importlib.util.find_spec("libucx")
+    candidates = [os.path.join(os.path.dirname(spec.origin), "include")] if spec and spec.origin else []
+    candidates.append("/usr/include")
+    for inc in candidates:
+        if os.path.exists(os.path.join(inc, "ucp", "api", "ucp.h")):
+            return inc
+    return None
+
+
 def extensions():
     """Cython extensions. Portable baseline flags; wider SIMD is dispatched at run time."""
     import numpy
@@ -58,6 +74,9 @@ def extensions():
     # no OpenMP: bps_reduce.h has its own pool of helpers that sleep between calls (libgomp's spin)
     compile_args = ["-O3", "-fno-strict-aliasing", "-pthread"]
     link_args = ["-pthread"]
+    ucx = ucx_include_dir()
+    # the native cores get the UCX transport when its headers are here (libucp is dlopen()ed: -ldl)
+    ucx_macros, ucx_includes, ucx_libs = ([("BPS_HAVE_UCX", "1")], [ucx], ["dl"]) if ucx else ([], [], [])
     exts = [
         Extension(
             "byteps.core._reduce",
@@ -76,7 +95,9 @@ def extensions():
         Extension(  # the worker's native data plane (libzmq through core/bps_zmq.h, as _transport)
             "byteps.core._worker_core",
             ["core/_worker_core.pyx"],
-            include_dirs=[os.path.join(HERE, "core")],
+            include_dirs=[os.path.join(HERE, "core")] + ucx_includes,
+            define_macros=ucx_macros,
+            libraries=ucx_libs,
             language="c++",
             # the local reduce's sums (bps_reduce.h) are compiled as in _reduce
             extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing", "-pthread"],
@@ -85,7 +106,9 @@ def extensions():
         Extension(  # the server's native data plane (core/bps_server.h)
             "byteps.server._server_core",
             ["summation/_server_core.pyx"],
-            include_dirs=[os.path.join(HERE, "core")],
+            include_dirs=[os.path.join(HERE, "core")] + ucx_includes,
+            define_macros=ucx_macros,
+            libraries=ucx_libs,
             language="c++",
             extra_compile_args=["-O2", "-std=c++17", "-fno-strict-aliasing", "-pthread"],
             extra_link_args=["-pthread"],

@@ -178,6 +178,8 @@ def worker(args):
     result = {"rank": rank, "times": times, "correct": correct}
     if args.system != "gloo":
         result["tuning"] = common.tuning()  # the partition size and credit this worker used
+        engine = common._job.engine  # what carried each server's data: "tcp", "ucx: ..." or "" (ZeroMQ)
+        result["links"] = engine.native_link_transports if engine is not None else []
     if args.system != "gloo" and rank == 0:
         result["placed"] = _placed_bytes(common, names, tensors, fusion)
     with open(os.path.join(args.rundir, f"result.{rank}.json"), "w") as f:
@@ -344,7 +346,8 @@ def run_job(net, system, n, k, args):
     return {"system": system, "n": n, "k": k, "model_bytes": model, "steps_s": steps, "tuning": chosen,
             "time_s": statistics.median(steps), "correct": all(r["correct"] for r in results),
             "bytes_per_step": per_step, "plan_bytes": plan_bytes, "placed_bytes": placed,
-            "machine_cpu_util": busy, "job_cpu_cores": (cpu1[2] - cpu0[2]) / (w1 - w0), "trace": trace}
+            "machine_cpu_util": busy, "job_cpu_cores": (cpu1[2] - cpu0[2]) / (w1 - w0), "trace": trace,
+            "links": [r.get("links") for r in results]}
 
 
 def _trace(net, out, stop, every=0.1):

@@ -47,6 +47,8 @@ VARIABLES = {
     "BYTEPS_NATIVE": ("1", "1: workers and servers run their plain partitions on native threads (byteps-net, byteps-serve) that never take the GIL per partition; 0: the Python loops"),
     "BYTEPS_NATIVE_LOCAL": ("1", "1: with BYTEPS_NATIVE=1 and several worker processes per machine, the native thread also runs the local reduce (core/bps_worker.h); 0: the Python engine does (an A/B switch)"),
     "BYTEPS_DIRECT_TCP": ("1", "1: with BYTEPS_NATIVE=1 on both ends, a worker's data messages to a server go over a direct TCP link the native threads read and write themselves (core/bps_link.h); 0: through ZeroMQ (an A/B switch)"),
+    "BYTEPS_TRANSPORT": ("auto", "what carries a worker's direct links to servers: tcp (core/bps_link.h), ucx (UCP Active Messages, core/bps_ucx.h: verbs on an RDMA NIC) or auto (ucx when this machine has an RDMA device and UCX loads, else tcp); docs/ucx.md"),
+    "BYTEPS_UCX_PEER_ERRORS": ("1", "with BYTEPS_TRANSPORT=ucx: 1 asks UCX to detect dead peers (endpoint error handling), which rules out its shared-memory transports; 0 lets UCX use sm too (a dead peer is then reported by the scheduler alone); docs/ucx.md"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # the job timeline (docs/timeline.md)
     "BYTEPS_TIMELINE": ("", "path of one Chrome/Perfetto trace of the whole job, written by the scheduler (empty: off)"),
@@ -182,6 +184,8 @@ class Config:
     timeline_flush_steps: int = 50
     timeline_buffer: int = 250000
     timeline_clock_interval: float = 2.0
+    transport: str = "auto"
+    ucx_peer_errors: bool = True
 
     @property
     def distributed(self):
@@ -278,6 +282,8 @@ def load(env=None, role=None):
         timeline_flush_steps=_int(env, "BYTEPS_TIMELINE_FLUSH_STEPS", 50, minimum=0),
         timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 250000, minimum=1),
         timeline_clock_interval=_float(env, "BYTEPS_TIMELINE_CLOCK_INTERVAL", "2"),
+        transport=_choice(env, "BYTEPS_TRANSPORT", ("auto", "tcp", "ucx")),
+        ucx_peer_errors=_bool(env, "BYTEPS_UCX_PEER_ERRORS", default="1"),  # read by core/bps_ucx.h
     )
 
 

@@ -28,6 +28,10 @@ from byteps.core import _transport
 
 cdef extern from "bps_worker.h" nogil:
     int bps_zmq_load(const char *path)
+    int bps_ucx_load(const char *path)
+    cbool bps_ucx_built()
+    string bps_ucx_why()
+    string bps_ucx_version()
     void bps_cpu_init()
     const int BPS_TO_ROUTER
 
@@ -82,6 +86,9 @@ cdef extern from "bps_worker.h" nogil:
                            cbool root_self, unsigned char *buf, uint64_t nbytes)
         void add_server(void *sock)
         void add_link(int server, int fd)
+        string add_ucx_link(int server, const string &host, int port, const string &token, const string &ident,
+                            double timeout)
+        string link_transport(int server)
         int links_up()
         cbool submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                             cbool root_self, unsigned char *buf, uint64_t nbytes)
@@ -121,6 +128,17 @@ ZERO_COPY_MIN = 65536
 #: True when the native core can run here (it needs the libzmq that pyzmq loaded)
 available = _transport.available and bps_zmq_load(_transport.library.encode()) == 0 \
     if _transport.available else False
+#: True when this build has the UCX transport (UCX headers were found at build time: setup.py)
+ucx_built = bps_ucx_built()
+
+
+def ucx_load(str path):
+    """Resolve libucp's calls from ``path`` (core/ucx.py chose it): (True, version) or (False, why)."""
+    if bps_ucx_load(path.encode()) == 0:
+        return True, bps_ucx_version().decode()
+    return False, bps_ucx_why().decode("utf-8", "replace")
+
+
 #: Python's ``send`` target for the local ROUTER (to one identity); local rank n is ``-2 - n``
 TO_ROUTER = BPS_TO_ROUTER
 
@@ -167,6 +185,21 @@ cdef class WorkerCore:
         if not 0 <= server < self.servers:
             raise ValueError(f"no server {server} (have {self.servers})")
         self.core.add_link(server, fd)
+
+    def add_ucx_link(self, int server, str host, int port, bytes token, bytes ident, double timeout):
+        """A UCX endpoint to server ``server``'s listener (core/bps_ucx.h), admitted by ``token`` for
+        ``ident``, before start(): "" once it is up, else why not (its data then goes through ZeroMQ).
+        Blocks up to ``timeout`` seconds for the server's answer (without the GIL)."""
+        if not 0 <= server < self.servers:
+            raise ValueError(f"no server {server} (have {self.servers})")
+        cdef string why, h = host.encode(), t = token, i = ident
+        with nogil:
+            why = self.core.add_ucx_link(server, h, port, t, i, timeout)
+        return why.decode("utf-8", "replace")
+
+    def link_transport(self, int server):
+        """How server ``server`` is reached: "tcp", "ucx: <UCX transports/devices>", or "" (ZeroMQ)."""
+        return self.core.link_transport(server).decode("utf-8", "replace")
 
     @property
     def links_up(self):

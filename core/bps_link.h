@@ -89,31 +89,57 @@ static inline int bps_zmq_send_frames(void *sock, BpsFrames &m, const std::strin
     return rc;
 }
 
+/* What the native threads need of a link to one peer, whatever carries it: a direct TCP socket
+ * (BpsLink, below) or a UCX endpoint (BpsUcxLink, core/bps_ucx.h). The worker's send_server() and the
+ * server's send_to() / serve_link() / link_hello() are written against this alone. */
+class BpsConn {
+  public:
+    virtual ~BpsConn() {}
+    /* what to poll for input (a UCX link: its worker's wake-up fd, shared by the thread's links) */
+    virtual int fd() const = 0;
+    virtual bool dead() const = 0;
+    /* bytes queued for the socket: poll for POLLOUT, then flush() */
+    virtual bool wants_write() const = 0;
+    /* Input already taken in but not yet returned by recv() (or, for UCX, events that came while
+     * arming): poll() will not report it, so the owner calls recv() again before it sleeps. */
+    virtual bool pending_input() = 0;
+    /* why the link died ("" while it lives) */
+    virtual const std::string &error() const = 0;
+    /* Send one message; 0, or -1 once the link is dead (every zero-copy frame is released either way). */
+    virtual int send(BpsFrames &m) = 0;
+    /* Go on with what is queued; 0, or -1 once dead. */
+    virtual int flush() = 0;
+    /* One whole message into ``m`` (its frames replaced), after ``prefix`` as frame 0 if given (a
+     * server puts the link's identity there, as a ROUTER would). 1: a message; 0: none complete
+     * yet; -1: the link closed or broke (error() says how). */
+    virtual int recv(BpsMessage *m, const std::string *prefix = nullptr) = 0;
+    /* "tcp" or "ucx" (logs, and submit_direct, which reads a TCP socket on the caller's thread) */
+    virtual const char *kind() const = 0;
+    /* the server side: whose link this is, once its token was presented ("" before) */
+    std::string ident;
+};
+
 /* One end of a direct TCP link; used by one thread at a time (the native thread that owns it). */
-class BpsLink {
+class BpsLink : public BpsConn {
   public:
     explicit BpsLink(int fd) : fd_(fd), buf_(BPS_LINK_READ_BUFFER) {}
     BpsLink(const BpsLink &) = delete;
     BpsLink &operator=(const BpsLink &) = delete;
-    ~BpsLink() {
+    ~BpsLink() override {
         drop_queue();
         partial_.clear();
         if (fd_ >= 0) ::close(fd_);
     }
 
-    int fd() const { return fd_; }
-    bool dead() const { return dead_; }
-    bool wants_write() const { return !outq_.empty(); }
-    /* Bytes already read but not yet taken as messages: poll() will not report them, so the owner
-     * must call recv() again before it sleeps. */
-    bool pending_input() const { return !dead_ && r_ < w_; }
-    /* why the link died ("" while it lives) */
-    const std::string &error() const { return error_; }
-    /* the server side: whose link this is, once its token was presented ("" before) */
-    std::string ident;
+    int fd() const override { return fd_; }
+    bool dead() const override { return dead_; }
+    bool wants_write() const override { return !outq_.empty(); }
+    /* bytes already read but not yet taken as messages */
+    bool pending_input() override { return !dead_ && r_ < w_; }
+    const std::string &error() const override { return error_; }
+    const char *kind() const override { return "tcp"; }
 
-    /* Send one message; 0, or -1 once the link is dead (every zero-copy frame is released either way). */
-    int send(BpsFrames &m) {
+    int send(BpsFrames &m) override {
         if (dead_) {
             m.release_from(0);
             return -1;
@@ -163,7 +189,7 @@ class BpsLink {
     }
 
     /* Write what is queued, as far as the socket takes it; 0, or -1 once dead. */
-    int flush() {
+    int flush() override {
         while (!outq_.empty() && !dead_) {
             struct iovec iov[64];
             int cnt = 0;
@@ -188,10 +214,7 @@ class BpsLink {
         return dead_ ? -1 : 0;
     }
 
-    /* One whole message into ``m`` (its frames replaced), after ``prefix`` as frame 0 if given (a
-     * server puts the link's identity there, as a ROUTER would). 1: a message; 0: not complete yet
-     * (the socket is drained); -1: the link closed or broke (error() says how). */
-    int recv(BpsMessage *m, const std::string *prefix = nullptr) {
+    int recv(BpsMessage *m, const std::string *prefix = nullptr) override {
         if (dead_) return -1;
         for (;;) {
             int got = parse(prefix);

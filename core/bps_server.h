@@ -33,7 +33,8 @@
  * Transport seam (core/bps_link.h): messages come in whole from the ROUTER or from a worker's direct
  * TCP link (accepted here once the worker presents the one-time token Python gave it: expect_link),
  * and every message out goes through send_to(identity, frames), which picks that worker's link or
- * the ROUTER; zero-copy bodies say when they are released. A UCX transport implements the same.
+ * the ROUTER; zero-copy bodies say when they are released. A link is a BpsConn: a TCP socket
+ * (BpsLink) or a UCX endpoint (BpsUcxLink, core/bps_ucx.h), admitted by the same token check.
  */
 #ifndef BPS_SERVER_H
 #define BPS_SERVER_H
@@ -66,6 +67,7 @@
 #include <netinet/tcp.h>
 
 #include "bps_link.h"
+#include "bps_ucx.h"
 #include "bps_reduce.h"
 #include "bps_trace.h"
 #include "bps_wire.h"
@@ -557,6 +559,7 @@ class BpsServerCore {
         stop();
         by_ident_.clear();
         conns_.clear(); /* before the stores: a queued zero-copy reply releases its arena */
+        ucx_.reset();
         if (listen_fd_ >= 0) ::close(listen_fd_);
         pool_.reset();
         keys_.clear();
@@ -590,6 +593,12 @@ class BpsServerCore {
 
     /* A listening TCP socket for workers' direct links (before start()); this thread owns and closes it. */
     void set_listener(int fd) { listen_fd_ = fd; }
+
+    /* Listen for workers' UCX endpoints on ``host`` (before start()): the port, or -1 with ``why``. */
+    int ucx_listen(const std::string &host, std::string *why) {
+        if (!ucx_) ucx_.reset(BpsUcxWorker::create(why));
+        return ucx_ ? ucx_->listen(host, why) : -1;
+    }
 
     /* Python gave ``ident`` (authenticated) this one-time token for a direct link. */
     void expect_link(const std::string &ident, const std::string &token) {
@@ -724,16 +733,19 @@ class BpsServerCore {
         BpsMessage msg;
         double next_check = 0;
         while (!stopping_) {
-            /* ROUTER, wake-up, listener, then one item per link (rebuilt: links come and go) */
-            items.assign(3, bps_zmq_pollitem{nullptr, -1, 0, 0});
+            /* ROUTER, wake-up, listener, UCX wake-up, then one item per link (rebuilt: links come and go) */
+            const size_t conns_at = 4;
+            items.assign(conns_at, bps_zmq_pollitem{nullptr, -1, 0, 0});
             items[0] = bps_zmq_pollitem{sock_, 0, BPS_ZMQ_POLLIN, 0};
             items[1] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
             items[2] = bps_zmq_pollitem{nullptr, listen_fd_, (short)(listen_fd_ >= 0 ? BPS_ZMQ_POLLIN : 0), 0};
+            items[3] = bps_zmq_pollitem{nullptr, ucx_ ? ucx_->efd() : -1, (short)(ucx_ ? BPS_ZMQ_POLLIN : 0), 0};
             for (auto &c : conns_)
                 items.push_back(bps_zmq_pollitem{nullptr, c->fd(),
                                                  (short)(BPS_ZMQ_POLLIN | (c->wants_write() ? BPS_ZMQ_POLLOUT : 0)), 0});
             bool buffered = false; /* a link that stopped mid-burst has whole messages in hand: no sleep */
             for (auto &c : conns_) buffered |= c->pending_input();
+            if (ucx_) buffered |= ucx_->prepare_sleep(); /* arms UCX's wake-up fd (new endpoints too) */
             int rc = bps_zmq.poll(items.data(), (int)items.size(), buffered ? 0 : 100);
             if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
             if (items[1].revents) {
@@ -755,12 +767,16 @@ class BpsServerCore {
                     if (k % 32 == 31) take_sums();
                 }
             }
-            size_t nconns = items.size() - 3; /* links accepted below wait for the next turn */
+            size_t nconns = items.size() - conns_at; /* links accepted below wait for the next turn */
             for (size_t i = 0; i < nconns && !stopping_; ++i) {
-                if (items[3 + i].revents || conns_[i]->pending_input())
-                    serve_link(conns_[i].get(), items[3 + i].revents, &msg);
+                if (items[conns_at + i].revents || conns_[i]->pending_input())
+                    serve_link(conns_[i].get(), items[conns_at + i].revents, &msg);
             }
             if (items[2].revents) accept_links();
+            if (ucx_) { /* endpoints the UCX listener accepted: unadmitted links, like accepted sockets */
+                ucx_->progress();
+                for (BpsUcxLink *l : ucx_->take_accepted()) conns_.emplace_back(l);
+            }
             drop_dead_links();
             if (notify_pending_) {
                 notify_pending_ = false;
@@ -802,7 +818,7 @@ class BpsServerCore {
         }
     }
 
-    void serve_link(BpsLink *c, short revents, BpsMessage *msg) {
+    void serve_link(BpsConn *c, short revents, BpsMessage *msg) {
         if (revents & BPS_ZMQ_POLLOUT) c->flush();
         for (int k = 0; k < 256 && !c->dead() && !stopping_; ++k) {
             if (c->ident.empty()) { /* the first message must present a token */
@@ -820,7 +836,7 @@ class BpsServerCore {
     }
 
     /* [header LINK, token (16 bytes) + identity]: admit the link if Python gave that identity the token. */
-    void link_hello(BpsLink *c, BpsMessage *m) {
+    void link_hello(BpsConn *c, BpsMessage *m) {
         BpsHeader h;
         bool ok = m->count == 2 && bps_parse_header(m->data(0), m->size(0), &h) && h.cmd == BPS_SERVER_CMD_LINK &&
                   m->size(1) > 16;
@@ -837,7 +853,7 @@ class BpsServerCore {
         f.copy(&answer, sizeof answer);
         c->send(f);
         if (!ok) {
-            log("refused a direct link: its token does not match one this server handed out");
+            log(std::string("refused a direct link (") + c->kind() + "): its token does not match one this server handed out");
             c->ident.clear();
             close_link_later(c);
             return;
@@ -849,12 +865,12 @@ class BpsServerCore {
         links_accepted_.fetch_add(1);
     }
 
-    void close_link_later(BpsLink *c) { closing_.insert(c); }
+    void close_link_later(BpsConn *c) { closing_.insert(c); }
 
     /* Links that broke, or were refused, go; their identities fall back to the ROUTER. */
     void drop_dead_links() {
         for (size_t i = 0; i < conns_.size();) {
-            BpsLink *c = conns_[i].get();
+            BpsConn *c = conns_[i].get();
             bool refused = closing_.count(c) > 0;
             if (!c->dead() && !refused) {
                 ++i;
@@ -1453,10 +1469,11 @@ class BpsServerCore {
     std::unique_ptr<BpsSumPool> pool_;
     /* direct links (core/bps_link.h) */
     int listen_fd_ = -1;
-    std::vector<std::unique_ptr<BpsLink>> conns_;
-    std::unordered_map<std::string, BpsLink *> by_ident_;
+    std::unique_ptr<BpsUcxWorker> ucx_; /* this thread's UCP worker and listener (BYTEPS_TRANSPORT=ucx) */
+    std::vector<std::unique_ptr<BpsConn>> conns_;
+    std::unordered_map<std::string, BpsConn *> by_ident_;
     std::map<std::string, std::string> expected_; /* identity -> its one-time token */
-    std::set<BpsLink *> closing_;
+    std::set<BpsConn *> closing_;
     std::atomic<uint64_t> links_accepted_{0};
 };
 

@@ -37,6 +37,7 @@ enum {
     BPS_CMD_LOCAL_READY = 24,
     BPS_CMD_LOCAL_DONE = 25,
     BPS_CMD_ASYNC_PUSHPULL = 26,
+    BPS_CMD_LINK = 28, /* a link's token, and its answer (core/wire.py Cmd.LINK) */
     BPS_NO_DTYPE = 255,
 };
 

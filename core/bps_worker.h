@@ -35,9 +35,8 @@
  * Transport seam (core/bps_link.h): a message to a server is a BpsFrames, sent by send_server()
  * over the server's direct TCP link (BpsLink, once Python set one up: add_link) or its ZeroMQ DEALER;
  * for a colocated server the body is a shared-memory descriptor (core/bps_wire.h). Replies come back
- * on either, whole, as a BpsMessage. A new transport (UCX, issue 16) implements the same three
- * things: send frames (one of them maybe zero-copy), poll for whole messages, and say when a
- * zero-copy body is released.
+ * on either, whole, as a BpsMessage. A link is a BpsConn: a TCP socket (BpsLink) or a UCX endpoint
+ * (BpsUcxLink, core/bps_ucx.h: BYTEPS_TRANSPORT=ucx), both polled in run() like the sockets.
  */
 #ifndef BPS_WORKER_H
 #define BPS_WORKER_H
@@ -65,6 +64,7 @@
 #include "bps_trace.h"
 #include "bps_reduce.h"
 #include "bps_link.h"
+#include "bps_ucx.h"
 #include "bps_wire.h"
 #include "bps_zmq.h"
 
@@ -336,6 +336,27 @@ class BpsWorkerCore {
      * accepted (core/engine.py _open_links). This thread owns and closes it; ZeroMQ stays the fallback. */
     void add_link(int server, int fd) { links_.at((size_t)server).reset(new BpsLink(fd)); }
 
+    /* A UCX endpoint to server ``server``'s listener at host:port (before start()), admitted by the
+     * one-time ``token`` Python got for ``ident``: "" once it is up, else why not (ZeroMQ stays). */
+    std::string add_ucx_link(int server, const std::string &host, int port, const std::string &token,
+                             const std::string &ident, double timeout) {
+        std::string why;
+        if (!ucx_) ucx_.reset(BpsUcxWorker::create(&why));
+        if (!ucx_) return why;
+        BpsHeader h = bps_header(BPS_CMD_LINK, node_id_, 0, 0, token.size() + ident.size(), BPS_NO_DTYPE, 0, 0);
+        BpsUcxLink *l = ucx_->connect(host, port, std::string((const char *)&h, sizeof h), token + ident, timeout, &why);
+        if (l != nullptr) links_.at((size_t)server).reset(l);
+        return why;
+    }
+
+    /* Which transports server ``server``'s link uses: "tcp", "ucx: tcp/lo, ..." ("" without a link). */
+    std::string link_transport(int server) {
+        BpsConn *l = links_.at((size_t)server).get();
+        if (l == nullptr) return "";
+        if (std::string(l->kind()) != "ucx") return l->kind();
+        return std::string("ucx: ") + ((BpsUcxLink *)l)->transports();
+    }
+
     /* A synchronous call's fast path: the caller's thread sends its op's one partition on the server's
      * link and reads the reply itself, without the two thread hand-offs of the normal path (wake
      * byteps-net; byteps-net wakes the caller), when byteps-net has nothing in flight or queued and the
@@ -359,7 +380,9 @@ class BpsWorkerCore {
         if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= (int)links_.size() || !links_[(size_t)server])
             return false;
         std::unique_lock<std::mutex> link_lock(*link_mu_[(size_t)server]);
-        BpsLink *l = links_[(size_t)server].get();
+        BpsConn *l = links_[(size_t)server].get();
+        /* a TCP socket only: a UCX endpoint belongs to byteps-net's UCP worker (one thread) */
+        if (std::string(l->kind()) != "tcp") return false;
         if (l->dead() || l->wants_write() || l->pending_input()) return false;
         BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes);
         op->name = name;
@@ -674,7 +697,7 @@ class BpsWorkerCore {
 
     /* The direct caller's wait for the reply of (its key, ``rnd``) on link ``l`` (its lock held):
      * true once the reply was taken into the op, false when the window passed. */
-    bool direct_wait(BpsOp *op, int server, BpsLink *l, uint64_t rnd, bool *strays) {
+    bool direct_wait(BpsOp *op, int server, BpsConn *l, uint64_t rnd, bool *strays) {
         BpsPart &p = op->parts[0];
         double deadline = bps_now() + BPS_DIRECT_WINDOW_S;
         BpsMessage msg;
@@ -768,7 +791,7 @@ class BpsWorkerCore {
         while (!stopping_) {
             bool buffered = false;
             for (size_t i = 0; i < links_.size(); ++i) { /* a dead link, or one a direct caller holds: not polled */
-                BpsLink *l = direct_owned_[i].load() ? nullptr : live_link((int)i);
+                BpsConn *l = direct_owned_[i].load() ? nullptr : live_link((int)i);
                 short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->wants_write() ? BPS_ZMQ_POLLOUT : 0));
                 items[links_at + i] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
                 buffered |= l != nullptr && l->pending_input(); /* whole messages in hand: no sleep */
@@ -800,7 +823,7 @@ class BpsWorkerCore {
             }
             for (size_t i = 0; i < links_.size(); ++i) {
                 short ev = items[links_at + i].revents;
-                BpsLink *l = live_link((int)i);
+                BpsConn *l = live_link((int)i);
                 if (l == nullptr || (!ev && !l->pending_input())) continue;
                 std::unique_lock<std::mutex> link_lock(*link_mu_[i], std::try_to_lock);
                 if (!link_lock) continue; /* a direct caller reads it now */
@@ -823,14 +846,14 @@ class BpsWorkerCore {
 
     /* Server ``server``'s direct link while it works, else NULL (ZeroMQ then carries its messages:
      * a link breaks only when the server goes, and the scheduler reports that loss to everyone). */
-    BpsLink *live_link(int server) {
-        BpsLink *l = links_[(size_t)server].get();
+    BpsConn *live_link(int server) {
+        BpsConn *l = links_[(size_t)server].get();
         return l != nullptr && !l->dead() ? l : nullptr;
     }
 
     /* Transport seam: one message to server ``server``. 0, or -1 with errno set. */
     int send_server(int server, BpsFrames &f) {
-        BpsLink *l = live_link(server);
+        BpsConn *l = live_link(server);
         if (l == nullptr) return bps_zmq_send_frames(socks_[(size_t)server], f);
         std::lock_guard<std::mutex> link_lock(*link_mu_[(size_t)server]); /* a direct caller may hold it briefly */
         if (l->send(f) == 0) return 0;
@@ -1477,7 +1500,8 @@ class BpsWorkerCore {
     int notify_fd_;
     int wake_fd_, done_fd_;
     std::vector<void *> socks_;
-    std::vector<std::unique_ptr<BpsLink>> links_; /* per server: its direct TCP link, or NULL */
+    std::unique_ptr<BpsUcxWorker> ucx_;           /* this thread's UCP worker (UCX links); outlives links_ */
+    std::vector<std::unique_ptr<BpsConn>> links_; /* per server: its direct link (TCP or UCX), or NULL */
     std::vector<std::unique_ptr<std::mutex>> link_mu_; /* per server: who writes or reads its link now */
     std::deque<std::atomic<bool>> direct_owned_;      /* per server: a direct caller holds its link */
     std::atomic<uint64_t> direct_calls_{0};

@@ -275,6 +275,8 @@ class Engine:
         server that has none (its Python loop, BYTEPS_DIRECT_TCP=0 there) stays on ZeroMQ."""
         if not self.cfg.direct_tcp:
             return
+        from . import ucx
+        use_ucx = ucx.choose(self.cfg.transport, _worker_core) == "ucx"
         poller, asked = zmq.Poller(), {}
         for i, sock in enumerate(self.servers):
             sock.send_multipart(wire.control(Cmd.LINK, self.control.node_id))
@@ -299,15 +301,33 @@ class Engine:
             if "error" in answer:
                 logger.info("server %d: %s; its data goes through ZeroMQ", i, answer["error"])
                 continue
+            ident = self.servers[i].getsockopt(zmq.IDENTITY)
+            if use_ucx:
+                self._open_ucx_link(core, i, info["host"], answer, ident)
+                continue
             try:
                 fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
-                                         self.servers[i].getsockopt(zmq.IDENTITY), self.control.node_id,
-                                         min(self.cfg.timeout, 10.0))
-            except (OSError, ValueError, KeyError, ProtocolError) as e:
+                                         ident, self.control.node_id, min(self.cfg.timeout, 10.0))
+            except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:  # TypeError: no TCP port
                 logger.warning("no direct link to server %d (%s:%s): %s; its data goes through ZeroMQ", i,
                                info["host"], answer.get("port"), e)
                 continue
             core.add_link(i, fd)
+
+    def _open_ucx_link(self, core, i, host, answer, ident):
+        """A UCX endpoint to server ``i`` (core/bps_ucx.h), admitted by the token of its LINK answer;
+        a server without a UCX listener, or a failed handshake, leaves it on ZeroMQ (logged)."""
+        if "ucx_port" not in answer:
+            logger.warning("server %d has no UCX listener (its BYTEPS_TRANSPORT is not ucx); its data goes "
+                           "through ZeroMQ", i)
+            return
+        why = core.add_ucx_link(i, host, int(answer["ucx_port"]), bytes.fromhex(answer["token"]), ident,
+                                min(self.cfg.timeout, 10.0))
+        if why:
+            logger.warning("no UCX link to server %d (%s:%s): %s; its data goes through ZeroMQ", i, host,
+                           answer["ucx_port"], why)
+        else:
+            logger.info("server %d: UCX link (%s)", i, core.link_transport(i))
 
     @property
     def native_direct_calls(self):
@@ -315,8 +335,15 @@ class Engine:
         return self._native.direct_calls if self._native is not None else 0
 
     @property
+    def native_link_transports(self):
+        """Per server, what carries its link: "tcp", "ucx: <UCX transports>" or "" (ZeroMQ)."""
+        if self._native is None:
+            return []
+        return [self._native.link_transport(i) for i in range(len(self.servers))]
+
+    @property
     def native_links(self):
-        """Servers this worker reaches over a working direct TCP link (tests check the path really ran)."""
+        """Servers this worker reaches over a working direct link, TCP or UCX (tests check the path really ran)."""
         return self._native.links_up if self._native is not None else 0
 
     def _native_eligible(self, op):

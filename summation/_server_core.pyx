@@ -27,6 +27,10 @@ from byteps.core import _transport
 
 cdef extern from "bps_server.h" nogil:
     int bps_zmq_load(const char *path)
+    int bps_ucx_load(const char *path)
+    cbool bps_ucx_built()
+    string bps_ucx_why()
+    string bps_ucx_version()
     void bps_cpu_init()
 
     cdef struct bps_zmq_msg:
@@ -90,6 +94,7 @@ cdef extern from "bps_server.h" nogil:
         void reset()
         void admit(const string &ident, cbool ok)
         void set_listener(int fd)
+        int ucx_listen(const string &host, string *why)
         void expect_link(const string &ident, const string &token)
         uint64_t links_accepted()
         void send(BpsServerSend *m)
@@ -108,6 +113,17 @@ available = _transport.available and bps_zmq_load(_transport.library.encode()) =
     if _transport.available else False
 #: why not, when it cannot
 unavailable_reason = "" if available else (_transport.unavailable_reason or "libzmq's functions were not found")
+
+#: True when this build has the UCX transport (UCX headers were found at build time: setup.py)
+ucx_built = bps_ucx_built()
+
+
+def ucx_load(str path):
+    """Resolve libucp's calls from ``path`` (core/ucx.py chose it): (True, version) or (False, why)."""
+    if bps_ucx_load(path.encode()) == 0:
+        return True, bps_ucx_version().decode()
+    return False, bps_ucx_why().decode("utf-8", "replace")
+
 
 bps_cpu_init()  # this module's copy of the kernels picks its SIMD level (bps_reduce.h)
 
@@ -212,6 +228,15 @@ cdef class ServerCore:
         """Hand over a listening TCP socket for workers' direct links (core/bps_link.h), before start();
         the native thread owns the fd from now on and closes it."""
         self.core.set_listener(fd)
+
+    def ucx_listen(self, str host):
+        """Listen for workers' UCX endpoints on ``host`` (core/bps_ucx.h), before start(): the port.
+        RuntimeError if UCX is not loaded or cannot listen there."""
+        cdef string why
+        cdef int port = self.core.ucx_listen(host.encode(), &why)
+        if port < 0:
+            raise RuntimeError(why.decode("utf-8", "replace"))
+        return port
 
     def expect_link(self, bytes ident, bytes token):
         """Admit one direct link from ``ident`` (authenticated) that presents ``token`` (16 bytes)."""

@@ -177,6 +177,7 @@ class Server:
         self._zero_copy = {}  # token -> a body ZeroMQ still reads (sent through the native thread)
         self._tokens = itertools.count()
         self.link_port = None  # where workers open direct links to the native thread, once it listens
+        self.ucx_port = None   # where workers connect UCX endpoints (BYTEPS_TRANSPORT=ucx), once it listens
 
     # ---------------------------------------------------------------- control plane
 
@@ -306,6 +307,7 @@ class Server:
             except OSError as e:
                 logger.info("no direct links (cannot listen on %s: %s): workers' data goes through ZeroMQ",
                             self.cfg.node_host, e)
+        self.ucx_port = self._ucx_listen(core)
         for ident in self.gate.admitted():
             core.admit(ident, True)
         if timeline.recorder is not None:
@@ -318,6 +320,21 @@ class Server:
         logger.info("native data plane: pushes received, summed and answered on thread byteps-serve "
                     "(%s)", f"{self.cfg.server_engine_threads} sum threads" if self.cfg.server_engine_threads
                     else "sums inline")
+
+    def _ucx_listen(self, core):
+        """A UCX listener for workers' endpoints (core/bps_ucx.h) when this server's transport is UCX:
+        its port, or None (workers then use TCP links or ZeroMQ)."""
+        if not self.cfg.direct_tcp:
+            return None
+        from byteps.core import ucx
+        if ucx.choose(self.cfg.transport, _server_core) != "ucx":
+            return None
+        try:
+            return core.ucx_listen(self.cfg.node_host)
+        except RuntimeError as e:
+            logger.warning("no UCX listener on %s (%s): workers' data goes over TCP links or ZeroMQ",
+                           self.cfg.node_host, e)
+            return None
 
     def _on_native(self):
         """What the native thread has for Python: log lines, released bodies, forwarded messages."""
@@ -407,12 +424,14 @@ class Server:
         """LINK from an authenticated worker: a one-time token for a direct TCP link (core/bps_link.h),
         or why not (the worker then stays on ZeroMQ)."""
         self._discard_rest()
-        if self.core is None or self.link_port is None:
+        if self.core is None or (self.link_port is None and self.ucx_port is None):
             answer = {"error": "this server has no direct links (BYTEPS_NATIVE=0 or BYTEPS_DIRECT_TCP=0 here)"}
         else:
-            token = os.urandom(transport.TOKEN_BYTES)
+            token = os.urandom(transport.TOKEN_BYTES)  # one use, on a TCP link or a UCX endpoint
             self.core.expect_link(ident, token)  # queued before the answer below: the token is known first
             answer = {"port": self.link_port, "token": token.hex()}
+            if self.ucx_port is not None:
+                answer["ucx_port"] = self.ucx_port
         self._send([ident] + wire.control(Cmd.LINK, self.control.node_id, answer))
 
     def _on_data(self):

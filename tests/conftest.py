@@ -188,6 +188,17 @@ def member_dealer(ctx, port):
     return sock, ident
 
 
+def ask_link(sock):
+    """Cmd.LINK on an authenticated DEALER (member_dealer): the server's decoded answer."""
+    from byteps.core import wire
+
+    sock.send_multipart(wire.control(wire.Cmd.LINK))
+    assert sock.poll(20000), "no answer to LINK"
+    header, body = sock.recv_multipart()
+    assert wire.unpack(header).cmd == wire.Cmd.LINK
+    return wire.decode(body)
+
+
 def memfd_arenas(pid):
     """byteps memfd arenas a process holds open (they show as /memfd:byteps-... links)."""
     try:

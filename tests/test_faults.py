@@ -46,21 +46,28 @@ def test_killed_server_is_named_by_every_survivor(cluster, victim):
     assert "lost server" in c.log(f"server{1 - victim}")
 
 
-@pytest.mark.timeout(90)
-def test_killed_worker_is_named_by_every_survivor(cluster):
-    c = cluster(2, 1)
+def kill_a_worker(c):
+    """Worker 1 of ``c`` (2 workers, 1 server) killed mid-run: worker 0 fails naming it, the server
+    and the scheduler exit. Worker 0's result (tests/test_ucx.py checks its transport too)."""
     c.run_workers("loop", {"sleep": 0.01})
     _wait_progress(c, [0, 1])
     victim = c.workers[1]
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
     assert c.workers[0].wait(30) == 0, c.all_logs()
-    err = c.results()[0]["value"]
+    res = c.results()[0]
+    err = res["value"]
     assert err["error_type"] == "PeerLostError", err
     assert "lost worker rank 1" in err["error"], err
     c.servers[0].wait(15)
     c.scheduler.wait(15)
     assert c.servers[0].returncode == 1 and c.scheduler.returncode == 1, c.all_logs()
+    return res
+
+
+@pytest.mark.timeout(90)
+def test_killed_worker_is_named_by_every_survivor(cluster):
+    kill_a_worker(cluster(2, 1))
 
 
 @pytest.mark.timeout(90)

@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
-from conftest import member_dealer, server_data_port  # noqa: E402
+from conftest import ask_link, member_dealer, server_data_port  # noqa: E402
 from test_push_pull import SMALL_SHAPES, check_matrix  # noqa: E402
 
 from byteps.core import transport, wire  # noqa: E402
@@ -59,14 +59,6 @@ def _member(port):
     return ctx, sock, ident
 
 
-def _ask_link(sock):
-    sock.send_multipart(wire.control(Cmd.LINK))
-    assert sock.poll(20000), "no answer to LINK"
-    header, body = sock.recv_multipart()
-    assert wire.unpack(header).cmd == Cmd.LINK
-    return wire.decode(body)
-
-
 def _hello(port, token, ident):
     """Present ``token`` on a new link; the server's answer (arg 1: accepted) and the socket."""
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -85,7 +77,7 @@ def test_link_handshake_against_a_real_server(cluster):
     port = server_data_port(c.servers[0].pid)
     ctx, sock, ident = _member(port)
     try:
-        answer = _ask_link(sock)
+        answer = ask_link(sock)
         assert set(answer) == {"port", "token"}, answer
         token = bytes.fromhex(answer["token"])
         assert len(token) == 16

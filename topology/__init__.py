@@ -111,4 +111,8 @@ def plan_text(target=None, local_size=None, model_bytes=1e9, env=None):
     if target and not os.path.exists(target):
         raise TopologyError(f"{target}: no such machine description file or fixture "
                             f"(fixtures: {', '.join(fixture_names())})")
-    return plan(description=target or None, local_size=local_size, model_bytes=model_bytes, env=env).describe()
+    text = plan(description=target or None, local_size=local_size, model_bytes=model_bytes, env=env).describe()
+    if target or (env if env is not None else os.environ).get("BYTEPS_TOPOLOGY_FILE", "").strip():
+        return text
+    from .rdma import discover  # the live machine: its RDMA devices too (docs/ucx.md)
+    return text + "\nRDMA devices: " + discover().summary().replace("\n", "\n  ")

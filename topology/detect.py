@@ -26,6 +26,7 @@ import shutil
 import subprocess
 
 from .model import Gpu, Link, Machine, Nic, Numa, Switch
+from .rdma import discover as discover_rdma, read_file as _read
 
 SYSFS = "/sys"
 NVIDIA = "0x10de"
@@ -33,14 +34,6 @@ _BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")
 DEFAULT_NIC_GBPS = 100.0
 DEFAULT_PCIE_GBPS = 105.0  #: the paper's measured PCIe 3.0 x16 throughput, when sysfs has no link speed
 NVLINK_GBPS = {1: 160.0}  #: per link, per direction, by NVLink version; 200 for 2 and later
-
-
-def _read(path, default=""):
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return default
 
 
 def parse_cpulist(text):
@@ -252,7 +245,12 @@ def detect(root=SYSFS, nvlinks=None):
             switches[port] = Switch(port, numa, up or DEFAULT_PCIE_GBPS)
         gpus.append(Gpu(i, port, _link_gbps(root, bdf) or DEFAULT_PCIE_GBPS, "NVIDIA GPU", bdf))
     nics = []
+    # an RDMA device's fastest active port (topology/rdma.py) is its bandwidth B; pyverbs only for
+    # the live machine, a recorded tree is read as files
+    rdma_rates = {d.name: d.rate_gbps for d in discover_rdma(sysfs_root=os.path.join(root, "class", "infiniband"),
+                                                        use_pyverbs=root == SYSFS).devices if d.rate_gbps}
     for name, bdf, speed in pci_nics(root):
+        speed = rdma_rates.get(name, speed)
         chain = _pci_chain(root, bdf)
         port = chain[0] if chain else None
         nics.append(Nic(name, _numa_of(root, bdf, valid), speed or DEFAULT_NIC_GBPS,
