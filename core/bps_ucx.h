@@ -215,6 +215,9 @@ class BpsUcxLink : public BpsConn {
 
     /* The transports this endpoint uses ("tcp/lo, posix/memory"), as UCX reports them. */
     std::string transports() const {
+#if UCP_API_VERSION < UCP_VERSION(1, 14) /* built against older headers (Debian's 1.13): no such query */
+        return "?";
+#else
         ucp_ep_attr_t attr;
         memset(&attr, 0, sizeof attr);
         ucp_transport_entry_t entries[8];
@@ -232,6 +235,7 @@ class BpsUcxLink : public BpsConn {
             out += (out.empty() ? "" : ", ") + one;
         }
         return out.empty() ? "?" : out;
+#endif
     }
 
   private:
