@@ -754,6 +754,7 @@ class BpsServerCore {
                 (void)got;
             }
             take_inbox();
+            for (auto &c : conns_) c->cork(true); /* this turn's replies leave in as few writes as possible */
             take_sums();
             if (items[0].revents) {
                 for (int k = 0; k < 256 && !stopping_; ++k) { /* a burst, then the inbox and sums again */
@@ -772,6 +773,7 @@ class BpsServerCore {
                 if (items[conns_at + i].revents || conns_[i]->pending_input())
                     serve_link(conns_[i].get(), items[conns_at + i].revents, &msg);
             }
+            for (auto &c : conns_) c->cork(false);
             if (items[2].revents) accept_links();
             if (ucx_) { /* endpoints the UCX listener accepted: unadmitted links, like accepted sockets */
                 ucx_->progress();

@@ -938,12 +938,24 @@ class BpsWorkerCore {
     bool fits(const BpsQueued &q) const { return credit_.fits(q.priority, (int64_t)q.op->parts[q.part].length); }
 
     void send_ready() {
+        if (queue_.empty() || !fits(queue_.top())) return;
+        cork_links(true); /* a burst of pushes leaves in as few writes as the sockets take */
         while (!queue_.empty() && fits(queue_.top())) {
             BpsQueued q = queue_.top();
             queue_.pop();
             BpsOp *op = q.op;
             if (op->done.load()) continue;
             push(op, q.part);
+        }
+        cork_links(false);
+    }
+
+    void cork_links(bool on) {
+        for (size_t i = 0; i < links_.size(); ++i) {
+            BpsConn *l = live_link((int)i);
+            if (l == nullptr) continue;
+            std::lock_guard<std::mutex> link_lock(*link_mu_[i]);
+            l->cork(on);
         }
     }
 
