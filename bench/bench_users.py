@@ -292,8 +292,8 @@ def raw_rtt(dist, rank, host, port, labels, count):
 def zmq_rtt(dist, rank, host, labels, count):
     """Median ZeroMQ round trip (seconds) of each size between ranks 0 and 1 over loopback TCP: rank 0's
     DEALER sends ``[40-byte header, N bytes]``, rank 1's ROUTER echoes it (pyzmq, one message in
-    flight). Every byteps message crosses ZeroMQ's I/O threads on both sides, so a synchronous
-    push_pull pays at least this, however little the rest costs; {} on other ranks."""
+    flight): the carrier of byteps' data messages before its direct TCP links (and with
+    BYTEPS_DIRECT_TCP=0); {} on other ranks."""
     import zmq
 
     ctx = zmq.Context()
@@ -325,7 +325,7 @@ def zmq_rtt(dist, rank, host, labels, count):
                     sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
             if rank == 0:
                 out[label] = times
-        sock.close(linger=0)
+        sock.close(linger=1000)  # linger=0 could drop rank 1's last echo, leaving rank 0 waiting for it
     ctx.term()
     dist.barrier()
     return out

@@ -116,6 +116,15 @@ static inline void bps_span(int stage, uint64_t t0, uint64_t key, uint64_t round
     tr.record(BpsSpan{t0, bps_trace_now(), key, round, bytes, priority, server, peer, bps_trace_tid(), stage});
 }
 
+/* A span that ended at ``t1`` (read before the next span's start, so the two cannot overlap however
+ * long this thread is preempted in between). */
+static inline void bps_span_to(int stage, uint64_t t0, uint64_t t1, uint64_t key, uint64_t round, uint64_t bytes,
+                               int32_t server, int64_t priority = 0, int32_t peer = -1) {
+    BpsTrace &tr = bps_trace();
+    if (!tr.on()) return;
+    tr.record(BpsSpan{t0, t1, key, round, bytes, priority, server, peer, bps_trace_tid(), stage});
+}
+
 /* Start time for a span: 0 (never read) while tracing is off, so off costs no clock read either. */
 static inline uint64_t bps_span_start() { return bps_trace().on() ? bps_trace_now() : 0; }
 

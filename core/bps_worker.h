@@ -717,8 +717,8 @@ class BpsWorkerCore {
                     continue;
                 }
                 received_[(size_t)server] += msg.size(0) + (msg.count > 1 ? msg.size(1) : 0);
-                uint64_t t_reply = bps_span_start();
-                bps_span(BPS_TRACE_PUSH, p.trace_t, p.key, rnd, p.length, server, op->priority);
+                uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
+                bps_span_to(BPS_TRACE_PUSH, p.trace_t, t_reply, p.key, rnd, p.length, server, op->priority);
                 if (h.cmd == BPS_CMD_REPLY) {
                     receive(op, p, server, h, &msg);
                     bps_span(BPS_TRACE_PULL, t_reply, p.key, rnd, p.length, server, op->priority);
@@ -1039,8 +1039,8 @@ class BpsWorkerCore {
         pending_.erase(it);
         release(op, index);
         BpsPart &p = op->parts[index];
-        uint64_t t_reply = bps_span_start();
-        bps_span(BPS_TRACE_PUSH, p.trace_t, p.key, h.round, p.length, server, op->priority);
+        uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
+        bps_span_to(BPS_TRACE_PUSH, p.trace_t, t_reply, p.key, h.round, p.length, server, op->priority);
         op->owed[server]--;
         received_[server] += m->size(0) + (m->count > 1 ? m->size(1) : 0);
         if (op->done.load()) return;

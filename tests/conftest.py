@@ -157,12 +157,12 @@ def server_data_port(pid, wait=20.0):
         ports = sorted(c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
                        if c.status == psutil.CONN_LISTEN)
         for port in ports:
-            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-                try:
+            try:  # a listener on another address (UCX's) refuses us on 127.0.0.1
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
                     if s.recv(1) == b"\xff":
                         return port
-                except OSError:  # no greeting: the link listener
-                    pass
+            except OSError:  # refused, or no greeting: a link listener
+                pass
         time.sleep(0.1)
     raise AssertionError(f"server {pid} listens on no ZeroMQ port")
 
