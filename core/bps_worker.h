@@ -382,7 +382,7 @@ class BpsWorkerCore {
         std::unique_lock<std::mutex> link_lock(*link_mu_[(size_t)server]);
         BpsConn *l = links_[(size_t)server].get();
         /* a TCP socket only: a UCX endpoint belongs to byteps-net's UCP worker (one thread) */
-        if (std::string(l->kind()) != "tcp") return false;
+        if (strcmp(l->kind(), "tcp") != 0) return false;
         if (l->dead() || l->wants_write() || l->pending_input()) return false;
         BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes);
         op->name = name;
