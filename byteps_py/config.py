@@ -44,6 +44,7 @@ VARIABLES = {
     "BYTEPS_FUSION": ("0", "1: DistributedOptimizer sends gradients through balanced fusion buffers (byteps/fusion.py)"),
     "BYTEPS_SERVER_ENGINE_THREAD": ("0", "server threads that sum pushes (0: the network thread sums inline)"),
     "BYTEPS_ENABLE_ASYNC": ("0", "asynchronous training: servers keep the parameters, workers push deltas, no barrier"),
+    "BYTEPS_ELASTIC": ("0", "1: the job survives losing Summation Service servers (not the last) and admits servers that join mid-job; set it on every node (docs/elastic.md)"),
     "BYTEPS_NATIVE": ("1", "1: workers and servers run their plain partitions on native threads (byteps-net, byteps-serve) that never take the GIL per partition; 0: the Python loops"),
     "BYTEPS_NATIVE_LOCAL": ("1", "1: with BYTEPS_NATIVE=1 and several worker processes per machine, the native thread also runs the local reduce (core/bps_worker.h); 0: the Python engine does (an A/B switch)"),
     "BYTEPS_DIRECT_TCP": ("1", "1: with BYTEPS_NATIVE=1 on both ends, a worker's data messages to a server go over a direct TCP link the native threads read and write themselves (core/bps_link.h); 0: through ZeroMQ (an A/B switch)"),
@@ -186,6 +187,7 @@ class Config:
     timeline_clock_interval: float = 2.0
     transport: str = "auto"
     ucx_peer_errors: bool = True
+    elastic: bool = False
 
     @property
     def distributed(self):
@@ -258,6 +260,16 @@ def load(env=None, role=None):
     hb_timeout = _float(env, "BYTEPS_HEARTBEAT_TIMEOUT", VARIABLES["BYTEPS_HEARTBEAT_TIMEOUT"][0])
     if hb_timeout <= hb_interval:
         raise ConfigError(f"BYTEPS_HEARTBEAT_TIMEOUT={hb_timeout} must exceed BYTEPS_HEARTBEAT_INTERVAL={hb_interval}")
+    elastic = _bool(env, "BYTEPS_ELASTIC")
+    if elastic and _bool(env, "BYTEPS_ENABLE_ASYNC"):
+        # asynchronous servers hold the parameters: losing one would lose them (docs/elastic.md)
+        raise ConfigError("BYTEPS_ELASTIC=1 cannot be combined with BYTEPS_ENABLE_ASYNC=1: in asynchronous training "
+                          "the servers hold the model's parameters, so a lost server would lose them; use "
+                          "synchronous training for elastic servers")
+    if elastic and role == "worker" and not (_bool(env, "BYTEPS_NATIVE", default="1")
+                                             and _bool(env, "BYTEPS_ZMQ_DIRECT", default="1")):
+        raise ConfigError("BYTEPS_ELASTIC=1 needs the native data plane on workers (BYTEPS_NATIVE=1 and "
+                          "BYTEPS_ZMQ_DIRECT=1): it re-sends a lost server's partitions")
     return Config(
         role=role, num_worker=num_worker, num_server=num_server, root_uri=root_uri, root_port=root_port,
         worker_id=worker_id, node_host=node_host, local_rank=local_rank, local_size=local_size,
@@ -284,6 +296,7 @@ def load(env=None, role=None):
         timeline_clock_interval=_float(env, "BYTEPS_TIMELINE_CLOCK_INTERVAL", "2"),
         transport=_choice(env, "BYTEPS_TRANSPORT", ("auto", "tcp", "ucx")),
         ucx_peer_errors=_bool(env, "BYTEPS_UCX_PEER_ERRORS", default="1"),  # read by core/bps_ucx.h
+        elastic=elastic,
     )
 
 

@@ -84,7 +84,14 @@ cdef extern from "bps_worker.h" nogil:
         int64_t add_table(const string &name, vector[BpsPart] parts)
         cbool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                            cbool root_self, unsigned char *buf, uint64_t nbytes)
-        void add_server(void *sock)
+        cbool add_server(void *sock)
+        cbool add_server_live(void *sock, int fd)
+        int nservers()
+        vector[uint64_t] hold(const vector[int] &dead)
+        void commit(const vector[int] &alive, const vector[int64_t] &tables, const vector[uint64_t] &start,
+                    vector[vector[BpsPart]] segs)
+        void lost_links(vector[int] *out)
+        void add_segment(int64_t table, uint64_t start, vector[BpsPart] parts)
         void add_link(int server, int fd)
         string add_ucx_link(int server, const string &host, int port, const string &token, const string &ident,
                             double timeout)
@@ -154,6 +161,29 @@ def trace_buffer():
     return bps_trace_address()
 
 
+cdef vector[BpsPart] _parts(const int64_t[:, ::1] parts):
+    """A table's rows (WorkerCore.add_table) as native partitions."""
+    cdef Py_ssize_t i, n = parts.shape[0]
+    cdef vector[BpsPart] table
+    cdef BpsPart p
+    table.reserve(n)
+    for i in range(n):
+        p.key = <uint64_t>parts[i, 0]
+        p.offset = <uint64_t>parts[i, 1]
+        p.length = <uint64_t>parts[i, 2]
+        p.server = <int32_t>parts[i, 3]
+        p.staging = <unsigned char *><uintptr_t>parts[i, 4]
+        p.desc.pid = <int32_t>parts[i, 5]
+        p.desc.fd = <int32_t>parts[i, 6]
+        p.desc.inode = <uint64_t>parts[i, 7]
+        p.desc.offset = <uint64_t>parts[i, 8]
+        p.desc.length = p.length
+        p.owner = <int32_t>parts[i, 9] if parts.shape[1] > 9 else -1
+        p.colocated = parts[i, 10] != 0 if parts.shape[1] > 10 else False
+        table.push_back(p)
+    return table
+
+
 cdef class WorkerCore:
     cdef BpsWorkerCore *core
     cdef readonly list sockets      # the pyzmq sockets handed over (kept alive, never used again here)
@@ -178,6 +208,44 @@ cdef class WorkerCore:
         self.sockets.append(sock)
         self.core.add_server(<void *><uintptr_t>sock.underlying)
         self.servers += 1
+
+    def add_server_live(self, sock, int fd=-1):
+        """A server that joined the running job (elastic servers): its authenticated DEALER and its
+        direct TCP link's fd (-1: none). It becomes server ``self.servers``."""
+        if not self.core.add_server_live(<void *><uintptr_t>sock.underlying, fd):
+            raise RuntimeError("too many servers for one job")
+        self.sockets.append(sock)
+        self.servers += 1
+
+    def hold(self, dead):
+        """Elastic servers, step 1: servers ``dead`` are gone; ops submitted from now on wait. Returns
+        the number of ops submitted so far on each table (by table id)."""
+        cdef vector[int] d = list(dead)
+        return list(self.core.hold(d))
+
+    def commit(self, alive, list segments):
+        """Elastic servers, step 2: ``segments`` is [(table id, first op number, rows)] with rows as
+        :meth:`add_table` takes them; a dead server's partitions go to the replacement among ``alive``
+        (the new membership's servers, in order), held ops start."""
+        cdef vector[int] a = list(alive)
+        cdef vector[int64_t] tables
+        cdef vector[uint64_t] start
+        cdef vector[vector[BpsPart]] segs
+        for table, first, rows in segments:
+            tables.push_back(table)
+            start.push_back(first)
+            segs.push_back(_parts(rows))
+        self.core.commit(a, tables, start, segs)
+
+    def add_segment(self, int64_t table, uint64_t first, const int64_t[:, ::1] rows):
+        """A table registered after the servers changed: the partitions it uses from op ``first`` on."""
+        self.core.add_segment(table, first, _parts(rows))
+
+    def lost_links(self):
+        """Servers whose direct link broke since the last call."""
+        cdef vector[int] out
+        self.core.lost_links(&out)
+        return list(out)
 
     def add_link(self, int server, int fd):
         """Hand over a direct TCP link to server ``server`` (core/bps_link.h): a connected socket whose
@@ -261,25 +329,7 @@ cdef class WorkerCore:
         wire key, offset, length, server, staging address (0: none), the staging region's
         descriptor: pid, fd, inode, offset, and (local reduce) the owner's local rank (-1: no local
         reduce) and whether the server is colocated."""
-        cdef Py_ssize_t i, n = parts.shape[0]
-        cdef vector[BpsPart] table
-        cdef BpsPart p
-        table.reserve(n)
-        for i in range(n):
-            p.key = <uint64_t>parts[i, 0]
-            p.offset = <uint64_t>parts[i, 1]
-            p.length = <uint64_t>parts[i, 2]
-            p.server = <int32_t>parts[i, 3]
-            p.staging = <unsigned char *><uintptr_t>parts[i, 4]
-            p.desc.pid = <int32_t>parts[i, 5]
-            p.desc.fd = <int32_t>parts[i, 6]
-            p.desc.inode = <uint64_t>parts[i, 7]
-            p.desc.offset = <uint64_t>parts[i, 8]
-            p.desc.length = p.length
-            p.owner = <int32_t>parts[i, 9] if parts.shape[1] > 9 else -1
-            p.colocated = parts[i, 10] != 0 if parts.shape[1] > 10 else False
-            table.push_back(p)
-        return self.core.add_table(name.encode(), table)
+        return self.core.add_table(name.encode(), _parts(parts))
 
     def submit(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
                bint root_self, buf):

@@ -555,6 +555,9 @@ class BpsServerCore {
         notify_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     }
 
+    /* BYTEPS_ELASTIC (docs/elastic.md): a key's first push sets its round (before start()). */
+    void set_adopt_rounds(bool on) { adopt_rounds_ = on; }
+
     ~BpsServerCore() {
         stop();
         by_ident_.clear();
@@ -1038,6 +1041,8 @@ class BpsServerCore {
         if (found == keys_.end()) {
             std::unique_ptr<BpsRound> fresh(new BpsRound());
             fresh->key = h.key;
+            /* elastic servers: a key this server takes over from a lost one starts at the round it is in */
+            if (adopt_rounds_) fresh->round = h.round;
             fresh->nbytes = h.cmd != BPS_CMD_BROADCAST ? (int64_t)h.length : -1;
             fresh->dtype = h.dtype;
             found = keys_.emplace(h.key, std::move(fresh)).first;
@@ -1455,6 +1460,7 @@ class BpsServerCore {
     std::vector<int64_t> released_;
 
     std::atomic<uint64_t> pushes_{0}, rounds_{0}, forwards_{0};
+    bool adopt_rounds_ = false;
 
     /* serve-thread state */
     bool notify_pending_ = false;

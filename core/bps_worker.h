@@ -104,7 +104,8 @@ struct BpsPart {
     BpsDescriptor desc;     /* its descriptor (length filled in) */
     int32_t owner = -1;     /* local reduce: the local rank that sums and pushes it; -1: none */
     bool colocated = false; /* local reduce: the owner pushes a descriptor of ``staging`` */
-    uint64_t rnd = 0;       /* local reduce: its round, taken when the op starts */
+    uint64_t rnd = 0;       /* its round: taken when the op starts (local reduce) or at its first push */
+    bool has_rnd = false;   /* rnd is set: a push to a lost server's replacement keeps it (elastic servers) */
     uint64_t trace_t = 0;   /* timeline: when its current stage began (0: not traced) */
 };
 
@@ -130,14 +131,42 @@ struct BpsOp {
     std::atomic<bool> done{false};
     std::atomic<bool> direct{false}; /* its caller runs it (submit_direct): byteps-net leaves it alone */
     int waiters = 0;        /* callers blocked in wait_op(): the first to wake delivers the op */
+    int64_t table = -1;     /* the table it was submitted on, and its sequence number there: which */
+    uint64_t seq = 0;       /* membership's partitions it uses (elastic servers, BpsTable::parts_for) */
 };
 
-/* A tensor's partitions, registered once (BpsWorkerCore::add_table) and copied into each op. */
+/* A tensor's partitions, registered once (BpsWorkerCore::add_table) and copied into each op.
+ *
+ * Elastic servers (docs/elastic.md): each change of the server set appends the partitions of the new
+ * membership, to be used from op number ``from`` on; every worker gets the same cut from the
+ * scheduler, so the n-th op of a tensor uses the same partitions (and servers) on every worker. */
 struct BpsTable {
     std::string name;
     std::vector<BpsPart> parts;
     bool local = false;     /* partitions have owners: the local reduce */
+    uint64_t count = 0;     /* ops submitted on it so far */
+    std::vector<std::pair<uint64_t, std::vector<BpsPart>>> later; /* (from op number, partitions) */
+
+    const std::vector<BpsPart> &parts_for(uint64_t seq) const {
+        const std::vector<BpsPart> *use = &parts;
+        for (auto &seg : later)
+            if (seq >= seg.first) use = &seg.second;
+        return *use;
+    }
 };
+
+/* Elastic servers: the server that takes over a lost server's partition, the same on every worker
+ * (``alive``: the servers of the new membership, in the scheduler's order). */
+static inline int bps_replacement(const std::vector<int> &alive, uint64_t key) {
+    uint64_t x = key + 0x9E3779B97F4A7C15ull; /* splitmix64 */
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return alive.empty() ? -1 : alive[(size_t)(x % alive.size())];
+}
+
+/* Servers a worker can have over a job's life (elastic servers join and leave). */
+static const int BPS_MAX_SERVERS = 256;
 
 /* Work for the stage thread: a sum of a machine's copies (LOCAL_REDUCE) or a big copy in or out of
  * shared memory; run by priority (then arrival), like the network queue. */
@@ -311,6 +340,16 @@ class BpsWorkerCore {
         : node_id_(node_id), credit_(credit), timeout_(timeout), nthreads_(nthreads), notify_fd_(notify_fd) {
         wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
         done_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        /* Per-server state is sized once: a server that joins mid-job (elastic) never moves what other
+         * threads (direct callers, stats) are reading. */
+        socks_.reserve(BPS_MAX_SERVERS);
+        links_.resize(BPS_MAX_SERVERS);
+        for (int i = 0; i < BPS_MAX_SERVERS; ++i) link_mu_.emplace_back(new std::mutex());
+        direct_owned_.resize(BPS_MAX_SERVERS);
+        sent_.resize(BPS_MAX_SERVERS);
+        received_.resize(BPS_MAX_SERVERS);
+        dead_.resize(BPS_MAX_SERVERS);
+        reported_.resize(BPS_MAX_SERVERS, false);
     }
 
     ~BpsWorkerCore() {
@@ -323,13 +362,100 @@ class BpsWorkerCore {
 
     /* Python's side ------------------------------------------------------------------------ */
 
-    void add_server(void *sock) {
+    /* Server number nservers()'s DEALER (before start(); add_server_live() after). False: too many. */
+    bool add_server(void *sock) {
+        if (socks_.size() >= (size_t)BPS_MAX_SERVERS) return false;
         socks_.push_back(sock);
-        links_.emplace_back(nullptr);
-        link_mu_.emplace_back(new std::mutex());
-        direct_owned_.emplace_back(false);
-        sent_.emplace_back(0);
-        received_.emplace_back(0);
+        nservers_.store((int)socks_.size());
+        return true;
+    }
+
+    /* A server that joined the running job (elastic): its authenticated DEALER and, if it has one, its
+     * direct TCP link (fd, else -1). byteps-net adopts both at its next turn, as server nservers(). */
+    bool add_server_live(void *sock, int fd) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (nservers_.load() + (int)new_servers_.size() >= BPS_MAX_SERVERS) return false;
+        new_servers_.push_back(std::make_pair(sock, fd));
+        wake();
+        return true;
+    }
+
+    int nservers() const { return nservers_.load(); }
+
+    /* Elastic servers, step 1 (the scheduler's PREPARE): servers ``dead`` are gone. Ops submitted from
+     * now on are held, not started; partitions owed by a dead server wait (stranded). Returns, per
+     * table, how many ops were submitted on it: the scheduler makes the largest count of each tensor
+     * over all workers the cut from which the new membership's partitions are used. */
+    std::vector<uint64_t> hold(const std::vector<int> &dead) {
+        std::vector<uint64_t> counts;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            holding_ = true;
+            for (int d : dead)
+                if (d >= 0 && d < BPS_MAX_SERVERS) dead_[(size_t)d].store(true);
+            dead_in_ = true;
+            for (auto &t : tables_) counts.push_back(t.count);
+        }
+        wake();
+        return counts;
+    }
+
+    /* Elastic servers, step 2 (COMMIT): table ``tables[i]`` uses ``segs[i]`` from op number ``from[i]``
+     * on; a dead server's partitions (stranded, queued, or in later ops of an older membership) go to
+     * bps_replacement(alive, key) with their round kept; held ops start. */
+    void commit(const std::vector<int> &alive, const std::vector<int64_t> &tables, const std::vector<uint64_t> &from,
+                std::vector<std::vector<BpsPart>> segs) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            alive_ = alive;
+            std::set<int> dead;
+            for (int i = 0; i < BPS_MAX_SERVERS; ++i)
+                if (dead_[(size_t)i].load()) dead.insert(i);
+            reroutes_.push_back(std::make_pair(dead, alive));
+            for (auto &t : tables_) {
+                reroute(t.parts, dead, alive);
+                for (auto &seg : t.later) reroute(seg.second, dead, alive);
+            }
+            for (size_t i = 0; i < tables.size(); ++i)
+                tables_.at((size_t)tables[i]).later.push_back(std::make_pair(from[i], std::move(segs[i])));
+            holding_ = false;
+            commit_in_ = true;
+            for (BpsOp *op : held_) {
+                if (op->done.load()) continue; /* failed meanwhile (the engine failed) */
+                op->parts = tables_.at((size_t)op->table).parts_for(op->seq);
+                op->parts_left = (int)op->parts.size();
+                for (size_t i = 0; i < op->parts.size(); ++i) inbox_.push_back(BpsQueued{op->priority, 0, op, (int)i});
+            }
+            held_.clear();
+        }
+        wake();
+    }
+
+    /* A table registered after servers changed (mu_ held): the partitions of membership ``members``
+     * used from op number ``from`` on (core/engine.py replays the job's memberships for it). */
+    void add_segment(int64_t table, uint64_t from, std::vector<BpsPart> parts) {
+        std::lock_guard<std::mutex> lock(mu_);
+        replay_reroutes(parts);
+        tables_.at((size_t)table).later.push_back(std::make_pair(from, std::move(parts)));
+    }
+
+    /* commit()'s rerouting: partitions of servers dead by then go to their replacements in that
+     * membership. Every change is kept and replayed on tables registered later, so that every worker's
+     * n-th op of a tensor uses the same servers however late it first used the tensor (mu_ held). */
+    static void reroute(std::vector<BpsPart> &parts, const std::set<int> &dead, const std::vector<int> &alive) {
+        for (auto &p : parts)
+            if (dead.count(p.server)) p.server = bps_replacement(alive, p.key);
+    }
+
+    void replay_reroutes(std::vector<BpsPart> &parts) {
+        for (auto &r : reroutes_) reroute(parts, r.first, r.second);
+    }
+
+    /* Servers whose direct link broke since the last call (Python tells the scheduler: elastic servers). */
+    void lost_links(std::vector<int> *out) {
+        std::lock_guard<std::mutex> lock(mu_);
+        out->swap(lost_);
+        lost_.clear();
     }
 
     /* A direct TCP link to server ``server`` (before start()): a connected socket whose token the server
@@ -369,15 +495,19 @@ class BpsWorkerCore {
         int server;
         BpsPart part;
         std::string name;
+        uint64_t seq;
         {
             std::lock_guard<std::mutex> lock(mu_);
             const BpsTable &t = tables_.at((size_t)table);
-            if (t.local || t.parts.size() != 1) return false;
-            part = t.parts[0];
+            seq = t.count;
+            const std::vector<BpsPart> &parts = t.parts_for(seq);
+            if (t.local || parts.size() != 1 || holding_) return false;
+            part = parts[0];
             name = t.name;
         }
         server = part.server;
-        if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= (int)links_.size() || !links_[(size_t)server])
+        if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= nservers_.load() || !links_[(size_t)server] ||
+            dead_[(size_t)server].load())
             return false;
         std::unique_lock<std::mutex> link_lock(*link_mu_[(size_t)server]);
         BpsConn *l = links_[(size_t)server].get();
@@ -392,15 +522,21 @@ class BpsWorkerCore {
         op->direct.store(true);
         {
             std::lock_guard<std::mutex> lock(mu_);
-            if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_) {
+            BpsTable &t = tables_.at((size_t)table);
+            /* another thread submitted on this table meanwhile, or the servers are changing: the normal path */
+            if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || t.count != seq) {
                 delete op;
                 return false;
             }
+            op->table = table;
+            op->seq = t.count++;
             ops_[id] = op;
         }
         direct_owned_[(size_t)server].store(true);
         BpsPart &p = op->parts[0];
         uint64_t rnd = next_round(p.key);
+        p.rnd = rnd;
+        p.has_rnd = true;
         bool empty = cmd == BPS_CMD_BROADCAST && !root_self;
         uint64_t body_len = empty ? 0 : p.length;
         /* the bytes go inline even to a colocated server: for so few, a descriptor saves nothing */
@@ -525,6 +661,7 @@ class BpsWorkerCore {
     int64_t add_table(const std::string &name, std::vector<BpsPart> parts) {
         std::lock_guard<std::mutex> lock(mu_);
         bool local = !parts.empty() && parts[0].owner >= 0;
+        replay_reroutes(parts); /* a tensor first used after servers were lost: as if it had been there */
         tables_.push_back(BpsTable{name, std::move(parts), local});
         return (int64_t)tables_.size() - 1;
     }
@@ -540,15 +677,24 @@ class BpsWorkerCore {
         BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes);
         {
             std::lock_guard<std::mutex> lock(mu_);
-            const BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
+            BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
             op->name = t.name;
-            op->parts = t.parts;
             op->local = t.local;
             /* checked again under the same lock as the inbox: local_python() cannot slip in between */
             if (python_local_ && op->local) {
                 delete op;
                 return false;
             }
+            op->table = table;
+            op->seq = t.count++;
+            if (holding_) { /* the servers are changing: which partitions it uses is known at commit() */
+                op->started = bps_now();
+                ops_[op->id] = op;
+                net_ops_++;
+                held_.push_back(op);
+                return true;
+            }
+            op->parts = t.parts_for(op->seq);
             submit_locked(op);
         }
         wake();
@@ -754,6 +900,12 @@ class BpsWorkerCore {
         }
         for (auto &a : adopt) {
             BpsPart &p = a.op->parts[(size_t)a.part];
+            if (dead_[(size_t)p.server].load() && !abort) { /* elastic: its server went while the caller waited */
+                a.seq = seq_++;
+                if (holding_net_) stranded_.push_back(a);
+                else queue_.push(a); /* push() sends it to the replacement, in its round */
+                continue;
+            }
             pending_[std::make_pair(p.key, a.seq)] = std::make_pair(a.op, a.part);
             a.op->owed[p.server]++;
             credit_.take(a.op->priority, (int64_t)p.length);
@@ -779,18 +931,22 @@ class BpsWorkerCore {
 
     void run() {
         prctl(PR_SET_NAME, "byteps-net", 0, 0, 0);
-        const size_t nsocks = socks_.size();
-        const size_t wake_at = nsocks, router_at = nsocks + 1, links_at = nsocks + 2;
-        std::vector<bps_zmq_pollitem> items(links_at + links_.size());
-        for (size_t i = 0; i < nsocks; ++i) items[i] = bps_zmq_pollitem{socks_[i], 0, BPS_ZMQ_POLLIN, 0};
-        items[wake_at] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
-        /* the local ROUTER, if any (a NULL socket with fd -1 is never ready) */
-        items[router_at] = bps_zmq_pollitem{router_, -1, (short)(router_ ? BPS_ZMQ_POLLIN : 0), 0};
+        size_t nsocks = 0, wake_at = 0, router_at = 0, links_at = 0;
+        std::vector<bps_zmq_pollitem> items;
         BpsMessage msg;
         double next_check = 0;
         while (!stopping_) {
+            if (nsocks != socks_.size()) { /* at start, and when a server joined (elastic: take_inbox) */
+                nsocks = socks_.size();
+                wake_at = nsocks, router_at = nsocks + 1, links_at = nsocks + 2;
+                items.assign(links_at + nsocks, bps_zmq_pollitem{nullptr, -1, 0, 0});
+                for (size_t i = 0; i < nsocks; ++i) items[i] = bps_zmq_pollitem{socks_[i], 0, BPS_ZMQ_POLLIN, 0};
+                items[wake_at] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
+                /* the local ROUTER, if any (a NULL socket with fd -1 is never ready) */
+                items[router_at] = bps_zmq_pollitem{router_, -1, (short)(router_ ? BPS_ZMQ_POLLIN : 0), 0};
+            }
             bool buffered = false;
-            for (size_t i = 0; i < links_.size(); ++i) { /* a dead link, or one a direct caller holds: not polled */
+            for (size_t i = 0; i < nsocks; ++i) { /* a dead link, or one a direct caller holds: not polled */
                 BpsConn *l = direct_owned_[i].load() ? nullptr : live_link((int)i);
                 short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->wants_write() ? BPS_ZMQ_POLLOUT : 0));
                 items[links_at + i] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
@@ -806,6 +962,7 @@ class BpsWorkerCore {
             take_inbox();
             take_direct();
             take_stage_done();
+            if (nsocks != socks_.size()) continue; /* a server joined: poll it too before reading */
             if (router_ != nullptr && items[router_at].revents) {
                 for (int k = 0; k < 256; ++k) {
                     int got = bps_recv_message(router_, &msg);
@@ -821,7 +978,7 @@ class BpsWorkerCore {
                     on_message((int)i, &msg);
                 }
             }
-            for (size_t i = 0; i < links_.size(); ++i) {
+            for (size_t i = 0; i < nsocks; ++i) {
                 short ev = items[links_at + i].revents;
                 BpsConn *l = live_link((int)i);
                 if (l == nullptr || (!ev && !l->pending_input())) continue;
@@ -832,6 +989,14 @@ class BpsWorkerCore {
                 for (int k = 0; k < 256 && !l->dead(); ++k) {
                     if (l->recv(&msg) <= 0) break;
                     on_message((int)i, &msg);
+                }
+                if (l->dead() && !reported_[i]) { /* the server went (or closed it): tell Python (elastic) */
+                    reported_[i] = true;
+                    {
+                        std::lock_guard<std::mutex> lock(mu_);
+                        lost_.push_back((int)i);
+                    }
+                    notify_python();
                 }
             }
             send_ready();
@@ -866,17 +1031,45 @@ class BpsWorkerCore {
         std::vector<std::unique_ptr<BpsRawSend>> raw;
         std::vector<std::string> allow;
         std::vector<std::pair<std::pair<uint64_t, uint64_t>, int>> claims;
-        bool abort, python_local;
+        std::vector<std::pair<void *, int>> joined;
+        bool abort, python_local, dead_now, commit_now;
         {
             std::lock_guard<std::mutex> lock(mu_);
             in.swap(inbox_);
             raw.swap(raw_);
             allow.swap(allow_in_);
             claims.swap(claims_in_);
+            joined.swap(new_servers_);
             abort = abort_;
             python_local = python_local_;
+            dead_now = dead_in_;
+            commit_now = commit_in_;
+            dead_in_ = commit_in_ = false;
+            if (dead_now) holding_net_ = true;
+            if (commit_now) {
+                holding_net_ = false;
+                alive_net_ = alive_;
+            }
         }
         for (auto &a : allow) allowed_.insert(a);
+        for (auto &j : joined) { /* elastic: a server joined; it is polled from the next turn on */
+            size_t i = socks_.size();
+            if (j.second >= 0) links_[i].reset(new BpsLink(j.second));
+            socks_.push_back(j.first);
+            nservers_.store((int)socks_.size());
+        }
+        if (dead_now) strand_dead();
+        if (commit_now) { /* stranded partitions go to their replacements, in their rounds */
+            std::vector<BpsQueued> back;
+            back.swap(stranded_);
+            for (auto &q : back) {
+                if (q.op->done.load()) continue;
+                BpsPart &p = q.op->parts[(size_t)q.part];
+                p.server = bps_replacement(alive_net_, p.key);
+                q.seq = seq_++;
+                queue_.push(q);
+            }
+        }
         for (auto &m : raw) send_raw_now(m.get());
         for (auto &q : in) {
             if (q.op->local) {
@@ -909,6 +1102,7 @@ class BpsWorkerCore {
                 if (!op->done.load() && !op->direct.load()) fail(op, BPS_ERR_ABORT, "");
             }
             pending_.clear();
+            stranded_.clear();
             credit_.clear();
             groups_.clear();
             awaiting_.clear();
@@ -951,7 +1145,7 @@ class BpsWorkerCore {
     }
 
     void cork_links(bool on) {
-        for (size_t i = 0; i < links_.size(); ++i) {
+        for (size_t i = 0; i < socks_.size(); ++i) {
             BpsConn *l = live_link((int)i);
             if (l == nullptr) continue;
             std::lock_guard<std::mutex> link_lock(*link_mu_[i]);
@@ -962,8 +1156,18 @@ class BpsWorkerCore {
     /* STAGE (colocated) and PUSH of one partition. */
     void push(BpsOp *op, int index) {
         BpsPart &p = op->parts[index];
-        /* a local owner pushes the machine's sum from its shared region, in the round it took at start */
-        uint64_t rnd = op->local ? p.rnd : next_round(p.key);
+        if (dead_[(size_t)p.server].load()) { /* elastic: its server is gone */
+            if (holding_net_) { /* its replacement is known at commit() */
+                stranded_.push_back(BpsQueued{op->priority, 0, op, index});
+                return;
+            }
+            p.server = bps_replacement(alive_net_, p.key);
+        }
+        /* a local owner pushes the machine's sum from its shared region, in the round it took at start; a
+         * partition pushed again (its server was lost) keeps its round */
+        uint64_t rnd = op->local || p.has_rnd ? p.rnd : next_round(p.key);
+        p.rnd = rnd;
+        p.has_rnd = true;
         bool empty = op->cmd == BPS_CMD_BROADCAST && !op->root_self;
         uint8_t flags = 0;
         const unsigned char *data = op->local ? p.staging : op->buf + p.offset;
@@ -1003,6 +1207,32 @@ class BpsWorkerCore {
         credit_.take(op->priority, (int64_t)p.length);
     }
 
+    /* Elastic: partitions a dead server owes replies for wait for commit() (stranded), after any whole
+     * messages it sent before it went are taken. */
+    void strand_dead() {
+        BpsMessage msg;
+        for (size_t s = 0; s < socks_.size(); ++s) {
+            if (!dead_[s].load()) continue;
+            for (int k = 0; k < 4096; ++k) { /* what ZeroMQ already holds from it */
+                if (bps_recv_message(socks_[s], &msg) <= 0) break;
+                on_message((int)s, &msg);
+            }
+        }
+        for (auto it = pending_.begin(); it != pending_.end();) {
+            BpsOp *op = it->second.first;
+            int index = it->second.second;
+            BpsPart &p = op->parts[(size_t)index];
+            if (!dead_[(size_t)p.server].load()) {
+                ++it;
+                continue;
+            }
+            release(op, index);
+            op->owed[p.server]--;
+            stranded_.push_back(BpsQueued{op->priority, 0, op, index});
+            it = pending_.erase(it);
+        }
+    }
+
     void release(BpsOp *op, int index) {
         credit_.release(op->priority, (int64_t)op->parts[index].length);
     }
@@ -1030,8 +1260,8 @@ class BpsWorkerCore {
             take_direct(); /* a partition a direct caller handed over just now? */
             it = pending_.find(std::make_pair(h.key, h.round));
         }
-        if (it == pending_.end()) {
-            forward(server, m); /* Python's partition, or an op that failed already */
+        if (it == pending_.end() || it->second.first->parts[(size_t)it->second.second].server != server) {
+            forward(server, m); /* Python's partition, an op that failed already, or a lost server's late reply */
             return;
         }
         BpsOp *op = it->second.first;
@@ -1537,6 +1767,16 @@ class BpsWorkerCore {
     std::vector<std::pair<Ident, int>> claims_in_;        /* partitions Python took */
     std::vector<std::vector<std::string>> forward_local_; /* local messages for Python */
     bool python_local_ = false;                           /* local_python() was called */
+    /* elastic servers (hold() / commit()) */
+    bool holding_ = false;                                /* ops submitted now wait in held_ */
+    std::vector<BpsOp *> held_;
+    bool dead_in_ = false, commit_in_ = false;            /* for byteps-net's next turn */
+    std::vector<int> alive_;                              /* the membership's servers, in order */
+    std::vector<std::pair<std::set<int>, std::vector<int>>> reroutes_; /* each commit(): (dead, alive) */
+    std::vector<std::pair<void *, int>> new_servers_;     /* (DEALER, link fd) of servers that joined */
+    std::vector<int> lost_;                               /* servers whose link broke, for Python */
+    std::atomic<int> nservers_{0};
+    std::deque<std::atomic<bool>> dead_;                  /* per server: left the job */
 
     std::mutex rounds_mu_;
     std::unordered_map<uint64_t, uint64_t> rounds_;
@@ -1549,6 +1789,10 @@ class BpsWorkerCore {
     uint64_t seq_ = 0;
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsOp *, int>> pending_;
     BpsPeerMaps maps_;
+    bool holding_net_ = false;              /* between hold() and commit(): a dead server's partitions wait */
+    std::vector<int> alive_net_;            /* commit()'s membership */
+    std::vector<BpsQueued> stranded_;       /* partitions waiting for a dead server's replacement */
+    std::vector<bool> reported_;            /* per server: its broken link was reported */
     bool have_done_ = false;
 
     /* local reduce: set up by add_local() before start(); then network-thread state */

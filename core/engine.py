@@ -45,7 +45,7 @@ import numpy as np
 import zmq
 
 from byteps import autotune, compression, timeline
-from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, ProtocolError, TensorMismatchError
+from byteps.errors import BytePSError, BytePSTimeoutError, ConfigError, PeerLostError, ProtocolError, TensorMismatchError
 from byteps.log import logger
 from byteps.placement import Placement
 
@@ -73,6 +73,24 @@ Cmd = wire.Cmd
 #: plain ints: pyzmq's flag enums cost a microsecond per operation
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 KINDS = {Cmd.PUSHPULL: "push_pull", Cmd.BROADCAST: "broadcast", Cmd.ASYNC_PUSHPULL: "async push_pull"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _TableSpec:
+    """What a native table's partitions depend on (elastic servers rebuild them per membership)."""
+    name: str
+    tkey: int
+    nbytes: int
+    dtype: int
+    cmd: int
+    root: int
+    pset: object = None
+
+    @property
+    def cut_name(self):
+        """How the scheduler names this tensor's op count: the same on every worker (a broadcast's
+        root and the others have different tables, and their ops count together)."""
+        return f"{self.tkey}:{int(self.cmd)}:{self.nbytes}"
 
 
 class Engine:
@@ -143,6 +161,7 @@ class Engine:
         self._native_ops = {}       # native id -> Op, until its completion is delivered
         self._native_ids = itertools.count(1)
         self._native_parts = {}     # (tkey, nbytes, cmd, root_self) -> (native table id, partitions)
+        self._native_specs = {}     # native table id -> _TableSpec (elastic servers rebuild its partitions)
         self._native_lock = threading.RLock()  # staging regions: allocated by the engine and submitting threads
         self._keepalive = {}        # token -> body ZeroMQ still reads (Python's zero-copy sends)
         self._keep_tokens = itertools.count()
@@ -361,29 +380,47 @@ class Engine:
 
     def _native_table(self, op, tkey):
         """(table id, partitions) of ``op``'s tensor in the native core, registered on first use: per
-        partition its wire key, offset, length, server and staging region (colocated server)."""
+        partition its wire key, offset, length, server and staging region (colocated server). With
+        elastic servers, each later membership's partitions too, from the op number the scheduler cut
+        that membership's change at (a tensor first used after a change still counts its ops from 0)."""
         root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
         ident = (tkey, op.buf.nbytes, op.cmd, root_self)  # the key fixes name, shape and dtype
         entry = self._native_parts.get(ident)
         if entry is not None:
             return entry
-        local = self.local is not None and op.cmd == Cmd.PUSHPULL
+        spec = _TableSpec(op.name, tkey, op.buf.nbytes, op.dtype, op.cmd, op.root)
         with self._native_lock:  # the staging allocator is shared with the engine thread
-            parts = self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype))
-            rows = np.zeros((len(parts), 11), dtype=np.int64)
-            rows[:, 9] = -1
-            for row, (i, off, length, server) in enumerate(parts):
-                key = wire.make_key(tkey, i)
-                rows[row, :4] = (key, off, length, server)
-                if local:  # every partition has a shared region: the owner sums into it, the others copy into it
-                    view, (pid, fd, inode, base) = self._region(key, length)
-                    rows[row, 4:] = (view.ctypes.data, pid, fd, inode, base, self.local.owner(tkey, i),
-                                     self.colocated[server])
-                elif self.stages_of(op, i, server)[0] == Stage.STAGE and length:
-                    view, (pid, fd, inode, base) = self._region(key, length)
-                    rows[row, 4:9] = (view.ctypes.data, pid, fd, inode, base)
-            entry = self._native_parts[ident] = (self._native.add_table(op.name, rows), len(parts))
+            first, *later = self._memberships
+            table = self._native.add_table(op.name, self._table_rows(spec, first))
+            for m in later:
+                self._native.add_segment(table, m["cuts"].get(spec.cut_name, 0), self._table_rows(spec, m))
+            count = len(self._table_rows(spec, self._memberships[-1])) if later else None
+            entry = (table, count if count is not None else len(first["placement"].partitions(
+                tkey, op.buf.nbytes, dtypes.itemsize(op.dtype))))
+            self._native_parts[ident] = entry
+            self._native_specs[table] = spec
         return entry
+
+    def _table_rows(self, op, membership):
+        """The native table rows of a tensor (a _TableSpec) under one server membership (see _native_table)."""
+        tkey = op.tkey
+        local = self.local is not None and op.cmd == Cmd.PUSHPULL
+        parts = membership["placement"].partitions(tkey, op.nbytes, dtypes.itemsize(op.dtype))
+        ids, members = membership["ids"], membership["members"]
+        rows = np.zeros((len(parts), 11), dtype=np.int64)
+        rows[:, 9] = -1
+        for row, (i, off, length, at) in enumerate(parts):
+            server = ids[at]  # placement numbers the membership's servers 0..S-1; the core, the job's
+            key = wire.make_key(tkey, wire.member_partition(i, members))
+            rows[row, :4] = (key, off, length, server)
+            if local:  # every partition has a shared region: the owner sums into it, the others copy into it
+                view, (pid, fd, inode, base) = self._region(key, length)
+                rows[row, 4:] = (view.ctypes.data, pid, fd, inode, base, self.local.owner(tkey, i),
+                                 self.colocated[server])
+            elif self.stages_of(op, i, server)[0] == Stage.STAGE and length:
+                view, (pid, fd, inode, base) = self._region(key, length)
+                rows[row, 4:9] = (view.ctypes.data, pid, fd, inode, base)
+        return rows
 
     def _native_submit(self, op, tkey, sync=False):
         """Hand ``op`` to the native thread (``sync``: or run it on this thread if it is small and the
@@ -479,6 +516,10 @@ class Engine:
                 self._on_local(None, frames)
         for token in self._native.released():
             self._keepalive.pop(token, None)
+        for server in self._native.lost_links():
+            if self.cfg.elastic:  # the scheduler removes it at once, rather than after its heartbeat time-out
+                logger.warning("the direct link to server %d broke: reporting it to the scheduler", server)
+                self.control.send(Cmd.SUSPECT, {"server": server})
 
     def _next_round(self, key):
         if self._native is not None:
@@ -577,6 +618,10 @@ class Engine:
         # which server sums which bytes: the k/n split of byteps/placement.py, the same on every worker
         self.placement = Placement.from_book(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
         logger.info("%s", self.placement.describe())
+        # elastic servers (docs/elastic.md): every server membership of the job so far, in order
+        self._memberships = [{"members": 0, "placement": self.placement, "cuts": {},
+                              "ids": [info["index"] for info in self.book["servers"]]}]
+        self._change = None  # (PREPARE body, when it came) while the scheduler changes the servers
         if self.cfg.enable_ipc:
             # same host address too: network namespaces share a kernel (the probe passes) but are
             # separate hosts, whose traffic must cross their network (bench/netns.py)
@@ -859,12 +904,107 @@ class Engine:
             self._on_join(body)
         elif cmd == Cmd.TRACE:  # another worker called start_timeline(): record too
             self._start_timeline()
+        elif cmd == Cmd.MEMBERS:
+            self._on_members(body)
         elif cmd == Cmd.ABORT:
             raise PeerLostError(body.get("reason", "the scheduler aborted the job"))
         elif cmd == Cmd.ERROR:
             raise BytePSError(f"the scheduler refused this worker: {body.get('error')}")
         else:
             logger.warning("unexpected control message %s", Cmd(cmd).name)
+
+    # ---------------------------------------------------------------- elastic servers
+
+    def _on_members(self, body):
+        """The scheduler changes the server set in two steps (docs/elastic.md). PREPARE: hold new ops,
+        strand a lost server's partitions, connect to joining servers, and answer with how many ops of
+        each tensor were submitted. COMMIT: the n-th op of a tensor uses the new membership's
+        partitions from the cut (the largest count over all workers) on; stranded partitions go to
+        their replacements in their rounds."""
+        if self._native is None:  # config.load refuses BYTEPS_ELASTIC=1 without it
+            raise BytePSError("the scheduler changed the servers, but this worker has no native data plane")
+        if body.get("phase") == "prepare":
+            began = time.monotonic()
+            counts = self._native.hold(body.get("dead", []))
+            for info in body.get("joined", []):
+                self._join_server(info)
+            by_name = collections.Counter()
+            for table, n in enumerate(counts):
+                spec = self._native_specs.get(table)
+                if spec is not None:
+                    by_name[spec.cut_name] += n
+            self._change = (body, began)
+            self.control.send(Cmd.MEMBERS, {"phase": "prepared", "members": body["members"], "counts": by_name})
+            return
+        if body.get("phase") != "commit":
+            logger.warning("unexpected MEMBERS phase %r", body.get("phase"))
+            return
+        prepared, began = self._change or (body, time.monotonic())
+        self._change = None
+        servers = body["servers"]
+        self.book = dict(self.book, servers=servers)
+        self.placement = Placement.from_book(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
+        m = {"members": body["members"], "placement": self.placement, "cuts": body.get("cuts", {}),
+             "ids": [info["index"] for info in servers]}
+        self._memberships.append(m)
+        segments = []
+        with self._native_lock:
+            for ident, (table, _) in list(self._native_parts.items()):
+                spec = self._native_specs[table]
+                rows = self._table_rows(spec, m)
+                segments.append((table, m["cuts"].get(spec.cut_name, 0), rows))
+                self._native_parts[ident] = (table, len(rows))
+            self._native.commit(m["ids"], segments)
+        logger.warning("servers changed (membership %d, %s): servers %s; %s; this worker switched in %.3f s",
+                    m["members"], prepared.get("reason", "?"), m["ids"], self.placement.describe(),
+                    time.monotonic() - began)
+
+    def _join_server(self, info):
+        """Connect to a server that joins the running job: authenticate, open its direct link, and hand
+        both to the native thread as server ``info["index"]``."""
+        index = info["index"]
+        if index != len(self.servers):
+            raise BytePSError(f"the scheduler admitted server {index}, but this worker knows {len(self.servers)} "
+                              "servers: a membership change was missed")
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, auth.new_identity())
+        sock.connect(f"tcp://{info['host']}:{info['port']}")
+        limit, who = min(self.cfg.timeout, 10.0), f"server {index} ({info['host']}:{info['port']})"
+        secret = auth.job_secret()
+        if secret is not None:
+            knock = auth.Knock(secret, sock.getsockopt(zmq.IDENTITY))
+            header, body = self._ask(sock, wire.control(Cmd.HELLO, self.control.node_id, knock.hello()), limit, who)
+            if header.cmd != Cmd.CHALLENGE:
+                raise BytePSError(f"{who} answered {Cmd(header.cmd).name} to our HELLO: {body.get('error')}")
+            sock.send_multipart(wire.control(Cmd.AUTH, self.control.node_id, {"mac": knock.answer(body, who)}))
+        fd = -1
+        if self.cfg.direct_tcp:
+            header, answer = self._ask(sock, wire.control(Cmd.LINK, self.control.node_id), limit, who)
+            if header.cmd == Cmd.LINK and "port" in answer:
+                try:
+                    fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
+                                             sock.getsockopt(zmq.IDENTITY), self.control.node_id, limit)
+                except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:
+                    logger.warning("no direct link to %s: %s; its data goes through ZeroMQ", who, e)
+        shared = (self.cfg.enable_ipc and Stage.STAGE not in self._dropped and info["host"] == self.cfg.node_host
+                  and shm.can_share(info.get("shm"), self._maps))
+        if shared and self._shm is None:
+            self._shm = shm.Allocator("byteps-worker")
+        self.colocated.append(shared)
+        self.servers.append(sock)
+        self._server_index[sock] = index
+        self._io[sock] = transport.wrap(sock, self.cfg.zmq_direct)
+        self._native.add_server_live(sock, fd)
+        logger.info("%s joined: %s", who, "direct TCP link" if fd >= 0 else "ZeroMQ")
+
+    def _ask(self, sock, frames, limit, who):
+        """Send ``frames`` on ``sock`` and wait up to ``limit`` s for its answer: (header, body)."""
+        sock.send_multipart(frames)
+        if not sock.poll(limit * 1000):
+            raise BytePSTimeoutError(f"{who} did not answer {Cmd(wire.unpack(frames[0]).cmd).name} within {limit:g} s")
+        got = sock.recv_multipart()
+        return wire.unpack(got[0]), (wire.decode(got[1]) if len(got) > 1 else {})
 
     def _start_timeline(self, path=""):
         """Record spans from now on (start_timeline(), or the scheduler relaying another node's)."""
@@ -974,6 +1114,10 @@ class Engine:
             self._local_exec.keyed(op, tkey)  # the topology executor runs it (core/local_exec.py)
             return
         if self._native is not None and self._native_eligible(op) and self._native_submit(op, tkey):
+            return
+        if self.cfg.elastic:  # only the native core re-sends a lost server's partitions (docs/elastic.md)
+            op.fail(ConfigError(f"tensor {op.name!r}: BYTEPS_ELASTIC=1 supports plain push_pull and broadcast "
+                                "(no compression, process sets, join() or BYTEPS_LOCAL_STRATEGY=topology)"))
             return
         op.tkey = tkey
         self._queue(op, self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype)))

@@ -83,6 +83,10 @@ class Cmd(enum.IntEnum):
     LINK = 28          # worker -> server (authenticated, over ZeroMQ): may I open a direct TCP link? reply:
                        # LINK {port, token} or {error}; then, first on the new link: LINK with token + identity,
                        # answered by LINK with arg 1 (accepted) or 0 (core/bps_link.h)
+    # elastic servers (docs/elastic.md): the scheduler's membership change, in two steps
+    MEMBERS = 29       # scheduler -> worker: {phase: "prepare"|"commit", members, servers, dead, ...};
+                       # worker -> scheduler: {phase: "prepared", members, counts}; scheduler -> server: notice
+    SUSPECT = 30       # worker -> scheduler: {server: index}: my direct link to that server broke
 
 
 _CMDS = frozenset(int(c) for c in Cmd)
@@ -150,6 +154,18 @@ def control(cmd, sender=NO_SENDER, body=None, key=0, arg=0):
 
 def make_key(tensor_key, partition):
     return (tensor_key << 32) | partition
+
+
+#: a partition index's low bits number the piece; the bits above name the server membership it belongs
+#: to (elastic servers, docs/elastic.md), so a membership's keys are new to every server
+MEMBERS_SHIFT = 24
+
+
+def member_partition(partition, members):
+    """Partition index of piece ``partition`` in server membership ``members`` (0: the job's first)."""
+    if partition >> MEMBERS_SHIFT or members >> (32 - MEMBERS_SHIFT):
+        raise ValueError(f"partition {partition} of membership {members} does not fit a wire key")
+    return partition | (members << MEMBERS_SHIFT)
 
 
 def split_key(key):

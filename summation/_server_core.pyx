@@ -94,6 +94,7 @@ cdef extern from "bps_server.h" nogil:
         void reset()
         void admit(const string &ident, cbool ok)
         void set_listener(int fd)
+        void set_adopt_rounds(cbool on)
         int ucx_listen(const string &host, string *why)
         void expect_link(const string &ident, const string &token)
         uint64_t links_accepted()
@@ -223,6 +224,11 @@ cdef class ServerCore:
                 self.core.stop()
             del self.core
             self.core = NULL
+
+    def set_adopt_rounds(self, bint on):
+        """Elastic servers (before start()): a key's first push sets its round, so a key taken over
+        from a lost server goes on in the round it was in."""
+        self.core.set_adopt_rounds(on)
 
     def set_listener(self, int fd):
         """Hand over a listening TCP socket for workers' direct links (core/bps_link.h), before start();

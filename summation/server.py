@@ -149,7 +149,8 @@ class Server:
         self.data.setsockopt(zmq.SNDHWM, 0)
         self.port = self.data.bind_to_random_port(f"tcp://{cfg.node_host}")
         # ss_role: BYTEPS_SERVER_ROLE; "auto" is resolved from the address book (byteps/placement.py)
-        info = {"role": "server", "host": cfg.node_host, "port": self.port, "ss_role": cfg.server_role}
+        info = {"role": "server", "host": cfg.node_host, "port": self.port, "ss_role": cfg.server_role,
+                "elastic": cfg.elastic}  # an elastic server may join a running job (docs/elastic.md)
         self.alloc = self.probe = None
         if cfg.enable_ipc and shm.supported():
             self.alloc = shm.Allocator("byteps-server")
@@ -219,7 +220,12 @@ class Server:
             rec.node.update(role="server", index=self.index, host=self.cfg.node_host)
             if self.core is not None:
                 rec.add_native(_server_core.trace_buffer())
+        elif header.cmd == Cmd.MEMBERS:  # the server set changed (docs/elastic.md): say our new share
+            logger.warning("server %d: membership %d (%s): shares %s", self.index, body.get("members"), body.get("reason"),
+                        body.get("shares"))
         elif header.cmd == Cmd.TERMINATE:
+            if body.get("reason"):
+                logger.warning("server %d leaves the job: %s", self.index, body["reason"])
             return 0
         elif header.cmd == Cmd.ABORT:
             raise PeerLostError(body.get("reason", "the scheduler aborted the job"))
@@ -231,10 +237,11 @@ class Server:
         """Say which role (colocated SS_GPU / standalone SS_CPU) and share of the model this server has."""
         roles = placement.server_roles(book)
         weights = placement.weights_for_book(book, roles)
+        at = [s["index"] for s in book["servers"]].index(self.index)  # elastic: indices outlive positions
         logger.info("server %d on %s is %s (%s): sums %d/%d of every partition's bytes", self.index,
-                    self.cfg.node_host, roles[self.index],
+                    self.cfg.node_host, roles[at],
                     "BYTEPS_SERVER_ROLE" if self.cfg.server_role != "auto" else "same host as a worker"
-                    if roles[self.index] == "colocated" else "no worker on its host", weights[self.index],
+                    if roles[at] == "colocated" else "no worker on its host", weights[at],
                     sum(weights))
 
     def _reset_keys(self):
@@ -300,6 +307,7 @@ class Server:
         # anything Python received before the hand-over was handled already: the socket is idle here
         core = _server_core.ServerCore(self.data, self.gate.secret is not None, self.alloc is not None,
                                        self.cfg.server_engine_threads, get_num_threads())
+        core.set_adopt_rounds(self.cfg.elastic)
         if self.cfg.direct_tcp:  # workers' direct links (core/bps_link.h); ZeroMQ serves them meanwhile
             try:
                 fd, self.link_port = transport.listen_link(self.cfg.node_host)
@@ -495,6 +503,8 @@ class Server:
             size = header.length if header.cmd != Cmd.BROADCAST else None
             st = self.keys[header.key] = _Round(size, header.dtype, self.alloc)
             st.key = header.key
+            if self.cfg.elastic:  # a key taken over from a lost server goes on in the round it was in
+                st.round = header.round
         if header.cmd == Cmd.ASYNC_PUSHPULL:
             if not self.cfg.enable_async:  # the scheduler refuses such jobs; never sum parameters
                 self._discard_rest()

@@ -1,0 +1,71 @@
+"""Scenarios for tests/test_elastic.py: synchronous training that goes on while Summation Service
+servers are killed or join (BYTEPS_ELASTIC=1, docs/elastic.md)."""
+import os
+import time
+
+import torch
+
+import byteps.torch as bps
+from scenarios import scenario
+
+#: tensors of a step: (name, elements). 300_000 float32 (1.2 MB) is cut into one piece per server;
+#: 1_200_000 (4.8 MB) is two partitions; the small ones are single partitions (direct calls)
+TENSORS = (("w.small", 1000), ("w.mid", 300_000), ("w.big", 1_200_000), ("b", 16))
+LR = 1.0 / 1024  # a power of two: each update is exact in float32
+
+
+def gradient(rank, step, numel):
+    """Rank ``rank``'s gradient at ``step``: small integers, so every sum is exact whatever its order."""
+    return (torch.arange(numel, dtype=torch.float32) % 7) * (rank + 1) + (step % 5)
+
+
+def expected_params(n, steps):
+    """The parameters after ``steps`` exact steps of plain SGD with the summed gradients."""
+    out = {}
+    for name, numel in TENSORS:
+        p = torch.zeros(numel, dtype=torch.float32)
+        for step in range(steps):
+            p -= LR * sum(gradient(r, step, numel) for r in range(n))
+        out[name] = p
+    return out
+
+
+@scenario
+def elastic_train(out, args):
+    """``steps`` steps of SGD on TENSORS, each step's gradients push_pulled (in place and out of place,
+    all in flight at once) and checked exactly. Progress goes to OUTDIR/progress.<rank> so the test
+    can kill or start servers mid-training; ``sleep`` seconds of "compute" per step. Returns whether
+    every step was exact, whether the final parameters equal the locally computed ones, and the
+    bytes this worker sent to each server (the transport's counters)."""
+    from byteps.common import _job
+
+    r, n = bps.rank(), bps.size()
+    params = {name: torch.zeros(numel, dtype=torch.float32) for name, numel in TENSORS}
+    path = os.path.join(out, f"progress.{r}")
+    bad, per_step_bytes = [], []
+    for step in range(args["steps"]):
+        before = dict(_job.engine.transport_bytes()["sent"])
+        grads = {name: gradient(r, step, numel) for name, numel in TENSORS}
+        handles = [(name, bps.push_pull_async_inplace(g, average=False, name=name)) for name, g in grads.items()]
+        fresh = bps.push_pull(gradient(r, step, 1000), average=False, name="oop")  # out of place, synchronous
+        for name, h in handles:
+            bps.synchronize(h)
+        want_oop = sum(gradient(q, step, 1000) for q in range(n))
+        if not torch.equal(fresh, want_oop):
+            bad.append(f"oop step {step}")
+        for name, numel in TENSORS:
+            want = sum(gradient(q, step, numel) for q in range(n))
+            if not torch.equal(grads[name], want):
+                bad.append(f"{name} step {step}")
+            params[name] -= LR * grads[name]
+        after = _job.engine.transport_bytes()["sent"]
+        per_step_bytes.append({str(s): after.get(s, 0) - before.get(s, 0) for s in after})
+        with open(path + ".tmp", "w") as f:
+            f.write(str(step))
+        os.replace(path + ".tmp", path)
+        if args.get("sleep"):
+            time.sleep(args["sleep"])
+    want = expected_params(n, args["steps"])
+    final = all(torch.equal(params[name], want[name]) for name, _ in TENSORS)
+    return {"bad": bad[:10], "final_exact": final, "bytes": per_step_bytes,
+            "servers": len(_job.engine.servers)}
