@@ -266,10 +266,10 @@ def load(env=None, role=None):
         raise ConfigError("BYTEPS_ELASTIC=1 cannot be combined with BYTEPS_ENABLE_ASYNC=1: in asynchronous training "
                           "the servers hold the model's parameters, so a lost server would lose them; use "
                           "synchronous training for elastic servers")
-    if elastic and role == "worker" and not (_bool(env, "BYTEPS_NATIVE", default="1")
-                                             and _bool(env, "BYTEPS_ZMQ_DIRECT", default="1")):
-        raise ConfigError("BYTEPS_ELASTIC=1 needs the native data plane on workers (BYTEPS_NATIVE=1 and "
-                          "BYTEPS_ZMQ_DIRECT=1): it re-sends a lost server's partitions")
+    if elastic and role != "scheduler" and not (_bool(env, "BYTEPS_NATIVE", default="1")
+                                                and _bool(env, "BYTEPS_ZMQ_DIRECT", default="1")):
+        raise ConfigError("BYTEPS_ELASTIC=1 needs the native data plane (BYTEPS_NATIVE=1 and BYTEPS_ZMQ_DIRECT=1): "
+                          "workers re-send a lost server's partitions from it, and servers take them over in it")
     return Config(
         role=role, num_worker=num_worker, num_server=num_server, root_uri=root_uri, root_port=root_port,
         worker_id=worker_id, node_host=node_host, local_rank=local_rank, local_size=local_size,

@@ -92,6 +92,8 @@ cdef extern from "bps_worker.h" nogil:
                     vector[vector[BpsPart]] segs)
         void lost_links(vector[int] *out)
         void add_segment(int64_t table, uint64_t start, vector[BpsPart] parts)
+        void set_elastic(cbool on)
+        uint64_t results_sent()
         void add_link(int server, int fd)
         string add_ucx_link(int server, const string &host, int port, const string &token, const string &ident,
                             double timeout)
@@ -240,6 +242,15 @@ cdef class WorkerCore:
     def add_segment(self, int64_t table, uint64_t first, const int64_t[:, ::1] rows):
         """A table registered after the servers changed: the partitions it uses from op ``first`` on."""
         self.core.add_segment(table, first, _parts(rows))
+
+    def set_elastic(self, bint on):
+        """BYTEPS_ELASTIC=1 (before start()): keep each key's latest result for a lost server's replacement."""
+        self.core.set_elastic(on)
+
+    @property
+    def results_sent(self):
+        """RESULTs sent to lost servers' replacements."""
+        return self.core.results_sent()
 
     def lost_links(self):
         """Servers whose direct link broke since the last call."""

@@ -457,6 +457,8 @@ struct BpsRound {
     int pending = 0;         /* sums still running on a sum thread */
     bool has_ready = false;  /* all messages in, waiting for its sums: complete with this header */
     BpsHeader ready;
+    bool has_done = false;   /* elastic: round done_round completed here; its store holds the result */
+    uint64_t done_round = 0;
 
     const void *held_data() { return held_is_msg ? bps_zmq.msg_data(&held_msg) : held_ptr; }
 
@@ -950,6 +952,11 @@ class BpsServerCore {
             forward(m); /* handshakes, malformed, strangers: Python answers, ignores or logs */
             return;
         }
+        if (h.cmd == BPS_CMD_RESULT && adopt_rounds_ && have_book_ && m->count >= 3 && h.length <= BPS_MAX_BODY &&
+            python_keys_.find(h.key) == python_keys_.end()) {
+            on_result(h, m);
+            return;
+        }
         bool data = h.cmd == BPS_CMD_PUSHPULL || h.cmd == BPS_CMD_BROADCAST || h.cmd == BPS_CMD_ASYNC_PUSHPULL;
         bool valid = data && have_book_ && m->count >= 3 && h.length <= BPS_MAX_BODY;
         bool native = valid && h.cmd != BPS_CMD_ASYNC_PUSHPULL &&
@@ -1048,6 +1055,10 @@ class BpsServerCore {
             found = keys_.emplace(h.key, std::move(fresh)).first;
         }
         BpsRound &st = *found->second;
+        if (adopt_rounds_ && st.has_done && h.round == st.done_round && h.round + 1 == st.round) {
+            answer_late(st, h, ident); /* elastic: a round this server completed, pushed again */
+            return;
+        }
         if (st.senders.empty()) st.since = bps_server_now();
         std::string problem = st.error.empty() ? check(st, h, rank) : st.error;
         if (problem.empty()) problem = accept(st, h, rank, ident, m);
@@ -1295,8 +1306,85 @@ class BpsServerCore {
         }
         bps_span(BPS_TRACE_REPLY, t_reply, h.key, st.round, h.length, -1, 0, (int32_t)st.waiters.size());
         rounds_.fetch_add(1);
+        st.has_done = st.error.empty();
+        st.done_round = st.round;
         st.round++;
         st.reset();
+    }
+
+    /* ---------------------------------------------------------------- elastic servers (docs/elastic.md)
+     *
+     * This server took key ``h.key`` over from a lost server. A worker that got round ``h.round``'s
+     * result from the lost server before it went sends it here (RESULT) before anything else for the
+     * key, because other workers may not have got it: they push that round again, and no worker that
+     * has the result will push it again. So: a RESULT for the round in progress (or a fresh key)
+     * completes it with that result; a push of a round completed here is answered from its store
+     * (answer_late); older RESULTs, and duplicates, are dropped. */
+    void on_result(const BpsHeader &h, BpsMessage *m) {
+        const void *body = m->data(2);
+        size_t n = m->size(2);
+        auto found = keys_.find(h.key);
+        if (found == keys_.end()) {
+            std::unique_ptr<BpsRound> fresh(new BpsRound());
+            fresh->key = h.key;
+            fresh->round = h.round;
+            fresh->nbytes = (int64_t)n;
+            fresh->dtype = h.dtype;
+            found = keys_.emplace(h.key, std::move(fresh)).first;
+        }
+        BpsRound &st = *found->second;
+        if (h.round != st.round || st.pending || st.has_ready) return; /* older, a duplicate, or summing */
+        if (st.nbytes < 0) st.nbytes = (int64_t)n; /* a broadcast's size */
+        if ((uint64_t)st.nbytes != n || !ensure_stores(st)) {
+            log(bps_key_name(h.key) + ": a worker's RESULT of round " + std::to_string(h.round) + " has " +
+                std::to_string(n) + " bytes, the key " + std::to_string(st.nbytes) + ": dropped");
+            return;
+        }
+        memcpy(st.store().data, body, n);
+        st.drop_held();
+        st.error.clear();
+        st.has_echo = false;
+        if (!st.waiters.empty()) /* the case it exists for: they never got the lost server's reply */
+            log(bps_key_name(h.key) + ": round " + std::to_string(h.round) + " completed with a worker's copy of the "
+                "lost server's result for " + std::to_string(st.waiters.size()) + " waiting workers");
+        results_used_.fetch_add(1);
+        BpsHeader round_h = st.has_header ? st.header : h; /* the pushes' command (a broadcast's root gets no data) */
+        round_h.round = h.round;
+        for (auto &w : st.waiters)
+            answer(st, round_h, w.ident, w.shared, round_h.cmd == BPS_CMD_BROADCAST && st.has_root_ident &&
+                                                       w.ident == st.root_ident);
+        st.has_done = true;
+        st.done_round = st.round;
+        st.round++;
+        st.reset();
+    }
+
+    void answer_late(BpsRound &st, const BpsHeader &h, const std::string &ident) {
+        if (!st.allocated || st.nbytes < 0 || (h.cmd != BPS_CMD_BROADCAST && h.length != (uint64_t)st.nbytes)) {
+            reply_error(ident, h, bps_key_name(h.key) + ": round " + std::to_string(h.round) + " pushed again with " +
+                                      std::to_string(h.length) + " bytes after it completed");
+            return;
+        }
+        log(bps_key_name(h.key) + ": rank " + bps_rank_str(rank_of(h.sender)) + " pushed round " +
+            std::to_string(h.round) + " again after it completed here: answered with its result");
+        bool shared = (h.flags & BPS_FLAG_SHM) != 0;
+        answer(st, h, ident, shared, h.cmd == BPS_CMD_BROADCAST && is_rank(rank_of(h.sender), h.arg),
+               &st.stores[h.round & 1]);
+    }
+
+    /* One reply of a completed round from ``store`` (the round's own by default). */
+    void answer(BpsRound &st, const BpsHeader &h, const std::string &ident, bool shared, bool root,
+                BpsStore *use = nullptr) {
+        BpsStore &store = use != nullptr ? *use : st.store();
+        uint64_t nbytes = (uint64_t)st.nbytes;
+        if (root) {
+            send_reply(ident, h.key, h.round, 0, st.dtype, 0, nullptr, 0, nullptr); /* the root has the data */
+        } else if (shared && alloc_.shared()) {
+            BpsDescriptor d = bps_descriptor(pid_, store.arena->fd, store.arena->inode, store.offset, nbytes);
+            send_reply(ident, h.key, h.round, nbytes, st.dtype, BPS_FLAG_SHM, &d, sizeof d, nullptr);
+        } else {
+            send_reply(ident, h.key, h.round, nbytes, st.dtype, 0, store.data, nbytes, store.arena);
+        }
     }
 
     /* REPLY [header, body]; a body of COPY_BELOW bytes or more is sent zero-copy from ``arena`` (counted
@@ -1461,6 +1549,7 @@ class BpsServerCore {
 
     std::atomic<uint64_t> pushes_{0}, rounds_{0}, forwards_{0};
     bool adopt_rounds_ = false;
+    std::atomic<uint64_t> results_used_{0};
 
     /* serve-thread state */
     bool notify_pending_ = false;

@@ -38,6 +38,7 @@ enum {
     BPS_CMD_LOCAL_DONE = 25,
     BPS_CMD_ASYNC_PUSHPULL = 26,
     BPS_CMD_LINK = 28, /* a link's token, and its answer (core/wire.py Cmd.LINK) */
+    BPS_CMD_RESULT = 31, /* elastic: a worker's copy of a round's result a lost server sent it */
     BPS_NO_DTYPE = 255,
 };
 

@@ -165,6 +165,14 @@ static inline int bps_replacement(const std::vector<int> &alive, uint64_t key) {
     return alive.empty() ? -1 : alive[(size_t)(x % alive.size())];
 }
 
+/* Elastic servers: a key's latest result and the server it came from (BpsWorkerCore::retain). */
+struct BpsRetained {
+    uint64_t round = 0;
+    int server = -1;
+    uint8_t dtype = 0;
+    std::string data;
+};
+
 /* Servers a worker can have over a job's life (elastic servers join and leave). */
 static const int BPS_MAX_SERVERS = 256;
 
@@ -382,6 +390,12 @@ class BpsWorkerCore {
 
     int nservers() const { return nservers_.load(); }
 
+    /* BYTEPS_ELASTIC=1 (before start()): keep each key's latest result for a lost server's replacement. */
+    void set_elastic(bool on) { retain_ = on; }
+
+    /* RESULTs sent to lost servers' replacements (tests check the path ran). */
+    uint64_t results_sent() const { return results_sent_.load(); }
+
     /* Elastic servers, step 1 (the scheduler's PREPARE): servers ``dead`` are gone. Ops submitted from
      * now on are held, not started; partitions owed by a dead server wait (stranded). Returns, per
      * table, how many ops were submitted on it: the scheduler makes the largest count of each tensor
@@ -391,6 +405,7 @@ class BpsWorkerCore {
         {
             std::lock_guard<std::mutex> lock(mu_);
             holding_ = true;
+            holds_.fetch_add(1); /* before any server reads as dead: see lost() */
             for (int d : dead)
                 if (d >= 0 && d < BPS_MAX_SERVERS) dead_[(size_t)d].store(true);
             dead_in_ = true;
@@ -420,6 +435,7 @@ class BpsWorkerCore {
                 tables_.at((size_t)tables[i]).later.push_back(std::make_pair(from[i], std::move(segs[i])));
             holding_ = false;
             commit_in_ = true;
+            commits_++;
             for (BpsOp *op : held_) {
                 if (op->done.load()) continue; /* failed meanwhile (the engine failed) */
                 op->parts = tables_.at((size_t)op->table).parts_for(op->seq);
@@ -501,7 +517,7 @@ class BpsWorkerCore {
             const BpsTable &t = tables_.at((size_t)table);
             seq = t.count;
             const std::vector<BpsPart> &parts = t.parts_for(seq);
-            if (t.local || parts.size() != 1 || holding_) return false;
+            if (t.local || parts.size() != 1 || holding_ || commit_in_) return false;
             part = parts[0];
             name = t.name;
         }
@@ -524,7 +540,8 @@ class BpsWorkerCore {
             std::lock_guard<std::mutex> lock(mu_);
             BpsTable &t = tables_.at((size_t)table);
             /* another thread submitted on this table meanwhile, or the servers are changing: the normal path */
-            if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || t.count != seq) {
+            if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
+                t.count != seq) {
                 delete op;
                 return false;
             }
@@ -902,7 +919,7 @@ class BpsWorkerCore {
             BpsPart &p = a.op->parts[(size_t)a.part];
             if (dead_[(size_t)p.server].load() && !abort) { /* elastic: its server went while the caller waited */
                 a.seq = seq_++;
-                if (holding_net_) stranded_.push_back(a);
+                if (awaiting_commit()) stranded_.push_back(a);
                 else queue_.push(a); /* push() sends it to the replacement, in its round */
                 continue;
             }
@@ -1045,10 +1062,9 @@ class BpsWorkerCore {
             dead_now = dead_in_;
             commit_now = commit_in_;
             dead_in_ = commit_in_ = false;
-            if (dead_now) holding_net_ = true;
             if (commit_now) {
-                holding_net_ = false;
                 alive_net_ = alive_;
+                commits_net_ = commits_;
             }
         }
         for (auto &a : allow) allowed_.insert(a);
@@ -1059,7 +1075,8 @@ class BpsWorkerCore {
             nservers_.store((int)socks_.size());
         }
         if (dead_now) strand_dead();
-        if (commit_now) { /* stranded partitions go to their replacements, in their rounds */
+        if (commit_now) { /* results first, then stranded partitions go to their replacements, in their rounds */
+            send_results();
             std::vector<BpsQueued> back;
             back.swap(stranded_);
             for (auto &q : back) {
@@ -1157,11 +1174,15 @@ class BpsWorkerCore {
     void push(BpsOp *op, int index) {
         BpsPart &p = op->parts[index];
         if (dead_[(size_t)p.server].load()) { /* elastic: its server is gone */
-            if (holding_net_) { /* its replacement is known at commit() */
+            if (awaiting_commit()) { /* its replacement is known at commit() */
                 stranded_.push_back(BpsQueued{op->priority, 0, op, index});
                 return;
             }
             p.server = bps_replacement(alive_net_, p.key);
+            if (p.server < 0) { /* cannot happen: the scheduler never removes the last server */
+                fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': no server left to take over a lost one");
+                return;
+            }
         }
         /* a local owner pushes the machine's sum from its shared region, in the round it took at start; a
          * partition pushed again (its server was lost) keeps its round */
@@ -1206,6 +1227,10 @@ class BpsWorkerCore {
         op->owed[p.server]++;
         credit_.take(op->priority, (int64_t)p.length);
     }
+
+    /* Elastic (network thread): a server reads as dead from hold() on, but its replacement is known only
+     * once byteps-net has taken the commit() that follows; until then its partitions wait (stranded). */
+    bool awaiting_commit() const { return commits_net_ < holds_.load(); }
 
     /* Elastic: partitions a dead server owes replies for wait for commit() (stranded), after any whole
      * messages it sent before it went are taken. */
@@ -1317,8 +1342,8 @@ class BpsWorkerCore {
                 return;
             }
             /* a lone pushing machine gets its own region back: the sum is what the tensor holds */
-            if (p.staging != nullptr && src == p.staging) return;
-            memcpy(dst, src, len);
+            if (!(p.staging != nullptr && src == p.staging)) memcpy(dst, src, len);
+            retain(p, h.round, op->dtype, dst, p.length);
             return;
         }
         size_t got = m->size(1);
@@ -1328,6 +1353,40 @@ class BpsWorkerCore {
             return;
         }
         if (got) memcpy(dst, m->data(1), got);
+        retain(p, h.round, op->dtype, dst, p.length); /* a broadcast's root: its own data, the result */
+    }
+
+    /* Elastic servers: the result of each key's latest round, with the server that sent it. If that
+     * server is lost, its replacement gets it (RESULT, send_results()): another worker may not have got
+     * its reply before the server went, and we will not push that round again. One copy per partition
+     * key, kept until the next round's result replaces it (docs/elastic.md says what that costs). */
+    void retain(const BpsPart &p, uint64_t round, uint8_t dtype, const void *data, size_t n) {
+        if (!retain_) return;
+        std::lock_guard<std::mutex> lock(retain_mu_);
+        BpsRetained &r = retained_[p.key];
+        r.round = round;
+        r.server = p.server;
+        r.dtype = dtype;
+        r.data.assign((const char *)data, n);
+    }
+
+    /* At commit(): the results we hold from servers now dead, to their replacements, before any push. */
+    void send_results() {
+        std::lock_guard<std::mutex> lock(retain_mu_);
+        for (auto &kv : retained_) {
+            BpsRetained &r = kv.second;
+            if (r.server < 0 || !dead_[(size_t)r.server].load()) continue;
+            int to = bps_replacement(alive_net_, kv.first);
+            if (to < 0) continue;
+            BpsHeader h = bps_header(BPS_CMD_RESULT, node_id_, kv.first, r.round, r.data.size(), r.dtype, 0, 0);
+            BpsFrames f;
+            f.copy(&h, sizeof h);
+            f.copy(r.data.data(), r.data.size());
+            send_server(to, f);
+            sent_[(size_t)to] += sizeof h + r.data.size();
+            r.server = to;
+            results_sent_.fetch_add(1);
+        }
     }
 
     void set_error(BpsOp *op, int kind, const std::string &text) {
@@ -1609,6 +1668,7 @@ class BpsWorkerCore {
             local_failed(op, i, BPS_ERR_PROTOCOL, err);
             return;
         }
+        retain(p, h.round, op->dtype, src, p.length);
         local_broadcast(op, i, desc, "");
         stage_or_inline(BPS_TASK_COPY_OUT, op, i, op->buf + p.offset, {src});
     }
@@ -1773,9 +1833,15 @@ class BpsWorkerCore {
     bool dead_in_ = false, commit_in_ = false;            /* for byteps-net's next turn */
     std::vector<int> alive_;                              /* the membership's servers, in order */
     std::vector<std::pair<std::set<int>, std::vector<int>>> reroutes_; /* each commit(): (dead, alive) */
+    bool retain_ = false;                                 /* set_elastic(): keep each key's latest result */
+    std::mutex retain_mu_;
+    std::unordered_map<uint64_t, BpsRetained> retained_;
+    std::atomic<uint64_t> results_sent_{0};
     std::vector<std::pair<void *, int>> new_servers_;     /* (DEALER, link fd) of servers that joined */
     std::vector<int> lost_;                               /* servers whose link broke, for Python */
     std::atomic<int> nservers_{0};
+    std::atomic<uint64_t> holds_{0};                      /* hold() calls */
+    uint64_t commits_ = 0;                                /* commit() calls */
     std::deque<std::atomic<bool>> dead_;                  /* per server: left the job */
 
     std::mutex rounds_mu_;
@@ -1789,7 +1855,7 @@ class BpsWorkerCore {
     uint64_t seq_ = 0;
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsOp *, int>> pending_;
     BpsPeerMaps maps_;
-    bool holding_net_ = false;              /* between hold() and commit(): a dead server's partitions wait */
+    uint64_t commits_net_ = 0;              /* commit()s byteps-net has taken (awaiting_commit()) */
     std::vector<int> alive_net_;            /* commit()'s membership */
     std::vector<BpsQueued> stranded_;       /* partitions waiting for a dead server's replacement */
     std::vector<bool> reported_;            /* per server: its broken link was reported */

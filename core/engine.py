@@ -281,6 +281,7 @@ class Engine:
                         "byteps-reduce", self.local.size, STAGE_THREAD_MIN_BYTES)
         if timeline.recorder is not None:
             timeline.recorder.add_native(_worker_core.trace_buffer())
+        core.set_elastic(self.cfg.elastic)
         core.start()
         self._native = core
         self._completer = threading.Thread(target=self._deliver_native, name="byteps-complete", daemon=True)

@@ -87,11 +87,13 @@ class Cmd(enum.IntEnum):
     MEMBERS = 29       # scheduler -> worker: {phase: "prepare"|"commit", members, servers, dead, ...};
                        # worker -> scheduler: {phase: "prepared", members, counts}; scheduler -> server: notice
     SUSPECT = 30       # worker -> scheduler: {server: index}: my direct link to that server broke
+    RESULT = 31        # worker -> a lost server's replacement: the result of (key, round) that the lost
+                       # server sent this worker before it went (others may not have it: docs/elastic.md)
 
 
 _CMDS = frozenset(int(c) for c in Cmd)
 _DATA_CMDS = frozenset({Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.REPLY, Cmd.LOCAL_READY, Cmd.LOCAL_DONE, Cmd.ASYNC_PUSHPULL,
-                        Cmd.PROBE})
+                        Cmd.PROBE, Cmd.RESULT})
 
 
 def pack(cmd, sender=NO_SENDER, key=0, round=0, length=0, dtype=NO_DTYPE, arg=0, flags=0):

@@ -19,10 +19,10 @@ def gradient(rank, step, numel):
     return (torch.arange(numel, dtype=torch.float32) % 7) * (rank + 1) + (step % 5)
 
 
-def expected_params(n, steps):
+def expected_params(n, steps, tensors=TENSORS):
     """The parameters after ``steps`` exact steps of plain SGD with the summed gradients."""
     out = {}
-    for name, numel in TENSORS:
+    for name, numel in tensors:
         p = torch.zeros(numel, dtype=torch.float32)
         for step in range(steps):
             p -= LR * sum(gradient(r, step, numel) for r in range(n))
@@ -40,12 +40,13 @@ def elastic_train(out, args):
     from byteps.common import _job
 
     r, n = bps.rank(), bps.size()
-    params = {name: torch.zeros(numel, dtype=torch.float32) for name, numel in TENSORS}
+    tensors = TENSORS + ((("w.huge", args["big"]),) if args.get("big") else ())  # ``big``: one more, that large
+    params = {name: torch.zeros(numel, dtype=torch.float32) for name, numel in tensors}
     path = os.path.join(out, f"progress.{r}")
     bad, per_step_bytes = [], []
     for step in range(args["steps"]):
         before = dict(_job.engine.transport_bytes()["sent"])
-        grads = {name: gradient(r, step, numel) for name, numel in TENSORS}
+        grads = {name: gradient(r, step, numel) for name, numel in tensors}
         handles = [(name, bps.push_pull_async_inplace(g, average=False, name=name)) for name, g in grads.items()]
         fresh = bps.push_pull(gradient(r, step, 1000), average=False, name="oop")  # out of place, synchronous
         for name, h in handles:
@@ -53,7 +54,7 @@ def elastic_train(out, args):
         want_oop = sum(gradient(q, step, 1000) for q in range(n))
         if not torch.equal(fresh, want_oop):
             bad.append(f"oop step {step}")
-        for name, numel in TENSORS:
+        for name, numel in tensors:
             want = sum(gradient(q, step, numel) for q in range(n))
             if not torch.equal(grads[name], want):
                 bad.append(f"{name} step {step}")
@@ -65,7 +66,7 @@ def elastic_train(out, args):
         os.replace(path + ".tmp", path)
         if args.get("sleep"):
             time.sleep(args["sleep"])
-    want = expected_params(n, args["steps"])
-    final = all(torch.equal(params[name], want[name]) for name, _ in TENSORS)
+    want = expected_params(n, args["steps"], tensors)
+    final = all(torch.equal(params[name], want[name]) for name, _ in tensors)
     return {"bad": bad[:10], "final_exact": final, "bytes": per_step_bytes,
-            "servers": len(_job.engine.servers)}
+            "servers": len(_job.engine.servers), "results_sent": _job.engine._native.results_sent}

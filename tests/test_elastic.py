@@ -94,3 +94,134 @@ def test_losing_the_last_server_ends_the_job(cluster):
     codes = c.wait_workers(60)
     assert all(code != 0 for code in codes) or all("error" in c.results().get(r, {}) for r in range(2)), c.all_logs()
     assert "lost server 0" in c.log("scheduler"), c.log("scheduler")
+
+
+def _kill_trial(cluster, seed, workers=3, servers=3, local_size=1, env=None, kills=1):
+    """One trial: training, and ``kills`` servers SIGKILLed at random moments; every sum exact."""
+    rng = random.Random(seed)
+    c = cluster(workers, servers, local_size=local_size, env={**ELASTIC, **(env or {})}, subdir=f"trial{seed}")
+    c.run_workers("elastic_train", {"steps": 25, "sleep": rng.choice([0, 0.005, 0.02])})
+    ranks = range(workers * local_size)
+    victims = rng.sample(range(servers), kills)
+    for v in victims:
+        _wait_step(c, rng.randrange(1, 12), ranks)
+        time.sleep(rng.random() * 0.03)
+        c.servers[v].send_signal(signal.SIGKILL)
+    codes = c.wait_workers(90)
+    _check(c, workers * local_size, codes)
+    c.kill_all()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", range(4))
+def test_kill_trials(cluster, seed):
+    """Servers killed at random moments (one, or two of three): no hang, no wrong sum."""
+    _kill_trial(cluster, seed, kills=1 + seed % 2)
+
+
+@pytest.mark.timeout(120)
+def test_killed_server_with_local_reduce(cluster):
+    """Two processes per machine: the owners' pushes of a lost server's partitions go to its replacement."""
+    _kill_trial(cluster, 7, workers=2, servers=3, local_size=2)
+
+
+@pytest.mark.timeout(120)
+def test_killed_server_found_by_heartbeat(cluster):
+    """Without direct links (ZeroMQ only) nothing breaks at once: the scheduler's heartbeat time-out
+    finds the lost server, within BYTEPS_HEARTBEAT_TIMEOUT, well inside the ops' BYTEPS_TIMEOUT."""
+    _kill_trial(cluster, 11, env={"BYTEPS_DIRECT_TCP": "0"})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("links", ["1", "0"])
+def test_server_lost_while_replying(cluster, links):
+    """The case no re-push alone can fix: a server that answered a round to some workers and died before
+    the others got it. Rank 2 is stopped (SIGSTOP) so its replies pile up unread until its socket
+    buffer is full, the server is killed, and rank 2 resumes: the workers that got the result send it
+    to the replacement (RESULT), which answers rank 2's re-push with it. Every sum stays exact."""
+    c = cluster(3, 3, env={**ELASTIC, "BYTEPS_DIRECT_TCP": links})
+    c.run_workers("elastic_train", {"steps": 16, "big": 6_000_000})
+    _wait_step(c, 3, range(3))
+    victim = c.workers[2]
+    victim.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.5)
+        c.servers[0].send_signal(signal.SIGKILL)
+        time.sleep(0.3)
+    finally:
+        victim.send_signal(signal.SIGCONT)
+    codes = c.wait_workers(90)
+    res = _check(c, 3, codes)
+    assert sum(res[r]["value"]["results_sent"] for r in range(3)) > 0, c.all_logs()
+
+
+def _push(sock, cmd, sender, key, rnd, data):
+    """A data message as worker ``sender`` sends it: float32 ``data`` for (key, round)."""
+    from byteps.core import dtypes, wire
+    body = data.tobytes()
+    sock.send_multipart([wire.pack(cmd, sender=sender, key=key, round=rnd, length=len(body), dtype=dtypes.FLOAT32),
+                         body])
+
+
+def _reply(sock, timeout=10.0):
+    import numpy as np
+    from byteps.core import wire
+    if not sock.poll(timeout * 1000):
+        return None, None
+    header, body = sock.recv_multipart()
+    return wire.unpack(header), np.frombuffer(body, dtype=np.float32)
+
+
+@pytest.mark.timeout(120)
+def test_replacement_server_takes_results(cluster):
+    """The replacement's side of RESULT, message by message against a real server (BYTEPS_ELASTIC=1),
+    with two DEALERs speaking for ranks 0 and 1: a RESULT completes the round a rank pushed again,
+    answers a rank that pushes a completed round again, older RESULTs are dropped, and the next round
+    sums as usual."""
+    import sys
+    import numpy as np
+    import zmq
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from conftest import member_dealer, server_data_port
+    from byteps.core import wire
+    Cmd = wire.Cmd
+
+    c = cluster(2, 1, env=ELASTIC)
+    c.run_workers("wait_then_sum", {"wait": 120})  # the server gets its address book (ranks 0 and 1)
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(c.tmp, f"progress.{r}")) for r in (0, 1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in c.workers), c.all_logs()
+        time.sleep(0.05)
+    ctx = zmq.Context()
+    try:
+        port = server_data_port(c.servers[0].pid)
+        a, _ = member_dealer(ctx, port)
+        b, _ = member_dealer(ctx, port)
+        result = np.arange(1000, dtype=np.float32)
+        # key 1: rank 0 had round 5's result, rank 1 did not; the RESULT comes first
+        k1 = wire.make_key(900, 1)
+        _push(a, Cmd.RESULT, 0, k1, 5, result)
+        assert _reply(a, 0.5) == (None, None)  # a RESULT is not answered
+        _push(b, Cmd.PUSHPULL, 1, k1, 5, np.full(1000, 7, np.float32))
+        h, got = _reply(b)
+        assert h.cmd == Cmd.REPLY and h.round == 5 and np.array_equal(got, result), (h, got)
+        # key 2: rank 1 pushes round 3 again first, then rank 0's RESULT completes it; an older RESULT is dropped
+        k2 = wire.make_key(900, 2)
+        _push(b, Cmd.PUSHPULL, 1, k2, 3, np.full(1000, 9, np.float32))
+        assert _reply(b, 0.5) == (None, None)  # waits for rank 0
+        _push(a, Cmd.RESULT, 0, k2, 2, result - 1)
+        _push(a, Cmd.RESULT, 0, k2, 3, result + 1)
+        h, got = _reply(b)
+        assert h.round == 3 and np.array_equal(got, result + 1), (h, got)
+        # the next round of both keys sums as usual
+        for k, rnd in ((k1, 6), (k2, 4)):
+            _push(a, Cmd.PUSHPULL, 0, k, rnd, np.full(1000, 2, np.float32))
+            _push(b, Cmd.PUSHPULL, 1, k, rnd, np.full(1000, 3, np.float32))
+            for s in (a, b):
+                h, got = _reply(s)
+                assert h.cmd == Cmd.REPLY and h.round == rnd and np.array_equal(got, np.full(1000, 5, np.float32))
+        assert "completed with a worker's copy of the lost server's result for 1 waiting" in c.log("server0"), \
+            c.log("server0")
+        assert "pushed round 5 again after it completed here" in c.log("server0"), c.log("server0")
+    finally:
+        ctx.destroy(linger=0)
