@@ -43,8 +43,9 @@ def elastic_train(out, args):
     tensors = TENSORS + ((("w.huge", args["big"]),) if args.get("big") else ())  # ``big``: one more, that large
     params = {name: torch.zeros(numel, dtype=torch.float32) for name, numel in tensors}
     path = os.path.join(out, f"progress.{r}")
-    bad, per_step_bytes = [], []
+    bad, per_step_bytes, times = [], [], []
     for step in range(args["steps"]):
+        began = time.perf_counter()
         before = dict(_job.engine.transport_bytes()["sent"])
         grads = {name: gradient(r, step, numel) for name, numel in tensors}
         handles = [(name, bps.push_pull_async_inplace(g, average=False, name=name)) for name, g in grads.items()]
@@ -59,6 +60,7 @@ def elastic_train(out, args):
             if not torch.equal(grads[name], want):
                 bad.append(f"{name} step {step}")
             params[name] -= LR * grads[name]
+        times.append(time.perf_counter() - began)
         after = _job.engine.transport_bytes()["sent"]
         per_step_bytes.append({str(s): after.get(s, 0) - before.get(s, 0) for s in after})
         with open(path + ".tmp", "w") as f:
@@ -68,5 +70,5 @@ def elastic_train(out, args):
             time.sleep(args["sleep"])
     want = expected_params(n, args["steps"], tensors)
     final = all(torch.equal(params[name], want[name]) for name, _ in tensors)
-    return {"bad": bad[:10], "final_exact": final, "bytes": per_step_bytes,
+    return {"bad": bad[:10], "final_exact": final, "bytes": per_step_bytes, "times": times,
             "servers": len(_job.engine.servers), "results_sent": _job.engine._native.results_sent}
