@@ -48,6 +48,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -107,6 +108,7 @@ struct BpsPart {
     uint64_t rnd = 0;       /* its round: taken when the op starts (local reduce) or at its first push */
     bool has_rnd = false;   /* rnd is set: a push to a lost server's replacement keeps it (elastic servers) */
     uint64_t trace_t = 0;   /* timeline: when its current stage began (0: not traced) */
+    uint64_t qseq = 0;      /* its place in the send queue: a lost server's partitions go back in it */
 };
 
 struct BpsOp {
@@ -357,6 +359,7 @@ class BpsWorkerCore {
         sent_.resize(BPS_MAX_SERVERS);
         received_.resize(BPS_MAX_SERVERS);
         dead_.resize(BPS_MAX_SERVERS);
+        colocated_.resize(BPS_MAX_SERVERS);
         reported_.resize(BPS_MAX_SERVERS, false);
     }
 
@@ -389,6 +392,11 @@ class BpsWorkerCore {
     }
 
     int nservers() const { return nservers_.load(); }
+
+    /* Whether server ``server`` is on this machine (its partitions may go through shared memory). */
+    void set_colocated(int server, bool on) {
+        if (server >= 0 && server < BPS_MAX_SERVERS) colocated_[(size_t)server].store(on);
+    }
 
     /* BYTEPS_ELASTIC=1 (before start()): keep each key's latest result for a lost server's replacement. */
     void set_elastic(bool on) { retain_ = on; }
@@ -458,9 +466,17 @@ class BpsWorkerCore {
     /* commit()'s rerouting: partitions of servers dead by then go to their replacements in that
      * membership. Every change is kept and replayed on tables registered later, so that every worker's
      * n-th op of a tensor uses the same servers however late it first used the tensor (mu_ held). */
-    static void reroute(std::vector<BpsPart> &parts, const std::set<int> &dead, const std::vector<int> &alive) {
+    void reroute(std::vector<BpsPart> &parts, const std::set<int> &dead, const std::vector<int> &alive) {
         for (auto &p : parts)
-            if (dead.count(p.server)) p.server = bps_replacement(alive, p.key);
+            if (dead.count(p.server)) move_part(p, bps_replacement(alive, p.key));
+    }
+
+    /* A partition goes to server ``to`` instead: through shared memory only if ``to`` is on this machine. */
+    void move_part(BpsPart &p, int to) {
+        p.server = to;
+        bool shared = to >= 0 && colocated_[(size_t)to].load();
+        if (p.owner >= 0) p.colocated = shared; /* local reduce: the owner's region, as a descriptor or bytes */
+        else if (!shared) p.staging = nullptr;  /* the bytes go from the tensor */
     }
 
     void replay_reroutes(std::vector<BpsPart> &parts) {
@@ -918,9 +934,9 @@ class BpsWorkerCore {
         for (auto &a : adopt) {
             BpsPart &p = a.op->parts[(size_t)a.part];
             if (dead_[(size_t)p.server].load() && !abort) { /* elastic: its server went while the caller waited */
-                a.seq = seq_++;
+                a.seq = p.qseq = seq_++;
                 if (awaiting_commit()) stranded_.push_back(a);
-                else queue_.push(a); /* push() sends it to the replacement, in its round */
+                else push(a.op, a.part); /* to the replacement, in its round, past the credit (see commit) */
                 continue;
             }
             pending_[std::make_pair(p.key, a.seq)] = std::make_pair(a.op, a.part);
@@ -1079,13 +1095,15 @@ class BpsWorkerCore {
             send_results();
             std::vector<BpsQueued> back;
             back.swap(stranded_);
-            for (auto &q : back) {
-                if (q.op->done.load()) continue;
-                BpsPart &p = q.op->parts[(size_t)q.part];
-                p.server = bps_replacement(alive_net_, p.key);
-                q.seq = seq_++;
-                queue_.push(q);
-            }
+            /* Sent at once, past the credit, in their first order: each had been let through the credit
+             * before, so what each worker has in flight becomes again what it had before the loss (a
+             * prefix of the order every worker sends in). Queued behind partitions sent after them, they
+             * could wait for those while other workers' copies of those wait for them. */
+            std::sort(back.begin(), back.end(), [](const BpsQueued &a, const BpsQueued &b) {
+                return a.priority != b.priority ? a.priority > b.priority : a.seq < b.seq;
+            });
+            for (auto &q : back)
+                if (!q.op->done.load()) push(q.op, q.part); /* to the replacement, in its round */
         }
         for (auto &m : raw) send_raw_now(m.get());
         for (auto &q : in) {
@@ -1094,6 +1112,7 @@ class BpsWorkerCore {
                 continue;
             }
             q.seq = seq_++;
+            q.op->parts[(size_t)q.part].qseq = q.seq;
             queue_.push(q);
         }
         for (auto &c : claims) local_claimed(c.first, c.second);
@@ -1175,10 +1194,10 @@ class BpsWorkerCore {
         BpsPart &p = op->parts[index];
         if (dead_[(size_t)p.server].load()) { /* elastic: its server is gone */
             if (awaiting_commit()) { /* its replacement is known at commit() */
-                stranded_.push_back(BpsQueued{op->priority, 0, op, index});
+                stranded_.push_back(BpsQueued{op->priority, p.qseq, op, index});
                 return;
             }
-            p.server = bps_replacement(alive_net_, p.key);
+            move_part(p, bps_replacement(alive_net_, p.key));
             if (p.server < 0) { /* cannot happen: the scheduler never removes the last server */
                 fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': no server left to take over a lost one");
                 return;
@@ -1253,7 +1272,7 @@ class BpsWorkerCore {
             }
             release(op, index);
             op->owed[p.server]--;
-            stranded_.push_back(BpsQueued{op->priority, 0, op, index});
+            stranded_.push_back(BpsQueued{op->priority, p.qseq, op, index});
             it = pending_.erase(it);
         }
     }
@@ -1464,7 +1483,44 @@ class BpsWorkerCore {
                 if (!who.empty()) who += ", ";
                 who += n;
             }
-            if (who.empty()) who = "its turn to be sent";
+            if (who.empty()) { /* never sent: say what it is queued behind */
+                bool held = false, stranded = false;
+                {
+                    std::lock_guard<std::mutex> lock(mu_);
+                    for (BpsOp *h : held_) held |= h == op;
+                }
+                for (auto &q : stranded_) stranded |= q.op == op;
+                if (held) who = "a change of the servers (it was submitted during one, which never completed)";
+                else if (stranded) who = "a lost server's replacement (the change of the servers never completed)";
+                else {
+                    std::map<int, std::pair<int, uint64_t>> by_server; /* what holds the credit */
+                    std::string first;
+                    for (auto &kv : pending_) {
+                        const BpsPart &q = kv.second.first->parts[(size_t)kv.second.second];
+                        by_server[q.server].first++;
+                        by_server[q.server].second += q.length;
+                        if (first.size() < 200)
+                            first += " '" + kv.second.first->name + "' (" + std::to_string(kv.first.first >> 32) + ", " +
+                                     std::to_string(kv.first.first & 0xFFFFFFFF) + ") round " +
+                                     std::to_string(kv.first.second) + " seq " + std::to_string(q.qseq) + ";";
+                    }
+                    if (!queue_.empty()) {
+                        const BpsQueued &t = queue_.top();
+                        const BpsPart &q = t.op->parts[(size_t)t.part];
+                        first += " next: '" + t.op->name + "' (" + std::to_string(q.key >> 32) + ", " +
+                                 std::to_string(q.key & 0xFFFFFFFF) + ") seq " + std::to_string(t.seq) + " server " +
+                                 std::to_string(q.server);
+                    }
+                    std::string held_by;
+                    for (auto &kv : by_server)
+                        held_by += (held_by.empty() ? "" : ", ") + std::string("server ") + std::to_string(kv.first) +
+                                   ": " + std::to_string(kv.second.first) + " partitions, " +
+                                   std::to_string(kv.second.second) + " bytes";
+                    who = "its turn to be sent (" + std::to_string(credit_.in_flight()) + " bytes in flight, credit " +
+                          std::to_string(credit_.credit()) + ", " + std::to_string(queue_.size()) + " queued; " +
+                          (held_by.empty() ? "no replies owed" : "replies owed by " + held_by) + ";" + first + ")";
+                }
+            }
             char secs[32];
             snprintf(secs, sizeof secs, "%.0f", now - op->started);
             fail(op, BPS_ERR_TIMEOUT, std::string(secs) + "|" + who);
@@ -1565,6 +1621,7 @@ class BpsWorkerCore {
             local_reduced_++;
             p.trace_t = bps_span_start(); /* its QUEUE wait starts now */
             /* PUSH of the machine's sum: queued by priority within the credit like any partition */
+            op->parts[(size_t)t.part].qseq = seq_;
             queue_.push(BpsQueued{op->priority, seq_++, op, t.part});
         } else { /* COPY_OUT: the result is in the tensor */
             part_done(op);
@@ -1840,6 +1897,7 @@ class BpsWorkerCore {
     std::vector<std::pair<void *, int>> new_servers_;     /* (DEALER, link fd) of servers that joined */
     std::vector<int> lost_;                               /* servers whose link broke, for Python */
     std::atomic<int> nservers_{0};
+    std::deque<std::atomic<bool>> colocated_;             /* per server: on this machine (shared memory) */
     std::atomic<uint64_t> holds_{0};                      /* hold() calls */
     uint64_t commits_ = 0;                                /* commit() calls */
     std::deque<std::atomic<bool>> dead_;                  /* per server: left the job */

@@ -282,6 +282,8 @@ class Engine:
         if timeline.recorder is not None:
             timeline.recorder.add_native(_worker_core.trace_buffer())
         core.set_elastic(self.cfg.elastic)
+        for i, shared in enumerate(self.colocated):
+            core.set_colocated(i, shared)
         core.start()
         self._native = core
         self._completer = threading.Thread(target=self._deliver_native, name="byteps-complete", daemon=True)
@@ -643,6 +645,8 @@ class Engine:
         if any(self.colocated):
             self._copier = ComputeStage(self._wake, name="byteps-copy")
         self._start_native()
+        if self.cfg.elastic:  # the scheduler changes servers only once every worker can hold and commit
+            self.control.send(Cmd.MEMBERS, {"phase": "ready"})
         from . import local_exec
         self._local_exec = local_exec.start(self)  # None unless BYTEPS_LOCAL_STRATEGY=topology applies
         self._ready.set()
@@ -993,6 +997,7 @@ class Engine:
         if shared and self._shm is None:
             self._shm = shm.Allocator("byteps-worker")
         self.colocated.append(shared)
+        self._native.set_colocated(index, shared)
         self.servers.append(sock)
         self._server_index[sock] = index
         self._io[sock] = transport.wrap(sock, self.cfg.zmq_direct)

@@ -95,6 +95,7 @@ class Scheduler:
         self.spares = {}          # identity -> info of elastic servers that registered before the job started
         self.changes = []         # queued events: ("lost", ident, reason) or ("joined", ident, reason)
         self.change = None        # the change in progress: see _start_change
+        self.ready = set()        # workers whose engine can take a change (MEMBERS "ready", after start-up)
         # the job timeline (BYTEPS_TIMELINE, or a worker's start_timeline(path)): every node's spans
         self.timeline = Collector(cfg.timeline)
 
@@ -454,6 +455,7 @@ class Scheduler:
             logger.info("epoch %d ended: every worker called shutdown()", self.epoch)
             self.epoch += 1
             self.workers = {}
+            self.ready = set()
             self.left = set()
             self.barriers.clear()
             self.barrier_values.clear()
@@ -691,6 +693,8 @@ class Scheduler:
         """Begin the next membership change (if none runs): joining servers get the address book first."""
         if self.change is not None or not self.changes or not self.running or self._pending_book is not None:
             return
+        if not set(self._active_workers()) <= self.ready:  # still starting: they cannot hold yet
+            return
         events, self.changes = self.changes, []
         joined = [info for kind, info, _ in events if kind == "joined" and info in self.servers.values()]
         dead = [info for kind, info, _ in events if kind == "lost"]
@@ -722,6 +726,10 @@ class Scheduler:
             self._commit()
 
     def _on_prepared(self, ident, body):
+        if body.get("phase") == "ready":
+            self.ready.add(ident)
+            self._start_change()
+            return
         ch = self.change
         if ch is None or body.get("members") != ch["members"] or not ch["waiting"] or ident not in ch["waiting"]:
             return

@@ -58,11 +58,14 @@ def test_killed_server_mid_training(cluster):
 
 @pytest.mark.timeout(120)
 def test_server_joins_mid_training(cluster):
-    """A server started mid-training with BYTEPS_ELASTIC=1 is admitted, and the workers' bytes move to it."""
+    """A server started mid-training by ``bpslaunch`` in server role with BYTEPS_ELASTIC=1 is admitted,
+    and the workers' bytes move to it."""
+    import sys
     c = cluster(2, 1, env=ELASTIC)
     c.run_workers("elastic_train", {"steps": 40, "sleep": 0.02})
     _wait_step(c, 5, range(2))
-    c.start_server(1)
+    bpslaunch = os.path.join(os.path.dirname(sys.executable), "bpslaunch")
+    c.servers.append(c._spawn([bpslaunch], "server", log="server1.log"))
     codes = c.wait_workers(90)
     res = _check(c, 2, codes)
     for r in range(2):
