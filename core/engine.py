@@ -621,10 +621,6 @@ class Engine:
         # which server sums which bytes: the k/n split of byteps/placement.py, the same on every worker
         self.placement = Placement.from_book(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
         logger.info("%s", self.placement.describe())
-        # elastic servers (docs/elastic.md): every server membership of the job so far, in order
-        self._memberships = [{"members": 0, "placement": self.placement, "cuts": {},
-                              "ids": [info["index"] for info in self.book["servers"]]}]
-        self._change = None  # (PREPARE body, when it came) while the scheduler changes the servers
         if self.cfg.enable_ipc:
             # same host address too: network namespaces share a kernel (the probe passes) but are
             # separate hosts, whose traffic must cross their network (bench/netns.py)
@@ -640,6 +636,11 @@ class Engine:
         if Stage.STAGE in self._dropped:  # BYTEPS_PIPELINE=-stage: colocated servers over TCP too
             self.colocated = [False] * len(self.servers)
         self._tune()  # before anything is cut into partitions or sent
+        # every server membership of the job so far, in order (elastic servers, docs/elastic.md); the
+        # first one's placement is the one _tune() rebuilt with the job's partition size
+        self._memberships = [{"members": 0, "placement": self.placement, "cuts": {},
+                              "ids": [info["index"] for info in self.book["servers"]]}]
+        self._change = None  # (PREPARE body, when it came) while the scheduler changes the servers
         if any(self.colocated) or self.local is not None:
             self._shm = shm.Allocator("byteps-worker")
         if any(self.colocated):

@@ -287,6 +287,7 @@ def test_job_probes_and_every_worker_uses_one_partition_size(cluster):
     for v in vals:
         t = v["tuning"]
         assert v["config_partition"] == v["placement_partition"] == t["partition_bytes"]
+        assert v["native_pieces"] == [v["pieces"]], v  # what the native core sends is cut alike
         assert v["config_credit"] == t["credit"] and v["queue_credit"] == t["credit"] * t["partition_bytes"]
         assert t["bandwidth_Bps"] > 1e6 and 0 < t["rtt_s"] < 0.1
         assert t["took_s"] < 0.5, t  # what the probe and the agreement add to init() on loopback
@@ -310,6 +311,8 @@ def test_workers_that_measure_differently_still_agree(cluster):
     assert "[262144, 1048576, 4194304]" in vals[0]["tuning"]["text"]
     for v in vals:
         assert v["sum"] == pytest.approx(_expected_sum(3), rel=1e-6)
+        # 1.2 MB in 1 MB partitions: two of them, in the placement and in the native core's table
+        assert v["pieces"] == 4 and v["native_pieces"] == [4], v
 
 
 @pytest.mark.timeout(120)
