@@ -6,7 +6,6 @@ and the final parameters are checked exactly against a locally computed run
 import json
 import os
 import random
-import re
 import secrets
 import signal
 import subprocess
@@ -176,7 +175,9 @@ def test_extra_server_host_joins_on_emulated_cluster(tmp_path):
     pre = sorted(max(t[i] for t in times) for i in range(3, 10))[3]
     post = sorted(max(t[i] for t in times) for i in range(-8, 0))[4]
     print(f"step time {pre:.3f} s -> {post:.3f} s ({post / pre:.2f}x; the plan predicts {t1 / t0:.2f}x)")
-    assert post / pre < 1.0, f"step time {pre:.3f} s -> {post:.3f} s; plan {t1 / t0:.2f}x\n{logs}"
+    # measured 0.95-0.97x against the plan's 0.90x (2026-11-25, docs/benchmarks.md)
+    assert post / pre < 1.0 and post / pre <= t1 / t0 + 0.1, \
+        f"step time {pre:.3f} s -> {post:.3f} s; plan {t1 / t0:.2f}x\n{logs}"
 
 
 @pytest.mark.slow
