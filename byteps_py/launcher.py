@@ -144,10 +144,13 @@ def _pump(src, dest_name, prefix):
 class Child:
     """One process started by the job."""
 
-    def __init__(self, tag, popen, essential):
+    def __init__(self, tag, popen, essential, may_fail=False):
         self.tag = tag  #: e.g. "worker 0.1"
         self.popen = popen
         self.essential = essential  #: the job is done when every essential child exited 0
+        #: its failure does not stop the job: a server of a BYTEPS_ELASTIC=1 job (the scheduler removes it)
+        self.may_fail = may_fail
+        self.warned = False
         self.readers = []
 
     @property
@@ -229,7 +232,7 @@ class Job:
         self.tmpdir = tempfile.mkdtemp(prefix=prefix)  # mode 0700: private to this user
         return self.tmpdir
 
-    def spawn(self, tag, argv, env, essential=True, stdin=None):
+    def spawn(self, tag, argv, env, essential=True, stdin=None, may_fail=False):
         """Start one child; its output is prefixed with ``[tag]`` unless --no-prefix."""
         pipe = subprocess.PIPE if self.prefix else None
         try:
@@ -239,7 +242,7 @@ class Job:
             raise JobStopped(127, f"{tag}: cannot run {argv[0]!r}: {e.strerror}") from None
         except PermissionError as e:
             raise JobStopped(126, f"{tag}: cannot run {argv[0]!r}: {e.strerror}") from None
-        child = Child(tag, popen, essential)
+        child = Child(tag, popen, essential, may_fail)
         self.children.append(child)
         if self.prefix:
             head = f"[{tag}] ".encode()
@@ -255,6 +258,12 @@ class Job:
     def _check_failures(self):
         for c in self.children:
             code = c.code
+            if code and c.may_fail:
+                if not c.warned:
+                    c.warned = True
+                    _say(f"warning: {c.tag} (pid {c.pid}) exited with code {_describe(code)}; the job goes on "
+                         "without it (BYTEPS_ELASTIC=1: the scheduler removes a lost server)")
+                continue
             if code:
                 raise JobStopped(code, f"{c.tag} (pid {c.pid}) exited with code {_describe(code)}; "
                                        "stopping the job")
@@ -492,7 +501,7 @@ def _plan_local(opts, command):
         for s in range(ns):
             job.spawn(f"server {s}", SERVER_ARGV,
                       dict(base, DMLC_ROLE="server", DMLC_PS_ROOT_PORT=str(port)),
-                      essential=False, stdin=subprocess.DEVNULL)
+                      essential=False, stdin=subprocess.DEVNULL, may_fail=config._bool(base, "BYTEPS_ELASTIC"))
         for i in range(nw):
             for j in range(nl):
                 job.spawn(f"worker {i}.{j}", command, worker_env(i, j, port))
@@ -588,7 +597,8 @@ def _plan_slurm(opts, command):
             # a server-only task ends when its server does (the scheduler ends the job)
             job.spawn(f"server {task.node}", SERVER_ARGV,
                       dict(base, DMLC_ROLE="server", BYTEPS_SERVER_ROLE=task.server),
-                      essential=not task.local_ranks, stdin=subprocess.DEVNULL)
+                      essential=not task.local_ranks, stdin=subprocess.DEVNULL,
+                      may_fail=bool(task.local_ranks) and config._bool(base, "BYTEPS_ELASTIC"))
         for j in task.local_ranks:
             job.spawn(f"worker {task.worker_id}.{j}", command, worker_env(j))
         return job.wait()

@@ -228,3 +228,42 @@ def test_replacement_server_takes_results(cluster):
         assert "pushed round 5 again after it completed here" in c.log("server0"), c.log("server0")
     finally:
         ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(180)
+def test_bpslaunch_local_job_survives_a_lost_server(tmp_path):
+    """``bpslaunch --local`` with BYTEPS_ELASTIC=1: a server SIGKILLed mid-training does not stop the
+    job (bpslaunch warns; the scheduler removes it), and the job ends with exit code 0, every sum exact."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+    env.update(BYTEPS_ELASTIC="1", BYTEPS_HEARTBEAT_INTERVAL="0.2", BYTEPS_HEARTBEAT_TIMEOUT="3",
+               BYTEPS_TIMEOUT="30", PYTHONUNBUFFERED="1")
+    bpslaunch = os.path.join(os.path.dirname(sys.executable), "bpslaunch")
+    p = subprocess.Popen([bpslaunch, "--local", "--workers", "2", "--servers", "3", "--",
+                          sys.executable, os.path.join(here, "scenarios.py"), "elastic_train", str(tmp_path),
+                          '{"steps": 40, "sleep": 0.02}'], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not all(os.path.exists(tmp_path / f"progress.{r}") for r in (0, 1)):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0]
+            time.sleep(0.05)
+        servers = [c for c in psutil.Process(p.pid).children(recursive=True)
+                   if "byteps.server" in " ".join(c.cmdline())]
+        assert len(servers) == 3, servers
+        servers[1].send_signal(signal.SIGKILL)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out
+    assert "the job goes on without it" in out, out
+    for r in (0, 1):
+        import json
+        v = json.loads((tmp_path / f"result.{r}.json").read_text())["value"]
+        assert not v["bad"] and v["final_exact"], v

@@ -1,0 +1,113 @@
+"""Elastic Summation Service on the emulated cluster (docs/elastic.md): what a server change costs.
+
+Two jobs on network namespaces with tc-limited links (bench/netns.py; run as root). Each is 3
+worker machines, each with one worker process training tests/scenarios_elastic.py's SGD loop with
+exact sums (default environment apart from BYTEPS_ELASTIC=1 and short heartbeats):
+
+* **kill**: servers on w0, w1 and the extra CPU machine x0. x0's server is SIGKILLed after step
+  ``--at``. The bench reports:
+  - the time from the kill to the scheduler's commit of the new membership (detection plus switch);
+  - the switch itself as the scheduler logs it;
+  - the slowest step around the kill, against the median step before.
+* **join**: a colocated server on each worker machine (k = 0). An extra CPU machine's server starts
+  after step ``--at`` (k = 1). The bench reports:
+  - the median step time before and after, against the plan's t_opt(n, k) ratio (Eq. 6);
+  - each server's share of the bytes the workers sent, against Eq. 1-2.
+
+    sudo .venv/bin/python bench/bench_elastic.py              # 100 Mbit/s links, 30 steps
+    sudo .venv/bin/python bench/bench_elastic.py --rate-mbit 400 --steps 40
+"""
+import argparse
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import netns  # noqa: E402
+from test_netns_elastic import ElasticJob  # noqa: E402  (the same job the tests run)
+
+from byteps import placement  # noqa: E402
+
+
+def slowest(results, step):
+    return max(v["times"][step] for v in results.values())
+
+
+def run_kill(args):
+    hosts = ["w0", "w1", "w2", "x0", "sched"]
+    with netns.Network(hosts, rate_mbit=args.rate_mbit) as net:
+        job = ElasticJob(net, tempfile.mkdtemp(prefix="bench-elastic-kill-"), ["w0", "w1", "x0"],
+                         ["w0", "w1", "w2"], {"steps": args.steps})
+        job.wait_step(args.at)
+        killed = time.monotonic()
+        job.procs["server2"].send_signal(signal.SIGKILL)
+        committed = job.membership_logged(1, 60)
+        results = job.wait_workers(600)
+        log = job.log("scheduler")
+    switch = float(re.search(r"the switch took ([0-9.]+) s", log).group(1))
+    before = statistics.median(slowest(results, s) for s in range(2, args.at))
+    around = max(slowest(results, s) for s in range(args.at, min(args.at + 3, args.steps)))
+    after = statistics.median(slowest(results, s) for s in range(args.at + 3, args.steps))
+    print(f"kill: {args.rate_mbit:g} Mbit/s, n=3, servers w0, w1 + x0; x0's server SIGKILLed after step {args.at}")
+    print(f"  kill -> new membership committed: {committed - killed:.3f} s (the switch itself: {switch:.3f} s)")
+    print(f"  step before {before:.3f} s, slowest step around the kill {around:.3f} s, after {after:.3f} s")
+    print("  every step's sums and the final parameters exact on every worker")
+
+
+def run_join(args):
+    n = 3
+    with netns.Network(["w0", "w1", "w2", "x0", "sched"], rate_mbit=args.rate_mbit) as net:
+        job = ElasticJob(net, tempfile.mkdtemp(prefix="bench-elastic-join-"), ["w0", "w1", "w2"],
+                         ["w0", "w1", "w2"], {"steps": args.steps})
+        job.wait_step(args.at)
+        started = time.monotonic()
+        job.start_server("x0", "server3")
+        admitted = job.membership_logged(1, 60)
+        results = job.wait_workers(600)
+
+    def shares(step):
+        per = {}
+        for v in results.values():
+            for s, b in v["bytes"][step].items():
+                per[int(s)] = per.get(int(s), 0) + b
+        total = sum(per.values())
+        return {s: round(b / total, 3) for s, b in sorted(per.items()) if b}
+    pre = statistics.median(slowest(results, s) for s in range(2, args.at))
+    post = statistics.median(slowest(results, s) for s in range(args.at + 4, args.steps))
+    t0, t1 = (placement.plan(n, k, 1 << 20, 1.0).t_opt for k in (0, 1))
+    w_std, w_col = 2 * (n - 1), n - 1
+    total = n * w_std + 3 * (n - 1) * w_col
+    print(f"join: {args.rate_mbit:g} Mbit/s, n=3 with colocated servers; x0's server started after step {args.at}")
+    print(f"  server start -> admitted (new membership committed): {admitted - started:.1f} s "
+          "(includes the new process importing byteps)")
+    print(f"  median step {pre:.3f} s (k=0) -> {post:.3f} s (k=1): {post / pre:.3f}x; the plan: {t1 / t0:.3f}x")
+    print(f"  byte shares before {shares(args.at - 1)}")
+    print(f"  byte shares after  {shares(-1)}; Eq. 1-2: standalone {n * w_std / total:.3f}, "
+          f"colocated {(n - 1) * w_col / total:.3f} each")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate-mbit", type=float, default=100, help="per-host link rate (default 100)")
+    ap.add_argument("--steps", type=int, default=30, help="training steps per job (default 30)")
+    ap.add_argument("--at", type=int, default=10, help="the step after which the change happens (default 10)")
+    ap.add_argument("--only", choices=("kill", "join"), help="run one of the two jobs")
+    args = ap.parse_args()
+    why = netns.available()
+    if why is not None:
+        raise SystemExit(f"emulated cluster unavailable: {why}")
+    if args.only != "join":
+        run_kill(args)
+    if args.only != "kill":
+        run_join(args)
+
+
+if __name__ == "__main__":
+    main()
