@@ -1023,14 +1023,16 @@ class BpsWorkerCore {
                     if (l->recv(&msg) <= 0) break;
                     on_message((int)i, &msg);
                 }
-                if (l->dead() && !reported_[i]) { /* the server went (or closed it): tell Python (elastic) */
-                    reported_[i] = true;
-                    {
-                        std::lock_guard<std::mutex> lock(mu_);
-                        lost_.push_back((int)i);
-                    }
-                    notify_python();
+            }
+            for (size_t i = 0; i < nsocks; ++i) { /* links that broke here or under a direct caller */
+                BpsConn *l = links_[i].get();
+                if (l == nullptr || !l->dead() || reported_[i]) continue;
+                reported_[i] = true; /* the server went (or closed it): Python tells the scheduler (elastic) */
+                {
+                    std::lock_guard<std::mutex> lock(mu_);
+                    lost_.push_back((int)i);
                 }
+                notify_python();
             }
             send_ready();
             double now = bps_now();
