@@ -47,6 +47,7 @@ VARIABLES = {
     "BYTEPS_ELASTIC": ("0", "1: the job survives losing Summation Service servers (not the last) and admits servers that join mid-job; set it on every node (docs/elastic.md)"),
     "BYTEPS_NATIVE": ("1", "1: workers and servers run their plain partitions on native threads (byteps-net, byteps-serve) that never take the GIL per partition; 0: the Python loops"),
     "BYTEPS_NATIVE_LOCAL": ("1", "1: with BYTEPS_NATIVE=1 and several worker processes per machine, the native thread also runs the local reduce (core/bps_worker.h); 0: the Python engine does (an A/B switch)"),
+    "BYTEPS_LOCAL_LINKS": ("1", "1: with BYTEPS_NATIVE_LOCAL=1, a machine's worker processes send each other the local reduce's messages over direct TCP links the native threads read and write themselves (core/bps_worker.h); 0: through ZeroMQ (an A/B switch)"),
     "BYTEPS_DIRECT_TCP": ("1", "1: with BYTEPS_NATIVE=1 on both ends, a worker's data messages to a server go over a direct TCP link the native threads read and write themselves (core/bps_link.h); 0: through ZeroMQ (an A/B switch)"),
     "BYTEPS_TRANSPORT": ("auto", "what carries a worker's direct links to servers: tcp (core/bps_link.h), ucx (UCP Active Messages, core/bps_ucx.h: verbs on an RDMA NIC) or auto (ucx when this machine has an RDMA device and UCX loads, else tcp); docs/ucx.md"),
     "BYTEPS_UCX_PEER_ERRORS": ("1", "with BYTEPS_TRANSPORT=ucx: 1 asks UCX to detect dead peers (endpoint error handling), which rules out its shared-memory transports; 0 lets UCX use sm too (a dead peer is then reported by the scheduler alone); docs/ucx.md"),
@@ -181,6 +182,7 @@ class Config:
     native: bool = True
     native_local: bool = True
     direct_tcp: bool = True
+    local_links: bool = True
     timeline: str = ""
     timeline_flush_steps: int = 50
     timeline_buffer: int = 250000
@@ -290,6 +292,7 @@ def load(env=None, role=None):
         native=_bool(env, "BYTEPS_NATIVE", default="1"),
         native_local=_bool(env, "BYTEPS_NATIVE_LOCAL", default="1"),
         direct_tcp=_bool(env, "BYTEPS_DIRECT_TCP", default="1"),
+        local_links=_bool(env, "BYTEPS_LOCAL_LINKS", default="1"),
         timeline=_get(env, "BYTEPS_TIMELINE", ""),
         timeline_flush_steps=_int(env, "BYTEPS_TIMELINE_FLUSH_STEPS", 50, minimum=0),
         timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 250000, minimum=1),

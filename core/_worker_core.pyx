@@ -105,6 +105,10 @@ cdef extern from "bps_worker.h" nogil:
         uint64_t direct_calls()
         void add_local(void *router, vector[void *] peers, int local_rank, cbool open)
         void allow_local(const string &identity)
+        void add_local_link(int r, int fd, const string &ident)
+        int local_links_up()
+        uint64_t local_link_sent()
+        uint64_t local_link_received()
         void set_local_joined(uint64_t mask)
         void local_python()
         void local_claim(uint64_t key, uint64_t rnd, int count)
@@ -306,6 +310,18 @@ cdef class WorkerCore:
     def allow_local(self, bytes identity):
         self.core.allow_local(identity)
 
+    def add_local_link(self, int local_rank, int fd, bytes ident):
+        """Hand over a direct TCP link to local rank ``local_rank`` (after :meth:`add_local`, before
+        start): a connected socket whose token was checked; ``ident`` is that rank's DEALER identity
+        toward our ROUTER (its messages on the link are taken as from it). The native thread owns the
+        fd from now on and closes it; the DEALER stays the fallback."""
+        self.core.add_local_link(local_rank, fd, ident)
+
+    @property
+    def local_links_up(self):
+        """How many other local ranks are reached over a working direct link."""
+        return self.core.local_links_up()
+
     def set_local_joined(self, uint64_t mask):
         """join(): the local ranks (bit n: local rank n) whose copies owners no longer wait for."""
         self.core.set_local_joined(mask)
@@ -327,7 +343,8 @@ cdef class WorkerCore:
     def local_stats(self):
         """Partitions reduced natively, of those on the stage thread, and copies handed to owners."""
         return {"reduced": self.core.local_reduced(), "reduced_on_thread": self.core.local_reduced_on_thread(),
-                "coordinated": self.core.local_coordinated()}
+                "coordinated": self.core.local_coordinated(), "links_up": self.core.local_links_up(),
+                "link_sent": self.core.local_link_sent(), "link_received": self.core.local_link_received()}
 
     def start(self):
         self.core.start()

@@ -26,6 +26,11 @@
  *
  * The local ROUTER (LOCAL_READY / LOCAL_DONE from the others) and DEALERs (to them) are handed over
  * after Python authenticated them; the handshakes of late peers still reach Python (forwarded).
+ * Local links (BYTEPS_LOCAL_LINKS=1): a direct TCP link (BpsLink on 127.0.0.1) per other local rank,
+ * opened by Python after that handshake (core/engine.py _open_local_links: a one-time token offered over
+ * the authenticated ZeroMQ plane) and handed over with add_local_link. send_local() uses it while it
+ * works, else the DEALER; what comes in on it is taken as if it came on the ROUTER from that peer's
+ * DEALER identity, so the messages Python gets (forwarded) look the same either way.
  *
  * Python's own partitions (the slow paths above) still go through this thread's sockets: it sends
  * what Python queues with send_raw() and forwards every message it does not own (an unknown
@@ -623,9 +628,30 @@ class BpsWorkerCore {
         peers_ = std::move(peers);
         local_rank_ = local_rank;
         local_size_ = (int)peers_.size();
+        local_links_.resize(peers_.size());
+        local_link_ident_.resize(peers_.size());
         auth_open_ = open;
         stage_ = new BpsStageThread(nthreads_, wake_fd_);
     }
+
+    /* A direct link to local rank ``r`` (before start(), after add_local()): a connected socket whose
+     * one-time token was checked (core/engine.py _open_local_links). ``ident`` is r's DEALER identity
+     * toward our ROUTER: its messages on the link are taken as from that identity. This thread owns
+     * and closes the fd; the DEALER stays the fallback. */
+    void add_local_link(int r, int fd, const std::string &ident) {
+        local_links_.at((size_t)r).reset(new BpsLink(fd));
+        local_link_ident_.at((size_t)r) = ident;
+    }
+
+    /* Local ranks reached over a working link, and messages sent / received on local links (tests
+     * check the path really ran). */
+    int local_links_up() const {
+        int n = 0;
+        for (auto &l : local_links_) n += l && !l->dead();
+        return n;
+    }
+    uint64_t local_link_sent() const { return local_link_sent_.load(); }
+    uint64_t local_link_received() const { return local_link_received_.load(); }
 
     /* A peer that passed Python's handshake on our ROUTER (core/auth.py Gate). */
     void allow_local(const std::string &identity) {
@@ -964,7 +990,7 @@ class BpsWorkerCore {
 
     void run() {
         prctl(PR_SET_NAME, "byteps-net", 0, 0, 0);
-        size_t nsocks = 0, wake_at = 0, router_at = 0, links_at = 0;
+        size_t nsocks = 0, wake_at = 0, router_at = 0, links_at = 0, local_at = 0;
         std::vector<bps_zmq_pollitem> items;
         BpsMessage msg;
         double next_check = 0;
@@ -972,7 +998,8 @@ class BpsWorkerCore {
             if (nsocks != socks_.size()) { /* at start, and when a server joined (elastic: take_inbox) */
                 nsocks = socks_.size();
                 wake_at = nsocks, router_at = nsocks + 1, links_at = nsocks + 2;
-                items.assign(links_at + nsocks, bps_zmq_pollitem{nullptr, -1, 0, 0});
+                local_at = links_at + nsocks;
+                items.assign(local_at + local_links_.size(), bps_zmq_pollitem{nullptr, -1, 0, 0});
                 for (size_t i = 0; i < nsocks; ++i) items[i] = bps_zmq_pollitem{socks_[i], 0, BPS_ZMQ_POLLIN, 0};
                 items[wake_at] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
                 /* the local ROUTER, if any (a NULL socket with fd -1 is never ready) */
@@ -984,6 +1011,12 @@ class BpsWorkerCore {
                 short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->wants_write() ? BPS_ZMQ_POLLOUT : 0));
                 items[links_at + i] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
                 buffered |= l != nullptr && l->pending_input(); /* whole messages in hand: no sleep */
+            }
+            for (size_t r = 0; r < local_links_.size(); ++r) {
+                BpsConn *l = live_local_link((int)r);
+                short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->wants_write() ? BPS_ZMQ_POLLOUT : 0));
+                items[local_at + r] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
+                buffered |= l != nullptr && l->pending_input();
             }
             int rc = bps_zmq.poll(items.data(), (int)items.size(), buffered ? 0 : 100);
             if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
@@ -1002,6 +1035,18 @@ class BpsWorkerCore {
                     if (got <= 0) break;
                     on_local(&msg);
                 }
+            }
+            for (size_t r = 0; r < local_links_.size(); ++r) {
+                short ev = items[local_at + r].revents;
+                BpsConn *l = live_local_link((int)r);
+                if (l == nullptr || (!ev && !l->pending_input())) continue;
+                if (ev & BPS_ZMQ_POLLOUT) l->flush();
+                for (int k = 0; k < 256 && !l->dead(); ++k) {
+                    if (l->recv(&msg, &local_link_ident_[r]) <= 0) break; /* [identity, header, body], as on the ROUTER */
+                    local_link_received_.fetch_add(1);
+                    on_local(&msg, true);
+                }
+                /* a link that broke (its peer went): live_local_link() is NULL now, its DEALER carries what follows */
             }
             for (size_t i = 0; i < nsocks; ++i) {
                 if (!items[i].revents) continue;
@@ -1161,7 +1206,18 @@ class BpsWorkerCore {
         } else if (m->server == BPS_TO_ROUTER) {
             bps_zmq_send_frames(router_, f, &m->ident);
         } else {
-            bps_zmq_send_frames(peers_[-2 - m->server], f);
+            int r = -2 - m->server; /* the same path as ours, so that one peer's messages stay in order */
+            BpsConn *l = live_local_link(r);
+            if (l == nullptr) {
+                bps_zmq_send_frames(peers_[(size_t)r], f);
+            } else if (l->send(f) == 0) {
+                local_link_sent_.fetch_add(1);
+            } else if (m->zc_data == nullptr) { /* it broke just now: the DEALER takes a copied body */
+                BpsFrames again;
+                again.copy(m->header.data(), m->header.size());
+                again.copy(m->body.data(), m->body.size());
+                bps_zmq_send_frames(peers_[(size_t)r], again);
+            }
         }
         /* Python counts its own messages (Engine.bytes_sent); a failed send released the body */
     }
@@ -1756,7 +1812,25 @@ class BpsWorkerCore {
         }
     }
 
+    /* Local rank ``r``'s direct link while it works, else NULL (its DEALER then). */
+    BpsConn *live_local_link(int r) {
+        if (r < 0 || (size_t)r >= local_links_.size()) return nullptr;
+        BpsConn *l = local_links_[(size_t)r].get();
+        return l != nullptr && !l->dead() ? l : nullptr;
+    }
+
     int send_local(int r, const BpsHeader *h, const void *body, size_t n) {
+        BpsConn *l = live_local_link(r);
+        if (l != nullptr) {
+            BpsFrames f;
+            f.copy(h, sizeof *h);
+            f.copy(body, n);
+            if (l->send(f) == 0) {
+                local_link_sent_.fetch_add(1);
+                return 0;
+            }
+            /* it broke just now: the DEALER takes this one */
+        }
         void *sock = peers_[r];
         int rc = bps_send_copy(sock, h, sizeof *h, true);
         if (rc == 0) rc = bps_send_copy(sock, body, n, false);
@@ -1768,15 +1842,16 @@ class BpsWorkerCore {
         if (--op->parts_left <= 0) complete(op);
     }
 
-    /* A message on our local ROUTER: [identity, header, body]. */
-    void on_local(BpsMessage *m) {
+    /* A message on our local ROUTER, or on a local link (``linked``: authenticated by its token, the
+     * identity frame put there by us): [identity, header, body]. */
+    void on_local(BpsMessage *m, bool linked = false) {
         BpsHeader h;
         if (m->count != 3 || m->truncated) {
             forward_local(m);
             return;
         }
         std::string ident((const char *)m->data(0), m->size(0));
-        if ((!auth_open_ && allowed_.count(ident) == 0) || !bps_parse_header(m->data(1), m->size(1), &h)) {
+        if ((!auth_open_ && !linked && allowed_.count(ident) == 0) || !bps_parse_header(m->data(1), m->size(1), &h)) {
             forward_local(m); /* handshakes, strangers, malformed: Python answers, refuses or logs */
             return;
         }
@@ -1936,6 +2011,9 @@ class BpsWorkerCore {
     std::atomic<uint64_t> joined_mask_{0};
     std::atomic<bool> recheck_{false};
     std::atomic<uint64_t> local_reduced_{0}, local_threaded_{0}, local_coordinated_{0};
+    std::vector<std::unique_ptr<BpsConn>> local_links_; /* per local rank: its direct link, or NULL */
+    std::vector<std::string> local_link_ident_;         /* per local rank: its DEALER identity (frame 0) */
+    std::atomic<uint64_t> local_link_sent_{0}, local_link_received_{0};
 };
 
 #endif

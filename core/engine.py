@@ -38,6 +38,7 @@ import dataclasses
 import fcntl
 import itertools
 import os
+import socket
 import threading
 import time
 
@@ -140,6 +141,7 @@ class Engine:
         self.local = None           # LocalPlan when this machine's processes reduce together
         self._local_sock = None     # ROUTER: LOCAL_READY / LOCAL_DONE from this machine's other processes
         self._local_peers = {}      # local rank -> DEALER to its ROUTER
+        self._link_offers = {}      # local rank -> (port, token, its DEALER identity): direct links offered
         self._io = {}               # data-plane socket -> its message I/O (core/transport.py)
         self._expected_for, self._expected_copies = None, 0  # see _local_copies_expected
         self._compute = None        # ComputeStage running the owner's sums (LOCAL_REDUCE)
@@ -271,14 +273,18 @@ class Engine:
         self._open_links(core)
         # the local reduce too, unless the topology executor does it (core/local_exec.py)
         if self.local is not None and self.cfg.native_local and self.cfg.local_strategy != "topology":
+            links = self._open_local_links() if self.cfg.local_links else {}
             self.poller.unregister(self._local_sock)
             core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
                            self._gate.secret is None)
+            for lr, (fd, ident) in links.items():
+                core.add_local_link(lr, fd, ident)
             for identity in self._gate.admitted():
                 core.allow_local(identity)
             self._native_local = True
             logger.info("native local reduce: %d processes on this machine, sums >= %d bytes on thread "
-                        "byteps-reduce", self.local.size, STAGE_THREAD_MIN_BYTES)
+                        "byteps-reduce, %d of %d local peers over direct TCP links", self.local.size,
+                        STAGE_THREAD_MIN_BYTES, core.local_links_up, len(self._local_peers))
         if timeline.recorder is not None:
             timeline.recorder.add_native(_worker_core.trace_buffer())
         core.set_elastic(self.cfg.elastic)
@@ -335,6 +341,99 @@ class Engine:
                                info["host"], answer.get("port"), e)
                 continue
             core.add_link(i, fd)
+
+    def _open_local_links(self):
+        """Direct TCP links to this machine's other worker processes (core/bps_worker.h, "Local links"),
+        after the local handshake: {local rank: (fd, its DEALER identity toward our ROUTER)}.
+
+        Each pair has one link; the higher local rank listens on 127.0.0.1. It offers each lower rank a
+        one-time token over its authenticated DEALER (Cmd.LINK {port, token}, behind its AUTH on the
+        same pipe); the lower rank connects and presents the token, as a worker does to a server
+        (transport.open_link). Everyone first offers, then connects upward, then accepts from below:
+        the highest rank waits for nobody, so no wait is circular. A pair whose link does not come up
+        within the time limit stays on ZeroMQ (logged with the local rank waited for)."""
+        me, node = self.cfg.local_rank, self.control.node_id
+        lower = sorted(lr for lr in self._local_peers if lr < me)
+        higher = sorted(lr for lr in self._local_peers if lr > me)
+        limit = min(self.cfg.timeout, 10.0)
+        links, expected, listener = {}, {}, None
+        if lower:
+            fd, port = transport.listen_link("127.0.0.1")
+            listener = socket.socket(fileno=fd)
+            for lr in lower:
+                token = os.urandom(transport.TOKEN_BYTES)
+                expected[token] = lr
+                self._local_peers[lr].send_multipart(
+                    wire.control(Cmd.LINK, node, {"port": port, "token": token.hex(), "local_rank": me}))
+        poller = zmq.Poller()
+        poller.register(self._local_sock, zmq.POLLIN)
+        if listener is not None:
+            poller.register(listener.fileno(), zmq.POLLIN)
+
+        def serve(timeout_ms):  # our ROUTER (offers, late knocks) and, below us, connections
+            for sock, _ in poller.poll(timeout=timeout_ms):
+                if sock is self._local_sock:
+                    self._drain_data(sock, self._on_local)
+                elif listener is not None and sock == listener.fileno():
+                    self._accept_local_link(listener, expected, links, limit)
+            self.control.tick()
+
+        for lr in higher:
+            deadline = time.monotonic() + limit
+            while lr not in self._link_offers and time.monotonic() < deadline:
+                serve(100)
+            offer = self._link_offers.pop(lr, None)
+            if offer is None:
+                logger.warning("local rank %d offered no direct link within %g s (is BYTEPS_LOCAL_LINKS=1 there?); "
+                               "its local messages go through ZeroMQ", lr, limit)
+                continue
+            port, token, ident = offer
+            try:
+                fd = transport.open_link("127.0.0.1", port, token, self._local_peers[lr].getsockopt(zmq.IDENTITY),
+                                         node, limit)
+            except (OSError, ProtocolError) as e:
+                logger.warning("no direct link to local rank %d (127.0.0.1:%s): %s; its local messages go "
+                               "through ZeroMQ", lr, port, e)
+                continue
+            links[lr] = (fd, ident)
+        deadline = time.monotonic() + limit
+        while any(lr not in links for lr in lower) and time.monotonic() < deadline:
+            serve(100)
+        for lr in lower:
+            if lr not in links:
+                logger.warning("local rank %d did not open its direct link within %g s; its local messages go "
+                               "through ZeroMQ", lr, limit)
+        if listener is not None:
+            listener.close()
+        return links
+
+    def _accept_local_link(self, listener, expected, links, limit):
+        """A connection on our local link listener: admitted if it presents a token we offered."""
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return
+        try:
+            conn.settimeout(limit)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            frames = transport.link_recv(conn)
+            header = wire.unpack(frames[0])
+            body = frames[1] if len(frames) > 1 else b""
+            lr = expected.pop(body[:transport.TOKEN_BYTES], None) if header.cmd == Cmd.LINK else None
+            ident = body[transport.TOKEN_BYTES:]
+            if lr is not None and not self._gate.allows(ident):  # its AUTH may still wait on our ROUTER
+                self._drain_data(self._local_sock, self._on_local)
+            if lr is None or not self._gate.allows(ident):
+                logger.warning("refused a local direct link: its token does not match one we offered")
+                conn.sendall(transport.link_pack([wire.pack(Cmd.LINK, sender=self.control.node_id, arg=0)]))
+                return
+            conn.sendall(transport.link_pack([wire.pack(Cmd.LINK, sender=self.control.node_id, arg=1)]))
+            conn.setblocking(False)
+            links[lr] = (conn.detach(), ident)
+        except (OSError, ProtocolError) as e:
+            logger.warning("a local direct link failed its handshake: %s", e)
+        finally:
+            conn.close()  # after detach() this closes nothing
 
     def _open_ucx_link(self, core, i, host, answer, ident):
         """A UCX endpoint to server ``i`` (core/bps_ucx.h), admitted by the token of its LINK answer;
@@ -1320,6 +1419,13 @@ class Engine:
             if peer not in self._gate.refused:
                 self._gate.refused.add(peer)
                 logger.warning("ignored a local message from an unauthenticated peer %r", peer)
+            return
+        if header.cmd == Cmd.LINK:  # a higher local rank offers a direct link (_open_local_links)
+            try:
+                offer = wire.decode(frames[2])
+                self._link_offers[int(offer["local_rank"])] = (int(offer["port"]), bytes.fromhex(offer["token"]), peer)
+            except (ProtocolError, KeyError, TypeError, ValueError) as e:
+                logger.warning("dropped a malformed local link offer: %s", e)
             return
         ident = (header.key, header.round)
         if header.cmd == Cmd.LOCAL_READY:

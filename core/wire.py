@@ -83,6 +83,9 @@ class Cmd(enum.IntEnum):
     LINK = 28          # worker -> server (authenticated, over ZeroMQ): may I open a direct TCP link? reply:
                        # LINK {port, token} or {error}; then, first on the new link: LINK with token + identity,
                        # answered by LINK with arg 1 (accepted) or 0 (core/bps_link.h)
+                       # Local plane: a higher local rank offers a lower one LINK {port, token, local_rank}
+                       # over its authenticated DEALER; the same handshake follows (core/engine.py
+                       # _open_local_links)
     # elastic servers (docs/elastic.md): the scheduler's membership change, in two steps
     MEMBERS = 29       # scheduler -> worker: {phase: "prepare"|"commit", members, servers, dead, ...};
                        # worker -> scheduler: {phase: "prepared", members, counts}; scheduler -> server: notice

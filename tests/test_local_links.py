@@ -1,0 +1,73 @@
+"""Local links (core/bps_worker.h, "Local links"): a machine's worker processes send each other the
+local reduce's messages over direct TCP links that byteps-net reads and writes, not ZeroMQ.
+
+Every job here is real (scheduler, servers and workers as processes on 127.0.0.1); sums are compared
+bit for bit with locally computed ones by test_push_pull.check_matrix.
+"""
+import pytest
+
+from byteps.core import _worker_core
+from test_push_pull import SMALL_SHAPES, check_matrix
+
+pytestmark = pytest.mark.skipif(not _worker_core.available, reason="the native core needs pyzmq's libzmq "
+                                                                   "as a shared object")
+
+#: one tiny partition, a few inline-summed ones, and 300000-byte partitions summed on the stage thread
+SHAPES = SMALL_SHAPES + [(3, 257), (3, 70001)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("links", ["1", "0"], ids=["links", "zeromq"])
+def test_exact_sums_with_local_links_on_and_off(cluster, links):
+    """1 machine x 2 processes: exact sums either way; with links on, every LOCAL_READY / LOCAL_DONE
+    went over the links (their counters), with links off none did."""
+    res = check_matrix(cluster, 1, 1, SHAPES, rounds=2, extreme=True, local_size=2,
+                       extra_env={"BYTEPS_PARTITION_BYTES": "300000", "BYTEPS_LOCAL_LINKS": links})
+    stats = [res[r]["native_local"] for r in range(2)]
+    assert all(s is not None and s["reduced"] > 0 and s["coordinated"] > 0 for s in stats), stats
+    if links == "1":
+        for s in stats:
+            assert s["links_up"] == 1, stats
+            # each partition's non-owner sends one LOCAL_READY and gets one LOCAL_DONE: all on links
+            assert s["link_sent"] >= s["coordinated"] + s["reduced"] and s["link_received"] > 0, stats
+        assert sum(s["link_sent"] for s in stats) == sum(s["link_received"] for s in stats), stats
+    else:
+        assert all(s["links_up"] == 0 and s["link_sent"] == 0 and s["link_received"] == 0 for s in stats), stats
+
+
+@pytest.mark.timeout(300)
+def test_local_links_between_four_processes_with_two_machines(cluster):
+    """2 machines x 2 processes, and 1 machine x 4 (each process links to every other local rank)."""
+    res = check_matrix(cluster, 2, 2, SHAPES, rounds=2, extreme=False, ipc=False, local_size=2,
+                       extra_env={"BYTEPS_PARTITION_BYTES": "300000"})
+    for r in range(4):
+        s = res[r]["native_local"]
+        assert s["links_up"] == 1 and s["link_sent"] > 0 and s["link_received"] > 0, (r, s)
+
+    def make(*a, **kw):
+        return cluster(*a, subdir="1x4", **kw)
+    res = check_matrix(make, 1, 1, SHAPES, rounds=2, extreme=False, local_size=4,
+                       extra_env={"BYTEPS_PARTITION_BYTES": "300000"})
+    for r in range(4):
+        s = res[r]["native_local"]
+        assert s["links_up"] == 3 and s["link_sent"] > 0 and s["link_received"] > 0, (r, s)
+
+
+@pytest.mark.timeout(120)
+def test_join_after_native_steps_over_local_links(cluster):
+    """join() on a 1x3 machine: Python's local reduce (forwarded messages, Python's sends) runs over the
+    links too; results as tests/test_native_core.py's join test."""
+    import torch
+
+    c = cluster(1, 2, local_size=3, env={"BYTEPS_PARTITION_BYTES": "4000"})
+    c.run_workers("join")
+    codes, _, _ = c.wait_all(60)
+    assert codes == [0, 0, 0], c.all_logs()
+    res = c.results()
+    n = 3
+    for r in range(n):
+        v = res[r]["value"]
+        want = [(torch.tensor(float(sum(q + 1 for q in range(s, n)))) / n).item() for s in range(r + 1)]
+        assert v["steps"] == want and v["last"] == n - 1, (r, v)
+        assert v["after"] == sum(q + 1 for q in range(n)), v
+        assert res[r]["native_local"]["links_up"] == 2, res[r]["native_local"]
