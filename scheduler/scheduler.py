@@ -91,9 +91,8 @@ class Scheduler:
         # elastic servers (BYTEPS_ELASTIC=1, docs/elastic.md)
         self.members = 0          # server membership number, bumped by every change
         self.next_index = 0       # index of the next server admitted (indices are never reused)
-        self.gone = set()         # identities of servers removed from the job
         self.spares = {}          # identity -> info of elastic servers that registered before the job started
-        self.changes = []         # queued events: ("lost", ident, reason) or ("joined", ident, reason)
+        self.changes = []         # queued events: ("lost" or "joined", the server's info, reason)
         self.change = None        # the change in progress: see _start_change
         self.ready = set()        # workers whose engine can take a change (MEMBERS "ready", after start-up)
         # the job timeline (BYTEPS_TIMELINE, or a worker's start_timeline(path)): every node's spans
@@ -651,8 +650,7 @@ class Scheduler:
 
     def _lose_server(self, ident, reason):
         """Remove a lost server (elastic): the workers re-send what it owed to its replacements."""
-        info = self.servers.pop(ident)
-        self.gone.add(ident)
+        info = self.servers.pop(ident)  # its messages are ignored from now on (not a node of the job)
         self.last_seen.pop(ident, None)
         logger.warning("removing server %d: %s", info["index"], reason)
         self._send(ident, Cmd.TERMINATE, {"reason": f"removed from the job: {reason}"})  # if it is alive after all

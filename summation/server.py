@@ -221,8 +221,8 @@ class Server:
             if self.core is not None:
                 rec.add_native(_server_core.trace_buffer())
         elif header.cmd == Cmd.MEMBERS:  # the server set changed (docs/elastic.md): say our new share
-            logger.warning("server %d: membership %d (%s): shares %s", self.index, body.get("members"), body.get("reason"),
-                        body.get("shares"))
+            logger.warning("server %d: membership %d (%s): shares %s", self.index, body.get("members"),
+                           body.get("reason"), body.get("shares"))
         elif header.cmd == Cmd.TERMINATE:
             if body.get("reason"):
                 logger.warning("server %d leaves the job: %s", self.index, body["reason"])
@@ -473,6 +473,11 @@ class Server:
                 return True
             if header.cmd == Cmd.LINK:
                 self._on_link(ident)
+                return True
+            if header.cmd == Cmd.RESULT:  # only the native thread takes over a lost server's rounds
+                self._discard_rest()
+                logger.warning("dropped a worker's RESULT of key %s round %d: this server's Python loop does not take "
+                               "over a lost server's keys (docs/elastic.md)", wire.split_key(header.key), header.round)
                 return True
             if header.cmd not in (Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.ASYNC_PUSHPULL):
                 raise ProtocolError(f"{Cmd(header.cmd).name} is not a data request")
