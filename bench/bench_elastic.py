@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import netns  # noqa: E402
-from test_netns_elastic import ElasticJob  # noqa: E402  (the same job the tests run)
+from test_netns_elastic import ElasticJob, byte_shares  # noqa: E402  (the same job the tests run)
 
 from byteps import placement  # noqa: E402
 
@@ -73,12 +73,7 @@ def run_join(args):
         results = job.wait_workers(600)
 
     def shares(step):
-        per = {}
-        for v in results.values():
-            for s, b in v["bytes"][step].items():
-                per[int(s)] = per.get(int(s), 0) + b
-        total = sum(per.values())
-        return {s: round(b / total, 3) for s, b in sorted(per.items()) if b}
+        return {s: round(x, 3) for s, x in byte_shares(results, step).items()}
     pre = statistics.median(slowest(results, s) for s in range(2, args.at))
     post = statistics.median(slowest(results, s) for s in range(args.at + 4, args.steps))
     t0, t1 = (placement.plan(n, k, 1 << 20, 1.0).t_opt for k in (0, 1))

@@ -28,6 +28,17 @@ SCENARIOS = os.path.join(ROOT, "tests", "scenarios.py")
 TIMEOUT = 20  # BYTEPS_TIMEOUT of these jobs: a switch must take at most twice this
 
 
+def byte_shares(results, step):
+    """Each server's share of the bytes the workers sent at ``step`` (the transport's counters, summed
+    over the workers; a worker's bytes to its own machine's server are a shared-memory descriptor)."""
+    per = {}
+    for v in results.values():
+        for s, b in v["bytes"][step].items():
+            per[int(s)] = per.get(int(s), 0) + b
+    total = sum(per.values())
+    return {s: b / total for s, b in sorted(per.items()) if b}
+
+
 class ElasticJob:
     """Scheduler on "sched", servers on ``server_hosts``, one worker process on each of ``worker_hosts``
     running ``elastic_train``; every node has BYTEPS_ELASTIC=1."""
@@ -150,16 +161,7 @@ def test_extra_server_host_joins_on_emulated_cluster(tmp_path):
         results = job.wait_workers(240)
         logs = job.logs()
     assert net.exists() == [], "namespaces left behind"
-    # bytes each server received over the network per step (a worker's bytes to its own machine's server
-    # go through shared memory: a descriptor), before and after, summed over the workers
-    def shares(step):
-        per = {}
-        for v in results.values():
-            for s, b in v["bytes"][step].items():
-                per[int(s)] = per.get(int(s), 0) + b
-        total = sum(per.values())
-        return {s: b / total for s, b in per.items() if b}
-    before, after = shares(5), shares(-1)
+    before, after = byte_shares(results, 5), byte_shares(results, -1)
     # k = 0: every colocated server takes 1/n of the model from each of the other n-1 machines
     for s in range(3):
         assert abs(before[s] - 1 / 3) < 0.03, before
