@@ -418,7 +418,7 @@ class BpsWorkerCore {
         {
             std::lock_guard<std::mutex> lock(mu_);
             holding_ = true;
-            holds_.fetch_add(1); /* before any server reads as dead: see lost() */
+            holds_.fetch_add(1); /* before any server reads as dead: see awaiting_commit() */
             for (int d : dead)
                 if (d >= 0 && d < BPS_MAX_SERVERS) dead_[(size_t)d].store(true);
             dead_in_ = true;
@@ -1560,14 +1560,13 @@ class BpsWorkerCore {
                         if (first.size() < 200)
                             first += " '" + kv.second.first->name + "' (" + std::to_string(kv.first.first >> 32) + ", " +
                                      std::to_string(kv.first.first & 0xFFFFFFFF) + ") round " +
-                                     std::to_string(kv.first.second) + " seq " + std::to_string(q.qseq) + ";";
+                                     std::to_string(kv.first.second) + " to server " + std::to_string(q.server) + ";";
                     }
                     if (!queue_.empty()) {
                         const BpsQueued &t = queue_.top();
                         const BpsPart &q = t.op->parts[(size_t)t.part];
                         first += " next: '" + t.op->name + "' (" + std::to_string(q.key >> 32) + ", " +
-                                 std::to_string(q.key & 0xFFFFFFFF) + ") seq " + std::to_string(t.seq) + " server " +
-                                 std::to_string(q.server);
+                                 std::to_string(q.key & 0xFFFFFFFF) + ") to server " + std::to_string(q.server);
                     }
                     std::string held_by;
                     for (auto &kv : by_server)

@@ -595,7 +595,7 @@ class Engine:
             return TensorMismatchError(f"push_pull of tensor {op.name!r} failed: {msg}")
         if kind == _worker_core.ERR_TIMEOUT:
             secs, late = text.split("|", 1)
-            if late != "its turn to be sent":
+            if late.startswith(("server", "local rank")):  # not "its turn to be sent (...)", nor a server change
                 late += (" (a server waits for every machine's push of this tensor and logs the ranks that are "
                          "late; a local rank waits for its machine's other processes)")
             return BytePSTimeoutError(f"push_pull of tensor {op.name!r} waited {secs} s "
