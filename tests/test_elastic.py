@@ -12,9 +12,10 @@ import pytest
 ELASTIC = {"BYTEPS_ELASTIC": "1"}
 
 
-def _progress(c, rank):
+def read_progress(outdir, rank):
+    """The last step rank ``rank`` finished (scenarios_elastic.py writes it), or -1."""
     try:
-        with open(os.path.join(c.tmp, f"progress.{rank}")) as f:
+        with open(os.path.join(outdir, f"progress.{rank}")) as f:
             return int(f.read() or -1)
     except (OSError, ValueError):
         return -1
@@ -23,7 +24,7 @@ def _progress(c, rank):
 def _wait_step(c, step, ranks, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if min(_progress(c, r) for r in ranks) >= step:
+        if min(read_progress(c.tmp, r) for r in ranks) >= step:
             return
         if any(p.poll() is not None for p in c.workers):
             break

@@ -7,6 +7,7 @@ bit for bit with locally computed ones by test_push_pull.check_matrix.
 import pytest
 
 from byteps.core import _worker_core
+from test_native_core import run_join
 from test_push_pull import SMALL_SHAPES, check_matrix
 
 pytestmark = pytest.mark.skipif(not _worker_core.available, reason="the native core needs pyzmq's libzmq "
@@ -57,17 +58,6 @@ def test_local_links_between_four_processes_with_two_machines(cluster):
 def test_join_after_native_steps_over_local_links(cluster):
     """join() on a 1x3 machine: Python's local reduce (forwarded messages, Python's sends) runs over the
     links too; results as tests/test_native_core.py's join test."""
-    import torch
-
-    c = cluster(1, 2, local_size=3, env={"BYTEPS_PARTITION_BYTES": "4000"})
-    c.run_workers("join")
-    codes, _, _ = c.wait_all(60)
-    assert codes == [0, 0, 0], c.all_logs()
-    res = c.results()
-    n = 3
-    for r in range(n):
-        v = res[r]["value"]
-        want = [(torch.tensor(float(sum(q + 1 for q in range(s, n)))) / n).item() for s in range(r + 1)]
-        assert v["steps"] == want and v["last"] == n - 1, (r, v)
-        assert v["after"] == sum(q + 1 for q in range(n)), v
+    res = run_join(cluster)
+    for r in range(3):
         assert res[r]["native_local"]["links_up"] == 2, res[r]["native_local"]

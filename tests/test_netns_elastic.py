@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import netns  # noqa: E402
 
 from byteps import placement  # noqa: E402
+from test_elastic import read_progress  # noqa: E402
 
 _WHY = netns.available()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"emulated cluster unavailable: {_WHY}")
@@ -76,17 +77,10 @@ class ElasticJob:
     def logs(self):
         return "\n".join(f"----- {tag}\n{self.log(tag)[-2500:]}" for tag in self.procs)
 
-    def progress(self, rank):
-        try:
-            with open(os.path.join(self.tmp, f"progress.{rank}")) as f:
-                return int(f.read() or -1)
-        except (OSError, ValueError):
-            return -1
-
     def wait_step(self, step, timeout=90):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if min(self.progress(r) for r in range(len(self.workers))) >= step:
+            if min(read_progress(self.tmp, r) for r in range(len(self.workers))) >= step:
                 return
             if any(self.procs[w].poll() is not None for w in self.workers):
                 break
