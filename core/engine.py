@@ -154,6 +154,10 @@ class Engine:
         self._awaiting_done = {}    # (wire key, round) -> (op, offset, nbytes) of a partition another rank owns
         # join() (Horovod): ranks that joined add zeros; a joined process still owns its partitions
         self.joined = frozenset()   # ranks that have joined
+        # joins this process saw end; LOCAL_READY carries its parity (FLAG_JOIN_EPOCH), so a copy that a
+        # local peer sent after a join ended is never adopted by a process that has not yet heard the end
+        self._joins_ended = 0
+        self._early_next = set()    # (wire key, round) of early copies sent after a join this process still runs
         self._gate = auth.Gate(None)  # who may send to our local ROUTER (set up in _knock_all)
         self.join_result = None     # the last rank to join, once every rank has
         # BYTEPS_LOCAL_STRATEGY=topology: the thread running the plan's executor (core/local_exec.py)
@@ -1125,11 +1129,16 @@ class Engine:
         if body["done"]:
             # every rank is in join(), nothing is in flight: a sync point where rounds restart at 0
             self.joined = frozenset()
+            self._joins_ended += 1
             self._rounds.clear()
             if self._native is not None:
                 self._native.reset_rounds()
-            self._early.clear()
-            self._early_meta.clear()
+            # nothing of the join is in flight now; copies local peers sent after they heard the end
+            # belong to this process's next ops (their rounds restarted at 0 too)
+            for ident in [i for i in self._early if i not in self._early_next]:
+                del self._early[ident]
+                self._early_meta.pop(ident, None)
+            self._early_next.clear()
             self.join_result = body["last"]
             if self._native_local:
                 self._native.set_local_joined(0)
@@ -1149,7 +1158,7 @@ class Engine:
             self._native.set_local_joined(sum(1 << w["local_rank"] for w in self.local.peers
                                               if w["rank"] in self.joined))
         if self.rank in self.joined:  # copies other ranks sent us before we joined: we own those partitions
-            for ident in list(self._early):
+            for ident in [i for i in self._early if i not in self._early_next]:
                 self._adopt(*ident)
         for ident in list(self._groups):  # owners stop waiting for local ranks that joined
             self._maybe_reduce(*ident)
@@ -1276,6 +1285,7 @@ class Engine:
             self._sendq.release(length, op.priority)
             if first == Stage.LOCAL_REDUCE:
                 self._early_meta.pop((key, rnd), None)
+                self._early_next.discard((key, rnd))
                 group = self._groups[(key, rnd)] = {"op": op, "i": i, "off": off, "len": length,
                                                     "views": self._early.pop((key, rnd), [])}
                 if self._native_local and not self._local_python:  # copies the native thread holds are ours
@@ -1286,7 +1296,7 @@ class Engine:
                 desc = self._stage(key, data)
                 self._send_local(owner, wire.pack(Cmd.LOCAL_READY, sender=self.control.node_id, key=key, round=rnd,
                                                   length=length, dtype=op.dtype, arg=self.cfg.local_rank,
-                                                  flags=wire.FLAG_SHM), desc)
+                                                  flags=wire.FLAG_SHM | self._join_epoch_flag()), desc)
                 self._awaiting_done[(key, rnd)] = (op, off, length)
                 op.servers[("local rank", owner)] += 1
 
@@ -1440,7 +1450,9 @@ class Engine:
                 return
             self._early[ident].append(view)
             self._early_meta.setdefault(ident, (header.dtype, header.length))
-            if self.rank in self.joined:
+            if bool(header.flags & wire.FLAG_JOIN_EPOCH) != bool(self._joins_ended & 1):
+                self._early_next.add(ident)  # the peer heard a join end that we have not: for our next op
+            elif self.rank in self.joined:
                 self._adopt(*ident)
             return
         entry = self._awaiting_done.pop(ident, None)
@@ -1508,6 +1520,9 @@ class Engine:
             self._compute.done.append((reduce, None))
         except Exception as e:  # reported on the op, as the thread would
             self._compute.done.append((reduce, e))
+
+    def _join_epoch_flag(self):
+        return wire.FLAG_JOIN_EPOCH if self._joins_ended & 1 else 0
 
     def _local_copies_expected(self):
         """How many local ranks send an owner their copy: the others, less those in join()."""

@@ -55,12 +55,15 @@ JOIN_POINTS = [(3, 1), (1, 3), (2, 2)]
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("late_end", [False, True], ids=["", "late-end"])
 @pytest.mark.parametrize("m,l", JOIN_POINTS, ids=[f"{m}x{l}" for m, l in JOIN_POINTS])
-def test_join_ranks_contribute_zeros(cluster, m, l):
+def test_join_ranks_contribute_zeros(cluster, m, l, late_end):
+    """late-end: every rank but the last hears "every rank joined" 0.5 s late, so the last rank's next op
+    sends its local peers copies while they still run join(); they must not add them as a joined rank's."""
     import torch
 
     c = cluster(m, 2, local_size=l, env={"BYTEPS_PARTITION_BYTES": "4000"})
-    c.run_workers("join")
+    c.run_workers("join", {"late_end": late_end})
     codes, scodes, sched = c.wait_all(60)
     n = m * l
     assert codes == [0] * n and scodes == [0, 0] and sched == 0, c.all_logs()
