@@ -45,7 +45,8 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
   tensors' memory, so they trigger this);
 * layouts (as bench/bench_push_pull.py): ``local`` = one worker machine with N processes
   (``bpslaunch --local --workers 1 --local-size N``); ``machines`` = N single-process worker
-  machines (``bpslaunch --local --workers N``); ``--servers`` servers (default 1) in both.
+  machines (``bpslaunch --local --workers N``); ``--servers`` servers if given, else bpslaunch's
+  default (one per worker machine: 1 in ``local``, N in ``machines``).
 
 Training step (``--train``): an MLP of large Linear layers (default 4 layers, 1024-2560-2560-2560-
 1024, 73.7 MB of float32 parameters; batch 32 per process) trained with ``bps.DistributedOptimizer``
@@ -629,7 +630,8 @@ def run_job(layout, procs, args, mode):
     out = tempfile.mktemp(prefix="bench-users-", suffix=".json")
     env, _ = clean_env(parse_env(args.env), quiet=True)
     shape = ["--workers", "1", "--local-size", str(procs)] if layout == "local" else ["--workers", str(procs)]
-    cmd = [*bpslaunch_argv(), "--local", *shape, "--servers", str(args.servers), "--no-prefix",
+    servers = [] if args.servers is None else ["--servers", str(args.servers)]
+    cmd = [*bpslaunch_argv(), "--local", *shape, *servers, "--no-prefix",
            "--timeout", str(args.job_timeout), "--",
            sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode, "--out", out,
            "--master", "127.0.0.1", "--gloo-port", str(free_port()), "--rtt-port", str(free_port()),
@@ -900,7 +902,8 @@ def main():
     ap.add_argument("--rtt-port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--layouts", default="local,machines", help="local and/or machines (default both)")
     ap.add_argument("--procs", default="2,4", help="worker process counts (default 2,4)")
-    ap.add_argument("--servers", type=int, default=1, help="servers per job, as bench_push_pull.py (default 1)")
+    ap.add_argument("--servers", type=int, default=None,
+                    help="servers per job (default: bpslaunch's, one per worker machine)")
     ap.add_argument("--sizes", default="4KB,64KB,1MB,16MB,64MB", help=f"subset of {','.join(SIZES)}")
     ap.add_argument("--patterns", default="inplace,fresh,outofplace,batched", help=f"subset of {','.join(PATTERNS)}")
     ap.add_argument("--names", default="fixed,auto", help="byteps naming: fixed (name= per tensor), auto (none)")

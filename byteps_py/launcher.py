@@ -4,8 +4,8 @@ Modes:
 
 * **Local mode** (``bpslaunch --local --workers W --servers S [--local-size L] -- CMD ...``)
   runs a whole job on this machine: one scheduler (``python -m byteps.scheduler``), S
-  Summation Service servers (``python -m byteps.server``) and W worker "machines" of L
-  processes each running CMD. The scheduler binds a free port and reports it through a
+  Summation Service servers (``python -m byteps.server``; default W, one per worker machine as
+  in the BytePS design) and W worker "machines" of L processes each running CMD. The scheduler binds a free port and reports it through a
   file in a private temporary directory, so no fixed port is ever used.
 
 * **Role mode** (no ``--local``; BytePS-compatible): the role comes from ``DMLC_ROLE``.
@@ -57,8 +57,9 @@ _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _EPILOG = """\
 modes:
-  local    Run a complete job on this machine: 1 scheduler, S servers and W worker
-           machines of L processes each running CMD (W*L processes of CMD in all).
+  local    Run a complete job on this machine: 1 scheduler, S servers (default W: a
+           Summation Service per worker machine) and W worker machines of L processes
+           each running CMD (W*L processes of CMD in all).
            Every child gets DMLC_* and BYTEPS_* variables, including DMLC_WORKER_ID,
            BYTEPS_LOCAL_RANK and BYTEPS_LOCAL_SIZE for the workers.
              bpslaunch --local --workers 2 --servers 1 --local-size 2 -- python train.py --lr 0.1
@@ -468,7 +469,11 @@ def _thread_env(env, procs):
 def _plan_local(opts, command):
     if not command:
         raise ConfigError("--local needs a command to run on the workers (bpslaunch --local ... -- CMD)")
-    nw, ns, nl = opts.workers, opts.servers or 1, opts.local_size or 1
+    # a Summation Service on every worker machine (the design's k = 0): the summing is spread over
+    # them, which on one host with W single-process machines measured 1.3-1.5x one server's goodput
+    # from 16 MB (docs/benchmarks.md, "Servers per worker machine")
+    nw, nl = opts.workers, opts.local_size or 1
+    ns = opts.servers or nw
     job_id = f"bps-{os.getpid()}-{secrets.token_hex(4)}"
     base = dict(os.environ)
     # Variables that are per-process here must not leak from our own environment.
@@ -648,7 +653,7 @@ def _parser():
     p.add_argument("--workers", type=_positive_int, metavar="W",
                    help="worker machines to simulate (--local only; required there)")
     p.add_argument("--servers", type=_positive_int, metavar="S",
-                   help="Summation Service servers (--local only; default 1)")
+                   help="Summation Service servers (--local only; default W, one per worker machine)")
     p.add_argument("--local-size", type=_positive_int, metavar="L",
                    help="processes of CMD per worker machine (default 1 with --local; in role "
                         "mode overrides BYTEPS_LOCAL_SIZE)")

@@ -93,6 +93,7 @@ cdef extern from "bps_worker.h" nogil:
         void lost_links(vector[int] *out)
         void add_segment(int64_t table, uint64_t start, vector[BpsPart] parts)
         void set_elastic(cbool on)
+        void set_lone_machine(cbool on)
         void set_colocated(int server, cbool on)
         uint64_t results_sent()
         void add_link(int server, int fd)
@@ -251,6 +252,11 @@ cdef class WorkerCore:
     def set_elastic(self, bint on):
         """BYTEPS_ELASTIC=1 (before start()): keep each key's latest result for a lost server's replacement."""
         self.core.set_elastic(on)
+
+    def set_lone_machine(self, bint on):
+        """The job has one worker machine (before start()): an owner's local sum is the result, with no
+        server round trip (core/stages.py)."""
+        self.core.set_lone_machine(on)
 
     def set_colocated(self, int server, bint on):
         """Whether server ``server`` is on this machine: a lost server's partitions moved to it may go

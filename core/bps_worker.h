@@ -406,6 +406,10 @@ class BpsWorkerCore {
     /* BYTEPS_ELASTIC=1 (before start()): keep each key's latest result for a lost server's replacement. */
     void set_elastic(bool on) { retain_ = on; }
 
+    /* The job has one worker machine (before start()): its local reduce is the whole sum, so an owner
+     * broadcasts it at once instead of a round trip through a server (core/stages.py, "one machine"). */
+    void set_lone_machine(bool on) { lone_machine_ = on; }
+
     /* RESULTs sent to lost servers' replacements (tests check the path ran). */
     uint64_t results_sent() const { return results_sent_.load(); }
 
@@ -1676,6 +1680,12 @@ class BpsWorkerCore {
                 return;
             }
             local_reduced_++;
+            if (lone_machine_ && op->cmd == BPS_CMD_PUSHPULL) { /* the machine's sum is the job's */
+                groups_.erase(Ident(p.key, p.rnd));
+                local_broadcast(op, t.part, &p.desc, "");
+                stage_or_inline(BPS_TASK_COPY_OUT, op, t.part, op->buf + p.offset, {p.staging});
+                return;
+            }
             p.trace_t = bps_span_start(); /* its QUEUE wait starts now */
             /* PUSH of the machine's sum: queued by priority within the credit like any partition */
             op->parts[(size_t)t.part].qseq = seq_;
@@ -1967,6 +1977,7 @@ class BpsWorkerCore {
     std::vector<int> alive_;                              /* the membership's servers, in order */
     std::vector<std::pair<std::set<int>, std::vector<int>>> reroutes_; /* each commit(): (dead, alive) */
     bool retain_ = false;                                 /* set_elastic(): keep each key's latest result */
+    bool lone_machine_ = false;                           /* set_lone_machine(): no server round trip */
     std::mutex retain_mu_;
     std::unordered_map<uint64_t, BpsRetained> retained_;
     std::atomic<uint64_t> results_sent_{0};

@@ -281,6 +281,7 @@ class Engine:
             self.poller.unregister(self._local_sock)
             core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
                            self._gate.secret is None)
+            core.set_lone_machine(self.cfg.num_worker == 1)  # the same rule as stages.stage_list(machines=)
             for lr, (fd, ident) in links.items():
                 core.add_local_link(lr, fd, ident)
             for identity in self._gate.admitted():
@@ -1339,7 +1340,7 @@ class Engine:
             got = self._stage_lists[ident] = stages.stage_list(
                 owner=owner, local_size=self.cfg.local_size, local_reduce=local,
                 colocated=self.colocated[server] and not (op.cmd == Cmd.BROADCAST and op.root != self.rank),
-                kind=kind)
+                kind=kind, machines=self.cfg.num_worker)
             logger.info("pipeline of a %s partition (%s, %s server): %s", kind, "owner" if owner else "not owner",
                         "colocated" if ident[1] else "remote", stages.describe(got))
         return got
@@ -1554,6 +1555,15 @@ class Engine:
             self._finish_local(key, rnd, op, fn.dst.size, error=str(op.error))
             return
         group["result"] = (fn.dst, fn.prefix)
+        i = group["i"]
+        if Stage.PUSH not in self.stages_of(op, i, self.placement.server(op.tkey, i)):
+            # one worker machine: its sum is the job's; LOCAL_BROADCAST it at once (core/stages.py)
+            self._groups.pop((key, rnd))
+            length = fn.dst.size
+            if not group.get("joined"):
+                copy_into(op.buf[group["off"]:group["off"] + length], fn.dst)
+            self._finish_local(key, rnd, op, length, desc=shm.describe(fn.prefix, length))
+            return
         task = next(self._task_ids)
         self._tasks[task] = ("reduced", key, rnd, fn.dst.size, op.priority)
         self._sendq.push(op.priority, task, fn.dst.size)

@@ -58,7 +58,8 @@ OPTIONAL = {Stage.STAGE: "copy into shared memory for a colocated server (withou
             Stage.LOCAL_REDUCE: "sum a machine's copies first (without it: every process pushes its own)"}
 
 
-def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", device="cpu", gpu_stages=()):
+def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", device="cpu", gpu_stages=(),
+               machines=None):
     """The ordered stages of one partition of a tensor on this process.
 
     Args:
@@ -68,6 +69,9 @@ def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", 
         colocated: the partition's server is on this machine and shares memory with us.
         kind: "push_pull", "broadcast" or "async push_pull" (the last two never reduce locally).
         device: "cpu" or "cuda"; for "cuda", ``gpu_stages`` = (before, after) from the topology plan.
+        machines: worker machines in the job (DMLC_NUM_WORKER). With one, the local reduce is the whole
+            sum: the owner broadcasts it at once, without a server round trip (as BytePS, which needs no
+            server for one machine).
     """
     before, after = gpu_stages if device == "cuda" and gpu_stages else ((), ())
     stages = list(before)
@@ -76,7 +80,7 @@ def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", 
             return tuple(stages + [Stage.COORDINATE, Stage.LOCAL_BROADCAST] + list(after))
         stages += [Stage.LOCAL_REDUCE]
         # the owner's sum is already in its shared region: no STAGE copy before a colocated push
-        stages += [Stage.PUSH, Stage.PULL, Stage.LOCAL_BROADCAST]
+        stages += ([] if machines == 1 else [Stage.PUSH, Stage.PULL]) + [Stage.LOCAL_BROADCAST]
     else:
         if colocated:
             stages.append(Stage.STAGE)
@@ -155,6 +159,9 @@ def situations(local_size=2, dropped=frozenset()):
     for owner in (True, False):
         rows.append((f"{local_size} processes per machine, push_pull, {'partition owner' if owner else 'not the owner'}",
                      stage_list(owner=owner, local_size=local_size, local_reduce=local, colocated=False)))
+    if local:
+        rows.append((f"one worker machine of {local_size} processes, push_pull, partition owner",
+                     stage_list(owner=True, local_size=local_size, local_reduce=local, colocated=False, machines=1)))
     for kind, who in (("broadcast", " (root)"), ("broadcast", " (other ranks: empty body)"), ("async push_pull", "")):
         for colocated in (False, True):
             shm = colocated and Stage.STAGE not in dropped and "other" not in who
