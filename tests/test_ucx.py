@@ -151,3 +151,15 @@ def test_killed_server_over_ucx_is_named_by_every_survivor(cluster, tls):
 def test_killed_worker_over_ucx_is_named_by_every_survivor(cluster, tls):
     res = kill_a_worker(cluster(2, 1, env=FAULT_ENVS[tls]))
     assert res["link_transports"][0].startswith("ucx"), res
+
+
+def test_ucx_gets_one_megabyte_tcp_segments_unless_the_user_set_them(monkeypatch):
+    """Choosing UCX sets byteps' default tcp segment size for UCX to read (core/ucx.py); a user's value
+    stays, and choosing TCP sets nothing."""
+    for name in ucx.TCP_SEGMENTS:
+        monkeypatch.delenv(name, raising=False)
+    assert ucx.choose("tcp", _worker_core) == "tcp"
+    assert not any(name in os.environ for name in ucx.TCP_SEGMENTS)
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64k")
+    assert ucx.choose("ucx", _worker_core) == "ucx"
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "1m" and os.environ["UCX_TCP_RX_SEG_SIZE"] == "64k"
