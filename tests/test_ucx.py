@@ -156,8 +156,9 @@ def test_killed_worker_over_ucx_is_named_by_every_survivor(cluster, tls):
 def test_ucx_gets_one_megabyte_tcp_segments_unless_the_user_set_them(monkeypatch):
     """Choosing UCX sets byteps' default tcp segment size for UCX to read (core/ucx.py); a user's value
     stays, and choosing TCP sets nothing."""
-    for name in ucx.TCP_SEGMENTS:
-        monkeypatch.delenv(name, raising=False)
+    for name in ucx.TCP_SEGMENTS:  # set first, so that monkeypatch restores the original (absent) state after
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     assert ucx.choose("tcp", _worker_core) == "tcp"
     assert not any(name in os.environ for name in ucx.TCP_SEGMENTS)
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64k")
