@@ -5,8 +5,9 @@ Modes:
 * **Local mode** (``bpslaunch --local --workers W --servers S [--local-size L] -- CMD ...``)
   runs a whole job on this machine: one scheduler (``python -m byteps.scheduler``), S
   Summation Service servers (``python -m byteps.server``; default W, one per worker machine as
-  in the BytePS design) and W worker "machines" of L processes each running CMD. The scheduler binds a free port and reports it through a
-  file in a private temporary directory, so no fixed port is ever used.
+  in the BytePS design) and W worker "machines" of L processes each running CMD. The
+  scheduler binds a free port and reports it through a file in a private temporary
+  directory, so no fixed port is ever used.
 
 * **Role mode** (no ``--local``; BytePS-compatible): the role comes from ``DMLC_ROLE``.
   ``scheduler`` and ``server`` run the matching byteps module; ``worker`` runs
@@ -470,8 +471,8 @@ def _plan_local(opts, command):
     if not command:
         raise ConfigError("--local needs a command to run on the workers (bpslaunch --local ... -- CMD)")
     # a Summation Service on every worker machine (the design's k = 0): the summing is spread over
-    # them, which on one host with W single-process machines measured 1.3-1.5x one server's goodput
-    # from 16 MB (docs/benchmarks.md, "Servers per worker machine")
+    # them; on one host, 2 single-process machines with 2 servers measured 1.1-1.2x the goodput of one
+    # server at 64 MB, and 4 with 4 the same as one (docs/benchmarks.md, "Servers per worker machine")
     nw, nl = opts.workers, opts.local_size or 1
     ns = opts.servers or nw
     job_id = f"bps-{os.getpid()}-{secrets.token_hex(4)}"

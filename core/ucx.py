@@ -104,8 +104,8 @@ def choose(setting, module):
     return _use_ucx(f"BYTEPS_TRANSPORT=auto: RDMA device(s) {names}; {info}")
 
 
-#: UCX's tcp transport moves data in segments of 8 KB by default; 1 MB segments took push_pull over it
-#: from 0.4-0.7x to 0.9-1.1x of byteps' own TCP links (docs/ucx.md, "Measured here"). Set only where the
+#: UCX's tcp transport moves data in segments of 8 KB by default; 1 MB segments took push_pull over it at
+#: 16 MB from 0.6x to 1.15x of byteps' own TCP links (docs/ucx.md, "Measured here"). Set only where the
 #: user has not set them; UCX reads them when byteps creates its context, after choose().
 TCP_SEGMENTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
 
