@@ -29,6 +29,7 @@ cdef extern from "bps_reduce.h" nogil:
     int bps_sum_many(void *dst, const void *const *srcs, int nsrc, size_t n, int dtype, int nthreads)
     int bps_scale(void *buf, double factor, size_t n, int dtype, int nthreads)
     void bps_copy(void *dst, const void *src, size_t nbytes, int nthreads)
+    void bps_copy_stream(void *dst, const void *src, size_t nbytes)
 
 
 bps_cpu_init()
@@ -191,12 +192,14 @@ def sum_many(dst, srcs, int dtype):
         free(ptrs)
 
 
-def copy_into(dst, src):
+def copy_into(dst, src, bint stream=False):
     """Copy ``src`` into ``dst`` (same byte length), in parallel for big buffers.
 
     Args:
         dst: writable C-contiguous buffer.
         src: C-contiguous buffer with the same byte length; must not overlap ``dst``.
+        stream: ``dst`` is not read again soon (a result into the caller's tensor): from 1 MB on, one
+            thread writes it with non-temporal stores (bps_copy_stream) when the kernels run on one thread.
 
     Raises:
         ValueError: the byte lengths differ.
@@ -209,7 +212,10 @@ def copy_into(dst, src):
             if d.len != s.len:
                 raise ValueError(f"copy_into: dst has {d.len} bytes and src has {s.len} bytes")
             with nogil:
-                bps_copy(d.buf, s.buf, <size_t>d.len, _nthreads)
+                if stream and _nthreads <= 1:
+                    bps_copy_stream(d.buf, s.buf, <size_t>d.len)
+                else:
+                    bps_copy(d.buf, s.buf, <size_t>d.len, _nthreads)
         finally:
             PyBuffer_Release(&s)
     finally:

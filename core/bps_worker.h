@@ -211,7 +211,10 @@ static inline int bps_run_task(BpsStageTask &t, int nthreads) {
         bps_span(BPS_TRACE_LOCAL_REDUCE, t0, p.key, p.rnd, t.nbytes, p.server, t.priority);
         return rc;
     }
-    bps_copy(t.dst, t.srcs[0], t.nbytes, nthreads);
+    if (t.kind == BPS_TASK_COPY_OUT && nthreads <= 1)
+        bps_copy_stream(t.dst, t.srcs[0], t.nbytes); /* the result: the tensor is not read again soon */
+    else
+        bps_copy(t.dst, t.srcs[0], t.nbytes, nthreads);
     bps_span(t.kind == BPS_TASK_COPY_IN ? BPS_TRACE_STAGE : BPS_TRACE_LOCAL_BROADCAST, t0, p.key, p.rnd, t.nbytes,
              p.server, t.priority);
     return 0;
@@ -1423,7 +1426,7 @@ class BpsWorkerCore {
                 return;
             }
             /* a lone pushing machine gets its own region back: the sum is what the tensor holds */
-            if (!(p.staging != nullptr && src == p.staging)) memcpy(dst, src, len);
+            if (!(p.staging != nullptr && src == p.staging)) bps_copy_stream(dst, src, len);
             retain(p, h.round, op->dtype, dst, p.length);
             return;
         }

@@ -1463,7 +1463,7 @@ class Engine:
         op.servers[("local rank", header.arg)] -= 1
         if header.cmd == Cmd.LOCAL_DONE:
             try:
-                copy_into(op.buf[off:off + length], self._maps.view(frames[2]))
+                copy_into(op.buf[off:off + length], self._maps.view(frames[2]), stream=True)
             except (ProtocolError, ValueError) as e:
                 op.error = op.error or ProtocolError(f"tensor {op.name!r}: local result unreadable: {e}")
         else:
@@ -1686,11 +1686,11 @@ class Engine:
             if owner:
                 return body
             if body != echo:
-                copy_into(dst, src)
+                copy_into(dst, src, stream=not owner)
             return None
         got = len(body)  # ZeroMQ's own buffer (core/transport.py): one copy, into the tensor
         if got == expect:
-            copy_into(dst, body)
+            copy_into(dst, body, stream=not owner)
         self.bytes_received[server] += wire.HEADER_SIZE + got
         if got != expect:
             op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied {got} bytes for "

@@ -490,6 +490,23 @@ def test_copy_into(two_threads, nbytes):
         _reduce.copy_into(dst, bytes(nbytes + 1))
 
 
+@pytest.mark.parametrize("nbytes", [1 << 20, (3 << 20) + 37])
+@pytest.mark.parametrize("offset", [0, 1, 13])
+def test_copy_into_streaming_any_alignment(nbytes, offset):
+    """stream=True (a result into the caller's tensor) takes the non-temporal path from 1 MB on: every
+    byte lands, whatever the destination's alignment and the tail's length, and nothing beyond it."""
+    old = _reduce.get_num_threads()
+    _reduce.set_num_threads(1)  # the streaming copy runs where the kernels run on one thread
+    try:
+        src = np.random.default_rng(nbytes + offset).integers(0, 256, nbytes, dtype=np.uint8)
+        buf = np.full(nbytes + offset + 64, 7, np.uint8)
+        _reduce.copy_into(buf[offset:offset + nbytes], src, stream=True)
+        np.testing.assert_array_equal(buf[offset:offset + nbytes], src)
+        assert (buf[:offset] == 7).all() and (buf[offset + nbytes:] == 7).all()
+    finally:
+        _reduce.set_num_threads(old)
+
+
 @pytest.mark.parametrize("n", [0, 1, 17, 1000003])
 def test_scale_floats(simd, torch, n):
     rng = np.random.default_rng(n)
