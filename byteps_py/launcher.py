@@ -471,7 +471,7 @@ def _plan_local(opts, command):
     if not command:
         raise ConfigError("--local needs a command to run on the workers (bpslaunch --local ... -- CMD)")
     # a Summation Service on every worker machine (the design's k = 0): the summing is spread over
-    # them; on one host, 2 single-process machines with 2 servers measured 1.1-1.2x the goodput of one
+    # them; on one host, 2 single-process machines with 2 servers took 1.2-1.4x less time than with one
     # server at 64 MB, and 4 with 4 the same as one (docs/benchmarks.md, "Servers per worker machine")
     nw, nl = opts.workers, opts.local_size or 1
     ns = opts.servers or nw
