@@ -29,7 +29,7 @@ cdef extern from "bps_reduce.h" nogil:
     int bps_sum_many(void *dst, const void *const *srcs, int nsrc, size_t n, int dtype, int nthreads)
     int bps_scale(void *buf, double factor, size_t n, int dtype, int nthreads)
     void bps_copy(void *dst, const void *src, size_t nbytes, int nthreads)
-    void bps_copy_stream(void *dst, const void *src, size_t nbytes)
+    void bps_copy_result(void *dst, const void *src, size_t nbytes, int nthreads)
 
 
 bps_cpu_init()
@@ -198,8 +198,8 @@ def copy_into(dst, src, bint stream=False):
     Args:
         dst: writable C-contiguous buffer.
         src: C-contiguous buffer with the same byte length; must not overlap ``dst``.
-        stream: ``dst`` is not read again soon (a result into the caller's tensor): from 1 MB on, one
-            thread writes it with non-temporal stores (bps_copy_stream) when the kernels run on one thread.
+        stream: ``dst`` is not read again soon (a result into the caller's tensor): from 1 MB on, a
+            copy on one thread writes it with non-temporal stores (bps_copy_result).
 
     Raises:
         ValueError: the byte lengths differ.
@@ -212,8 +212,8 @@ def copy_into(dst, src, bint stream=False):
             if d.len != s.len:
                 raise ValueError(f"copy_into: dst has {d.len} bytes and src has {s.len} bytes")
             with nogil:
-                if stream and _nthreads <= 1:
-                    bps_copy_stream(d.buf, s.buf, <size_t>d.len)
+                if stream:
+                    bps_copy_result(d.buf, s.buf, <size_t>d.len, _nthreads)
                 else:
                     bps_copy(d.buf, s.buf, <size_t>d.len, _nthreads)
         finally:

@@ -843,8 +843,8 @@ static inline void bps_copy(void *dst, const void *src, size_t nbytes, int nthre
 }
 
 /* A copy whose destination is not read again soon (a result into the caller's tensor): from 1 MB on,
- * non-temporal stores write it without first reading every destination line into the cache, which
- * saves a third of the memory traffic of a plain copy (docs/benchmarks.md, "Result copies"). */
+ * non-temporal stores write it without first reading every destination line into the cache, as a
+ * plain copy does (docs/benchmarks.md, "Result copies"). */
 #define BPS_STREAM_MIN_BYTES (1u << 20)
 
 static inline void bps_copy_stream(void *dst, const void *src, size_t nbytes) {
@@ -871,6 +871,14 @@ static inline void bps_copy_stream(void *dst, const void *src, size_t nbytes) {
   }
 #endif
   memcpy(dst, src, nbytes);
+}
+
+/* A result into the caller's tensor: streamed by one thread, or bps_copy's threads when it uses several. */
+static inline void bps_copy_result(void *dst, const void *src, size_t nbytes, int nthreads) {
+  if (bps_threads_for(nbytes, nthreads) > 1)
+    bps_copy(dst, src, nbytes, nthreads);
+  else
+    bps_copy_stream(dst, src, nbytes);
 }
 
 #endif /* BPS_REDUCE_H_ */

@@ -211,8 +211,8 @@ static inline int bps_run_task(BpsStageTask &t, int nthreads) {
         bps_span(BPS_TRACE_LOCAL_REDUCE, t0, p.key, p.rnd, t.nbytes, p.server, t.priority);
         return rc;
     }
-    if (t.kind == BPS_TASK_COPY_OUT && nthreads <= 1)
-        bps_copy_stream(t.dst, t.srcs[0], t.nbytes); /* the result: the tensor is not read again soon */
+    if (t.kind == BPS_TASK_COPY_OUT)
+        bps_copy_result(t.dst, t.srcs[0], t.nbytes, nthreads);
     else
         bps_copy(t.dst, t.srcs[0], t.nbytes, nthreads);
     bps_span(t.kind == BPS_TASK_COPY_IN ? BPS_TRACE_STAGE : BPS_TRACE_LOCAL_BROADCAST, t0, p.key, p.rnd, t.nbytes,

@@ -1561,7 +1561,7 @@ class Engine:
             self._groups.pop((key, rnd))
             length = fn.dst.size
             if not group.get("joined"):
-                copy_into(op.buf[group["off"]:group["off"] + length], fn.dst)
+                copy_into(op.buf[group["off"]:group["off"] + length], fn.dst, stream=True)
             self._finish_local(key, rnd, op, length, desc=shm.describe(fn.prefix, length))
             return
         task = next(self._task_ids)
@@ -1685,8 +1685,8 @@ class Engine:
                 return None
             if owner:
                 return body
-            if body != echo:
-                copy_into(dst, src, stream=not owner)
+            if body != echo:  # an owner returned above: dst is this process's tensor
+                copy_into(dst, src, stream=True)
             return None
         got = len(body)  # ZeroMQ's own buffer (core/transport.py): one copy, into the tensor
         if got == expect:

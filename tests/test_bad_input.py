@@ -55,7 +55,7 @@ JOIN_POINTS = [(3, 1), (1, 3), (2, 2)]
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("late_end", [False, True], ids=["", "late-end"])
+@pytest.mark.parametrize("late_end", [False, True], ids=["prompt-end", "late-end"])
 @pytest.mark.parametrize("m,l", JOIN_POINTS, ids=[f"{m}x{l}" for m, l in JOIN_POINTS])
 def test_join_ranks_contribute_zeros(cluster, m, l, late_end):
     """late-end: every rank but the last hears "every rank joined" 0.5 s late, so the last rank's next op
