@@ -2,18 +2,19 @@
 """Scheduling primitives of the pipeline: a priority queue with a byte credit.
 
 Every stage of the pipeline takes its work from a :class:`PriorityQueue`: larger priority first,
-FIFO among equal priorities, and at most ``credit`` bytes handed out and not yet released, so a
-large, late tensor cannot starve an urgent one (BYTEPS_SCHEDULING_CREDIT). Waiting happens in C
-with the GIL released. The queue holds integer task ids only; the owner maps them to objects.
+then smaller tie (the send queue's tie is the partition's wire key, one order on every worker),
+FIFO among equals, and at most ``credit`` bytes handed out and not yet released, so a large, late
+tensor cannot starve an urgent one (BYTEPS_SCHEDULING_CREDIT). Waiting happens in C with the GIL
+released. The queue holds integer task ids only; the owner maps them to objects.
 """
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t
 
 cdef extern from "bps_queue.h" nogil:
     cdef cppclass BpsQueue:
         BpsQueue(int64_t credit)
-        void push(int64_t priority, int64_t id, int64_t nbytes)
-        int pop(int64_t *id, int64_t timeout_ms)
-        void release(int64_t nbytes, int64_t priority)
+        void push(int64_t priority, uint64_t tie, int64_t id, int64_t nbytes)
+        int pop(int64_t *id, int64_t timeout_ms, int64_t stall_ms)
+        void release(int64_t nbytes, int64_t priority, uint64_t tie)
         void close()
         int64_t size()
         int64_t in_flight()
@@ -30,6 +31,7 @@ cdef class PriorityQueue:
     """
 
     cdef BpsQueue *q
+    cdef public bint past_credit  # the last pop() handed out a task past the credit (a stall)
 
     def __cinit__(self, int64_t credit=0):
         self.q = new BpsQueue(credit)
@@ -37,24 +39,30 @@ cdef class PriorityQueue:
     def __dealloc__(self):
         del self.q
 
-    def push(self, int64_t priority, int64_t task_id, int64_t nbytes=0):
-        """Queue a task."""
+    def push(self, int64_t priority, int64_t task_id, int64_t nbytes=0, uint64_t tie=0):
+        """Queue a task (``tie`` orders equal priorities: smaller first)."""
         with nogil:
-            self.q.push(priority, task_id, nbytes)
+            self.q.push(priority, tie, task_id, nbytes)
 
-    def pop(self, double timeout=0.0):
-        """The best task id that fits the credit, or None after ``timeout`` seconds (negative: wait forever)."""
+    def pop(self, double timeout=0.0, double stall=0.0):
+        """The best task id that fits the credit, or None after ``timeout`` seconds (negative: wait forever).
+
+        With ``stall`` > 0, the best task also goes when nothing was taken or released for that many
+        seconds (``past_credit`` then reads True): for workers that disagree on urgency (bps_queue.h).
+        """
         cdef int64_t task_id = 0
         cdef int64_t ms = -1 if timeout < 0 else <int64_t>(timeout * 1000)
+        cdef int64_t stall_ms = <int64_t>(stall * 1000)
         cdef int ok
         with nogil:
-            ok = self.q.pop(&task_id, ms)
+            ok = self.q.pop(&task_id, ms, stall_ms)
+        self.past_credit = ok == 2
         return task_id if ok else None
 
-    def release(self, int64_t nbytes, int64_t priority=0):
-        """Give back the credit of a finished task (``priority``: the one it was pushed with)."""
+    def release(self, int64_t nbytes, int64_t priority=0, uint64_t tie=0):
+        """Give back the credit of a finished task (``priority``, ``tie``: those it was pushed with)."""
         with nogil:
-            self.q.release(nbytes, priority)
+            self.q.release(nbytes, priority, tie)
 
     def close(self):
         """Wake every waiter; pop() returns None once the queue is empty."""

@@ -110,6 +110,7 @@ cdef extern from "bps_worker.h" nogil:
         int local_links_up()
         uint64_t local_link_sent()
         uint64_t local_link_received()
+        uint64_t credit_stalls(string *first)
         void set_local_joined(uint64_t mask)
         void local_python()
         void local_claim(uint64_t key, uint64_t rnd, int count)
@@ -351,6 +352,12 @@ cdef class WorkerCore:
         return {"reduced": self.core.local_reduced(), "reduced_on_thread": self.core.local_reduced_on_thread(),
                 "coordinated": self.core.local_coordinated(), "links_up": self.core.local_links_up(),
                 "link_sent": self.core.local_link_sent(), "link_received": self.core.local_link_received()}
+
+    def credit_stalls(self):
+        """(times the send queue's head went past a stalled credit, the first such tensor's name)."""
+        cdef string first
+        cdef uint64_t n = self.core.credit_stalls(&first)
+        return n, first.decode("utf-8", "replace")
 
     def start(self):
         self.core.start()

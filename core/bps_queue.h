@@ -1,18 +1,26 @@
 /* A thread-safe priority queue with a byte credit, for the pipeline's stages.
  *
- * Order: larger priority first; among equal priorities, earlier arrival first (a strict weak
- * ordering on (priority, seq), unlike ps-lite's threadsafe_pqueue). The credit counts the bytes
- * in flight of the task's priority or a more urgent one: a task is handed out while those plus its
- * size fit the credit, or when none are in flight (so one task larger than the credit still runs).
- * With one priority for everything that is simply the bytes in flight.
+ * Order: larger priority first; among equal priorities, the smaller tie first, then earlier
+ * arrival (a strict weak ordering on (priority, tie, seq), unlike ps-lite's threadsafe_pqueue).
+ * The credit counts the bytes in flight of tasks at least as urgent as the task, (priority, tie)
+ * wise: a task is handed out while those plus its size fit the credit, or when none are in flight
+ * (so one task larger than the credit still runs).
  *
  * Less urgent bytes never count, because they may be stuck: worker A may fill its credit with
  * tensor X before the more urgent Y was queued, while worker B, which saw Y first, sends Y and
  * defers X; A's X then waits for B's, which waits for Y. Counting X against Y, Y went out one
  * piece per round trip on A (the rule was "above every priority in flight"), and a training step
  * on the emulated cluster (bench_users.py --cluster, 2 MB partitions, credit 4) ran at 0.68x
- * DDP's speed. The most urgent unfinished tensor always gets a full credit on every worker, so the
- * job progresses (every worker sends a partition's pieces in the same order, byteps/placement.py).
+ * DDP's speed.
+ *
+ * Urgency must be one order on every worker, so the send queues' tie is the partition's wire key
+ * (the same on every worker), not arrival: with ties by arrival, worker A that queued X then Y at
+ * one priority filled its credit with X, worker B that queued Y then X filled it with Y, and each
+ * waited for the other's push for ever (two processes calling push_pull in different orders, or two
+ * machines whose local sums finished in different orders). With one order, the most urgent
+ * unfinished partition fits on every worker, so the job progresses. Where urgency still differs
+ * between workers (they gave one tensor different priorities), the owner of the queue sends its head
+ * past the credit after a second without progress (pop's stall_ms; the native core does the same).
  * Tasks are plain integers: the Python side keeps the objects, so no C thread ever touches a
  * Python object.
  */
@@ -27,8 +35,8 @@
 #include <queue>
 #include <vector>
 
-/* The order of every byteps priority queue (this one, and the native cores' send and stage queues):
- * std::priority_queue pops the "largest", so larger priority first, then smaller seq (earlier). */
+/* The order of the stage queues (the native cores' copy and sum threads): std::priority_queue pops
+ * the "largest", so larger priority first, then smaller seq (earlier). */
 template <typename T>
 struct BpsByPriority {
     bool operator()(const T &a, const T &b) const {
@@ -37,33 +45,63 @@ struct BpsByPriority {
     }
 };
 
+/* How urgent a queued send is (see above): larger priority, then smaller tie. */
+struct BpsUrgency {
+    int64_t priority;
+    uint64_t tie;
+    bool operator<(const BpsUrgency &o) const { return priority != o.priority ? priority < o.priority : tie > o.tie; }
+};
+
+/* The order of the send queues (this one, and the native worker core's): most urgent first, then
+ * earlier arrival. */
+template <typename T>
+struct BpsByUrgency {
+    bool operator()(const T &a, const T &b) const {
+        if (a.priority != b.priority) return a.priority < b.priority;
+        if (a.tie != b.tie) return a.tie > b.tie;
+        return a.seq > b.seq;
+    }
+};
+
+/* A credit's head waits this long without progress (no task taken or released) before it goes past
+ * the credit: only where workers disagree on urgency (see above) is that ever needed. */
+static const int64_t BPS_CREDIT_STALL_MS = 1000;
+
 /* The byte credit's rule (see above), without a lock: the owner serialises its calls. */
 class BpsCredit {
   public:
     explicit BpsCredit(int64_t credit) : credit_(credit) {}
 
-    bool fits(int64_t priority, int64_t nbytes) const {
+    bool fits(BpsUrgency u, int64_t nbytes) const {
         if (credit_ <= 0) return true;
-        int64_t ahead = 0;  // bytes in flight of this priority or a more urgent one
-        for (auto it = priorities_.lower_bound(priority); it != priorities_.end(); ++it) ahead += it->second;
+        int64_t ahead = 0;  // bytes in flight at least as urgent
+        for (auto it = urgencies_.lower_bound(u); it != urgencies_.end(); ++it) ahead += it->second;
         return ahead == 0 || ahead + nbytes <= credit_;
     }
 
-    void take(int64_t priority, int64_t nbytes) {
+    void take(BpsUrgency u, int64_t nbytes) {
         in_flight_ += nbytes;
-        if (credit_ > 0) priorities_[priority] += nbytes;
+        if (credit_ > 0) urgencies_[u] += nbytes;
+        last_change_ = std::chrono::steady_clock::now();
     }
 
-    void release(int64_t priority, int64_t nbytes) {
+    void release(BpsUrgency u, int64_t nbytes) {
         in_flight_ -= nbytes;
         if (in_flight_ < 0) in_flight_ = 0;
-        auto it = priorities_.find(priority);
-        if (it != priorities_.end() && (it->second -= nbytes) <= 0) priorities_.erase(it);
+        auto it = urgencies_.find(u);
+        if (it != urgencies_.end() && (it->second -= nbytes) <= 0) urgencies_.erase(it);
+        last_change_ = std::chrono::steady_clock::now();
+    }
+
+    /* Nothing taken or released for stall_ms (with bytes in flight): the head may go past the credit. */
+    bool stalled(int64_t stall_ms) const {
+        return stall_ms > 0 && in_flight_ > 0 &&
+               std::chrono::steady_clock::now() - last_change_ >= std::chrono::milliseconds(stall_ms);
     }
 
     void clear() {
         in_flight_ = 0;
-        priorities_.clear();
+        urgencies_.clear();
     }
 
     int64_t in_flight() const { return in_flight_; }
@@ -72,11 +110,13 @@ class BpsCredit {
   private:
     int64_t credit_;
     int64_t in_flight_ = 0;
-    std::map<int64_t, int64_t> priorities_;  // priority -> bytes in flight (only with a credit)
+    std::map<BpsUrgency, int64_t> urgencies_;  // bytes in flight by urgency (only with a credit)
+    std::chrono::steady_clock::time_point last_change_ = std::chrono::steady_clock::now();
 };
 
 struct BpsTask {
     int64_t priority;
+    uint64_t tie;
     uint64_t seq;
     int64_t id;
     int64_t nbytes;
@@ -86,17 +126,19 @@ class BpsQueue {
   public:
     explicit BpsQueue(int64_t credit) : credit_(credit) {}
 
-    void push(int64_t priority, int64_t id, int64_t nbytes) {
+    void push(int64_t priority, uint64_t tie, int64_t id, int64_t nbytes) {
         {
             std::lock_guard<std::mutex> lock(mu_);
-            heap_.push(BpsTask{priority, next_seq_++, id, nbytes});
+            heap_.push(BpsTask{priority, tie, next_seq_++, id, nbytes});
         }
         cv_.notify_one();
     }
 
     /* Pop the best task if the credit allows; wait up to timeout_ms (0: don't wait, <0: forever).
-     * Returns 1 and sets *id on success, 0 on timeout or when closed and empty. */
-    int pop(int64_t *id, int64_t timeout_ms) {
+     * With stall_ms > 0 the head also goes when the credit made no progress for that long.
+     * Returns 1 and sets *id on success (2: it went past the credit), 0 on timeout or when closed
+     * and empty. */
+    int pop(int64_t *id, int64_t timeout_ms, int64_t stall_ms = 0) {
         std::unique_lock<std::mutex> lock(mu_);
         auto ready = [this] { return closed_ || (!heap_.empty() && fits(heap_.top())); };
         if (timeout_ms < 0) {
@@ -104,19 +146,21 @@ class BpsQueue {
         } else if (timeout_ms > 0) {
             cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), ready);
         }
-        if (heap_.empty() || !fits(heap_.top())) return 0;
+        if (heap_.empty()) return 0;
+        int got = fits(heap_.top()) ? 1 : credit_.stalled(stall_ms) ? 2 : 0;
+        if (!got) return 0;
         const BpsTask t = heap_.top();
         heap_.pop();
-        credit_.take(t.priority, t.nbytes);
+        credit_.take(BpsUrgency{t.priority, t.tie}, t.nbytes);
         *id = t.id;
-        return 1;
+        return got;
     }
 
-    /* Return credit when a task's bytes are no longer in flight (priority: the task's). */
-    void release(int64_t nbytes, int64_t priority) {
+    /* Return credit when a task's bytes are no longer in flight (priority, tie: the task's). */
+    void release(int64_t nbytes, int64_t priority, uint64_t tie = 0) {
         {
             std::lock_guard<std::mutex> lock(mu_);
-            credit_.release(priority, nbytes);
+            credit_.release(BpsUrgency{priority, tie}, nbytes);
         }
         cv_.notify_all();
     }
@@ -142,11 +186,11 @@ class BpsQueue {
     int64_t credit() const { return credit_.credit(); }
 
   private:
-    bool fits(const BpsTask &t) const { return credit_.fits(t.priority, t.nbytes); }
+    bool fits(const BpsTask &t) const { return credit_.fits(BpsUrgency{t.priority, t.tie}, t.nbytes); }
 
     std::mutex mu_;
     std::condition_variable cv_;
-    std::priority_queue<BpsTask, std::vector<BpsTask>, BpsByPriority<BpsTask>> heap_;
+    std::priority_queue<BpsTask, std::vector<BpsTask>, BpsByUrgency<BpsTask>> heap_;
     uint64_t next_seq_ = 0;
     BpsCredit credit_;  // <= 0: unlimited
     bool closed_ = false;

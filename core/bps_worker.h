@@ -321,6 +321,7 @@ struct BpsQueued {
     uint64_t seq;
     BpsOp *op;
     int part;
+    uint64_t tie = 0; /* in the send queue: the partition's wire key (core/bps_queue.h says why) */
 };
 
 
@@ -659,6 +660,12 @@ class BpsWorkerCore {
     }
     uint64_t local_link_sent() const { return local_link_sent_.load(); }
     uint64_t local_link_received() const { return local_link_received_.load(); }
+    /* times the send queue's head went past a stalled credit, and the first such tensor's name */
+    uint64_t credit_stalls(std::string *first) {
+        std::lock_guard<std::mutex> lock(mu_);
+        *first = first_stall_;
+        return credit_stalls_.load();
+    }
 
     /* A peer that passed Python's handshake on our ROUTER (core/auth.py Gate). */
     void allow_local(const std::string &identity) {
@@ -974,7 +981,7 @@ class BpsWorkerCore {
             }
             pending_[std::make_pair(p.key, a.seq)] = std::make_pair(a.op, a.part);
             a.op->owed[p.server]++;
-            credit_.take(a.op->priority, (int64_t)p.length);
+            credit_.take(urgency(a.op, a.part), (int64_t)p.length);
             if (abort) fail(a.op, BPS_ERR_ABORT, "");
         }
         for (auto &m : strays) {
@@ -1167,6 +1174,7 @@ class BpsWorkerCore {
             }
             q.seq = seq_++;
             q.op->parts[(size_t)q.part].qseq = q.seq;
+            q.tie = q.op->parts[(size_t)q.part].key;
             queue_.push(q);
         }
         for (auto &c : claims) local_claimed(c.first, c.second);
@@ -1229,18 +1237,34 @@ class BpsWorkerCore {
         /* Python counts its own messages (Engine.bytes_sent); a failed send released the body */
     }
 
-    /* the credit counts bytes of this priority or a more urgent one (core/bps_queue.h says why) */
-    bool fits(const BpsQueued &q) const { return credit_.fits(q.priority, (int64_t)q.op->parts[q.part].length); }
+    /* the credit counts bytes in flight at least as urgent: (priority, wire key), one order on every
+     * worker (core/bps_queue.h says why) */
+    static BpsUrgency urgency(const BpsOp *op, int part) {
+        return BpsUrgency{op->priority, op->parts[(size_t)part].key};
+    }
+    bool fits(const BpsQueued &q) const {
+        return credit_.fits(BpsUrgency{q.priority, q.tie}, (int64_t)q.op->parts[q.part].length);
+    }
 
     void send_ready() {
-        if (queue_.empty() || !fits(queue_.top())) return;
+        if (queue_.empty()) return;
+        bool stalled = false;
+        if (!fits(queue_.top())) { /* a credit with no progress for a second: workers disagree on urgency */
+            if (!credit_.stalled(BPS_CREDIT_STALL_MS)) return;
+            stalled = true;
+            if (credit_stalls_.fetch_add(1) == 0) { /* Python logs the first (Engine._note_stall) */
+                std::lock_guard<std::mutex> lock(mu_);
+                first_stall_ = queue_.top().op->name;
+            }
+        }
         cork_links(true); /* a burst of pushes leaves in as few writes as the sockets take */
-        while (!queue_.empty() && fits(queue_.top())) {
+        while (!queue_.empty() && (stalled || fits(queue_.top()))) {
             BpsQueued q = queue_.top();
             queue_.pop();
             BpsOp *op = q.op;
             if (op->done.load()) continue;
             push(op, q.part);
+            stalled = false; /* one past the credit per stall */
         }
         cork_links(false);
     }
@@ -1309,7 +1333,7 @@ class BpsWorkerCore {
         sent_[p.server] += sizeof h + body_len;
         pending_[std::make_pair(p.key, rnd)] = std::make_pair(op, index);
         op->owed[p.server]++;
-        credit_.take(op->priority, (int64_t)p.length);
+        credit_.take(urgency(op, index), (int64_t)p.length);
     }
 
     /* Elastic (network thread): a server reads as dead from hold() on, but its replacement is known only
@@ -1343,7 +1367,7 @@ class BpsWorkerCore {
     }
 
     void release(BpsOp *op, int index) {
-        credit_.release(op->priority, (int64_t)op->parts[index].length);
+        credit_.release(urgency(op, index), (int64_t)op->parts[index].length);
     }
 
     void forward(int server, BpsMessage *m) {
@@ -1692,7 +1716,7 @@ class BpsWorkerCore {
             p.trace_t = bps_span_start(); /* its QUEUE wait starts now */
             /* PUSH of the machine's sum: queued by priority within the credit like any partition */
             op->parts[(size_t)t.part].qseq = seq_;
-            queue_.push(BpsQueued{op->priority, seq_++, op, t.part});
+            queue_.push(BpsQueued{op->priority, seq_++, op, t.part, p.key});
         } else { /* COPY_OUT: the result is in the tensor */
             part_done(op);
         }
@@ -1942,7 +1966,7 @@ class BpsWorkerCore {
     }
 
     uint32_t node_id_;
-    BpsCredit credit_;  /* network-thread state: bytes in flight by priority */
+    BpsCredit credit_;  /* network-thread state: bytes in flight by urgency */
     double timeout_;
     int nthreads_;
     int notify_fd_;
@@ -1999,7 +2023,7 @@ class BpsWorkerCore {
     std::vector<int64_t> released_;
 
     /* network-thread state */
-    std::priority_queue<BpsQueued, std::vector<BpsQueued>, BpsByPriority<BpsQueued>> queue_;
+    std::priority_queue<BpsQueued, std::vector<BpsQueued>, BpsByUrgency<BpsQueued>> queue_;
     uint64_t seq_ = 0;
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsOp *, int>> pending_;
     BpsPeerMaps maps_;
@@ -2027,6 +2051,8 @@ class BpsWorkerCore {
     std::vector<std::unique_ptr<BpsConn>> local_links_; /* per local rank: its direct link, or NULL */
     std::vector<std::string> local_link_ident_;         /* per local rank: its DEALER identity (frame 0) */
     std::atomic<uint64_t> local_link_sent_{0}, local_link_received_{0};
+    std::atomic<uint64_t> credit_stalls_{0};
+    std::string first_stall_; /* guarded by mu_ */
 };
 
 #endif

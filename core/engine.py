@@ -69,6 +69,10 @@ except ImportError:  # a source tree without build_ext
 #: threads) would cost more than the copy or sum (bench_push_pull.py --overhead)
 STAGE_THREAD_MIN_BYTES = 256 << 10
 
+#: the send queue's head goes past the credit after this long without progress (no partition sent or
+#: answered): only workers that disagree on a tensor's priority ever need it (core/bps_queue.h)
+CREDIT_STALL_S = 1.0
+
 Cmd = wire.Cmd
 #: the operation kinds of core/stages.py and of tensor declarations (the scheduler compares them)
 #: plain ints: pyzmq's flag enums cost a microsecond per operation
@@ -126,10 +130,12 @@ class Engine:
         # bytes (header + body frames) sent to / received from each server index on the data sockets
         self.bytes_sent = collections.Counter()
         self.bytes_received = collections.Counter()
-        # Partitions wait here for the network: larger priority first, FIFO among equals, and at
-        # most BYTEPS_SCHEDULING_CREDIT partitions' bytes on the wire, so an urgent tensor can
-        # overtake a large one queued earlier.
+        # Partitions wait here for the network: larger priority first, then the smaller wire key
+        # (one order on every worker), and at most BYTEPS_SCHEDULING_CREDIT partitions' bytes on
+        # the wire, so an urgent tensor can overtake a large one queued earlier.
         self._sendq = PriorityQueue(cfg.scheduling_credit * cfg.partition_bytes)
+        self._stall_noted = False
+        self._python_credit_stalls = 0
         self._tasks = {}            # task id -> (op, partition index, offset, nbytes)
         self._task_ids = itertools.count()
         # shared memory with servers on this machine (core/shm.py)
@@ -555,6 +561,11 @@ class Engine:
         op.native_id = nid
         return True
 
+    def credit_stalls(self):
+        """Times a send queue's head went past a stalled credit, in either engine (CREDIT_STALL_S)."""
+        native = self._native.credit_stalls()[0] if self._native is not None else 0
+        return self._python_credit_stalls + native
+
     def native_local_stats(self):
         """The native local reduce's counters (tests check the path really ran), or None."""
         if not self._native_local:
@@ -927,6 +938,12 @@ class Engine:
             timeline.flush(self.control)
             if now >= next_check:  # walks every outstanding op: not once per message
                 self._check_timeouts()
+                if len(self._sendq):  # a stalled credit (CREDIT_STALL_S)
+                    self._send_ready()
+                if self._native is not None and not self._stall_noted:
+                    stalls, first = self._native.credit_stalls()
+                    if stalls:
+                        self._note_stall(repr(first))
                 next_check = now + 0.5
             if self._left:  # shutdown() released by the scheduler
                 return
@@ -1244,8 +1261,23 @@ class Engine:
         for i, off, length, _ in parts:
             task = next(self._task_ids)
             self._tasks[task] = (op, i, off, length)
-            self._sendq.push(op.priority, task, length)
+            # ties broken by wire key, one order on every worker (core/bps_queue.h says why)
+            self._sendq.push(op.priority, task, length, tie=self._wire_key(op, i))
         self._send_ready()
+
+    def _note_stall(self, name):
+        """Log (once) that the send queue's head went past a stalled credit (either engine's)."""
+        if self._stall_noted:
+            return
+        self._stall_noted = True
+        logger.info("tensor %s went past the scheduling credit: what was in flight had no reply for %.0f s (a "
+                    "slow peer, or workers that give a tensor different priorities; logged once)", name,
+                    CREDIT_STALL_S)
+
+    @staticmethod
+    def _wire_key(op, i):
+        """The wire key of partition ``i`` of ``op`` (a RangeOp's pieces are numbered within its range)."""
+        return wire.make_key(op.tkey, op.range_index << 16 | i if isinstance(op, RangeOp) else i)
 
     def _send_ready(self):
         """Send every queued partition the credit allows, best first.
@@ -1255,17 +1287,20 @@ class Engine:
         """
         self.control.beat()  # bursts of replies and declarations end here: keep heartbeats flowing
         sent = 0
-        while (task := self._sendq.pop()) is not None:
+        while (task := self._sendq.pop(stall=CREDIT_STALL_S)) is not None:
             sent += 1
             if sent % 128 == 0:
                 self.control.beat()
             item = self._tasks.pop(task)
+            if self._sendq.past_credit:
+                self._python_credit_stalls += 1
+                self._note_stall(repr(item[0].name) if item[0] != "reduced" else f"key {item[1]:#x} (a machine's sum)")
             if item[0] == "reduced":  # a machine's sum, ready for its server
                 self._push_reduced(*item[1:])
                 continue
             op, i, off, length = item
             if op.error is not None:  # failed meanwhile (time-out, abort): don't send the rest
-                self._sendq.release(length, op.priority)
+                self._sendq.release(length, op.priority, self._wire_key(op, i))
                 continue
             if isinstance(op, RangeOp):
                 self._push_range(op, i, off, length)
@@ -1283,7 +1318,7 @@ class Engine:
             if first in (Stage.STAGE, Stage.PUSH):  # a small STAGE copy runs inline, in _push
                 self._push(op, key, rnd, server, off, data)
                 continue
-            self._sendq.release(length, op.priority)
+            self._sendq.release(length, op.priority, key)
             if first == Stage.LOCAL_REDUCE:
                 self._early_meta.pop((key, rnd), None)
                 self._early_next.discard((key, rnd))
@@ -1359,7 +1394,7 @@ class Engine:
         op, key, rnd, server, off, view, prefix = fn.ident
         op.servers["the copy stage"] -= 1
         if error is not None or op.error is not None:
-            self._sendq.release(view.size, op.priority)
+            self._sendq.release(view.size, op.priority, key)
             op.error = op.error or BytePSError(f"tensor {op.name!r}: copy into shared memory failed: {error}")
             self._partition_done(op, view.size)
             self._send_ready()
@@ -1566,18 +1601,18 @@ class Engine:
             return
         task = next(self._task_ids)
         self._tasks[task] = ("reduced", key, rnd, fn.dst.size, op.priority)
-        self._sendq.push(op.priority, task, fn.dst.size)
+        self._sendq.push(op.priority, task, fn.dst.size, tie=key)
         self._send_ready()
 
     def _push_reduced(self, key, rnd, nbytes, priority):
         group = self._groups.get((key, rnd))
         if group is None:  # the op timed out meanwhile
-            self._sendq.release(nbytes, priority)
+            self._sendq.release(nbytes, priority, key)
             return
         op, i, off = group["op"], group["i"], group["off"]
         view, prefix = group["result"]
         if op.error is not None:
-            self._sendq.release(nbytes, priority)
+            self._sendq.release(nbytes, priority, key)
             self._groups.pop((key, rnd))
             self._finish_local(key, rnd, op, view.size, error=str(op.error))
             return
@@ -1625,7 +1660,7 @@ class Engine:
         if pushed and timeline.recorder is not None:
             timeline.span("PUSH", pushed, header.key, header.round, length, server, op.priority)
             pulled = time.monotonic_ns()
-        self._sendq.release(length, op.priority)
+        self._sendq.release(length, op.priority, header.key)
         op.servers[("server", server)] -= 1
         group = self._groups.pop((header.key, header.round), None)
         if header.cmd == Cmd.REPLY:
@@ -1733,7 +1768,7 @@ class Engine:
             err = BytePSTimeoutError(f"push_pull of tensor {op.name!r} waited {now - op.started:.0f} s "
                                      f"(BYTEPS_TIMEOUT={limit:g}) for {who}")
             for k in [k for k, v in self._parts.items() if v[0] is op]:
-                self._sendq.release(self._parts.pop(k)[2], op.priority)
+                self._sendq.release(self._parts.pop(k)[2], op.priority, k[0])
             for k in [k for k, v in self._awaiting_done.items() if v[0] is op]:
                 del self._awaiting_done[k]
             for k in [k for k, g in self._groups.items() if g["op"] is op]:

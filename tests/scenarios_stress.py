@@ -131,3 +131,32 @@ def big_tensor(out, args):
         h.update(memoryview(arr[lo:hi]))
     return {"equal": bool(equal), "sha256": h.hexdigest(), "seconds": elapsed,
             "nbytes": int(arr.nbytes), "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+
+@scenario
+def crossed_orders(out, args):
+    """push_pull tensors x and y in an order that differs between machines: machine 0's processes
+    queue x then y, machine 1's y then x. With "crossed_priorities", the tensor a process queues first
+    is also its most urgent one, so the workers disagree on urgency too. Every sum checked exactly.
+
+    Returns {"steps", "credit_stalls"}: how often a send queue's head had to go past a stalled credit.
+    """
+    import byteps.common as common
+
+    r, n = bps.rank(), bps.size()
+    machine = r // bps.local_size()
+    numel = args.get("numel", 100_000)
+    names = ["x", "y"] if machine % 2 == 0 else ["y", "x"]
+    for name in ("x", "y"):  # declared once, in one order: every later call goes straight to the queue
+        bps.push_pull_inplace(torch.ones(numel), average=False, name=name)
+    steps = args.get("steps", 5)
+    for step in range(steps):
+        tensors = {name: torch.full((numel,), float(r + 1 + (name == "y"))) for name in names}
+        handles = [(name, bps.push_pull_async_inplace(tensors[name], average=False, name=name,
+                                                      priority=(1 - k) if args.get("crossed_priorities") else 0))
+                   for k, name in enumerate(names)]
+        for name, h in handles:
+            bps.synchronize(h)
+            want = float(sum(q + 1 + (name == "y") for q in range(n)))
+            assert torch.equal(tensors[name], torch.full((numel,), want)), (step, name, tensors[name][:4])
+    return {"steps": steps, "credit_stalls": common._job.engine.credit_stalls()}

@@ -203,3 +203,52 @@ def test_pipeline_override_parses():
 
     assert parse_override("") == set()
     assert parse_override("-stage, -LOCAL_REDUCE") == {Stage.STAGE, Stage.LOCAL_REDUCE}
+
+
+def test_ties_go_by_tie_not_arrival():
+    """Equal priorities: the smaller tie (the send queue's wire key) first, FIFO only among equal ties,
+    so two workers that queued x and y in opposite orders pick the same one (bps_queue.h)."""
+    for arrival in ([("x", 7), ("y", 3)], [("y", 3), ("x", 7)]):
+        q = PriorityQueue()
+        for name, tie in arrival:
+            q.push(0, ord(name), 4, tie=tie)
+        q.push(1, ord("u"), 4, tie=99)  # priority still comes first
+        q.push(0, ord("z"), 4, tie=3)   # equal tie: after the earlier arrival
+        assert [chr(t) for t in drain(q)] == ["u", "y", "z", "x"]
+
+
+def test_credit_counts_bytes_at_least_as_urgent_by_tie():
+    """A worker whose credit is full of x (tie 7) when y (tie 3, same priority) arrives sends y at once:
+    x's bytes are less urgent. The worker that queued y first holds x back behind y, as this one
+    would: one order on both, so no worker waits for a push another's credit holds back."""
+    q = PriorityQueue(credit=8)
+    q.push(0, 1, 8, tie=7)
+    assert q.pop() == 1
+    q.push(0, 2, 8, tie=7)
+    assert q.pop() is None  # x's own 8 bytes fill the credit
+    q.push(0, 3, 8, tie=3)
+    assert q.pop() == 3  # y is more urgent than everything in flight
+    q.push(0, 4, 8, tie=3)
+    assert q.pop() is None  # y's 8 bytes in flight now count against y
+    q.release(8, 0, 3)
+    assert q.pop() == 4 and q.pop() is None
+    q.release(8, 0, 3)
+    q.release(8, 0, 7)
+    assert q.pop() == 2 and q.in_flight == 8
+
+
+def test_a_stalled_credit_lets_one_task_past():
+    """With ``stall``: when nothing was taken or released for that long, the head goes past the credit
+    (past_credit reads True), one task per stall; a release ends the stall."""
+    q = PriorityQueue(credit=4)
+    for t in range(3):
+        q.push(0, t, 4, tie=t)
+    assert q.pop(stall=0.2) == 0 and not q.past_credit
+    assert q.pop(stall=0.2) is None  # not stalled yet
+    time.sleep(0.25)
+    assert q.pop(stall=0.2) == 1 and q.past_credit and q.in_flight == 8
+    assert q.pop(stall=0.2) is None  # the take was progress: the next waits for another stall
+    assert q.pop() is None  # and without stall, never
+    q.release(4, 0, 0)
+    q.release(4, 0, 1)
+    assert q.pop(stall=0.2) == 2 and not q.past_credit
