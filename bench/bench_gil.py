@@ -272,15 +272,16 @@ def worker_main(args):
         import byteps.torch as bps
 
         bps.init()
-        assert bps.size() == args.local_size, bps.size()
+        assert bps.size() == args.machines * args.local_size, bps.size()
         ops = Ops("byteps", torch)
-        if bps.local_rank() > 0:  # a peer process of the machine: same operations, waited for
+        if bps.rank() > 0:  # a peer process: same operations, waited for
             peer(args, ops, torch)
             bps.shutdown()
             return 0
         res = measure(args, ops, torch, lambda: pin_training_thread(args.train_core, args.comm_core))
         from byteps import common
         res["local_stats"] = common._require().engine.native_local_stats() if args.local_size > 1 else None
+        res["server_bytes"] = sum(common._require().engine.bytes_sent.values())
         bps.shutdown()
     else:
         import torch.distributed as dist
@@ -314,11 +315,11 @@ def run_system(system, args):
     me = [sys.executable, os.path.abspath(__file__), "--worker", "--system", system, "--out", out,
           "--cases", args.cases, "--reps", str(args.reps), "--chunk-us", str(args.chunk_us),
           "--idle-s", str(args.idle_s), "--train-core", str(args.train_core), "--comm-core", str(args.comm_core),
-          "--local-size", str(args.local_size)]
+          "--local-size", str(args.local_size), "--machines", str(args.machines)]
     if system == "byteps":
         env["BYTEPS_FORCE_DISTRIBUTED"] = "1"
-        cmds = [[*bpslaunch_argv(), "--local", "--workers", "1", "--local-size", str(args.local_size),
-                 "--servers", "1", "--no-prefix",
+        cmds = [[*bpslaunch_argv(), "--local", "--workers", str(args.machines), "--local-size", str(args.local_size),
+                 "--servers", str(args.machines), "--no-prefix",
                  "--timeout", str(args.job_timeout), "--", *me]]
     else:
         port = free_port()
@@ -416,6 +417,9 @@ def main():
     ap.add_argument("--comm-core", type=int, default=1, help="every other thread and process (default 1)")
     ap.add_argument("--local-size", type=int, default=1,
                     help="byteps worker processes on the one machine (default 1; >1: local reduce, rank 0 measured)")
+    ap.add_argument("--machines", type=int, default=1,
+                    help="byteps worker machines, each with a server (default 1: one machine's sum is the job's, "
+                         "so only a local reduce moves data; 2: single-process machines push to servers)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 repetitions")
     ap.add_argument("--job-timeout", type=float, default=600)
     ap.add_argument("--json", help="JSON path (default bench/results/gil-<date>.json)")
@@ -455,7 +459,8 @@ def main():
     print(f"\nin flight = first start to last completion seen; spin = pure-Python chunks of {args.chunk_us:g} us "
           f"({b['chunk_iters']} LCG steps) with a poll between chunks; speed = loop iterations/s during spin over "
           f"the idle rate measured just before and after the pair. Medians of {args.reps} repetitions. byteps: "
-          f"1 worker machine x {args.local_size} process(es) + 1 server (BYTEPS_FORCE_DISTRIBUTED=1); gloo: 2 ranks, the peer on core {args.comm_core}. "
+          f"{args.machines} worker machine(s) x {args.local_size} process(es), {args.machines} server(s) "
+          f"(BYTEPS_FORCE_DISTRIBUTED=1); gloo: 2 ranks, the peer on core {args.comm_core}. "
           f"sys.getswitchinterval() = {b['switch_interval_s'] * 1e3:g} ms; load average "
           f"{meta['loadavg'][0]:.1f} -> {meta['loadavg_end'][0]:.1f}.")
     for system, r in raw.items():

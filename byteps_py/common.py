@@ -327,8 +327,8 @@ def poll(handle):
     job, (op, _) = _lookup(handle)
     if op.done.is_set():
         return True
-    # a native op is done as soon as its last partition is in, before the completion thread (which
-    # needs the GIL) has set its event: ask the native side, so a busy caller sees it at once
+    # a native op is done as soon as its last partition is in, before anyone has set its event (the
+    # completion thread leaves that to the caller's synchronize() for a while: Engine.prompt)
     return op.native_id is not None and job.engine is not None and job.engine.native_done(op)
 
 

@@ -83,7 +83,7 @@ cdef extern from "bps_worker.h" nogil:
         BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
         int64_t add_table(const string &name, vector[BpsPart] parts)
         cbool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
-                           cbool root_self, unsigned char *buf, uint64_t nbytes)
+                           cbool root_self, unsigned char *buf, uint64_t nbytes, cbool lazy)
         cbool add_server(void *sock)
         cbool add_server_live(void *sock, int fd)
         int nservers()
@@ -127,6 +127,8 @@ cdef extern from "bps_worker.h" nogil:
         void reset_rounds()
         void fail_all()
         cbool is_done(int64_t id)
+        void prompt(int64_t id)
+        uint64_t lazy_late()
         void completions(vector[int64_t] *out, int timeout_ms)
         cbool wait_op(int64_t id, int timeout_ms)
         BpsOp *op(int64_t id)
@@ -379,10 +381,12 @@ cdef class WorkerCore:
         return self.core.add_table(name.encode(), _parts(parts))
 
     def submit(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
-               bint root_self, buf):
+               bint root_self, buf, bint lazy=False):
         """Start a push_pull/broadcast of ``buf`` (a flat writable buffer kept alive by the caller
         until the op is forgotten) over a table from :meth:`add_table`. One call per operation, with
-        no per-partition work: the buffer's address is read through the buffer protocol."""
+        no per-partition work: the buffer's address is read through the buffer protocol. ``lazy``:
+        its completion waits for the caller (:meth:`wait_op`) before :meth:`wait` reports it
+        (BPS_LAZY_DELIVERY_S), unless :meth:`prompt` is called."""
         cdef Py_buffer view
         PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
         cdef unsigned char *data = <unsigned char *>view.buf
@@ -391,7 +395,7 @@ cdef class WorkerCore:
         # with the GIL held: the call only takes the core's mutex briefly and writes an eventfd, and
         # releasing the GIL here would let another Python thread take it for up to a switch interval
         # False: a local-reduce op refused because Python runs the local reduce now (local_python())
-        return self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes)
+        return self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes, lazy)
 
     def submit_direct(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
                       bint root_self, buf):
@@ -450,6 +454,15 @@ cdef class WorkerCore:
 
     def is_done(self, int64_t op_id):
         return self.core.is_done(op_id)
+
+    @property
+    def lazy_late(self):
+        """Lazy ops that :meth:`wait` reported because their caller had not taken them in time."""
+        return self.core.lazy_late()
+
+    def prompt(self, int64_t op_id):
+        """Op ``op_id`` has a done callback: report its completion to :meth:`wait` at once (not lazily)."""
+        self.core.prompt(op_id)
 
     def wait_op(self, int64_t op_id, int timeout_ms):
         """Wait up to ``timeout_ms`` without the GIL for one op; its (error kind, error text) once it

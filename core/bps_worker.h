@@ -95,6 +95,12 @@ static const uint64_t BPS_DIRECT_MAX_BYTES = 64 << 10;
  * that other threads' messages to that server are never held back for long. */
 static const double BPS_DIRECT_WINDOW_S = 0.005;
 
+/* A lazy op's completion (submit_table) waits this long for its caller to take it (synchronize() or
+ * poll() on the caller's thread) before the completion thread delivers it: a completion thread that
+ * takes the GIL for ops nobody listens to yet takes it from a training thread that runs Python
+ * (bench/bench_gil.py). An op gets a listener (a done callback) through prompt(). */
+static const double BPS_LAZY_DELIVERY_S = 0.05;
+
 static inline double bps_now() {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -138,6 +144,7 @@ struct BpsOp {
     std::atomic<bool> done{false};
     std::atomic<bool> direct{false}; /* its caller runs it (submit_direct): byteps-net leaves it alone */
     int waiters = 0;        /* callers blocked in wait_op(): the first to wake delivers the op */
+    bool lazy = false;      /* (under mu_) its completion waits in deferred_ for its caller (BPS_LAZY_DELIVERY_S) */
     int64_t table = -1;     /* the table it was submitted on, and its sequence number there: which */
     uint64_t seq = 0;       /* membership's partitions it uses (elastic servers, BpsTable::parts_for) */
 };
@@ -742,12 +749,13 @@ class BpsWorkerCore {
     /* Start a push_pull/broadcast of ``buf`` over a registered table: the per-call path. False (and
      * nothing started) for a local-reduce table once Python runs the local reduce (local_python()). */
     bool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
-                      bool root_self, unsigned char *buf, uint64_t nbytes) {
+                      bool root_self, unsigned char *buf, uint64_t nbytes, bool lazy = false) {
         {
             std::lock_guard<std::mutex> lock(mu_);
             if (python_local_ && tables_.at((size_t)table).local) return false;
         }
         BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes);
+        op->lazy = lazy;
         {
             std::lock_guard<std::mutex> lock(mu_);
             BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
@@ -840,19 +848,57 @@ class BpsWorkerCore {
         it = ops_.find(id);
         if (it == ops_.end()) return true;
         it->second->waiters--;
-        return it->second->done.load();
+        if (!it->second->done.load()) return false;
+        it->second->lazy = false; /* its caller takes it: not one for the completion thread */
+        return true;
     }
 
     /* Wait (without the GIL) up to timeout_ms for completed ops; move their ids into ``out``. */
     void completions(std::vector<int64_t> *out, int timeout_ms) {
         std::unique_lock<std::mutex> lock(mu_);
-        if (completed_.empty() && timeout_ms > 0 && !stopping_) {
-            done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms),
-                              [this] { return !completed_.empty() || stopping_; });
+        auto due = [this] { return !deferred_.empty() && bps_now() >= deferred_.front().first + BPS_LAZY_DELIVERY_S; };
+        double deadline = bps_now() + timeout_ms / 1000.0;
+        while (completed_.empty() && !due() && !stopping_) { /* woken by every completion, lazy ones too */
+            double left = deadline - bps_now();
+            if (!deferred_.empty()) left = std::min(left, deferred_.front().first + BPS_LAZY_DELIVERY_S - bps_now());
+            if (left <= 0) break;
+            done_cv_.wait_for(lock, std::chrono::microseconds((int64_t)(left * 1e6) + 1));
         }
         out->assign(completed_.begin(), completed_.end());
         completed_.clear();
+        /* lazy ops their callers have not taken: the caller that delivers one first wins (Engine._deliver) */
+        while (due() || (stopping_ && !deferred_.empty())) {
+            int64_t id = deferred_.front().second;
+            deferred_.pop_front();
+            auto it = ops_.find(id);
+            if (it == ops_.end() || !it->second->lazy) continue; /* its caller took it meanwhile */
+            out->push_back(id);
+            lazy_late_++;
+        }
     }
+
+    /* Lazy ops the completion thread delivered because their caller had not taken them in time. */
+    uint64_t lazy_late() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return lazy_late_;
+    }
+
+    /* Op ``id`` has a listener now (a done callback): its completion goes to the completion thread at
+     * once, including one that already waits in deferred_. */
+    void prompt(int64_t id) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = ops_.find(id);
+        if (it == ops_.end() || !it->second->lazy) return;
+        it->second->lazy = false;
+        for (auto d = deferred_.begin(); d != deferred_.end(); ++d) {
+            if (d->second != id) continue;
+            deferred_.erase(d);
+            completed_.push_back(id);
+            done_cv_.notify_all();
+            break;
+        }
+    }
+
 
     /* A completed op's result; the op stays until forget(). */
     BpsOp *op(int64_t id) {
@@ -1532,7 +1578,10 @@ class BpsWorkerCore {
             /* A caller blocked in wait_op() sees the op done under this same mutex and delivers it
              * itself, so the completion thread is not told about it: the two would only contend for
              * the GIL over one op. A waiter that timed out first has left (waiters == 0). */
-            if (op->waiters == 0) completed_.push_back(op->id);
+            if (op->waiters == 0) {
+                if (op->lazy) deferred_.emplace_back(bps_now(), op->id);
+                else completed_.push_back(op->id);
+            }
         }
         have_done_ = true;
     }
@@ -1988,6 +2037,8 @@ class BpsWorkerCore {
     std::vector<BpsQueued> inbox_;
     std::vector<std::unique_ptr<BpsRawSend>> raw_;
     std::vector<int64_t> completed_;
+    std::deque<std::pair<double, int64_t>> deferred_; /* (completed at, id) of lazy ops, oldest first */
+    uint64_t lazy_late_ = 0;
     std::vector<BpsForward> forward_;
     bool abort_ = false;
     int64_t net_ops_ = 0;                       /* ops byteps-net runs that are not done: a direct call needs 0 */

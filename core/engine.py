@@ -550,7 +550,8 @@ class Engine:
         root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
         if not (sync and count == 1 and self._native.submit_direct(nid, table, op.cmd, op.dtype, op.root,
                                                                    op.priority, root_self, op.buf)) and \
-                not self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority, root_self, op.buf):
+                not self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority, root_self, op.buf,
+                                        lazy=True):  # see prompt()
             del self._native_ops[nid]
             return False
         self.native_submitted += 1
@@ -621,9 +622,19 @@ class Engine:
         return ProtocolError(text)
 
     def native_done(self, op):
-        """True once the native thread has finished ``op`` (any thread; no GIL hand-off needed)."""
+        """True once the native thread has finished ``op`` (any thread; no GIL hand-off needed). The op
+        is finished (event, callbacks) by synchronize(), or by the completion thread later."""
         core = self._native
         return core is not None and core.is_done(op.native_id)
+
+    def prompt(self, op):
+        """``op`` has a done callback now: have the completion thread deliver it as soon as it is done.
+
+        Native ops are submitted lazy: their completion waits (BPS_LAZY_DELIVERY_S, core/bps_worker.h)
+        for the caller's synchronize() or poll() to finish them on its own thread, so the completion
+        thread does not take the GIL from a training thread for ops nobody listens to yet."""
+        if op.native_id is not None and self._native is not None:
+            self._native.prompt(op.native_id)
 
     def _drain_native(self):
         """Replies the native thread does not own (Python's partitions), and released zero-copy bodies."""

@@ -132,3 +132,21 @@ def test_join_falls_back_to_python_after_native_steps(cluster):
     res = run_join(cluster)
     for r in range(3):
         assert res[r]["native_local"]["ops"] >= 1, res[r]["native_local"]  # step 0 ran natively everywhere
+
+
+@pytest.mark.timeout(120)
+def test_completions_are_left_to_the_caller_then_delivered(cluster):
+    """A native op that completes is finished by its caller's poll()/synchronize(), not by the completion
+    thread taking the GIL from it (bench/bench_gil.py); one nobody takes is finished by the completion
+    thread after BPS_LAZY_DELIVERY_S (its event set, its name out of flight); one with a done callback
+    (when_done, as DDP hooks use) is delivered at once, not late."""
+    c = cluster(2, 1)
+    c.run_workers("lazy_delivery", {"polled": 20})
+    codes, _, _ = c.wait_all(90)
+    assert codes == [0, 0], c.all_logs()
+    for r, res in c.results().items():
+        v = res["value"]
+        assert v["sums_ok"] and v["alone"] and v["callback"], (r, v)
+        assert v["late_alone"] == 1 and v["late_callback"] == 0, (r, v)
+        # the caller takes an op within 50 ms of its completion unless this machine stalls it longer
+        assert v["by_caller"] >= 15 and v["late_polled"] <= 20 - v["by_caller"], (r, v)

@@ -84,6 +84,8 @@ def when_done(handles, fn):
 
     for src in sources:
         src.callbacks.append(finished)
+        if job.engine is not None and not isinstance(src, Pending):
+            job.engine.prompt(src)  # the completion thread delivers it now, not its caller (Engine.prompt)
         if src.done.is_set():  # finished before the callback was in place (or it ran alone)
             finished(src)
 
