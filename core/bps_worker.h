@@ -899,7 +899,6 @@ class BpsWorkerCore {
         }
     }
 
-
     /* A completed op's result; the op stays until forget(). */
     BpsOp *op(int64_t id) {
         std::lock_guard<std::mutex> lock(mu_);

@@ -208,7 +208,7 @@ class Engine:
             self._local_exec.enqueue(op)  # in submission order; it runs once the key is known
         elif self._native is not None and not self._inbox and self._native_eligible(op):
             key = self._keys.get((op.name, op.spec))
-            if key is not None and self._native_submit(op, key, sync):  # declared before: no engine hop
+            if key is not None and self._native_submit(op, key, sync, lazy=True):  # declared before: no engine hop
                 return op
         self._inbox.append(op)
         self._wake()
@@ -535,10 +535,12 @@ class Engine:
                 rows[row, 4:9] = (view.ctypes.data, pid, fd, inode, base)
         return rows
 
-    def _native_submit(self, op, tkey, sync=False):
+    def _native_submit(self, op, tkey, sync=False, lazy=False):
         """Hand ``op`` to the native thread (``sync``: or run it on this thread if it is small and the
         native thread idle); False if it refused (a local-reduce op after join(): the caller runs it
-        in Python)."""
+        in Python). ``lazy``: its completion is left to its caller for a while (see prompt()); only
+        where the caller submits it itself, since a caller that started an op still being declared
+        waits on its event, which only a delivery sets."""
         op.tkey = tkey
         table, count = self._native_table(op, tkey)
         if not count:  # an empty tensor: nothing to send
@@ -551,7 +553,7 @@ class Engine:
         if not (sync and count == 1 and self._native.submit_direct(nid, table, op.cmd, op.dtype, op.root,
                                                                    op.priority, root_self, op.buf)) and \
                 not self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority, root_self, op.buf,
-                                        lazy=True):  # see prompt()
+                                        lazy=lazy):
             del self._native_ops[nid]
             return False
         self.native_submitted += 1

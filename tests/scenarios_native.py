@@ -75,5 +75,15 @@ def lazy_delivery(out, args):
     completion.when_done([h], lambda outcomes: called.set())
     callback = called.wait(10)
     sums_ok &= bool(torch.equal(x, torch.full((1000,), want)))
+    late_callback, late = core.lazy_late - late, core.lazy_late
+
+    # new names: the engine thread declares them and submits them to the native core, while the caller
+    # may already wait on their events: never lazy (each once waited out BPS_LAZY_DELIVERY_S)
+    xs = [torch.full((1000,), float(r + 1)) for _ in range(5)]
+    hs = [bps.push_pull_async_inplace(x, average=False, name=f"lazy.new.{i}") for i, x in enumerate(xs)]
+    for h in hs:
+        bps.synchronize(h)
+    sums_ok &= all(bool(torch.equal(x, torch.full((1000,), want))) for x in xs)
     return {"by_caller": by_caller, "late_polled": late_polled, "alone": alone, "late_alone": late_alone,
-            "callback": callback, "late_callback": core.lazy_late - late, "sums_ok": sums_ok}
+            "callback": callback, "late_callback": late_callback, "late_declared": core.lazy_late - late,
+            "sums_ok": sums_ok}
