@@ -104,6 +104,7 @@ cdef extern from "bps_worker.h" nogil:
         cbool submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                             cbool root_self, unsigned char *buf, uint64_t nbytes)
         uint64_t direct_calls()
+        uint64_t direct_adopted()
         void add_local(void *router, vector[void *] peers, int local_rank, cbool open)
         void allow_local(const string &identity)
         void add_local_link(int r, int fd, const string &ident)
@@ -416,6 +417,11 @@ cdef class WorkerCore:
     def direct_calls(self):
         """Synchronous calls whose round trip ran on the caller's thread."""
         return self.core.direct_calls()
+
+    @property
+    def direct_adopted(self):
+        """Direct calls handed to byteps-net because their reply took longer than the window."""
+        return self.core.direct_adopted()
 
     def send(self, int server, header, body, token=None, bytes ident=None):
         """Queue ``[header, body]`` for server ``server`` (or a local socket: :data:`TO_ROUTER` with

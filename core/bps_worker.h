@@ -548,15 +548,18 @@ class BpsWorkerCore {
         BpsPart part;
         std::string name;
         uint64_t seq;
+        bool local;
         {
             std::lock_guard<std::mutex> lock(mu_);
             const BpsTable &t = tables_.at((size_t)table);
             seq = t.count;
             const std::vector<BpsPart> &parts = t.parts_for(seq);
-            if (t.local || parts.size() != 1 || holding_ || commit_in_) return false;
+            if (parts.size() != 1 || holding_ || commit_in_) return false;
+            local = t.local;
             part = parts[0];
             name = t.name;
         }
+        if (local) return submit_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes);
         server = part.server;
         if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= nservers_.load() || !links_[(size_t)server] ||
             dead_[(size_t)server].load())
@@ -623,11 +626,145 @@ class BpsWorkerCore {
         link_lock.unlock();
         if (!replied || strays || more) wake();
         if (replied) direct_calls_.fetch_add(1);
+        else direct_adopted_.fetch_add(1);
         return true;
+    }
+
+    /* submit_direct for a partition of the machine's local reduce that another local rank owns (a
+     * synchronous push_pull of one partition): the caller copies it into its shared region, sends
+     * LOCAL_READY on the link to the owner and reads the owner's LOCAL_DONE itself, sparing the two
+     * hand-offs between the caller and byteps-net. The owner's side is unchanged. Handed to byteps-net
+     * (adopted) after BPS_DIRECT_WINDOW_S, as for a server; byteps-net keeps a LOCAL_DONE that reaches
+     * it meanwhile (early_done_). False: the fast path does not apply. */
+    bool submit_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part, const std::string &name,
+                             uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, unsigned char *buf,
+                             uint64_t nbytes) {
+        int owner = part.owner;
+        if (cmd != BPS_CMD_PUSHPULL || owner < 0 || owner == local_rank_ || (size_t)owner >= local_links_.size() ||
+            part.staging == nullptr || part.length > BPS_DIRECT_MAX_BYTES || part.offset + part.length > nbytes)
+            return false;
+        std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)owner]);
+        BpsConn *l = live_local_link(owner);
+        if (l == nullptr || strcmp(l->kind(), "tcp") != 0 || l->wants_write() || l->pending_input()) return false;
+        BpsOp *op = new_op(id, cmd, dtype, root, priority, false, buf, nbytes);
+        op->name = name;
+        op->local = true;
+        op->parts.push_back(part);
+        op->parts_left = 1;
+        op->started = bps_now();
+        op->direct.store(true);
+        BpsPart &p = op->parts[0];
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            BpsTable &t = tables_.at((size_t)table);
+            /* byteps-net is busy, join() handed the local reduce to Python, or the servers are changing */
+            if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
+                python_local_ || t.count != seq) {
+                delete op;
+                return false;
+            }
+            op->table = table;
+            op->seq = t.count++;
+            ops_[id] = op;
+            p.rnd = next_round(p.key);
+            p.has_rnd = true;
+            local_direct_ids_.insert(Ident(p.key, p.rnd));
+        }
+        local_direct_owned_[(size_t)owner].store(true);
+        memcpy(p.staging, buf + p.offset, p.length); /* COORDINATE: our copy into our shared region */
+        BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, dtype, (uint32_t)local_rank_,
+                                 BPS_FLAG_SHM);
+        BpsFrames f;
+        f.copy(&h, sizeof h);
+        f.copy(&p.desc, sizeof p.desc);
+        bool replied = false, strays = false;
+        if (l->send(f) == 0) {
+            local_link_sent_.fetch_add(1);
+            local_coordinated_++;
+            replied = local_direct_wait(op, owner, l, &strays);
+        } else {
+            set_error(op, BPS_ERR_PROTOCOL, "tensor '" + name + "': sending to local rank " + std::to_string(owner) +
+                                                " failed: " + l->error());
+            replied = true;
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            local_direct_ids_.erase(Ident(p.key, p.rnd));
+            op->direct.store(false);
+            if (replied) {
+                op->parts_left = 0;
+                op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
+            } else { /* byteps-net waits for its LOCAL_DONE from now on, as if it had sent the copy */
+                local_adopt_in_.push_back(BpsQueued{priority, p.rnd, op, 0});
+                net_ops_++;
+            }
+        }
+        local_direct_owned_[(size_t)owner].store(false);
+        bool more = l->pending_input() || l->dead();
+        link_lock.unlock();
+        if (!replied || strays || more) wake();
+        if (replied) direct_calls_.fetch_add(1);
+        else direct_adopted_.fetch_add(1);
+        return true;
+    }
+
+    /* The direct local caller's wait for the owner's LOCAL_DONE (or ERROR) of its partition on link ``l``
+     * (its lock held): true once the result is in the tensor (or the op failed), false when the window
+     * passed or the link broke. */
+    bool local_direct_wait(BpsOp *op, int owner, BpsConn *l, bool *strays) {
+        BpsPart &p = op->parts[0];
+        double deadline = bps_now() + BPS_DIRECT_WINDOW_S;
+        BpsMessage msg;
+        for (;;) {
+            while (l->recv(&msg, &local_link_ident_[(size_t)owner]) > 0) { /* [identity, header, body] */
+                local_link_received_.fetch_add(1);
+                BpsHeader h;
+                bool mine = msg.count == 3 && !msg.truncated && bps_parse_header(msg.data(1), msg.size(1), &h) &&
+                            h.key == p.key && h.round == p.rnd &&
+                            (h.cmd == BPS_CMD_LOCAL_DONE || h.cmd == BPS_CMD_ERROR);
+                if (!mine) { /* someone else's: byteps-net handles it, in arrival order */
+                    BpsMessage *keep = new BpsMessage();
+                    for (int i = 0; i < msg.count; ++i) msg.take(i, &keep->frames[i]);
+                    keep->count = msg.count;
+                    keep->truncated = msg.truncated;
+                    msg.count = 0;
+                    std::lock_guard<std::mutex> lock(mu_);
+                    local_strays_in_.push_back(keep);
+                    *strays = true;
+                    continue;
+                }
+                if (h.cmd == BPS_CMD_ERROR) {
+                    set_error(op, BPS_ERR_SERVER, std::string((const char *)msg.data(2), msg.size(2)));
+                    return true;
+                }
+                unsigned char *src;
+                uint64_t len;
+                std::string err;
+                int rc = view_shared(msg.data(2), msg.size(2), &src, &len, &err);
+                if (rc != 0 || len != p.length) {
+                    if (err.empty())
+                        err = "copy_into: dst has " + std::to_string(p.length) + " bytes and src has " +
+                              std::to_string(len) + " bytes";
+                    set_error(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': local result unreadable: " + err);
+                    return true;
+                }
+                memcpy(op->buf + p.offset, src, p.length); /* COPY_OUT */
+                return true;
+            }
+            if (l->dead()) return false; /* byteps-net adopts it; its DEALER carries what follows */
+            if (l->wants_write()) l->flush();
+            double left = deadline - bps_now();
+            if (left <= 0) return false;
+            struct pollfd pfd = {l->fd(), (short)(POLLIN | (l->wants_write() ? POLLOUT : 0)), 0};
+            struct timespec ts = {0, (long)(left * 1e9)};
+            ppoll(&pfd, 1, &ts, nullptr);
+        }
     }
 
     /* Calls that completed on the caller's thread (submit_direct; tests check the path ran). */
     uint64_t direct_calls() const { return direct_calls_.load(); }
+    /* Direct calls whose reply did not come within the window: byteps-net took them over. */
+    uint64_t direct_adopted() const { return direct_adopted_.load(); }
 
     /* Servers reached over a direct link (tests and logs check the path really ran). */
     int links_up() const {
@@ -645,6 +782,8 @@ class BpsWorkerCore {
         local_size_ = (int)peers_.size();
         local_links_.resize(peers_.size());
         local_link_ident_.resize(peers_.size());
+        for (size_t r = 0; r < peers_.size(); ++r) local_link_mu_.emplace_back(new std::recursive_mutex());
+        local_direct_owned_.resize(peers_.size());
         auth_open_ = open;
         stage_ = new BpsStageThread(nthreads_, wake_fd_);
     }
@@ -1007,14 +1146,38 @@ class BpsWorkerCore {
     /* Partitions direct callers handed over (their replies may be next on the link), and messages
      * they read for others. Called before any link is read, and again for a reply nobody expects. */
     void take_direct() {
-        std::vector<BpsQueued> adopt;
+        std::vector<BpsQueued> adopt, local_adopt;
         std::vector<std::pair<int, BpsMessage *>> strays;
+        std::vector<BpsMessage *> local_strays;
         bool abort;
         {
             std::lock_guard<std::mutex> lock(mu_);
             adopt.swap(adopt_in_);
             strays.swap(strays_in_);
+            local_adopt.swap(local_adopt_in_);
+            local_strays.swap(local_strays_in_);
             abort = abort_;
+        }
+        for (auto &a : local_adopt) { /* its LOCAL_READY is out: wait for the owner's LOCAL_DONE here */
+            BpsPart &p = a.op->parts[(size_t)a.part];
+            Ident id(p.key, a.seq);
+            awaiting_[id] = Await{a.op, a.part, p.owner};
+            a.op->owed_local[p.owner]++;
+            if (abort) {
+                fail(a.op, BPS_ERR_ABORT, "");
+                continue;
+            }
+            auto e = early_done_.find(id);
+            if (e != early_done_.end()) { /* it reached the ROUTER while the caller held it */
+                std::pair<BpsMessage *, bool> m = e->second;
+                early_done_.erase(e);
+                on_local(m.first, m.second);
+                delete m.first;
+            }
+        }
+        for (BpsMessage *m : local_strays) {
+            on_local(m, true);
+            delete m;
         }
         for (auto &a : adopt) {
             BpsPart &p = a.op->parts[(size_t)a.part];
@@ -1072,7 +1235,7 @@ class BpsWorkerCore {
                 buffered |= l != nullptr && l->pending_input(); /* whole messages in hand: no sleep */
             }
             for (size_t r = 0; r < local_links_.size(); ++r) {
-                BpsConn *l = live_local_link((int)r);
+                BpsConn *l = local_direct_owned_[r].load() ? nullptr : live_local_link((int)r);
                 short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->wants_write() ? BPS_ZMQ_POLLOUT : 0));
                 items[local_at + r] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
                 buffered |= l != nullptr && l->pending_input();
@@ -1099,6 +1262,9 @@ class BpsWorkerCore {
                 short ev = items[local_at + r].revents;
                 BpsConn *l = live_local_link((int)r);
                 if (l == nullptr || (!ev && !l->pending_input())) continue;
+                std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[r], std::try_to_lock);
+                if (!link_lock) continue; /* a direct caller reads it now */
+                take_direct();            /* what it handed over comes before what we read next */
                 if (ev & BPS_ZMQ_POLLOUT) l->flush();
                 for (int k = 0; k < 256 && !l->dead(); ++k) {
                     if (l->recv(&msg, &local_link_ident_[r]) <= 0) break; /* [identity, header, body], as on the ROUTER */
@@ -1267,6 +1433,7 @@ class BpsWorkerCore {
             bps_zmq_send_frames(router_, f, &m->ident);
         } else {
             int r = -2 - m->server; /* the same path as ours, so that one peer's messages stay in order */
+            std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)r]);
             BpsConn *l = live_local_link(r);
             if (l == nullptr) {
                 bps_zmq_send_frames(peers_[(size_t)r], f);
@@ -1485,7 +1652,7 @@ class BpsWorkerCore {
             unsigned char *src;
             uint64_t len;
             std::string err;
-            if (maps_.view(m->data(1), m->size(1), &src, &len, &err) != 0) {
+            if (view_shared(m->data(1), m->size(1), &src, &len, &err) != 0) {
                 set_error(op, BPS_ERR_PROTOCOL, err);
                 return;
             }
@@ -1780,7 +1947,7 @@ class BpsWorkerCore {
         std::string err;
         g.count++;
         if (h.arg < 64) g.ranks |= 1ull << h.arg;
-        if (maps_.view(body.data(), body.size(), &src, &len, &err) != 0) {
+        if (view_shared(body.data(), body.size(), &src, &len, &err) != 0) {
             if (g.error.empty()) g.error = err;
         } else if (len != p.length) {
             if (g.error.empty())
@@ -1852,7 +2019,7 @@ class BpsWorkerCore {
         } else if (h.flags & BPS_FLAG_SHM) { /* the others copy from the server's store directly */
             unsigned char *view;
             uint64_t len;
-            if (maps_.view(m->data(1), m->size(1), &view, &len, &err) == 0 && len != p.length)
+            if (view_shared(m->data(1), m->size(1), &view, &len, &err) == 0 && len != p.length)
                 err = who + " replied " + std::to_string(len) + " bytes for a partition of " + std::to_string(p.length);
             src = view;
             desc = m->data(1);
@@ -1904,6 +2071,7 @@ class BpsWorkerCore {
     }
 
     int send_local(int r, const BpsHeader *h, const void *body, size_t n) {
+        std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)r]); /* a direct caller may hold it briefly */
         BpsConn *l = live_local_link(r);
         if (l != nullptr) {
             BpsFrames f;
@@ -1958,6 +2126,16 @@ class BpsWorkerCore {
             return;
         }
         auto a = awaiting_.find(id);
+        if ((h.cmd == BPS_CMD_LOCAL_DONE || h.cmd == BPS_CMD_ERROR) && a == awaiting_.end() && held_direct(id)) {
+            BpsMessage *keep = new BpsMessage(); /* a direct caller's, come by the ROUTER: kept for its hand-over */
+            for (int i = 0; i < m->count; ++i) m->take(i, &keep->frames[i]);
+            keep->count = m->count;
+            m->count = 0;
+            delete early_done_[id].first; /* (none: one reply per partition) */
+            early_done_[id] = std::make_pair(keep, linked);
+            take_direct();
+            return;
+        }
         if ((h.cmd != BPS_CMD_LOCAL_DONE && h.cmd != BPS_CMD_ERROR) || a == awaiting_.end()) {
             forward_local(m); /* Python's partition, or an op that failed already */
             return;
@@ -1975,7 +2153,7 @@ class BpsWorkerCore {
         unsigned char *src;
         uint64_t len;
         std::string err;
-        if (maps_.view(m->data(2), m->size(2), &src, &len, &err) != 0 || len != p.length) {
+        if (view_shared(m->data(2), m->size(2), &src, &len, &err) != 0 || len != p.length) {
             if (err.empty())
                 err = "copy_into: dst has " + std::to_string(p.length) + " bytes and src has " + std::to_string(len) +
                       " bytes";
@@ -1984,6 +2162,21 @@ class BpsWorkerCore {
             return;
         }
         stage_or_inline(BPS_TASK_COPY_OUT, op, w.part, op->buf + p.offset, {src});
+    }
+
+    /* A peer's shared memory named by a descriptor (BpsPeerMaps::view), from any thread. */
+    int view_shared(const void *body, size_t n, unsigned char **ptr, uint64_t *len, std::string *err) {
+        std::lock_guard<std::mutex> lock(maps_mu_);
+        return maps_.view(body, n, ptr, len, err);
+    }
+
+    /* A direct local caller holds partition ``id`` (waits for it, or has handed it over unseen). */
+    bool held_direct(const Ident &id) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (local_direct_ids_.count(id)) return true;
+        for (auto &a : local_adopt_in_)
+            if (Ident(a.op->parts[(size_t)a.part].key, a.seq) == id) return true;
+        return false;
     }
 
     /* Python took partition ``id`` (claim): the copies we hold for it, and ``count`` more, are its. */
@@ -2024,7 +2217,7 @@ class BpsWorkerCore {
     std::vector<std::unique_ptr<BpsConn>> links_; /* per server: its direct link (TCP or UCX), or NULL */
     std::vector<std::unique_ptr<std::mutex>> link_mu_; /* per server: who writes or reads its link now */
     std::deque<std::atomic<bool>> direct_owned_;      /* per server: a direct caller holds its link */
-    std::atomic<uint64_t> direct_calls_{0};
+    std::atomic<uint64_t> direct_calls_{0}, direct_adopted_{0};
     std::deque<std::atomic<uint64_t>> sent_, received_;
     std::thread thread_;
     std::atomic<bool> stopping_{false};
@@ -2043,6 +2236,9 @@ class BpsWorkerCore {
     int64_t net_ops_ = 0;                       /* ops byteps-net runs that are not done: a direct call needs 0 */
     std::vector<BpsQueued> adopt_in_;           /* direct partitions handed over (seq: their round) */
     std::vector<std::pair<int, BpsMessage *>> strays_in_; /* messages direct callers read for others */
+    std::vector<BpsQueued> local_adopt_in_;     /* direct local partitions handed over (seq: their round) */
+    std::vector<BpsMessage *> local_strays_in_; /* local-link messages direct callers read for others */
+    std::set<std::pair<uint64_t, uint64_t>> local_direct_ids_; /* (key, round) a direct local caller waits for */
     std::vector<std::string> allow_in_;                   /* identities Python admitted */
     std::vector<std::pair<Ident, int>> claims_in_;        /* partitions Python took */
     std::vector<std::vector<std::string>> forward_local_; /* local messages for Python */
@@ -2099,6 +2295,14 @@ class BpsWorkerCore {
     std::atomic<bool> recheck_{false};
     std::atomic<uint64_t> local_reduced_{0}, local_threaded_{0}, local_coordinated_{0};
     std::vector<std::unique_ptr<BpsConn>> local_links_; /* per local rank: its direct link, or NULL */
+    /* per local rank: who writes or reads its link now (recursive: byteps-net sends on a link while it
+     * reads it), and whether a direct caller holds it (then byteps-net does not poll it) */
+    std::vector<std::unique_ptr<std::recursive_mutex>> local_link_mu_;
+    std::deque<std::atomic<bool>> local_direct_owned_;
+    /* byteps-net: a LOCAL_DONE / ERROR that reached the ROUTER for a partition a direct caller still held
+     * (kept until it is handed over), with whether it came on a link */
+    std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsMessage *, bool>> early_done_;
+    std::mutex maps_mu_; /* maps_: byteps-net and direct local callers read results through it */
     std::vector<std::string> local_link_ident_;         /* per local rank: its DEALER identity (frame 0) */
     std::atomic<uint64_t> local_link_sent_{0}, local_link_received_{0};
     std::atomic<uint64_t> credit_stalls_{0};

@@ -50,4 +50,5 @@ def direct_calls(out, args):
     if helper is not None:
         stop.set()
         helper.join()
-    return {"exact": bool(exact) and not bad, "bad": bad, "direct": _job.engine.native_direct_calls}
+    return {"exact": bool(exact) and not bad, "bad": bad, "direct": _job.engine.native_direct_calls,
+            "adopted": _job.engine._native.direct_adopted if _job.engine._native is not None else 0}

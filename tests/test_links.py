@@ -154,3 +154,27 @@ def test_synchronous_calls_on_the_callers_thread(cluster, case):
             assert v["direct"] >= 300, v
         elif case == "late-peer":
             assert v["direct"] > 0, v
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", list(DIRECT_CASES))
+@pytest.mark.parametrize("machines", [1, 2], ids=["1x2", "2x2"])
+def test_synchronous_local_reduce_calls_on_the_callers_thread(cluster, case, machines):
+    """With a local reduce, a process that does not own a small tensor's partition sends its copy to the
+    owner and reads the owner's LOCAL_DONE on its own thread (submit_local_direct); a late owner makes it
+    hand the partition to byteps-net; async local-reduce traffic on the same links reaches its owners;
+    every result exact. "small" and "small.oop" have consecutive keys, so each process owns one."""
+    c = cluster(machines, machines, local_size=2, env={"BYTEPS_PARTITION_BYTES": "65536"})
+    c.run_workers("direct_calls", DIRECT_CASES[case])
+    codes, scodes, sched = c.wait_all(120)
+    assert codes == [0] * (2 * machines) and scodes == [0] * machines and sched == 0, c.all_logs()
+    res = c.results()
+    for r, got in res.items():
+        assert got["value"]["exact"], (r, got["value"], c.all_logs())
+        assert got["native_local"]["links_up"] == 1, got["native_local"]
+    direct = sum(got["value"]["direct"] for got in res.values())
+    adopted = sum(got["value"]["adopted"] for got in res.values())
+    if case == "alone":  # half the calls are a non-owner's; nearly all of those take the fast path
+        assert direct >= 150 * machines * 2, (direct, adopted)
+    elif case == "late-peer":  # rank 1 sleeps 50 ms on 4 steps: rank 0 waits longer than the window
+        assert direct > 0 and adopted > 0, (direct, adopted)
