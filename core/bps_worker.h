@@ -612,21 +612,54 @@ class BpsWorkerCore {
         }
         {
             std::lock_guard<std::mutex> lock(mu_);
-            op->direct.store(false);
-            if (replied) {
-                op->parts_left = 0;
-                op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
-            } else { /* byteps-net owns the partition from now on, as if it had sent it */
-                adopt_in_.push_back(BpsQueued{priority, rnd, op, 0});
-                net_ops_++;
-            }
+            end_direct(op, replied, rnd, &adopt_in_); /* adopted: as if byteps-net had sent it */
         }
         direct_owned_[(size_t)server].store(false);
         bool more = l->pending_input() || l->dead();
         link_lock.unlock();
-        if (!replied || strays || more) wake();
+        count_direct(replied, strays || more);
+        return true;
+    }
+
+    /* A direct call's end (mu_ held): its caller delivers it (``replied``), or byteps-net takes it over
+     * through ``adopt``. */
+    void end_direct(BpsOp *op, bool replied, uint64_t rnd, std::vector<BpsQueued> *adopt) {
+        op->direct.store(false);
+        if (replied) {
+            op->parts_left = 0;
+            op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
+        } else {
+            adopt->push_back(BpsQueued{op->priority, rnd, op, 0});
+            net_ops_++;
+        }
+    }
+
+    /* After a direct call let go of its link: byteps-net has work (``more``, or an adopted partition). */
+    void count_direct(bool replied, bool more) {
+        if (!replied || more) wake();
         if (replied) direct_calls_.fetch_add(1);
         else direct_adopted_.fetch_add(1);
+    }
+
+    /* A message a direct caller read for someone else, moved out of ``msg`` for byteps-net. */
+    static BpsMessage *keep_message(BpsMessage &msg) {
+        BpsMessage *keep = new BpsMessage();
+        for (int i = 0; i < msg.count; ++i) msg.take(i, &keep->frames[i]);
+        keep->count = msg.count;
+        keep->truncated = msg.truncated;
+        msg.count = 0;
+        return keep;
+    }
+
+    /* A direct caller's sleep on its link until input (or room to write) or ``deadline``; false once
+     * the deadline has passed. */
+    static bool wait_link(BpsConn *l, double deadline) {
+        if (l->wants_write()) l->flush();
+        double left = deadline - bps_now();
+        if (left <= 0) return false;
+        struct pollfd pfd = {l->fd(), (short)(POLLIN | (l->wants_write() ? POLLOUT : 0)), 0};
+        struct timespec ts = {0, (long)(left * 1e9)};
+        ppoll(&pfd, 1, &ts, nullptr);
         return true;
     }
 
@@ -690,21 +723,12 @@ class BpsWorkerCore {
         {
             std::lock_guard<std::mutex> lock(mu_);
             local_direct_ids_.erase(Ident(p.key, p.rnd));
-            op->direct.store(false);
-            if (replied) {
-                op->parts_left = 0;
-                op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
-            } else { /* byteps-net waits for its LOCAL_DONE from now on, as if it had sent the copy */
-                local_adopt_in_.push_back(BpsQueued{priority, p.rnd, op, 0});
-                net_ops_++;
-            }
+            end_direct(op, replied, p.rnd, &local_adopt_in_); /* adopted: byteps-net waits for its LOCAL_DONE */
         }
         local_direct_owned_[(size_t)owner].store(false);
         bool more = l->pending_input() || l->dead();
         link_lock.unlock();
-        if (!replied || strays || more) wake();
-        if (replied) direct_calls_.fetch_add(1);
-        else direct_adopted_.fetch_add(1);
+        count_direct(replied, strays || more);
         return true;
     }
 
@@ -723,11 +747,7 @@ class BpsWorkerCore {
                             h.key == p.key && h.round == p.rnd &&
                             (h.cmd == BPS_CMD_LOCAL_DONE || h.cmd == BPS_CMD_ERROR);
                 if (!mine) { /* someone else's: byteps-net handles it, in arrival order */
-                    BpsMessage *keep = new BpsMessage();
-                    for (int i = 0; i < msg.count; ++i) msg.take(i, &keep->frames[i]);
-                    keep->count = msg.count;
-                    keep->truncated = msg.truncated;
-                    msg.count = 0;
+                    BpsMessage *keep = keep_message(msg);
                     std::lock_guard<std::mutex> lock(mu_);
                     local_strays_in_.push_back(keep);
                     *strays = true;
@@ -752,12 +772,7 @@ class BpsWorkerCore {
                 return true;
             }
             if (l->dead()) return false; /* byteps-net adopts it; its DEALER carries what follows */
-            if (l->wants_write()) l->flush();
-            double left = deadline - bps_now();
-            if (left <= 0) return false;
-            struct pollfd pfd = {l->fd(), (short)(POLLIN | (l->wants_write() ? POLLOUT : 0)), 0};
-            struct timespec ts = {0, (long)(left * 1e9)};
-            ppoll(&pfd, 1, &ts, nullptr);
+            if (!wait_link(l, deadline)) return false;
         }
     }
 
@@ -1110,10 +1125,7 @@ class BpsWorkerCore {
                 bool mine = msg.count >= 1 && bps_parse_header(msg.data(0), msg.size(0), &h) && h.key == p.key &&
                             h.round == rnd;
                 if (!mine) { /* someone else's: byteps-net handles it, in arrival order */
-                    BpsMessage *keep = new BpsMessage();
-                    for (int i = 0; i < msg.count; ++i) msg.take(i, &keep->frames[i]);
-                    keep->count = msg.count;
-                    msg.count = 0;
+                    BpsMessage *keep = keep_message(msg);
                     std::lock_guard<std::mutex> lock(mu_);
                     strays_in_.push_back(std::make_pair(server, keep));
                     *strays = true;
@@ -1134,12 +1146,7 @@ class BpsWorkerCore {
                 return true;
             }
             if (l->dead()) return false; /* byteps-net adopts it; the scheduler reports the lost server */
-            if (l->wants_write()) l->flush();
-            double left = deadline - bps_now();
-            if (left <= 0) return false;
-            struct pollfd pfd = {l->fd(), (short)(POLLIN | (l->wants_write() ? POLLOUT : 0)), 0};
-            struct timespec ts = {0, (long)(left * 1e9)};
-            ppoll(&pfd, 1, &ts, nullptr);
+            if (!wait_link(l, deadline)) return false;
         }
     }
 
