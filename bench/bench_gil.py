@@ -281,7 +281,6 @@ def worker_main(args):
         res = measure(args, ops, torch, lambda: pin_training_thread(args.train_core, args.comm_core))
         from byteps import common
         res["local_stats"] = common._require().engine.native_local_stats() if args.local_size > 1 else None
-        res["server_bytes"] = sum(common._require().engine.bytes_sent.values())
         bps.shutdown()
     else:
         import torch.distributed as dist

@@ -95,10 +95,10 @@ static const uint64_t BPS_DIRECT_MAX_BYTES = 64 << 10;
  * that other threads' messages to that server are never held back for long. */
 static const double BPS_DIRECT_WINDOW_S = 0.005;
 
-/* A lazy op's completion (submit_table) waits this long for its caller to take it (synchronize() or
- * poll() on the caller's thread) before the completion thread delivers it: a completion thread that
- * takes the GIL for ops nobody listens to yet takes it from a training thread that runs Python
- * (bench/bench_gil.py). An op gets a listener (a done callback) through prompt(). */
+/* A lazy op's completion (submit_table) waits this long for its caller to take it (synchronize() on
+ * the caller's thread; poll() only reads the flag) before the completion thread delivers it: a
+ * completion thread that takes the GIL for ops nobody listens to yet takes it from a training thread
+ * that runs Python (bench/bench_gil.py). An op gets a listener (a done callback) through prompt(). */
 static const double BPS_LAZY_DELIVERY_S = 0.05;
 
 static inline double bps_now() {

@@ -632,9 +632,9 @@ class Engine:
     def prompt(self, op):
         """``op`` has a done callback now: have the completion thread deliver it as soon as it is done.
 
-        Native ops are submitted lazy: their completion waits (BPS_LAZY_DELIVERY_S, core/bps_worker.h)
-        for the caller's synchronize() or poll() to finish them on its own thread, so the completion
-        thread does not take the GIL from a training thread for ops nobody listens to yet."""
+        Native ops their caller submits are lazy: their completion waits (BPS_LAZY_DELIVERY_S,
+        core/bps_worker.h) for the caller's synchronize() to finish them on its own thread, so the
+        completion thread does not take the GIL from a training thread for ops nobody listens to yet."""
         if op.native_id is not None and self._native is not None:
             self._native.prompt(op.native_id)
 
