@@ -57,3 +57,23 @@ def torch_calls(out, args):
     hs = [bps.push_pull_async(torch.full((5,), float(rank)), average=False) for _ in range(3)]
     res["async"] = [digest(bps.synchronize(h)) for h in hs]
     return res
+
+
+@scenario
+def push_pull_gradients(out, args):
+    """push_pull is differentiable where autograd needs it, and skips autograd where it does not: the
+    sums exact either way, a grad_fn only on a tensor that requires grad with grad enabled, and its
+    backward pushes the gradient the same way (d/dx sum_r (r+1) * pp(x) = sum_r (r+1))."""
+    r, n = bps.rank(), bps.size()
+    want = float(sum(q + 1 for q in range(n)))
+    x = torch.full((1000,), float(r + 1), requires_grad=True)
+    y = bps.push_pull(x, average=False, name="pp.grad")
+    (y * float(r + 1)).sum().backward()
+    plain = bps.push_pull(torch.full((1000,), float(r + 1)), average=False, name="pp.plain")
+    with torch.no_grad():
+        under_no_grad = bps.push_pull(x, average=False, name="pp.nograd")
+    return {"tracked": y.grad_fn is not None, "sum": bool(torch.equal(y.detach(), torch.full((1000,), want))),
+            "grad": bool(torch.equal(x.grad, torch.full((1000,), want))),
+            "plain_tracked": plain.grad_fn is not None, "plain_sum": bool(torch.equal(plain, torch.full((1000,), want))),
+            "no_grad_tracked": under_no_grad.grad_fn is not None,
+            "no_grad_sum": bool(torch.equal(under_no_grad, torch.full((1000,), want)))}

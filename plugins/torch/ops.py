@@ -201,12 +201,17 @@ def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0, co
     return synchronize(_start(tensor, name, average, priority, compression=_wire(compression), sync=True))
 
 
+def _push_pull_out(tensor, average, name, priority, codec):
+    """A synchronous out-of-place push_pull: the result in a new tensor."""
+    name = name if name is not None else _unnamed_sync("push_pull", tensor)
+    return synchronize(_start(out_of_place(tensor), name, average, priority, compression=_wire(codec), sync=True))
+
+
 class _PushPull(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, name, version, priority, codec=None):
         ctx.average, ctx.name, ctx.codec = average, name, codec
-        name = name if name is not None else _unnamed_sync("push_pull", tensor)
-        return synchronize(_start(out_of_place(tensor), name, average, priority, compression=_wire(codec), sync=True))
+        return _push_pull_out(tensor, average, name, priority, codec)
 
     @staticmethod
     def backward(ctx, grad):
@@ -225,7 +230,10 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0, compressio
     codec = _wire(compression)
     compression = compression or Compression.none
     compressed, ctx = compression.compress(tensor)
-    out = _PushPull.apply(compressed, average, name, version, priority, codec)
+    if torch.is_grad_enabled() and compressed.requires_grad:
+        out = _PushPull.apply(compressed, average, name, version, priority, codec)
+    else:  # nothing to differentiate: autograd's Function machinery would only cost time (a tenth of a 4 KB call)
+        out = _push_pull_out(compressed, average, name, priority, codec)
     return compression.decompress(out, ctx)
 
 
