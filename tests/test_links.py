@@ -174,7 +174,8 @@ def test_synchronous_local_reduce_calls_on_the_callers_thread(cluster, case, mac
         assert got["native_local"]["links_up"] == 1, got["native_local"]
     direct = sum(got["value"]["direct"] for got in res.values())
     adopted = sum(got["value"]["adopted"] for got in res.values())
-    if case == "alone":  # half the calls are a non-owner's; nearly all of those take the fast path
-        assert direct >= 150 * machines * 2, (direct, adopted)
+    if case == "alone":  # half the calls are a non-owner's; most take the fast path (a loaded machine
+        # may make a reply miss the 5 ms window: at least half, where none did before)
+        assert direct >= 100 * machines * 2, (direct, adopted)
     elif case == "late-peer":  # rank 1 sleeps 50 ms on 4 steps: rank 0 waits longer than the window
         assert direct > 0 and adopted > 0, (direct, adopted)

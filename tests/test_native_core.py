@@ -148,6 +148,8 @@ def test_completions_are_left_to_the_caller_then_delivered(cluster):
     for r, res in c.results().items():
         v = res["value"]
         assert v["sums_ok"] and v["alone"] and v["callback"], (r, v)
-        assert v["late_alone"] == 1 and v["late_callback"] == 0 and v["late_declared"] == 0, (r, v)
+        assert v["late_alone"] == 1 and v["late_declared"] == 0, (r, v)
+        if r < len(c.results()) - 1:  # their peer came 0.3 s late: prompt() came first, whatever the load
+            assert v["late_callback"] == 0, (r, v)
         # the caller takes an op within 50 ms of its completion unless this machine stalls it longer
         assert v["by_caller"] >= 15 and v["late_polled"] <= 20 - v["by_caller"], (r, v)
