@@ -69,6 +69,7 @@ Commands
     .venv/bin/python bench/bench_users.py --layouts local --procs 2 --sizes 4KB,1MB --patterns inplace \\
         --names fixed --repeat 1 --quick                         # the tiny config of tests/test_bench_smoke.py
     .venv/bin/python bench/bench_users.py --env BYTEPS_NATIVE=1 # an A/B with a variable set: printed as such
+    python bench/bench_users.py --device cuda --layouts machines --procs 2   # CUDA tensors, on a GPU machine
     .venv/bin/python bench/bench_users.py --train               # training step, one machine (bpslaunch --local)
     .venv/bin/python bench/bench_users.py --train --quick
     sudo .venv/bin/python bench/bench_users.py --cluster        # training step, emulated cluster n=4, k=4, 1 Gbit/s
@@ -350,6 +351,7 @@ class Collectives:
         self.want = float(self.size * (self.size + 1) // 2)
         self.servers = _server_pids() if self.rank == 0 else []
         self.blocks = {}  # (label, pattern, impl, names) -> {rep: {...}}
+        self.device = device(args, torch)
         self.errors = []
         self.memory_events = []
 
@@ -387,13 +389,15 @@ class Collectives:
                 srv0 = _servers_stat(self.servers) if impl == "byteps" else None
                 rss0 = _self_rss()
             if pattern == "fresh":
-                t = torch.empty(n)
+                t = torch.empty(n, device=self.device)
             else:
                 t = base
             t.fill_(self.rank + 1)
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             out = self._call(impl, pattern, t, name)
+            if self.device.type == "cuda":  # the result is usable once the GPU's queued work is done
+                torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - t0
             f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             self._check(f"{impl} {pattern} {label}", out, t, pattern)
@@ -430,6 +434,8 @@ class Collectives:
             works = [dist.all_reduce(t, async_op=True) for t in tensors]
             for w in works:
                 w.wait()
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
         rss1 = _self_rss()
         srv1 = _servers_stat(self.servers) if impl == "byteps" else None
@@ -488,8 +494,9 @@ class Collectives:
             for pattern in args.patterns.split(","):
                 if pattern == "batched" and nbytes > BATCH_MAX:
                     continue
-                base = torch.empty(nbytes // 4)
-                batch = [torch.empty(nbytes // 4) for _ in range(BATCH)] if pattern == "batched" else None
+                base = torch.empty(nbytes // 4, device=self.device)
+                batch = ([torch.empty(nbytes // 4, device=self.device) for _ in range(BATCH)]
+                         if pattern == "batched" else None)
                 for rep in range(warm + args.repeat):
                     order = variants[rep % len(variants):] + variants[:rep % len(variants)]
                     for impl, names in order:
@@ -512,6 +519,16 @@ class Collectives:
                 "memory_events": self.memory_events}
 
 
+def device(args, torch):
+    """The torch device of this worker's tensors (``--device``): a CUDA worker takes GPU local_rank
+    modulo the GPUs there are, so processes share a GPU when there are fewer GPUs than processes."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    import byteps.torch as bps
+
+    return torch.device("cuda", bps.local_rank() % torch.cuda.device_count())
+
+
 def worker_main(args):
     import torch
     import torch.distributed as dist
@@ -520,9 +537,14 @@ def worker_main(args):
 
     bps.init()
     rank, size = bps.rank(), bps.size()
+    if args.device == "cuda":
+        torch.cuda.set_device(device(args, torch))
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.gloo_port}", rank=rank,
                             world_size=size)
     info = child_env_info() if rank == 0 else None
+    if info is not None and args.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device(args, torch))
+        info["gpus"] = torch.cuda.device_count()
     if args.mode == "train":
         mine = train_worker(args, bps, dist, torch)
     else:
@@ -653,7 +675,7 @@ def run_job(layout, procs, args, mode):
 
 
 def worker_args(args):
-    keep = ["sizes", "patterns", "names", "repeat", "calls", "rtts", "mem_floor", "mem_budget", "width", "hidden",
+    keep = ["device", "sizes", "patterns", "names", "repeat", "calls", "rtts", "mem_floor", "mem_budget", "width", "hidden",
             "layers", "batch", "steps", "lr", "seed"]
     out = []
     for k in keep:
@@ -905,6 +927,10 @@ def main():
     ap.add_argument("--servers", type=int, default=None,
                     help="servers per job (default: bpslaunch's, one per worker machine)")
     ap.add_argument("--sizes", default="4KB,64KB,1MB,16MB,64MB", help=f"subset of {','.join(SIZES)}")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the tensors live (default cpu); cuda: local rank r on GPU r mod the GPUs there "
+                         "are, gloo all-reducing the same CUDA tensors; every call is timed to "
+                         "torch.cuda.synchronize() (collectives only)")
     ap.add_argument("--patterns", default="inplace,fresh,outofplace,batched", help=f"subset of {','.join(PATTERNS)}")
     ap.add_argument("--names", default="fixed,auto", help="byteps naming: fixed (name= per tensor), auto (none)")
     ap.add_argument("--repeat", type=int, default=5, help="timed repetitions of every block (default 5)")
@@ -977,6 +1003,13 @@ def main():
     if explicit_env:
         print(f"NOT the default environment: every job gets {explicit_env}", file=sys.stderr)
     mode = "cluster" if args.cluster else "train" if args.train else "collectives"
+    if args.device == "cuda" and mode != "collectives":
+        ap.error("--device cuda measures the collectives only (not --train or --cluster)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
     meta = dict(machine_meta(), mode=mode, stripped_env=stripped, explicit_env=explicit_env, servers=args.servers,
                 args=vars(args))
     started = time.time()
@@ -998,7 +1031,8 @@ def main():
                 doc.setdefault("memory_events", []).extend(dict(e, layout=layout, procs=procs) for e in mem)
         doc.update(results=rows, ratios=ratios, latency=latency, child=children)
         main_t, lat_t = collectives_tables(rows, ratios, latency)
-        print("## push_pull vs gloo all_reduce, synchronous calls, default environment\n")
+        where = "" if args.device == "cpu" else f", CUDA tensors ({children[next(iter(children))].get('gpu')})"
+        print(f"## push_pull vs gloo all_reduce, synchronous calls, default environment{where}\n")
         print(main_t)
         print()
         print("## Synchronous latency of one call vs a raw TCP round trip (same job)\n")

@@ -59,6 +59,44 @@ def topology_sums(out, args):
 
 
 @scenario
+def cuda_default_path(out, args):
+    """CUDA tensors on the default path (no topology executor: each is staged through host memory, so one
+    GPU may serve every process): in-place, out-of-place and asynchronous push_pull in turn, each input
+    written by a kernel queued on torch's current stream just before the call, and a broadcast. Returns
+    the exact bytes, the results' devices and whether the out-of-place inputs were left alone."""
+    dev = torch.device("cuda", bps.local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    res = {"sums": {}, "devices": [], "inputs_changed": []}
+    modes = ("inplace", "outofplace", "async")
+    for rnd in range(args.get("rounds", 3)):
+        handles = []
+        for index, spec in enumerate(args["tensors"]):
+            src = tensor(bps.rank(), rnd, index, spec["count"], spec["dtype"])
+            t = torch.zeros_like(src, device=dev)
+            t.copy_(src.pin_memory(), non_blocking=True)  # queued, not waited for: byteps must order after it
+            key, mode = f"{spec['name']}@{rnd}", modes[(index + rnd) % 3]
+            if mode == "async":
+                handles.append((key, bps.push_pull_async_inplace(t, average=False, name=spec["name"])))
+                continue
+            if mode == "inplace":
+                got = bps.push_pull_inplace(t, average=False, name=spec["name"])
+            else:
+                got = bps.push_pull(t, average=False, name=spec["name"])
+                if not torch.equal(t.cpu(), src):
+                    res["inputs_changed"].append(key)
+            res["sums"][key] = digest(got.cpu())
+            res["devices"].append(str(got.device))
+        for key, h in handles:
+            got = bps.synchronize(h)
+            res["sums"][key] = digest(got.cpu())
+            res["devices"].append(str(got.device))
+    b = torch.full((1001,), float(bps.rank() + 1), device=dev)
+    res["broadcast"] = sorted(set(bps.broadcast(b, root_rank=0, name="cuda.bc").cpu().tolist()))
+    res["device"] = str(dev)
+    return res
+
+
+@scenario
 def topology_errors(out, args):
     """Bad input on the topology path: a name whose size differs on one local rank, two local ranks that
     submit tensors in different orders, then a normal push_pull (the path still works)."""

@@ -334,6 +334,31 @@ def test_gpu_engine_path_cuda_tensors(cluster):
         assert r["value"]["gpu_used"], r["value"]
 
 
+@pytest.mark.parametrize("machines,local_size", [(2, 1), (1, 2)])
+def test_cuda_tensors_on_the_default_path(cluster, machines, local_size):
+    """CUDA tensors without the topology executor (the default): staged through host memory by the torch
+    plugin, pushed and pulled, copied back to the GPU. One GPU is enough: every process may share it.
+    Results exact, on the input's device, out-of-place inputs left alone. Skips without CUDA, saying why."""
+    from byteps.core import gpu
+
+    reason = gpu.unavailable_reason(need_nccl=False, min_devices=1)
+    if reason is None:
+        import torch
+
+        reason = None if torch.cuda.is_available() else "torch has no CUDA (a CPU build?)"
+    if reason:
+        pytest.skip(reason)
+    specs = tensors(["float32", "float64", "int32", "float16", "bfloat16"], [1, 10007, (1 << 20) + 3])
+    _, res = run(cluster, machines, local_size, "cuda_default_path", {"tensors": specs, "rounds": 3},
+                 {"BYTEPS_LOCAL_STRATEGY": "owners"}, servers=1, timeout=300)
+    check_sums(res, specs, 3)
+    for rank, r in res.items():
+        v = r["value"]
+        assert set(v["devices"]) == {v["device"]}, (rank, v["devices"])
+        assert v["inputs_changed"] == [], (rank, v["inputs_changed"])
+        assert v["broadcast"] == [1.0], (rank, v["broadcast"])
+
+
 def test_executor_stage_lists():
     import byteps.topology as topology
     from byteps.core.stages import Stage as S, executor_stage_list

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one run on a CUDA machine (results: docs/benchmarks.md, "GPU").
+#
+#   bench/gpu_checks.sh [OUTDIR]        # default OUTDIR: bench/results/gpu
+#
+# Uses the python3 on PATH (or $PYTHON), which must hold torch with CUDA, numpy, Cython, pytest and
+# pytest-timeout; pyzmq is installed from wheels in .whl/ when that python lacks it (a machine with no
+# package index). Steps: build byteps in place and install it editable (no dependencies fetched), run
+# the GPU tests (the ones needing more GPUs than the machine has skip, saying so), then the GPU
+# benchmarks: the GPU stages on one machine (bench_gpu_stages.py) and push_pull of CUDA tensors
+# against gloo as users call them (bench_users.py --device cuda, and --device cpu beside it). Logs and
+# JSON go to OUTDIR.
+set -u
+OUTDIR=${1:-bench/results/gpu}
+PY=${PYTHON:-python3}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+if ! "$PY" -c "import zmq" 2>/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/bps-site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/bps-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+{
+    date -u
+    nvidia-smi -L
+    nproc
+    "$PY" -c "import sys, torch, numpy, Cython, zmq; print(sys.version.split()[0], 'torch', torch.__version__, \
+'cuda', torch.version.cuda, 'numpy', numpy.__version__, 'cython', Cython.__version__, 'pyzmq', zmq.__version__)"
+} 2>&1 | tee "$OUTDIR/machine.txt"
+
+step() { echo "== $* ($(date -u +%T))"; }
+
+step build
+# the extensions in parallel first; the editable install then finds them up to date
+if ! { "$PY" setup.py -q build_ext --inplace -j "$(nproc)" &&
+       "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .; } >"$OUTDIR/build.log" 2>&1; then
+    tail -40 "$OUTDIR/build.log"
+    exit 1
+fi
+"$PY" -c "import byteps.core._worker_core, byteps.server._server_core; from byteps.core import gpu; \
+print('GPU:', gpu.unavailable_reason() or 'CUDA and NCCL work')" || exit 1
+
+step tests
+PYTHONPATH=tests${PYTHONPATH:+:$PYTHONPATH} "$PY" -m pytest -q -p no:cacheprovider --timeout 300 -rs \
+    tests/test_gpu_stages.py tests/test_local_exec.py::test_gpu_engine_path_cuda_tensors \
+    tests/test_local_exec.py::test_cuda_tensors_on_the_default_path \
+    2>&1 | tee "$OUTDIR/tests.log" | tail -25
+tests=${PIPESTATUS[0]}
+
+step bench_gpu_stages
+"$PY" bench/bench_gpu_stages.py --gpus 1 --sizes 1MB,16MB,64MB --iters 10 2>&1 | tail -20
+cp bench/results/gpu_stages.json "$OUTDIR/" 2>/dev/null
+
+step bench_users
+"$PY" bench/bench_users.py --device cuda --layouts machines,local --procs 2 --sizes 4KB,1MB,16MB,64MB \
+    --patterns inplace,fresh,outofplace --names fixed --repeat 3 --json "$OUTDIR/users-cuda.json" \
+    2>"$OUTDIR/users-cuda.err" | tee "$OUTDIR/users-cuda.md" | head -40
+tail -5 "$OUTDIR/users-cuda.err"
+
+step bench_users cpu  # the same job with CPU tensors on this machine: what the staging costs
+"$PY" bench/bench_users.py --device cpu --layouts machines,local --procs 2 --sizes 4KB,1MB,16MB,64MB \
+    --patterns inplace,fresh,outofplace --names fixed --repeat 3 --json "$OUTDIR/users-cpu.json" \
+    2>"$OUTDIR/users-cpu.err" | tee "$OUTDIR/users-cpu.md" | head -30
+tail -5 "$OUTDIR/users-cpu.err"
+step done
+exit "$tests"
