@@ -589,13 +589,14 @@ def train_worker(args, bps, dist, torch):
     from torch.nn.parallel import DistributedDataParallel
 
     rank, size = bps.rank(), bps.size()
-    model_b = make_model(torch, args.width, args.hidden, args.layers, args.seed)
+    dev = device(args, torch)
+    model_b = make_model(torch, args.width, args.hidden, args.layers, args.seed).to(dev)
     model_d = copy.deepcopy(model_b)
     opt_b = bps.DistributedOptimizer(torch.optim.SGD(model_b.parameters(), lr=args.lr),
                                      named_parameters=model_b.named_parameters())
     bps.broadcast_parameters(model_b.state_dict(), root_rank=0)
     bps.broadcast_optimizer_state(opt_b, root_rank=0)
-    ddp = DistributedDataParallel(model_d)
+    ddp = DistributedDataParallel(model_d, device_ids=[dev.index] if dev.type == "cuda" else None)
     opt_d = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     warm, steps = 1, args.steps
     total = (warm + args.repeat) * steps
@@ -603,7 +604,7 @@ def train_worker(args, bps, dist, torch):
     for i in range(total):  # the same batch for both systems at step i on this rank
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + i * 1009 + rank)
         x = torch.randn(args.batch, args.width, generator=g)
-        data.append((x, torch.tanh(x.roll(1, dims=1))))
+        data.append((x.to(dev), torch.tanh(x.roll(1, dims=1)).to(dev)))
 
     def step_bps(i):
         x, y = data[i]
@@ -629,7 +630,7 @@ def train_worker(args, bps, dist, torch):
         for name, fn in systems[rep % 2:] + systems[:rep % 2]:
             dist.barrier()
             t0 = time.perf_counter()
-            for _ in range(steps):
+            for _ in range(steps):  # loss.item() waits for the step's GPU work, as a training loop's logging does
                 losses[name].append(fn(done[name]))
                 done[name] += 1
             elapsed = time.perf_counter() - t0
@@ -929,8 +930,8 @@ def main():
     ap.add_argument("--sizes", default="4KB,64KB,1MB,16MB,64MB", help=f"subset of {','.join(SIZES)}")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the tensors live (default cpu); cuda: local rank r on GPU r mod the GPUs there "
-                         "are, gloo all-reducing the same CUDA tensors; every call is timed to "
-                         "torch.cuda.synchronize() (collectives only)")
+                         "are, gloo all-reducing the same CUDA tensors (--train: the model on that GPU, DDP over "
+                         "gloo); every call is timed to torch.cuda.synchronize()")
     ap.add_argument("--patterns", default="inplace,fresh,outofplace,batched", help=f"subset of {','.join(PATTERNS)}")
     ap.add_argument("--names", default="fixed,auto", help="byteps naming: fixed (name= per tensor), auto (none)")
     ap.add_argument("--repeat", type=int, default=5, help="timed repetitions of every block (default 5)")
@@ -1003,8 +1004,8 @@ def main():
     if explicit_env:
         print(f"NOT the default environment: every job gets {explicit_env}", file=sys.stderr)
     mode = "cluster" if args.cluster else "train" if args.train else "collectives"
-    if args.device == "cuda" and mode != "collectives":
-        ap.error("--device cuda measures the collectives only (not --train or --cluster)")
+    if args.device == "cuda" and mode == "cluster":
+        ap.error("--device cuda runs on one machine (not with --cluster)")
     if args.device == "cuda":
         import torch
 
@@ -1066,7 +1067,8 @@ def main():
             if left:
                 print(f"WARNING: namespaces left behind: {left}", file=sys.stderr)
         doc.update(results=rows, child=children)
-        print("## Training step: bps.DistributedOptimizer vs DDP (gloo), default zero_grad(), default environment\n")
+        where = "" if args.device == "cpu" else ", model on the GPU"
+        print(f"## Training step: bps.DistributedOptimizer vs DDP (gloo), default zero_grad(), default environment{where}\n")
         print(train_table(rows))
         print("\nsamples/s = steps x batch x processes / block time (slowest rank), median over repetitions; "
               "[min-max] = spread; byteps / DDP per repetition.")

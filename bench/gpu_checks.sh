@@ -2,14 +2,15 @@
 # Every check that needs a GPU, in one run on a CUDA machine (results: docs/benchmarks.md, "GPU").
 #
 #   bench/gpu_checks.sh [OUTDIR]        # default OUTDIR: bench/results/gpu
+#   GPU_CHECKS="tests train" bench/gpu_checks.sh   # some of: tests stages users cpu train (default all)
 #
 # Uses the python3 on PATH (or $PYTHON), which must hold torch with CUDA, numpy, Cython, pytest and
 # pytest-timeout; pyzmq is installed from wheels in .whl/ when that python lacks it (a machine with no
 # package index). Steps: build byteps in place and install it editable (no dependencies fetched), run
 # the GPU tests (the ones needing more GPUs than the machine has skip, saying so), then the GPU
 # benchmarks: the GPU stages on one machine (bench_gpu_stages.py) and push_pull of CUDA tensors
-# against gloo as users call them (bench_users.py --device cuda, and --device cpu beside it). Logs and
-# JSON go to OUTDIR.
+# against gloo as users call them (bench_users.py --device cuda, and --device cpu beside it), and a
+# training step against DDP (bench_users.py --train --device cuda). Logs and JSON go to OUTDIR.
 set -u
 OUTDIR=${1:-bench/results/gpu}
 PY=${PYTHON:-python3}
@@ -23,11 +24,13 @@ fi
     date -u
     nvidia-smi -L
     nproc
+    echo "RDMA devices: $(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ' || true)"
     "$PY" -c "import sys, torch, numpy, Cython, zmq; print(sys.version.split()[0], 'torch', torch.__version__, \
 'cuda', torch.version.cuda, 'numpy', numpy.__version__, 'cython', Cython.__version__, 'pyzmq', zmq.__version__)"
 } 2>&1 | tee "$OUTDIR/machine.txt"
 
 step() { echo "== $* ($(date -u +%T))"; }
+want() { [[ " ${GPU_CHECKS:-tests stages users cpu train} " == *" $1 "* ]]; }
 
 step build
 # the extensions in parallel first; the editable install then finds them up to date
@@ -39,27 +42,46 @@ fi
 "$PY" -c "import byteps.core._worker_core, byteps.server._server_core; from byteps.core import gpu; \
 print('GPU:', gpu.unavailable_reason() or 'CUDA and NCCL work')" || exit 1
 
+tests=0
+if want tests; then
 step tests
 PYTHONPATH=tests${PYTHONPATH:+:$PYTHONPATH} "$PY" -m pytest -q -p no:cacheprovider --timeout 300 -rs \
     tests/test_gpu_stages.py tests/test_local_exec.py::test_gpu_engine_path_cuda_tensors \
     tests/test_local_exec.py::test_cuda_tensors_on_the_default_path \
     2>&1 | tee "$OUTDIR/tests.log" | tail -25
 tests=${PIPESTATUS[0]}
+fi
 
+if want stages; then
 step bench_gpu_stages
 "$PY" bench/bench_gpu_stages.py --gpus 1 --sizes 1MB,16MB,64MB --iters 10 2>&1 | tail -20
 cp bench/results/gpu_stages.json "$OUTDIR/" 2>/dev/null
+fi
 
+if want users; then
 step bench_users
 "$PY" bench/bench_users.py --device cuda --layouts machines,local --procs 2 --sizes 4KB,1MB,16MB,64MB \
     --patterns inplace,fresh,outofplace --names fixed --repeat 3 --json "$OUTDIR/users-cuda.json" \
-    2>"$OUTDIR/users-cuda.err" | tee "$OUTDIR/users-cuda.md" | head -40
+    >"$OUTDIR/users-cuda.md" 2>"$OUTDIR/users-cuda.err"
+head -45 "$OUTDIR/users-cuda.md"
 tail -5 "$OUTDIR/users-cuda.err"
+fi
 
+if want cpu; then
 step bench_users cpu  # the same job with CPU tensors on this machine: what the staging costs
 "$PY" bench/bench_users.py --device cpu --layouts machines,local --procs 2 --sizes 4KB,1MB,16MB,64MB \
     --patterns inplace,fresh,outofplace --names fixed --repeat 3 --json "$OUTDIR/users-cpu.json" \
-    2>"$OUTDIR/users-cpu.err" | tee "$OUTDIR/users-cpu.md" | head -30
+    >"$OUTDIR/users-cpu.md" 2>"$OUTDIR/users-cpu.err"
+head -30 "$OUTDIR/users-cpu.md"
 tail -5 "$OUTDIR/users-cpu.err"
+fi
+
+if want train; then
+step bench_users train  # a training step: DistributedOptimizer against DDP over gloo, the model on the GPU
+"$PY" bench/bench_users.py --train --device cuda --layouts machines,local --procs 2 --repeat 5 \
+    --json "$OUTDIR/users-train-cuda.json" >"$OUTDIR/users-train-cuda.md" 2>"$OUTDIR/users-train-cuda.err"
+cat "$OUTDIR/users-train-cuda.md"
+tail -3 "$OUTDIR/users-train-cuda.err"
+fi
 step done
 exit "$tests"

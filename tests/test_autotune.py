@@ -290,7 +290,9 @@ def test_job_probes_and_every_worker_uses_one_partition_size(cluster):
         assert v["native_pieces"] == [v["pieces"]], v  # what the native core sends is cut alike
         assert v["config_credit"] == t["credit"] and v["queue_credit"] == t["credit"] * t["partition_bytes"]
         assert t["bandwidth_Bps"] > 1e6 and 0 < t["rtt_s"] < 0.1
-        assert t["took_s"] < 0.5, t  # what the probe and the agreement add to init() on loopback
+        # what the probe and the agreement add to init() on loopback: a few ms on a quiet machine; the
+        # bound leaves room for a loaded CI machine and still fails a probe that spends its budget
+        assert t["took_s"] < 1.5, t
         assert v["sum"] == pytest.approx(_expected_sum(2), rel=1e-6)
     for w in ("worker0.0", "worker1.0"):
         line = [ln for ln in c.log(w).splitlines() if "INFO partition size" in ln]

@@ -338,7 +338,8 @@ def test_gpu_engine_path_cuda_tensors(cluster):
 def test_cuda_tensors_on_the_default_path(cluster, machines, local_size):
     """CUDA tensors without the topology executor (the default): staged through host memory by the torch
     plugin, pushed and pulled, copied back to the GPU. One GPU is enough: every process may share it.
-    Results exact, on the input's device, out-of-place inputs left alone. Skips without CUDA, saying why."""
+    Results exact, on the input's device, out-of-place inputs left alone; DistributedOptimizer's CUDA
+    gradients staged off autograd's thread, exact. Skips without CUDA, saying why."""
     from byteps.core import gpu
 
     reason = gpu.unavailable_reason(need_nccl=False, min_devices=1)
@@ -357,6 +358,12 @@ def test_cuda_tensors_on_the_default_path(cluster, machines, local_size):
         assert set(v["devices"]) == {v["device"]}, (rank, v["devices"])
         assert v["inputs_changed"] == [], (rank, v["inputs_changed"])
         assert v["broadcast"] == [1.0], (rank, v["broadcast"])
+        # DistributedOptimizer: 3 SGD steps (lr 1) of the averaged gradient n + 1, exactly; the unused
+        # layer's zero gradients leave it at 0; both gradients of every step went through the staging
+        n = machines * local_size
+        assert v["weights"] == [1.0 - 3 * (n + 1)], (rank, v["weights"])
+        assert v["unused"] == [0.0], (rank, v["unused"])
+        assert v["staged"] == 6, (rank, v["staged"])
 
 
 def test_executor_stage_lists():

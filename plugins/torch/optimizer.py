@@ -6,6 +6,7 @@ import torch
 
 from byteps import common
 
+from . import staging
 from .compression import Compression, select, wire_codec
 from .ops import dtype_code, push_pull_async_inplace, synchronize
 
@@ -85,8 +86,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._handles[p] = (None, compressed, ctx)
             return
         if self.op == Average and self.gradient_predivide_factor == 1.0 and self._pset is None:
-            handle = push_pull_async_inplace(compressed, average=True, name=name, priority=priority,
-                                             compression=wire_codec(compressor))
+            codec = wire_codec(compressor)
+            if staging.applies(compressed):  # copied to host off autograd's thread (staging.py)
+                handle = staging.stager().stage(compressed, name, lambda host: push_pull_async_inplace(
+                    host, average=True, name=name, priority=priority, compression=codec))
+            else:
+                handle = push_pull_async_inplace(compressed, average=True, name=name, priority=priority,
+                                                 compression=codec)
         else:  # Horovod: prescale 1/f, postscale f (Average also divides by size)
             f = self.gradient_predivide_factor if self.op == Average else 1.0
             handle = _allreduce_start(compressed, name, self.op, 1.0 / f, f, priority=priority,
@@ -126,6 +132,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         out.div_(common.size())
                     else:
                         out.floor_divide_(common.size())
+            elif isinstance(handle, staging.Staged):
+                out = handle.wait_into(compressed)
             else:
                 out = synchronize(handle)
             out = select(self._compression, self._names[id(p)]).decompress(out if out is not None else compressed, ctx)
