@@ -103,6 +103,10 @@ class BpsConn {
     /* Input already taken in but not yet returned by recv() (or, for UCX, events that came while
      * arming): poll() will not report it, so the owner calls recv() again before it sleeps. */
     virtual bool pending_input() = 0;
+    /* Just before a thread that owns this link alone sleeps on fd() (a direct call's wait): true when
+     * input for this link came meanwhile, so it must read first. A UCX link progresses its worker and
+     * arms the wake-up fd, which reports only events that come after arming. */
+    virtual bool arm_to_sleep() { return false; }
     /* why the link died ("" while it lives) */
     virtual const std::string &error() const = 0;
     /* Send one message; 0, or -1 once the link is dead (every zero-copy frame is released either way). */
@@ -113,7 +117,7 @@ class BpsConn {
      * server puts the link's identity there, as a ROUTER would). 1: a message; 0: none complete
      * yet; -1: the link closed or broke (error() says how). */
     virtual int recv(BpsMessage *m, const std::string *prefix = nullptr) = 0;
-    /* "tcp" or "ucx" (logs, and submit_direct, which reads a TCP socket on the caller's thread) */
+    /* "tcp" or "ucx" (logs; submit_direct takes a UCX link's whole worker, a TCP link's socket only) */
     virtual const char *kind() const = 0;
     /* While corked, send() only queues: the owner sends a burst of messages and then uncorks, and
      * they leave in as few writes as the socket takes (one sendmsg per message cost more CPU than

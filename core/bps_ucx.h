@@ -207,6 +207,7 @@ class BpsUcxLink : public BpsConn {
     bool dead() const override { return dead_; }
     bool wants_write() const override { return false; } /* UCX queues what it cannot send yet */
     bool pending_input() override;
+    bool arm_to_sleep() override;
     const std::string &error() const override { return error_; }
     int send(BpsFrames &m) override;
     int flush() override;
@@ -615,6 +616,15 @@ inline void BpsUcxLink::on_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
 inline int BpsUcxLink::fd() const { return w_->efd(); }
 
 inline bool BpsUcxLink::pending_input() { return !dead_ && w_->prepare_sleep(); }
+
+/* Other endpoints' messages may wait in their links meanwhile: they are byteps-net's, not a reason
+ * for this link's direct caller to stay awake. */
+inline bool BpsUcxLink::arm_to_sleep() {
+    if (dead_) return true;
+    w_->progress();
+    if (ready()) return true;
+    return bps_ucx.ucp_worker_arm(w_->worker()) == UCS_ERR_BUSY;
+}
 
 inline int BpsUcxLink::flush() {
     w_->progress();

@@ -529,6 +529,8 @@ class BpsWorkerCore {
 
     /* Which transports server ``server``'s link uses: "tcp", "ucx: tcp/lo, ..." ("" without a link). */
     std::string link_transport(int server) {
+        std::unique_lock<std::mutex> ucx_lock(ucx_mu_, std::defer_lock); /* ucp_ep_query: the worker's user */
+        if (ucx_) ucx_lock.lock();
         BpsConn *l = links_.at((size_t)server).get();
         if (l == nullptr) return "";
         if (std::string(l->kind()) != "ucx") return l->kind();
@@ -564,10 +566,14 @@ class BpsWorkerCore {
         if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= nservers_.load() || !links_[(size_t)server] ||
             dead_[(size_t)server].load())
             return false;
+        /* A UCX endpoint is driven by its thread's UCP worker, which every endpoint shares: the caller
+         * takes the whole worker (ucx_mu_, which byteps-net holds except while it sleeps in poll), then
+         * the link, in the order byteps-net takes them. A TCP link needs only its own lock. */
+        std::unique_lock<std::mutex> ucx_lock(ucx_mu_, std::defer_lock);
+        if (ucx_) ucx_lock.lock();
         std::unique_lock<std::mutex> link_lock(*link_mu_[(size_t)server]);
         BpsConn *l = links_[(size_t)server].get();
-        /* a TCP socket only: a UCX endpoint belongs to byteps-net's UCP worker (one thread) */
-        if (strcmp(l->kind(), "tcp") != 0) return false;
+        if (l == nullptr || (strcmp(l->kind(), "tcp") != 0 && !ucx_lock.owns_lock())) return false;
         if (l->dead() || l->wants_write() || l->pending_input()) return false;
         BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes);
         op->name = name;
@@ -615,8 +621,9 @@ class BpsWorkerCore {
             end_direct(op, replied, rnd, &adopt_in_); /* adopted: as if byteps-net had sent it */
         }
         direct_owned_[(size_t)server].store(false);
-        bool more = l->pending_input() || l->dead();
+        bool more = l->pending_input() || l->dead(); /* UCX: other endpoints' messages came meanwhile */
         link_lock.unlock();
+        if (ucx_lock.owns_lock()) ucx_lock.unlock();
         count_direct(replied, strays || more);
         return true;
     }
@@ -657,6 +664,7 @@ class BpsWorkerCore {
         if (l->wants_write()) l->flush();
         double left = deadline - bps_now();
         if (left <= 0) return false;
+        if (l->arm_to_sleep()) return true; /* UCX: input came while arming its wake-up fd */
         struct pollfd pfd = {l->fd(), (short)(POLLIN | (l->wants_write() ? POLLOUT : 0)), 0};
         struct timespec ts = {0, (long)(left * 1e9)};
         ppoll(&pfd, 1, &ts, nullptr);
@@ -1224,6 +1232,10 @@ class BpsWorkerCore {
         BpsMessage msg;
         double next_check = 0;
         while (!stopping_) {
+            /* UCX links: their UCP worker is this thread's except while it sleeps in poll, when a direct
+             * caller may take it (submit_direct) */
+            std::unique_lock<std::mutex> ucx_lock(ucx_mu_, std::defer_lock);
+            if (ucx_) ucx_lock.lock();
             if (nsocks != socks_.size()) { /* at start, and when a server joined (elastic: take_inbox) */
                 nsocks = socks_.size();
                 wake_at = nsocks, router_at = nsocks + 1, links_at = nsocks + 2;
@@ -1247,7 +1259,9 @@ class BpsWorkerCore {
                 items[local_at + r] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
                 buffered |= l != nullptr && l->pending_input();
             }
+            if (ucx_lock.owns_lock()) ucx_lock.unlock();
             int rc = bps_zmq.poll(items.data(), (int)items.size(), buffered ? 0 : 100);
+            if (ucx_) ucx_lock.lock();
             if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
             if (items[wake_at].revents) {
                 uint64_t n;
@@ -2221,6 +2235,7 @@ class BpsWorkerCore {
     int wake_fd_, done_fd_;
     std::vector<void *> socks_;
     std::unique_ptr<BpsUcxWorker> ucx_;           /* this thread's UCP worker (UCX links); outlives links_ */
+    std::mutex ucx_mu_; /* the UCP worker's user: byteps-net, or while it polls a direct caller (submit_direct) */
     std::vector<std::unique_ptr<BpsConn>> links_; /* per server: its direct link (TCP or UCX), or NULL */
     std::vector<std::unique_ptr<std::mutex>> link_mu_; /* per server: who writes or reads its link now */
     std::deque<std::atomic<bool>> direct_owned_;      /* per server: a direct caller holds its link */

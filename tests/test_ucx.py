@@ -164,3 +164,26 @@ def test_ucx_gets_one_megabyte_tcp_segments_unless_the_user_set_them(monkeypatch
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64k")
     assert ucx.choose("ucx", _worker_core) == "ucx"
     assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "1m" and os.environ["UCX_TCP_RX_SEG_SIZE"] == "64k"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", ["alone", "late-peer", "beside-async"])
+def test_synchronous_calls_take_the_ucp_worker_on_the_callers_thread(cluster, case):
+    """A synchronous 4 KB call over a UCX link runs its round trip on the caller's thread, which takes
+    the whole UCP worker while byteps-net sleeps (submit_direct; as tests/test_links.py checks over TCP).
+    ``late-peer``: a peer that comes late makes callers hand their partition to byteps-net, whose
+    reply then comes through byteps-net's progress; ``beside-async``: a second thread's async push_pulls
+    run on the same worker, so replies for others come in during direct calls and must reach
+    byteps-net. Every result exact."""
+    from test_links import run_direct_case
+
+    results = run_direct_case(cluster, case, dict(UCX_ENV, UCX_TLS="tcp"))
+    for res in results.values():
+        v = res["value"]
+        assert all(t.startswith("ucx") for t in res["link_transports"]), res["link_transports"]
+        if case == "alone":  # nothing else in flight: nearly every call takes the fast path
+            assert v["direct"] >= 300, v
+        elif case == "late-peer":
+            assert v["direct"] > 0, v
+    if case == "late-peer":  # rank 0 waited out its window for rank 1 at least once, and handed over
+        assert results[0]["value"]["adopted"] > 0, results[0]["value"]
