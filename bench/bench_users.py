@@ -43,6 +43,9 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
   it kept) before the block (its first call is then untimed), and if the floor still cannot be kept
   the block is skipped; both are recorded under ``memory_events`` (unnamed calls keep their
   tensors' memory, so they trigger this);
+* ``--device cuda``: every tensor (and with ``--train`` the model) on the GPU of local rank r mod the
+  GPUs there are, gloo working on the same CUDA tensors; each call is timed until
+  ``torch.cuda.synchronize()`` returns;
 * layouts (as bench/bench_push_pull.py): ``local`` = one worker machine with N processes
   (``bpslaunch --local --workers 1 --local-size N``); ``machines`` = N single-process worker
   machines (``bpslaunch --local --workers N``); ``--servers`` servers if given, else bpslaunch's
@@ -676,8 +679,8 @@ def run_job(layout, procs, args, mode):
 
 
 def worker_args(args):
-    keep = ["device", "sizes", "patterns", "names", "repeat", "calls", "rtts", "mem_floor", "mem_budget", "width", "hidden",
-            "layers", "batch", "steps", "lr", "seed"]
+    keep = ["device", "sizes", "patterns", "names", "repeat", "calls", "rtts", "mem_floor", "mem_budget", "width",
+            "hidden", "layers", "batch", "steps", "lr", "seed"]
     out = []
     for k in keep:
         v = getattr(args, k)
@@ -1068,7 +1071,8 @@ def main():
                 print(f"WARNING: namespaces left behind: {left}", file=sys.stderr)
         doc.update(results=rows, child=children)
         where = "" if args.device == "cpu" else ", model on the GPU"
-        print(f"## Training step: bps.DistributedOptimizer vs DDP (gloo), default zero_grad(), default environment{where}\n")
+        print("## Training step: bps.DistributedOptimizer vs DDP (gloo), default zero_grad(), "
+              f"default environment{where}\n")
         print(train_table(rows))
         print("\nsamples/s = steps x batch x processes / block time (slowest rank), median over repetitions; "
               "[min-max] = spread; byteps / DDP per repetition.")
