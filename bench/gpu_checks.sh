@@ -58,30 +58,29 @@ step bench_gpu_stages
 cp bench/results/gpu_stages.json "$OUTDIR/" 2>/dev/null
 fi
 
+# bench_users.py as users run it, its output in OUTDIR/users-LABEL.{md,json,err}: users LABEL ARGS...
+users() {
+    local label=$1
+    shift
+    "$PY" bench/bench_users.py "$@" --json "$OUTDIR/users-$label.json" >"$OUTDIR/users-$label.md" \
+        2>"$OUTDIR/users-$label.err"
+    head -45 "$OUTDIR/users-$label.md"
+    tail -5 "$OUTDIR/users-$label.err"
+}
+COLLECTIVES=(--layouts machines,local --procs 2 --sizes 4KB,1MB,16MB,64MB --patterns inplace,fresh,outofplace
+             --names fixed --repeat 3)
+
 if want users; then
-step bench_users
-"$PY" bench/bench_users.py --device cuda --layouts machines,local --procs 2 --sizes 4KB,1MB,16MB,64MB \
-    --patterns inplace,fresh,outofplace --names fixed --repeat 3 --json "$OUTDIR/users-cuda.json" \
-    >"$OUTDIR/users-cuda.md" 2>"$OUTDIR/users-cuda.err"
-head -45 "$OUTDIR/users-cuda.md"
-tail -5 "$OUTDIR/users-cuda.err"
+    step bench_users
+    users cuda --device cuda "${COLLECTIVES[@]}"
 fi
-
 if want cpu; then
-step bench_users cpu  # the same job with CPU tensors on this machine: what the staging costs
-"$PY" bench/bench_users.py --device cpu --layouts machines,local --procs 2 --sizes 4KB,1MB,16MB,64MB \
-    --patterns inplace,fresh,outofplace --names fixed --repeat 3 --json "$OUTDIR/users-cpu.json" \
-    >"$OUTDIR/users-cpu.md" 2>"$OUTDIR/users-cpu.err"
-head -30 "$OUTDIR/users-cpu.md"
-tail -5 "$OUTDIR/users-cpu.err"
+    step bench_users cpu  # the same job with CPU tensors on this machine: what the staging costs
+    users cpu --device cpu "${COLLECTIVES[@]}"
 fi
-
 if want train; then
-step bench_users train  # a training step: DistributedOptimizer against DDP over gloo, the model on the GPU
-"$PY" bench/bench_users.py --train --device cuda --layouts machines,local --procs 2 --repeat 5 \
-    --json "$OUTDIR/users-train-cuda.json" >"$OUTDIR/users-train-cuda.md" 2>"$OUTDIR/users-train-cuda.err"
-cat "$OUTDIR/users-train-cuda.md"
-tail -3 "$OUTDIR/users-train-cuda.err"
+    step bench_users train  # a training step: DistributedOptimizer against DDP over gloo, the model on the GPU
+    users train-cuda --train --device cuda --layouts machines,local --procs 2 --repeat 5
 fi
 step done
 exit "$tests"

@@ -1,0 +1,59 @@
+"""What one synchronous small push_pull costs a worker: time per call and the process's CPU per call.
+
+Run under bpslaunch, one line per worker:
+
+    .venv/bin/bpslaunch --local --workers 4 -- .venv/bin/python bench/call_cost.py
+    BYTEPS_TRANSPORT=ucx UCX_TLS=tcp BYTEPS_ENABLE_IPC=0 \\
+        .venv/bin/bpslaunch --local --workers 2 -- .venv/bin/python bench/call_cost.py
+
+Each worker makes ``--calls`` in-place push_pulls of ``--bytes`` (after 100 untimed ones) and prints
+the median time of a call, the wall time per call, the CPU time of the whole process per call
+(getrusage: every thread, user + system), voluntary context switches per call, how many calls ran
+on the calling thread (``submit_direct``) or were handed to byteps-net after their window, and the
+link to server 0. No benchmark loop around the calls (no checks, no fills): this is byteps' own cost.
+"""
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+
+import byteps.common as common
+import byteps.torch as bps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bytes", type=int, default=4096)
+    ap.add_argument("--calls", type=int, default=2000)
+    args = ap.parse_args()
+    bps.init()
+    t = torch.ones(args.bytes // 4)
+    for _ in range(100):
+        bps.push_pull_inplace(t, average=False, name="call_cost")
+    native = common._job.engine._native
+    direct0, adopted0 = (native.direct_calls, native.direct_adopted) if native is not None else (0, 0)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    w0 = time.perf_counter()
+    times = []
+    for _ in range(args.calls):
+        a = time.perf_counter()
+        bps.push_pull_inplace(t, average=False, name="call_cost")
+        times.append(time.perf_counter() - a)
+    wall = (time.perf_counter() - w0) / args.calls
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    user = (r1.ru_utime - r0.ru_utime) / args.calls
+    system = (r1.ru_stime - r0.ru_stime) / args.calls
+    direct = native.direct_calls - direct0 if native is not None else 0
+    adopted = native.direct_adopted - adopted0 if native is not None else 0
+    link = native.link_transport(0) if native is not None else "none"
+    print(f"rank {bps.rank()}: {args.bytes} B, median {statistics.median(times) * 1e6:.0f} us, wall/call "
+          f"{wall * 1e6:.0f} us, cpu/call {(user + system) * 1e6:.1f} us (user {user * 1e6:.1f}), voluntary "
+          f"switches/call {(r1.ru_nvcsw - r0.ru_nvcsw) / args.calls:.1f}, on the caller's thread {direct}, "
+          f"handed over {adopted}, link {link!r}", flush=True)
+    bps.shutdown()
+
+
+if __name__ == "__main__":
+    main()
