@@ -33,8 +33,10 @@ TRANSPORTS = {
     "tcp": {"BYTEPS_TRANSPORT": "tcp"},
     "ucx-tcp": {"BYTEPS_TRANSPORT": "ucx", "UCX_TLS": "tcp"},
     "ucx-sm": {"BYTEPS_TRANSPORT": "ucx", "UCX_TLS": "sm,self,tcp", "BYTEPS_UCX_PEER_ERRORS": "0"},
-    # UCX's tcp transport with messages up to 1 MB sent eagerly, no rendezvous handshake (not in the default set)
-    "ucx-tcp-eager": {"BYTEPS_TRANSPORT": "ucx", "UCX_TLS": "tcp", "UCX_RNDV_THRESH": "1m"},
+    # UCX's own rendezvous threshold instead of byteps' 1 MB without an RDMA device (core/ucx.py; not in the default set)
+    "ucx-tcp-rndv": {"BYTEPS_TRANSPORT": "ucx", "UCX_TLS": "tcp", "UCX_RNDV_THRESH": "auto"},
+    "ucx-sm-rndv": {"BYTEPS_TRANSPORT": "ucx", "UCX_TLS": "sm,self,tcp", "BYTEPS_UCX_PEER_ERRORS": "0",
+                    "UCX_RNDV_THRESH": "auto"},
     # UCX's tcp transport with 256 KB segments instead of its 8 KB default (not in the default set)
     "ucx-tcp-256k": {"BYTEPS_TRANSPORT": "ucx", "UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k",
                      "UCX_TCP_RX_SEG_SIZE": "256k"},

@@ -154,16 +154,28 @@ def test_killed_worker_over_ucx_is_named_by_every_survivor(cluster, tls):
 
 
 def test_ucx_gets_one_megabyte_tcp_segments_unless_the_user_set_them(monkeypatch):
-    """Choosing UCX sets byteps' default tcp segment size for UCX to read (core/ucx.py); a user's value
-    stays, and choosing TCP sets nothing."""
-    for name in ucx.TCP_SEGMENTS:  # set first, so that monkeypatch restores the original (absent) state after
+    """Choosing UCX sets byteps' default tcp segment size for UCX to read (core/ucx.py), and without an
+    RDMA device eager messages up to 1 MB; a user's value stays, and choosing TCP sets nothing."""
+    ours = dict(ucx.TCP_SEGMENTS, **ucx.TCP_ONLY)
+    for name in ours:  # set first, so that monkeypatch restores the original (absent) state after
         monkeypatch.setenv(name, "unset")
         monkeypatch.delenv(name)
     assert ucx.choose("tcp", _worker_core) == "tcp"
-    assert not any(name in os.environ for name in ucx.TCP_SEGMENTS)
+    assert not any(name in os.environ for name in ours)
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64k")
-    assert ucx.choose("ucx", _worker_core) == "ucx"
+    assert ucx.choose("ucx", _worker_core) == "ucx"  # this machine has no RDMA device
     assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "1m" and os.environ["UCX_TCP_RX_SEG_SIZE"] == "64k"
+    assert os.environ["UCX_RNDV_THRESH"] == "1m"
+
+
+def test_ucx_keeps_its_rendezvous_threshold_where_an_rdma_device_exists(monkeypatch):
+    """With an RDMA device, rendezvous is verbs' zero-copy read: byteps leaves UCX's threshold alone."""
+    for name in dict(ucx.TCP_SEGMENTS, **ucx.TCP_ONLY):
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(ucx, "_rdma_devices", lambda: ["mlx5_0 (recorded)"])
+    assert ucx.choose("ucx", _worker_core) == "ucx"
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "1m" and "UCX_RNDV_THRESH" not in os.environ
 
 
 @pytest.mark.timeout(150)
