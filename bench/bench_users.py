@@ -28,7 +28,9 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
   ``DistributedOptimizer`` does); ``auto`` passes none, as a script calling ``bps.push_pull(t)``
   does, and byteps names the call (a new name and key per call in earlier versions, which is
   what the "MB kept per call" column caught);
-* all calls sum (``average=False``, gloo's default SUM); goodput = tensor bytes / time per call;
+* all calls sum (``average=False``, gloo's default SUM), or with ``--average`` average, the default
+  of ``bps.push_pull`` and Horovod's ``allreduce`` (gloo: ``dist.all_reduce(t)`` then ``t.div_(size)``,
+  as a gloo user or DDP averages); goodput = tensor bytes / time per call;
   "byteps / gloo" = gloo's time / byteps' time in the same repetition (> 1: byteps is faster);
 * synchronous latency at 4 KB, 64 KB and 1 MB next to a **raw TCP round trip** of the same size,
   measured in the same job between worker ranks 0 and 1 over loopback (plain ``socket``,
@@ -352,6 +354,9 @@ class Collectives:
         self.args, self.bps, self.dist, self.torch = args, bps, dist, torch
         self.rank, self.size = bps.rank(), bps.size()
         self.want = float(self.size * (self.size + 1) // 2)
+        self.average = args.average
+        if self.average:
+            self.want /= self.size  # (size + 1) / 2: exact in float32
         self.servers = _server_pids() if self.rank == 0 else []
         self.blocks = {}  # (label, pattern, impl, names) -> {rep: {...}}
         self.device = device(args, torch)
@@ -364,14 +369,13 @@ class Collectives:
         bps, dist = self.bps, self.dist
         if impl == "byteps":
             if pattern == "outofplace":
-                return bps.push_pull(t, average=False, name=name)
-            return bps.push_pull_inplace(t, average=False, name=name)
-        if pattern == "outofplace":
-            out = t.clone()
-            dist.all_reduce(out)
-            return out
-        dist.all_reduce(t)
-        return t
+                return bps.push_pull(t, average=self.average, name=name)
+            return bps.push_pull_inplace(t, average=self.average, name=name)
+        out = t.clone() if pattern == "outofplace" else t
+        dist.all_reduce(out)
+        if self.average:
+            out.div_(self.size)
+        return out
 
     def _check(self, what, out, t_in, pattern):
         ok = float(out[0]) == self.want and float(out[-1]) == self.want
@@ -428,7 +432,7 @@ class Collectives:
         rss0 = _self_rss()
         t0 = time.perf_counter()
         if impl == "byteps":
-            hs = [bps.push_pull_async_inplace(t, average=False,
+            hs = [bps.push_pull_async_inplace(t, average=self.average,
                                               name=f"users.batched.{label}.{j}" if names == "fixed" else None)
                   for j, t in enumerate(tensors)]
             for h in hs:
@@ -437,6 +441,9 @@ class Collectives:
             works = [dist.all_reduce(t, async_op=True) for t in tensors]
             for w in works:
                 w.wait()
+            if self.average:
+                for t in tensors:
+                    t.div_(self.size)
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
@@ -681,7 +688,7 @@ def run_job(layout, procs, args, mode):
 def worker_args(args):
     keep = ["device", "sizes", "patterns", "names", "repeat", "calls", "rtts", "mem_floor", "mem_budget", "width",
             "hidden", "layers", "batch", "steps", "lr", "seed"]
-    out = []
+    out = ["--average"] if args.average else []
     for k in keep:
         v = getattr(args, k)
         if v is not None:
@@ -788,7 +795,7 @@ def collectives_tables(rows, ratios, latency):
 
 
 NOTES = """\
-Notes: synchronous calls (each waits for its result), sums (average=False), medians over repetitions of
+Notes: synchronous calls (each waits for its result), sums (average=False) unless --average, medians over repetitions of
 the slowest rank's per-block median, [min-max] = spread of the repetitions' medians. byteps / gloo = gloo
 time / byteps time per repetition (> 1: byteps faster). gloo `outofplace` is `out = t.clone();
 dist.all_reduce(out)` (gloo has no out-of-place all_reduce; the clone is timed). `fresh` allocates and
@@ -937,6 +944,8 @@ def main():
                          "gloo); every call is timed to torch.cuda.synchronize()")
     ap.add_argument("--patterns", default="inplace,fresh,outofplace,batched", help=f"subset of {','.join(PATTERNS)}")
     ap.add_argument("--names", default="fixed,auto", help="byteps naming: fixed (name= per tensor), auto (none)")
+    ap.add_argument("--average", action="store_true",
+                    help="average (push_pull's default; gloo: all_reduce, then div_) instead of summing")
     ap.add_argument("--repeat", type=int, default=5, help="timed repetitions of every block (default 5)")
     ap.add_argument("--calls", type=int, default=None, help="calls per block (default by size: 20 ... 2)")
     ap.add_argument("--rtts", type=int, default=200, help="raw TCP round trips per size, twice (default 200)")
@@ -1036,7 +1045,8 @@ def main():
         doc.update(results=rows, ratios=ratios, latency=latency, child=children)
         main_t, lat_t = collectives_tables(rows, ratios, latency)
         where = "" if args.device == "cpu" else f", CUDA tensors ({children[next(iter(children))].get('gpu')})"
-        print(f"## push_pull vs gloo all_reduce, synchronous calls, default environment{where}\n")
+        what = "averages (push_pull's default; gloo: all_reduce + div_)" if args.average else "sums"
+        print(f"## push_pull vs gloo all_reduce, synchronous calls, {what}, default environment{where}\n")
         print(main_t)
         print()
         print("## Synchronous latency of one call vs a raw TCP round trip (same job)\n")

@@ -10,6 +10,7 @@ import threading
 import time
 
 from . import config as bps_config, timeline
+from .core import _reduce, dtypes
 from .errors import BytePSTimeoutError, NotInitializedError
 from .log import logger, setup as setup_logging
 
@@ -226,7 +227,7 @@ def sync_name(prefix, dtype, shape):
 
 
 def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=None, asynchronous=False,
-           compression=None, sync=False, process_set=None):
+           compression=None, sync=False, process_set=None, average_by=1):
     """Start a push_pull (or, with ``broadcast_root``, a broadcast) of a flat byte buffer, in place.
 
     Args:
@@ -238,6 +239,10 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         priority: scheduling priority (larger first); used by the pipeline.
         finalize: called with no arguments on the caller's thread by :func:`synchronize`; its
             result is what :func:`synchronize` returns.
+        average_by: a float push_pull's average: its sum divided by this many workers, exactly as
+            torch's ``div_`` divides. The native core divides each partition as it copies the sum
+            into ``buf``, so the average costs no pass of its own; results that come another way are
+            divided by :func:`synchronize` before ``finalize``. 1: the sum.
         asynchronous: an asynchronous-training exchange (BYTEPS_ENABLE_ASYNC): the first call
             per name hands the servers the parameters (rank 0's are kept), later calls push a
             delta; each returns the servers' latest parameters (docs/async.md).
@@ -279,6 +284,11 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
             raise ValueError(f"asynchronous push_pull of {name!r} needs BYTEPS_ENABLE_ASYNC=1 on every node")
         cmd = Cmd.ASYNC_PUSHPULL
     op = Op(name, buf, dtype, shape, cmd=cmd, root=broadcast_root or 0, priority=priority, pset=process_set)
+    if average_by != 1:
+        if cmd != Cmd.PUSHPULL or dtype not in dtypes.FLOATING or average_by < 1:
+            raise ValueError(f"average_by={average_by} for tensor {name!r}: only a synchronous-mode push_pull of a "
+                             "float tensor is averaged in place (divide integers and the rest after synchronize)")
+        op.divisor = int(average_by)
     if cmd == Cmd.PUSHPULL and compression is not None:
         from . import compression as _compression
 
@@ -349,6 +359,8 @@ def synchronize(handle):
     _leave_inflight(job, op)
     if op.error is not None:
         raise op.error
+    if op.divisor > 1 and not op.divided:  # it did not run in the native core, which divides as it copies
+        _reduce.divide(op.buf, op.divisor, op.dtype)
     return finalize() if finalize is not None else None
 
 

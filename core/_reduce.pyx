@@ -30,6 +30,7 @@ cdef extern from "bps_reduce.h" nogil:
     int bps_scale(void *buf, double factor, size_t n, int dtype, int nthreads)
     void bps_copy(void *dst, const void *src, size_t nbytes, int nthreads)
     void bps_copy_result(void *dst, const void *src, size_t nbytes, int nthreads)
+    int bps_divide_copy(void *dst, const void *src, size_t n, int dtype, unsigned int divisor)
 
 
 bps_cpu_init()
@@ -248,6 +249,33 @@ def scale(buf, double factor, int dtype):
             rc = bps_scale(b.buf, factor, <size_t>(b.len // isz), dtype, _nthreads)
         if rc != 0:
             raise ValueError(f"scale: {_name(dtype)} is not a floating dtype; "
+                             "integer averaging uses floor division")
+    finally:
+        PyBuffer_Release(&b)
+
+
+def divide(buf, unsigned int divisor, int dtype):
+    """Divide a float buffer in place: ``buf[i] /= divisor``, an average, bit for bit as torch's
+    ``div_`` computes it (a true division; fp16 and bf16 in fp32, rounded once). The native core
+    folds the same division into its result copy (bps_divide_copy); this is the pass for results
+    that came another way (the Python engine: compression, process sets).
+
+    Raises:
+        ValueError: unknown or integer dtype, or a byte length that is not a multiple of the
+            element size.
+    """
+    cdef Py_buffer b
+    cdef Py_ssize_t isz = _itemsize(dtype)
+    cdef int rc
+    PyObject_GetBuffer(buf, &b, PyBUF_WRITABLE)
+    try:
+        if b.len % isz:
+            raise ValueError(f"divide: buffer has {b.len} bytes, not a multiple of {isz} "
+                             f"(the size of {_name(dtype)})")
+        with nogil:
+            rc = bps_divide_copy(b.buf, b.buf, <size_t>(b.len // isz), dtype, divisor)
+        if rc != 0:
+            raise ValueError(f"divide: {_name(dtype)} is not a floating dtype; "
                              "integer averaging uses floor division")
     finally:
         PyBuffer_Release(&b)

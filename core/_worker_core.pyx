@@ -83,7 +83,7 @@ cdef extern from "bps_worker.h" nogil:
         BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
         int64_t add_table(const string &name, vector[BpsPart] parts)
         cbool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
-                           cbool root_self, unsigned char *buf, uint64_t nbytes, cbool lazy)
+                           cbool root_self, unsigned char *buf, uint64_t nbytes, cbool lazy, uint32_t divisor)
         cbool add_server(void *sock)
         cbool add_server_live(void *sock, int fd)
         int nservers()
@@ -102,7 +102,7 @@ cdef extern from "bps_worker.h" nogil:
         string link_transport(int server)
         int links_up()
         cbool submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
-                            cbool root_self, unsigned char *buf, uint64_t nbytes)
+                            cbool root_self, unsigned char *buf, uint64_t nbytes, uint32_t divisor)
         uint64_t direct_calls()
         uint64_t direct_adopted()
         void add_local(void *router, vector[void *] peers, int local_rank, cbool open)
@@ -382,12 +382,13 @@ cdef class WorkerCore:
         return self.core.add_table(name.encode(), _parts(parts))
 
     def submit(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
-               bint root_self, buf, bint lazy=False):
+               bint root_self, buf, bint lazy=False, uint32_t divisor=1):
         """Start a push_pull/broadcast of ``buf`` (a flat writable buffer kept alive by the caller
         until the op is forgotten) over a table from :meth:`add_table`. One call per operation, with
         no per-partition work: the buffer's address is read through the buffer protocol. ``lazy``:
         its completion waits for the caller (:meth:`wait_op`) before :meth:`wait` reports it
-        (BPS_LAZY_DELIVERY_S), unless :meth:`prompt` is called."""
+        (BPS_LAZY_DELIVERY_S), unless :meth:`prompt` is called. ``divisor``: an average of a float
+        push_pull, divided into each partition's result as it is copied into ``buf`` (1: a sum)."""
         cdef Py_buffer view
         PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
         cdef unsigned char *data = <unsigned char *>view.buf
@@ -396,10 +397,11 @@ cdef class WorkerCore:
         # with the GIL held: the call only takes the core's mutex briefly and writes an eventfd, and
         # releasing the GIL here would let another Python thread take it for up to a switch interval
         # False: a local-reduce op refused because Python runs the local reduce now (local_python())
-        return self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes, lazy)
+        return self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes, lazy,
+                                      divisor)
 
     def submit_direct(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
-                      bint root_self, buf):
+                      bint root_self, buf, uint32_t divisor=1):
         """A synchronous call's fast path (BpsWorkerCore::submit_direct): run the op's round trip on
         this thread, without the GIL, when byteps-net is idle; True if it ran (done, or handed to
         byteps-net after a short wait), False if the fast path does not apply (then :meth:`submit`)."""
@@ -410,7 +412,7 @@ cdef class WorkerCore:
         PyBuffer_Release(&view)  # the caller keeps ``buf`` (and so its memory) alive
         cdef cbool ran
         with nogil:
-            ran = self.core.submit_direct(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes)
+            ran = self.core.submit_direct(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes, divisor)
         return ran
 
     @property

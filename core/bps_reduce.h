@@ -873,6 +873,41 @@ static inline void bps_copy_stream(void *dst, const void *src, size_t nbytes) {
   memcpy(dst, src, nbytes);
 }
 
+/* dst[i] = src[i] / divisor for float dtypes (dst may be src): an average, folded into the copy of the
+ * sum into the caller's tensor so that it costs no pass of its own. A true division, as torch's div_
+ * does it (fp16/bf16 widened to fp32 and rounded once), so the result is bit-identical to dividing
+ * afterwards. -1 for other dtypes (integers are floor-divided by the caller). */
+static inline int bps_divide_copy(void *dst, const void *src, size_t n, int dtype, uint32_t divisor) {
+  switch (dtype) {
+    case BPS_FLOAT32: {
+      float d = (float)divisor, *o = (float *)dst;
+      const float *s = (const float *)src;
+      for (size_t i = 0; i < n; i++) o[i] = s[i] / d;
+      return 0;
+    }
+    case BPS_FLOAT64: {
+      double d = (double)divisor, *o = (double *)dst;
+      const double *s = (const double *)src;
+      for (size_t i = 0; i < n; i++) o[i] = s[i] / d;
+      return 0;
+    }
+    case BPS_FLOAT16:
+    case BPS_BFLOAT16: {
+      float d = (float)divisor;
+      uint16_t *o = (uint16_t *)dst;
+      const uint16_t *s = (const uint16_t *)src;
+      if (dtype == BPS_FLOAT16)
+        for (size_t i = 0; i < n; i++) o[i] = bps_f32_to_f16(bps_f16_to_f32(s[i]) / d);
+      else
+        for (size_t i = 0; i < n; i++) o[i] = bps_f32_to_bf16(bps_bf16_to_f32(s[i]) / d);
+      return 0;
+    }
+    default: return -1;
+  }
+}
+
+static inline int bps_divides(int dtype) { return dtype >= BPS_FLOAT32 && dtype <= BPS_BFLOAT16; }
+
 /* A result into the caller's tensor: streamed by one thread, or bps_copy's threads when it uses several. */
 static inline void bps_copy_result(void *dst, const void *src, size_t nbytes, int nthreads) {
   if (bps_threads_for(nbytes, nthreads) > 1)

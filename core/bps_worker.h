@@ -147,7 +147,21 @@ struct BpsOp {
     bool lazy = false;      /* (under mu_) its completion waits in deferred_ for its caller (BPS_LAZY_DELIVERY_S) */
     int64_t table = -1;     /* the table it was submitted on, and its sequence number there: which */
     uint64_t seq = 0;       /* membership's partitions it uses (elastic servers, BpsTable::parts_for) */
+    uint32_t divisor = 1;   /* an averaged float push_pull: each partition's sum is divided by this on its
+                             * way into the tensor (bps_result_into), so the average costs no pass of its own */
 };
+
+/* A partition's sum into the tensor at ``dst``: copied, or divided by the op's divisor on the way (an
+ * average). ``stream``: a copy of 1 MB or more uses non-temporal stores (bps_copy_result). */
+static inline void bps_result_into(const BpsOp *op, void *dst, const void *src, size_t nbytes, bool stream,
+                                   int nthreads = 1) {
+    if (op->divisor > 1)
+        bps_divide_copy(dst, src, nbytes / (size_t)bps_itemsize(op->dtype), op->dtype, op->divisor);
+    else if (stream)
+        bps_copy_result(dst, src, nbytes, nthreads);
+    else
+        memcpy(dst, src, nbytes);
+}
 
 /* A tensor's partitions, registered once (BpsWorkerCore::add_table) and copied into each op.
  *
@@ -219,7 +233,7 @@ static inline int bps_run_task(BpsStageTask &t, int nthreads) {
         return rc;
     }
     if (t.kind == BPS_TASK_COPY_OUT)
-        bps_copy_result(t.dst, t.srcs[0], t.nbytes, nthreads);
+        bps_result_into(t.op, t.dst, t.srcs[0], t.nbytes, true, nthreads);
     else
         bps_copy(t.dst, t.srcs[0], t.nbytes, nthreads);
     bps_span(t.kind == BPS_TASK_COPY_IN ? BPS_TRACE_STAGE : BPS_TRACE_LOCAL_BROADCAST, t0, p.key, p.rnd, t.nbytes,
@@ -545,7 +559,7 @@ class BpsWorkerCore {
      * Messages for others that arrive meanwhile go to byteps-net in order. Returns false (nothing
      * done) when the fast path does not apply: the caller then submits as usual. */
     bool submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
-                       bool root_self, unsigned char *buf, uint64_t nbytes) {
+                       bool root_self, unsigned char *buf, uint64_t nbytes, uint32_t divisor = 1) {
         int server;
         BpsPart part;
         std::string name;
@@ -561,7 +575,8 @@ class BpsWorkerCore {
             part = parts[0];
             name = t.name;
         }
-        if (local) return submit_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes);
+        if (local)
+            return submit_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor);
         server = part.server;
         if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= nservers_.load() || !links_[(size_t)server] ||
             dead_[(size_t)server].load())
@@ -575,7 +590,7 @@ class BpsWorkerCore {
         BpsConn *l = links_[(size_t)server].get();
         if (l == nullptr || (strcmp(l->kind(), "tcp") != 0 && !ucx_lock.owns_lock())) return false;
         if (l->dead() || l->wants_write() || l->pending_input()) return false;
-        BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes);
+        BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
         op->name = name;
         op->parts.push_back(part);
         op->parts_left = 1;
@@ -679,7 +694,7 @@ class BpsWorkerCore {
      * it meanwhile (early_done_). False: the fast path does not apply. */
     bool submit_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part, const std::string &name,
                              uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, unsigned char *buf,
-                             uint64_t nbytes) {
+                             uint64_t nbytes, uint32_t divisor) {
         int owner = part.owner;
         if (cmd != BPS_CMD_PUSHPULL || owner < 0 || owner == local_rank_ || (size_t)owner >= local_links_.size() ||
             part.staging == nullptr || part.length > BPS_DIRECT_MAX_BYTES || part.offset + part.length > nbytes)
@@ -687,7 +702,7 @@ class BpsWorkerCore {
         std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)owner]);
         BpsConn *l = live_local_link(owner);
         if (l == nullptr || strcmp(l->kind(), "tcp") != 0 || l->wants_write() || l->pending_input()) return false;
-        BpsOp *op = new_op(id, cmd, dtype, root, priority, false, buf, nbytes);
+        BpsOp *op = new_op(id, cmd, dtype, root, priority, false, buf, nbytes, divisor);
         op->name = name;
         op->local = true;
         op->parts.push_back(part);
@@ -776,7 +791,7 @@ class BpsWorkerCore {
                     set_error(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': local result unreadable: " + err);
                     return true;
                 }
-                memcpy(op->buf + p.offset, src, p.length); /* COPY_OUT */
+                bps_result_into(op, op->buf + p.offset, src, p.length, false); /* COPY_OUT */
                 return true;
             }
             if (l->dead()) return false; /* byteps-net adopts it; its DEALER carries what follows */
@@ -911,12 +926,12 @@ class BpsWorkerCore {
     /* Start a push_pull/broadcast of ``buf`` over a registered table: the per-call path. False (and
      * nothing started) for a local-reduce table once Python runs the local reduce (local_python()). */
     bool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
-                      bool root_self, unsigned char *buf, uint64_t nbytes, bool lazy = false) {
+                      bool root_self, unsigned char *buf, uint64_t nbytes, bool lazy = false, uint32_t divisor = 1) {
         {
             std::lock_guard<std::mutex> lock(mu_);
             if (python_local_ && tables_.at((size_t)table).local) return false;
         }
-        BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes);
+        BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
         op->lazy = lazy;
         {
             std::lock_guard<std::mutex> lock(mu_);
@@ -1108,8 +1123,9 @@ class BpsWorkerCore {
 
   private:
     static BpsOp *new_op(int64_t id, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, bool root_self,
-                         unsigned char *buf, uint64_t nbytes) {
+                         unsigned char *buf, uint64_t nbytes, uint32_t divisor) {
         BpsOp *op = new BpsOp();
+        op->divisor = cmd == BPS_CMD_PUSHPULL && bps_divides(dtype) ? divisor : 1;
         op->id = id;
         op->cmd = cmd;
         op->dtype = dtype;
@@ -1682,9 +1698,9 @@ class BpsWorkerCore {
                                                     std::to_string(expect));
                 return;
             }
+            retain(p, h.round, op->dtype, src, p.length); /* the sum, not an average */
             /* a lone pushing machine gets its own region back: the sum is what the tensor holds */
-            if (!(p.staging != nullptr && src == p.staging)) bps_copy_stream(dst, src, len);
-            retain(p, h.round, op->dtype, dst, p.length);
+            if (op->divisor > 1 || !(p.staging != nullptr && src == p.staging)) bps_result_into(op, dst, src, len, true);
             return;
         }
         size_t got = m->size(1);
@@ -1693,8 +1709,9 @@ class BpsWorkerCore {
                                                 std::to_string(expect));
             return;
         }
-        if (got) memcpy(dst, m->data(1), got);
-        retain(p, h.round, op->dtype, dst, p.length); /* a broadcast's root: its own data, the result */
+        /* the sum, not an average; a broadcast's root: its own data, the result */
+        retain(p, h.round, op->dtype, got ? m->data(1) : dst, p.length);
+        if (got) bps_result_into(op, dst, m->data(1), got, false);
     }
 
     /* Elastic servers: the result of each key's latest round, with the server that sent it. If that

@@ -180,6 +180,7 @@ class Engine:
         self._graveyard = {}        # native id -> Op whose tensor ZeroMQ may still read (failed ops)
         self._completer = None      # thread delivering native completions
         self.native_submitted = 0   # ops handed to the native thread (tests check the path really ran)
+        self.native_averaged = 0    # of them, averages the native core divided as it copied the sums in
         # the native thread also runs this machine's local reduce (core/bps_worker.h "Local reduce"):
         # set once at start from the job's config, so every local rank decides alike
         self._native_local = False
@@ -550,13 +551,17 @@ class Engine:
         op.parts_left = count
         self._native_ops[nid] = op  # before submit: the completion thread may deliver it at once
         root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
+        op.divided = op.divisor > 1  # the native core divides as it copies each partition's sum in; set before
+        # submit, which the completion thread may race to deliver
         if not (sync and count == 1 and self._native.submit_direct(nid, table, op.cmd, op.dtype, op.root,
-                                                                   op.priority, root_self, op.buf)) and \
+                                                                   op.priority, root_self, op.buf, op.divisor)) and \
                 not self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority, root_self, op.buf,
-                                        lazy=lazy):
+                                        lazy=lazy, divisor=op.divisor):
+            op.divided = False
             del self._native_ops[nid]
             return False
         self.native_submitted += 1
+        self.native_averaged += op.divided
         if self.local is not None and op.cmd == Cmd.PUSHPULL:
             self.native_local_submitted += 1
         # only now: the native side reads an id it does not hold as "finished and forgotten", so a

@@ -18,7 +18,8 @@ class Op:
     """One push_pull or broadcast of one tensor, in flight."""
 
     __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey", "parts_left",
-                 "servers", "error", "done", "started", "callbacks", "codec", "native_id", "pset")
+                 "servers", "error", "done", "started", "callbacks", "codec", "native_id", "pset", "divisor",
+                 "divided")
 
     def __init__(self, name, buf, dtype, shape, cmd=Cmd.PUSHPULL, root=0, priority=0, pset=None):
         self.name = name
@@ -41,6 +42,8 @@ class Op:
         self.callbacks = []
         self.codec = None           # byteps.compression.WireCompressor for partitions sent over the network
         self.native_id = None       # its id in the native data plane (core/bps_worker.h), if it runs there
+        self.divisor = 1            # an average: the sum is divided by this (float push_pulls; common.submit)
+        self.divided = False        # the native core divided each partition on its way into ``buf``
 
     def fail(self, error):
         if self.error is None:

@@ -77,3 +77,46 @@ def push_pull_gradients(out, args):
             "plain_tracked": plain.grad_fn is not None, "plain_sum": bool(torch.equal(plain, torch.full((1000,), want))),
             "no_grad_tracked": under_no_grad.grad_fn is not None,
             "no_grad_sum": bool(torch.equal(under_no_grad, torch.full((1000,), want)))}
+
+
+#: the dtypes an average divides in the native core (bps_divide_copy), and int32 (floor division in torch)
+AVERAGE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32")
+
+
+def _rank_data(rank, n, dtype):
+    """Rank ``rank``'s tensor: small integers, so that every sum is exact in any order and dtype (bf16 holds
+    integers up to 256), while dividing the sum by 3 is not: the average's rounding is what is compared."""
+    return ((torch.arange(n, dtype=torch.int64) * 7 + rank * 5) % 80).to(getattr(torch, dtype))
+
+
+@scenario
+def torch_average(out, args):
+    """Averaged push_pulls and Horovod allreduces (the default of both APIs) in every call pattern, small
+    (one partition: the caller's direct path) and large (several partitions, from 1 MB: the streamed
+    copy), against the locally computed sum divided by ``size`` with torch's own ``div_``, bit for bit."""
+    rank, size = bps.rank(), bps.size()
+    engine = common._require().engine
+    res = {"native_before": engine.native_submitted, "averaged_before": engine.native_averaged, "wrong": []}
+    for dtype in AVERAGE_DTYPES:
+        for n in args["elements"]:
+            mine = _rank_data(rank, n, dtype)
+            total = sum(_rank_data(r, n, dtype).to(torch.float64) for r in range(size)).to(mine.dtype)
+            want = total.div_(size) if mine.is_floating_point() else total.floor_divide_(size)
+            got = {}
+            t = mine.clone()
+            got["inplace"] = bps.push_pull_inplace(t, name=f"avg.in.{dtype}.{n}")
+            got["outofplace"] = bps.push_pull(mine, name=f"avg.out.{dtype}.{n}")
+            t = mine.clone()
+            got["async"] = bps.synchronize(bps.push_pull_async_inplace(t, name=f"avg.async.{dtype}.{n}"))
+            got["async_oop"] = bps.synchronize(bps.push_pull_async(mine, name=f"avg.asyncoop.{dtype}.{n}"))
+            got["unnamed"] = bps.push_pull(mine)
+            if mine.is_floating_point():  # Horovod's Average truncates integers instead (mpi_ops)
+                got["allreduce"] = bps.allreduce(mine, name=f"avg.hvd.{dtype}.{n}")
+            for pattern, value in got.items():
+                if value.dtype != want.dtype or not torch.equal(value.view(-1), want):
+                    bad = (value.view(-1) != want).nonzero().view(-1)[:3].tolist()
+                    res["wrong"].append(f"{pattern} {dtype} n={n}: at {bad}: got {value.view(-1)[bad].tolist()}, "
+                                        f"want {want[bad].tolist()}")
+    res["native"] = engine.native_submitted - res.pop("native_before")
+    res["native_averaged"] = engine.native_averaged - res.pop("averaged_before")
+    return res

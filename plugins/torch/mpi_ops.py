@@ -152,10 +152,13 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
     work, write_back, buf = _buffers(tensor, push_pull=pset is None, name=full)
     size = _members(pset)[0]
     _scale_(work, prescale_factor)
+    # a plain float average in host memory: divided as the sum is copied in (common.submit)
+    average_by = size if (op == Average and size > 1 and postscale_factor == 1.0 and work.is_floating_point()
+                          and work.device.type == "cpu") else 1
 
     @torch.no_grad()
     def finalize():
-        if op == Average and size > 1:
+        if op == Average and size > 1 and average_by == 1:
             if work.dtype.is_floating_point:
                 _scale_(work, postscale_factor)
                 work.div_(size)
@@ -171,7 +174,7 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
         return work
 
     return common.submit(full, buf, code, tuple(tensor.shape), priority=priority, finalize=finalize,
-                         compression=compression, process_set=pset)
+                         compression=compression, process_set=pset, average_by=average_by)
 
 
 def _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor, pset=None):

@@ -130,9 +130,12 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
     work, write_back, buf = _buffers(tensor, push_pull=root is None and not asynchronous and pset is None,
                                      name=name)
     size = common.size() if pset is None else len(pset[1])
+    # a float average in host memory: divided as the sum is copied in (common.submit), not in a pass of its own
+    average_by = size if (average and root is None and size > 1 and not asynchronous and work.is_floating_point()
+                          and work.device.type == "cpu") else 1
 
     def finalize():
-        if average and root is None and size > 1:
+        if average and root is None and size > 1 and average_by == 1:
             if work.dtype.is_floating_point:
                 work.div_(size)
             else:  # integer average: floor division (documented in docs/architecture.md)
@@ -144,7 +147,7 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
 
     return common.submit(name, buf, code, _wire_shape(tensor), broadcast_root=root, priority=priority,
                          finalize=finalize, asynchronous=asynchronous, compression=compression, sync=sync,
-                         process_set=pset)
+                         process_set=pset, average_by=average_by)
 
 
 def _broadcast_start(tensor, root_rank, name, pset=None):

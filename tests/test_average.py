@@ -1,0 +1,55 @@
+"""Averages (issue 14, users' default: ``push_pull(t)`` and Horovod's ``allreduce(t)`` average): the native
+core divides each partition's sum as it copies it into the tensor (bps_divide_copy), with no pass of its
+own. Results must be bit-identical to the sum divided by torch's ``div_`` (floor division for
+integers), with 3 workers so that the division rounds, over servers and through a machine's local
+reduce, for one partition (the caller's direct path) and many (from 1 MB: the streamed copy)."""
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+# 1000 elements: one partition; 600,000: several (4 MB partitions hold 1M float32, so fp16's 1.2 MB splits
+# only with the smaller partitions set here), with partitions of 1 MB and more among them
+ELEMENTS = [1000, 600_000]
+ENV = {"BYTEPS_PARTITION_BYTES": str(1 << 20)}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("machines,local_size,servers", [(3, 1, 2), (1, 3, 1)], ids=["3-machines", "1-machine-x3"])
+def test_averages_are_bit_identical_to_dividing_the_sum(cluster, machines, local_size, servers):
+    c = cluster(machines, servers, local_size=local_size, env=ENV)
+    c.run_workers("torch_average", {"elements": ELEMENTS})
+    codes, scodes, sched = c.wait_all(180)
+    assert codes == [0] * 3 and sched == 0, c.all_logs()
+    for r, res in c.results().items():
+        v = res["value"] if "value" in res else pytest.fail(f"rank {r}: {res}\n{c.all_logs()}")
+        assert v["wrong"] == [], (r, v["wrong"])
+        # 5 dtypes x 2 sizes x 5 push_pull patterns, and 4 x 2 allreduces: every one in the native core
+        assert v["native"] == 5 * 2 * 5 + 4 * 2, v
+        assert v["native_averaged"] == 4 * 2 * 5 + 4 * 2, v  # the floats: divided in the core, not by torch
+
+
+def test_divide_kernel_matches_torch_div():
+    """The kernel itself (core/bps_reduce.h bps_divide_copy, through _reduce.divide), every float dtype,
+    divisors that round, specials (inf, nan, -0.0, subnormals) included."""
+    import torch
+
+    from byteps.core import _reduce, dtypes
+
+    codes = {torch.float32: dtypes.FLOAT32, torch.float64: dtypes.FLOAT64, torch.float16: dtypes.FLOAT16,
+             torch.bfloat16: dtypes.BFLOAT16}
+    g = torch.Generator().manual_seed(5)
+    base = torch.cat([torch.randn(10_000, generator=g) * 1000, torch.randn(1000, generator=g) * 1e-6,
+                      torch.tensor([float("inf"), float("-inf"), -0.0, 0.0, 1e-40, 65504.0, 3.0])])
+    for dtype, code in codes.items():
+        for divisor in (2, 3, 7, 24):
+            x = base.to(dtype)
+            want = x.clone().div_(divisor)
+            got = x.clone()
+            _reduce.divide(got.view(torch.uint8).numpy(), divisor, code)
+            assert torch.equal(got, want), (dtype, divisor, (got != want).nonzero()[:5])
+    with pytest.raises(ValueError, match="int32 is not a floating dtype"):
+        _reduce.divide(torch.ones(4, dtype=torch.int32).view(torch.uint8).numpy(), 3, dtypes.INT32)
