@@ -11,17 +11,24 @@
  *
  * A message is one Active Message: the user header carries the frame lengths (the TCP link's prefix,
  * "BPLK" | n | n x u64), the data is the frames as an IOV (zero-copy frames are read in place until
- * the send completes; then their free function runs, on the owning thread, inside progress). Both
- * sides send with UCP_AM_SEND_FLAG_REPLY, so the receiver knows the endpoint a message came on
- * (reply_ep) and routes it to that link. Received frames are ZeroMQ messages (zmq_msg_init_size) as
- * on a TCP link: an eager message is copied out of UCX's buffer; a rendezvous one (large: UCX picks
- * the threshold, about 8 KB over tcp, less over verbs) is received with ucp_am_recv_data_nbx straight
- * into its frames, one IOV entry per frame. The server sums from there (its first push is held as it
- * arrived, later ones are added into the store): one copy fewer than "receive, then copy into the
- * store" and the same as the TCP link. Large frames are received into buffers reused across steps
- * (BpsUcxRecvPool), so UCX registers each once and finds it in its registration cache (rcache)
- * afterwards; the tensors workers send from are the training's own, registered the same way on
- * first use. That is what an explicit ucp_mem_map per buffer would do by hand, so there is none.
+ * the send completes; then their free function runs, on the owning thread, inside progress). A
+ * message with one large frame (a partition's body) goes "split" instead (BPS_UCX_SPLIT_MAGIC): its
+ * small frames inside the user header, the body alone and contiguous as the data. Both sides send
+ * with UCP_AM_SEND_FLAG_REPLY, so the receiver knows the endpoint a message came on (reply_ep) and
+ * routes it to that link. Received frames are ZeroMQ messages (zmq_msg_init_size) as on a TCP link:
+ * an eager message is copied out of UCX's buffer; a rendezvous one (large: over 1 MB here, where
+ * byteps sets UCX_RNDV_THRESH without an RDMA device, UCX's choice over verbs) is received with
+ * ucp_am_recv_data_nbx straight into its frames. The server sums from there (its first push is held
+ * as it arrived, later ones are added into the store): one copy fewer than "receive, then copy into
+ * the store" and the same as the TCP link.
+ *
+ * Registration (what a NIC needs before it reads or writes memory): a large body is received into a
+ * buffer reused across steps (BpsUcxRecvPool) that the worker registers with ucp_mem_map the first
+ * time and whose handle it passes with every later receive into it, and with a reply sent from it
+ * (ucp_request_param_t.memh, contiguous data only: hence the split form). The tensors workers send
+ * from, and a server's stores, are left to UCX's registration cache (rcache), which also registers
+ * once and finds the registration on later steps: a tensor's memory is torch's to free and reuse,
+ * and only UCX's memory hooks see that happen, so a registration made by hand could outlive it.
  *
  * Wake-ups: the thread's poll includes ucp_worker_get_efd(); before it sleeps, pending_input()
  * progresses the worker and arms it (ucp_worker_arm); UCS_ERR_BUSY means events came meanwhile:
@@ -43,6 +50,14 @@
 
 static const unsigned BPS_UCX_AM_ID = 0x4250; /* "BP": our one Active Message handler */
 static const uint64_t BPS_UCX_HELLO_MAX = 64 << 10; /* the most an endpoint may send before its token */
+/* A message of one large frame (>= BpsUcxRecvPool::MIN_BYTES) and small others travels "split": the
+ * small frames (a header, a descriptor) in the Active Message's user header, the large one alone as
+ * its data, so that it is contiguous: a receive straight into a registered pooled buffer, a send
+ * from one, can then pass the registration (ucp_request_param_t.memh, which takes contiguous data
+ * only). Its user header: "BPSP" | n | index of the large frame | 0 | n x u64 lengths | the small
+ * frames' bytes. */
+static const uint32_t BPS_UCX_SPLIT_MAGIC = 0x50535042u; /* "BPSP" */
+static const size_t BPS_UCX_HEADER_MAX = 1024;          /* the most header bytes byteps puts there */
 
 #ifdef BPS_HAVE_UCX
 
@@ -54,6 +69,7 @@ static const uint64_t BPS_UCX_HELLO_MAX = 64 << 10; /* the most an endpoint may 
 #include <sys/socket.h>
 #include <time.h>
 
+#include <atomic>
 #include <deque>
 #include <mutex>
 #include <unordered_map>
@@ -85,8 +101,13 @@ struct BpsUcxApi {
     BPS_UCX_FN(ucp_request_check_status);
     BPS_UCX_FN(ucp_request_free);
     BPS_UCX_FN(ucs_status_string);
+    BPS_UCX_FN(ucp_mem_map);
+    BPS_UCX_FN(ucp_mem_unmap);
+    BPS_UCX_FN(ucp_worker_query);
+    BPS_UCX_FN(ucp_get_version);
 #undef BPS_UCX_FN
     bool loaded = false;
+    bool memh_param = false; /* ucp_request_param_t.memh is honoured: UCX 1.14 or later */
     std::string why = "UCX was not loaded (byteps.core.ucx.load())";
 };
 static BpsUcxApi bps_ucx;
@@ -128,7 +149,14 @@ static inline int bps_ucx_load(const char *path) {
     BPS_UCX_SYM(ucp_request_check_status)
     BPS_UCX_SYM(ucp_request_free)
     BPS_UCX_SYM(ucs_status_string) /* libucs: dlsym searches libucp's dependencies too */
+    BPS_UCX_SYM(ucp_mem_map)
+    BPS_UCX_SYM(ucp_mem_unmap)
+    BPS_UCX_SYM(ucp_worker_query)
+    BPS_UCX_SYM(ucp_get_version)
 #undef BPS_UCX_SYM
+    unsigned major = 0, minor = 0, release = 0;
+    bps_ucx.ucp_get_version(&major, &minor, &release);
+    bps_ucx.memh_param = major > 1 || (major == 1 && minor >= 14);
     bps_ucx.loaded = true;
     bps_ucx.why.clear();
     return 0;
@@ -138,10 +166,12 @@ static inline std::string bps_ucx_error(ucs_status_t s) { return bps_ucx.ucs_sta
 
 /* Buffers that large received frames (>= 64 KB) land in, reused across steps: the same partition
  * size comes back every step, so the same addresses do. That is what makes registration pay on an
- * RDMA NIC: UCX pins and registers a buffer the first time it receives into it and finds the
- * registration in its cache (rcache, keyed by address) every later step; a fresh allocation per
- * message would be registered (and page-faulted) every time. Process-wide, any thread may give a
- * buffer back (the frame's free function: a sum thread, Python); at most 1 GiB is kept idle. */
+ * RDMA NIC: each receiving UCP worker registers a buffer (ucp_mem_map) the first time it receives
+ * into it and passes that handle to every later receive into it (BpsUcxWorker::pool_memh); a fresh
+ * allocation per message would be registered (and page-faulted) every time. Process-wide, any
+ * thread may give a buffer back (the frame's free function: a sum thread, Python); at most 1 GiB is
+ * kept idle. A buffer's generation changes when it is freed, so that a registration of a freed
+ * buffer is never used for a new one that malloc put at the same address. */
 class BpsUcxRecvPool {
   public:
     static const size_t MIN_BYTES = 64 << 10;
@@ -151,10 +181,12 @@ class BpsUcxRecvPool {
         return *pool;
     }
 
-    /* A ZeroMQ frame of ``n`` bytes backed by a pooled buffer; 0, or -1 (out of memory). */
-    int frame(bps_zmq_msg *m, size_t n) {
+    /* A ZeroMQ frame of ``n`` bytes backed by a pooled buffer, its capacity and generation in *cap and
+     * *gen; 0, or -1 (out of memory). */
+    int frame(bps_zmq_msg *m, size_t n, size_t *cap_out = nullptr, uint64_t *gen_out = nullptr) {
         size_t cap = (n + 4095) & ~(size_t)4095;
         void *p = nullptr;
+        uint64_t gen = 0;
         {
             std::lock_guard<std::mutex> lock(mu_);
             auto it = free_.find(cap);
@@ -163,10 +195,24 @@ class BpsUcxRecvPool {
                 it->second.pop_back();
                 idle_ -= cap;
                 reused_++;
+                gen = gens_[p];
             }
         }
-        if (p == nullptr && posix_memalign(&p, 4096, cap) != 0) return -1;
+        if (p == nullptr) {
+            if (posix_memalign(&p, 4096, cap) != 0) return -1;
+            std::lock_guard<std::mutex> lock(mu_);
+            gen = gens_[p] = ++next_gen_;
+        }
+        if (cap_out != nullptr) *cap_out = cap;
+        if (gen_out != nullptr) *gen_out = gen;
         return bps_zmq.msg_init_data(m, p, n, give_back, (void *)cap);
+    }
+
+    /* The generation of pooled buffer ``p`` now (0: not a pooled buffer, or freed since). */
+    uint64_t generation(const void *p) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = gens_.find(const_cast<void *>(p));
+        return it == gens_.end() ? 0 : it->second;
     }
 
     uint64_t reused() {
@@ -185,15 +231,22 @@ class BpsUcxRecvPool {
                 pool.idle_ += cap;
                 return;
             }
+            pool.gens_.erase(data);
         }
         free(data);
     }
 
     std::mutex mu_;
     std::unordered_map<size_t, std::vector<void *>> free_; /* by capacity (page multiple) */
+    std::unordered_map<void *, uint64_t> gens_;            /* every live buffer's generation */
+    uint64_t next_gen_ = 0;
     size_t idle_ = 0;
     uint64_t reused_ = 0;
 };
+
+/* Explicit registrations (ucp_mem_map) of pooled receive buffers, per UCP worker, process-wide counts:
+ * tests and the log check that a buffer is registered once and its handle used on every later step. */
+static std::atomic<uint64_t> bps_ucx_mem_mapped{0}, bps_ucx_memh_used{0};
 
 class BpsUcxWorker;
 
@@ -293,9 +346,14 @@ class BpsUcxLink : public BpsConn {
         error_ = why;
     }
 
-    /* An Active Message for this link (on the thread, inside progress). */
+    /* An Active Message for this link (on the thread, inside progress); a split one (BPS_UCX_SPLIT_MAGIC). */
     ucs_status_t on_message(const void *header, size_t hlen, void *data, size_t length,
                             const ucp_am_recv_param_t *param);
+    ucs_status_t on_split(const void *header, size_t hlen, void *data, size_t length,
+                          const ucp_am_recv_param_t *param);
+    int send_split(BpsFrames &m, int big, size_t hlen);
+    int sent(void *st, Outgoing *o);
+    void receiving(void *st, Incoming *in);
 
     BpsUcxWorker *w_;
     ucp_ep_h ep_ = nullptr;
@@ -330,11 +388,53 @@ class BpsUcxWorker {
             drain_closing(1.0);
             bps_ucx.ucp_worker_destroy(worker_);
         }
+        for (auto &kv : regs_) bps_ucx.ucp_mem_unmap(context_, kv.second.memh);
         if (context_ != nullptr) bps_ucx.ucp_cleanup(context_);
     }
 
     int efd() const { return efd_; }
     ucp_worker_h worker() const { return worker_; }
+
+    /* The registration of pooled buffer ``p`` (capacity ``cap``, generation ``gen``) with this worker's
+     * context: made by ucp_mem_map the first time, reused on every later step; NULL where it cannot be
+     * passed (UCX older than 1.14) or failed (UCX then registers through its own cache). */
+    ucp_mem_h pool_memh(void *p, size_t cap, uint64_t gen) {
+        if (!bps_ucx.memh_param || gen == 0) return nullptr;
+        auto it = regs_.find(p);
+        if (it != regs_.end()) {
+            if (it->second.gen == gen && it->second.cap == cap) {
+                bps_ucx_memh_used++;
+                return it->second.memh;
+            }
+            bps_ucx.ucp_mem_unmap(context_, it->second.memh); /* freed and reallocated meanwhile */
+            regs_.erase(it);
+        }
+        ucp_mem_map_params_t mp;
+        memset(&mp, 0, sizeof mp);
+        mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+        mp.address = p;
+        mp.length = cap;
+        ucp_mem_h memh = nullptr;
+        if (bps_ucx.ucp_mem_map(context_, &mp, &memh) != UCS_OK) return nullptr;
+        regs_[p] = Registration{gen, cap, memh};
+        bps_ucx_mem_mapped++;
+        bps_ucx_memh_used++;
+        return memh;
+    }
+
+    /* The registration covering ``len`` bytes from ``p`` when ``p`` is a pooled buffer this worker has
+     * registered and that has not been freed since (a server replying from the buffer a push arrived
+     * in); else NULL: UCX registers the memory through its cache (a tensor, a store). */
+    ucp_mem_h send_memh(const void *p, size_t len) {
+        auto it = regs_.find(const_cast<void *>(p));
+        if (it == regs_.end() || len > it->second.cap) return nullptr;
+        if (BpsUcxRecvPool::get().generation(p) != it->second.gen) return nullptr;
+        bps_ucx_memh_used++;
+        return it->second.memh;
+    }
+
+    /* The largest user header an Active Message of this worker may carry (UCX's, capped by byteps). */
+    size_t max_am_header() const { return max_am_header_; }
 
     void progress() {
         while (bps_ucx.ucp_worker_progress(worker_) != 0) {
@@ -478,6 +578,11 @@ class BpsUcxWorker {
             worker_ = nullptr;
             return false;
         }
+        ucp_worker_attr_t wa;
+        memset(&wa, 0, sizeof wa);
+        wa.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+        if (bps_ucx.ucp_worker_query(worker_, &wa) == UCS_OK)
+            max_am_header_ = std::min<size_t>(wa.max_am_header, BPS_UCX_HEADER_MAX);
         s = bps_ucx.ucp_worker_get_efd(worker_, &efd_);
         if (s != UCS_OK) {
             *why = "ucp_worker_get_efd: " + bps_ucx_error(s);
@@ -590,6 +695,13 @@ class BpsUcxWorker {
     ucp_listener_h listener_ = nullptr;
     int efd_ = -1;
     ucp_err_handling_mode_t err_mode_ = UCP_ERR_HANDLING_MODE_PEER;
+    size_t max_am_header_ = 0; /* 0: small frames are not carried in the header (legacy form only) */
+    struct Registration {
+        uint64_t gen;
+        size_t cap;
+        ucp_mem_h memh;
+    };
+    std::unordered_map<void *, Registration> regs_; /* pooled buffers registered with this context */
     std::unordered_map<ucp_ep_h, BpsUcxLink *> eps_;
     std::vector<BpsUcxLink *> accepted_;
     std::vector<void *> closing_;
@@ -636,6 +748,14 @@ inline int BpsUcxLink::send(BpsFrames &m) {
         m.release_from(0);
         return -1;
     }
+    int big = -1; /* the split form (BPS_UCX_SPLIT_MAGIC): one large frame, the others in the header */
+    for (int i = 0; i < m.n; ++i)
+        if (m.f[i].len >= BpsUcxRecvPool::MIN_BYTES && (big < 0 || m.f[i].len > m.f[big].len)) big = i;
+    if (big >= 0) {
+        size_t hlen = 16 + 8 * (size_t)m.n;
+        for (int i = 0; i < m.n; ++i) hlen += i == big ? 0 : m.f[i].len;
+        if (hlen <= w_->max_am_header()) return send_split(m, big, hlen);
+    }
     Outgoing *o = new Outgoing();
     uint32_t head[2] = {BPS_LINK_MAGIC, (uint32_t)m.n};
     memcpy(&o->head[0], head, sizeof head);
@@ -664,24 +784,147 @@ inline int BpsUcxLink::send(BpsFrames &m) {
     p.cb.send = on_sent;
     p.user_data = o;
     p.datatype = ucp_dt_make_iov();
-    void *st = bps_ucx.ucp_am_send_nbx(ep_, BPS_UCX_AM_ID, o->head, sizeof(uint64_t) * (1 + m.n), o->iov,
-                                       (size_t)niov, &p);
-    if (st == nullptr) { /* done already: no callback comes */
+    return sent(bps_ucx.ucp_am_send_nbx(ep_, BPS_UCX_AM_ID, o->head, sizeof(uint64_t) * (1 + m.n), o->iov,
+                                        (size_t)niov, &p), o);
+}
+
+/* What ucp_am_send_nbx returned for ``o``: done already (no callback comes), failed, or in flight
+ * (on_sent releases the frames). */
+inline int BpsUcxLink::sent(void *st, Outgoing *o) {
+    if (st == nullptr || UCS_PTR_IS_ERR(st)) {
         o->release();
         delete o;
-        return 0;
     }
-    if (UCS_PTR_IS_ERR(st)) {
-        o->release();
-        delete o;
+    if (st != nullptr && UCS_PTR_IS_ERR(st)) {
         die("ucp_am_send_nbx: " + bps_ucx_error(UCS_PTR_STATUS(st)));
         return -1;
     }
-    return 0; /* on_sent releases the frames */
+    return 0;
+}
+
+/* The split form: the small frames copied into the header (their zero-copy owners released at once),
+ * the large frame sent alone and contiguous, in place if it is zero-copy, with its registration when
+ * it is a pooled buffer this worker registered. */
+inline int BpsUcxLink::send_split(BpsFrames &m, int big, size_t hlen) {
+    Outgoing *o = new Outgoing();
+    BpsOutFrame &body = m.f[big];
+    o->own.resize(hlen + (body.ffn == nullptr ? body.len : 0)); /* one allocation: pointers stay valid */
+    char *h = &o->own[0];
+    uint32_t h4[4] = {BPS_UCX_SPLIT_MAGIC, (uint32_t)m.n, (uint32_t)big, 0};
+    memcpy(h, h4, sizeof h4);
+    char *q = h + 16 + 8 * (size_t)m.n;
+    for (int i = 0; i < m.n; ++i) {
+        uint64_t len = m.f[i].len;
+        memcpy(h + 16 + 8 * (size_t)i, &len, 8);
+        if (i == big) continue;
+        if (len > 0) memcpy(q, m.f[i].data, len);
+        q += len;
+        if (m.f[i].ffn != nullptr) m.f[i].ffn((void *)m.f[i].data, m.f[i].hint);
+    }
+    const void *data = body.data;
+    ucp_mem_h memh = nullptr;
+    if (body.ffn != nullptr) {
+        o->zc[o->nzc++] = body; /* read in place until the send completes */
+        memh = w_->send_memh(data, body.len);
+    } else {
+        memcpy(h + hlen, data, body.len);
+        data = h + hlen;
+    }
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof p);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    p.cb.send = on_sent;
+    p.user_data = o;
+    if (memh != nullptr) {
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        p.memh = memh;
+    }
+    return sent(bps_ucx.ucp_am_send_nbx(ep_, BPS_UCX_AM_ID, h, hlen, data, body.len, &p), o);
+}
+
+/* A split message: its small frames from the header, its large frame from ``data`` (eager) or fetched
+ * straight into a pooled buffer with that buffer's registration (rendezvous). */
+inline ucs_status_t BpsUcxLink::on_split(const void *header, size_t hlen, void *data, size_t length,
+                                         const ucp_am_recv_param_t *param) {
+    uint32_t h4[4] = {0, 0, 0, 0};
+    memcpy(h4, header, sizeof h4);
+    uint32_t n = h4[1], big = h4[2];
+    uint64_t lens[BPS_LINK_MAX_FRAMES];
+    bool ok = n >= 1 && n <= (uint32_t)BPS_LINK_MAX_FRAMES && big < n && h4[3] == 0 && hlen >= 16 + 8 * (size_t)n;
+    uint64_t small = 0;
+    if (ok) {
+        memcpy(lens, (const char *)header + 16, 8 * (size_t)n);
+        for (uint32_t i = 0; i < n && ok; ++i) {
+            ok = lens[i] <= (i == big ? BPS_LINK_MAX_FRAME : (uint64_t)BPS_UCX_HEADER_MAX);
+            if (i != big) small += lens[i];
+        }
+        ok = ok && hlen == 16 + 8 * (size_t)n + small && lens[big] == length;
+    }
+    if (!ok) {
+        die("malformed UCX message (split header or lengths)");
+        return UCS_OK;
+    }
+    if (accepted_ && ident.empty() && length + small > BPS_UCX_HELLO_MAX) { /* nothing large before the token */
+        die("a message of " + std::to_string(length + small) + " bytes before the endpoint presented its token");
+        return UCS_OK;
+    }
+    Incoming *in = new Incoming();
+    bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    const char *q = (const char *)header + 16 + 8 * (size_t)n;
+    size_t cap = 0;
+    uint64_t gen = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+        if (i == big) {
+            bool pooled = rndv && lens[i] >= BpsUcxRecvPool::MIN_BYTES &&
+                          BpsUcxRecvPool::get().frame(&in->msg.frames[i], lens[i], &cap, &gen) == 0;
+            if (!pooled) bps_zmq.msg_init_size(&in->msg.frames[i], (size_t)lens[i]);
+        } else {
+            bps_zmq.msg_init_size(&in->msg.frames[i], (size_t)lens[i]);
+            if (lens[i] > 0) memcpy(in->msg.mutable_data((int)i), q, lens[i]);
+            q += lens[i];
+        }
+        in->msg.count = (int)i + 1;
+    }
+    inq_.push_back(in);
+    void *dst = in->msg.mutable_data((int)big);
+    if (!rndv) {
+        if (length > 0) memcpy(dst, data, length);
+        in->ready = true;
+        return UCS_OK;
+    }
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof p);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = on_received;
+    p.user_data = in;
+    ucp_mem_h memh = cap != 0 ? w_->pool_memh(dst, cap, gen) : nullptr;
+    if (memh != nullptr) {
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        p.memh = memh;
+    }
+    receiving(bps_ucx.ucp_am_recv_data_nbx(w_->worker_, data, dst, (size_t)length, &p), in);
+    return UCS_OK;
+}
+
+/* What ucp_am_recv_data_nbx returned for ``in``: done already, failed, or in flight (on_received). */
+inline void BpsUcxLink::receiving(void *st, Incoming *in) {
+    if (st == nullptr) {
+        in->ready = true;
+    } else if (UCS_PTR_IS_ERR(st)) {
+        in->ready = true;
+        in->msg.clear();
+        die("ucp_am_recv_data_nbx: " + bps_ucx_error(UCS_PTR_STATUS(st)));
+    }
 }
 
 inline ucs_status_t BpsUcxLink::on_message(const void *header, size_t hlen, void *data, size_t length,
                                            const ucp_am_recv_param_t *param) {
+    if (hlen >= 16) {
+        uint32_t magic;
+        memcpy(&magic, header, 4);
+        if (magic == BPS_UCX_SPLIT_MAGIC) return on_split(header, hlen, data, length, param);
+    }
     uint32_t head[2] = {0, 0};
     if (hlen >= 8) memcpy(head, header, 8);
     uint64_t lens[BPS_LINK_MAX_FRAMES];
@@ -731,14 +974,7 @@ inline ucs_status_t BpsUcxLink::on_message(const void *header, size_t hlen, void
     p.cb.recv_am = on_received;
     p.user_data = in;
     p.datatype = ucp_dt_make_iov();
-    void *st = bps_ucx.ucp_am_recv_data_nbx(w_->worker_, data, in->iov, (size_t)niov, &p);
-    if (st == nullptr) {
-        in->ready = true;
-    } else if (UCS_PTR_IS_ERR(st)) {
-        in->ready = true;
-        in->msg.clear();
-        die("ucp_am_recv_data_nbx: " + bps_ucx_error(UCS_PTR_STATUS(st)));
-    }
+    receiving(bps_ucx.ucp_am_recv_data_nbx(w_->worker_, data, in->iov, (size_t)niov, &p), in);
     return UCS_OK;
 }
 
@@ -770,10 +1006,17 @@ inline int BpsUcxLink::recv(BpsMessage *m, const std::string *prefix) {
 /* What the log says about UCX: its version. */
 static inline std::string bps_ucx_version() { return bps_ucx.loaded ? bps_ucx.ucp_get_version_string() : ""; }
 
+/* This process's explicit registrations: pooled buffers mapped (ucp_mem_map), and transfers that passed
+ * a registration instead of leaving it to UCX's cache (tests check that a buffer is mapped once). */
+static inline uint64_t bps_ucx_buffers_mapped() { return bps_ucx_mem_mapped.load(); }
+static inline uint64_t bps_ucx_registered_transfers() { return bps_ucx_memh_used.load(); }
+
 #else /* built without UCX headers: the same names, and they say so */
 
 static inline int bps_ucx_load(const char *) { return -1; }
 static inline std::string bps_ucx_version() { return ""; }
+static inline uint64_t bps_ucx_buffers_mapped() { return 0; }
+static inline uint64_t bps_ucx_registered_transfers() { return 0; }
 static const char *const BPS_UCX_MISSING = "byteps was built without UCX headers (pip install libucx-cu12, rebuild)";
 
 class BpsUcxLink : public BpsConn {

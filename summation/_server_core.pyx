@@ -31,6 +31,8 @@ cdef extern from "bps_server.h" nogil:
     cbool bps_ucx_built()
     string bps_ucx_why()
     string bps_ucx_version()
+    uint64_t bps_ucx_buffers_mapped()
+    uint64_t bps_ucx_registered_transfers()
     void bps_cpu_init()
 
     cdef struct bps_zmq_msg:
@@ -124,6 +126,12 @@ def ucx_load(str path):
     if bps_ucx_load(path.encode()) == 0:
         return True, bps_ucx_version().decode()
     return False, bps_ucx_why().decode("utf-8", "replace")
+
+
+def ucx_registrations():
+    """(pooled buffers this process registered with ucp_mem_map, transfers that passed such a
+    registration to UCX): a buffer is mapped once and its registration used on every later step."""
+    return bps_ucx_buffers_mapped(), bps_ucx_registered_transfers()
 
 
 bps_cpu_init()  # this module's copy of the kernels picks its SIMD level (bps_reduce.h)

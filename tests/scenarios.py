@@ -262,6 +262,9 @@ def main():
     result["native_links"] = _job.engine.native_links if _job.engine is not None else None
     # what carries each server's link: "tcp", "ucx: <UCX transports>" or "" (ZeroMQ)
     result["link_transports"] = _job.engine.native_link_transports if _job.engine is not None else None
+    # UCX: pooled receive buffers registered (ucp_mem_map), transfers that passed a registration (core/bps_ucx.h)
+    from byteps.core import _worker_core
+    result["ucx_registrations"] = list(_worker_core.ucx_registrations())
     # bytes this worker sent to servers on the data plane (both engines)
     result["data_sent"] = sum(_job.engine.transport_bytes()["sent"].values()) if _job.engine is not None else None
     # the native local reduce's counters (ops, partitions reduced, of those on its thread), or None

@@ -57,11 +57,19 @@ def test_exact_sums_over_ucx(cluster, n, k, ipc, tls, used):
 
 @pytest.mark.timeout(180)
 def test_large_partitions_over_ucx_rendezvous(cluster):
-    """8 MiB partitions: UCX's rendezvous protocol, received straight into the message's frames
-    (ucp_am_recv_data_nbx with one IOV entry per frame); float32 and int64, 3 rounds."""
+    """8 MiB partitions: UCX's rendezvous protocol. A partition's body travels alone (the "split" form,
+    its header inside the Active Message's), so each reply is received contiguously straight into a
+    pooled buffer that the worker registered with ucp_mem_map the first time and whose registration
+    every later reply into it passes (ucp_request_param_t.memh); float32 and int64, 3 rounds."""
     res = check_matrix(cluster, 2, 2, [(3 << 20,)], rounds=3, ipc=False, extreme=False, dtypes=["float32", "int64"],
                        extra_env=dict(UCX_ENV, UCX_TLS="tcp", BYTEPS_PARTITION_BYTES=str(8 << 20)))
     _assert_ucx(res, 2, 2)
+    if _VERSION >= (1, 14):  # older UCX cannot take a registration with a request (then its cache does)
+        for r in range(2):
+            mapped, used = res[r]["ucx_registrations"]
+            # every call pattern, 3 rounds: each buffer is mapped once and its registration used in every
+            # round (a registration per reply would make used == mapped)
+            assert mapped >= 1 and used >= 3 * mapped, res[r]["ucx_registrations"]
 
 # ------------------------------------------------------------------------------ authentication
 
