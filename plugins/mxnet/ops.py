@@ -50,9 +50,11 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
     size = common.size()
     # asnumpy() waits for pending writes (wait_to_read) and returns a fresh C-contiguous host copy.
     work = np.ascontiguousarray(tensor.asnumpy())
+    # a float average: divided as the sum is copied in (common.submit), not in a pass of its own
+    average_by = size if average and root is None and size > 1 and not asynchronous and code in dtypes.FLOATING else 1
 
     def finalize():
-        if average and root is None and size > 1:
+        if average and root is None and size > 1 and average_by == 1:
             if code in dtypes.FLOATING:
                 np.divide(work, size, out=work)
             else:  # integer average: floor division, as in byteps.torch
@@ -62,7 +64,7 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
         return tensor
 
     return common.submit(name, work.reshape(-1).view(np.uint8), code, tuple(tensor.shape), broadcast_root=root,
-                         priority=priority, finalize=finalize, asynchronous=asynchronous,
+                         priority=priority, finalize=finalize, asynchronous=asynchronous, average_by=average_by,
                          compression=wire_codec(compression) if compression not in (None, False) else compression)
 
 
