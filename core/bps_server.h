@@ -54,6 +54,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -195,6 +196,16 @@ class BpsStoreAllocator {
 
     bool shared() const { return shared_; }
 
+    /* Told of every arena made and of every arena about to be unmapped, on the thread that allocates
+     * (byteps-serve): UCX registers the stores replies are sent from (BpsUcxWorker::register_region).
+     * Arenas made before the hooks are told at once; empty functions stop the telling. */
+    void set_hooks(std::function<void(void *, size_t)> made, std::function<void(void *)> gone) {
+        made_ = std::move(made);
+        gone_ = std::move(gone);
+        if (made_)
+            for (BpsArena *a : arenas_) made_(a->base, a->size);
+    }
+
     /* A fresh page-aligned, pre-faulted store of ``nbytes``; false and *err if memory ran out. */
     bool alloc(uint64_t nbytes, BpsStore *out, std::string *err) {
         uint64_t want = std::max<uint64_t>(page(), (nbytes + page() - 1) / page() * page());
@@ -279,11 +290,13 @@ class BpsStoreAllocator {
             return nullptr;
         }
         a->base = (unsigned char *)base;
+        if (made_) made_(a->base, a->size);
         return a;
     }
 
-    static void release(BpsArena *a) {
+    void release(BpsArena *a) {
         if (a->replies.load() != 0) return; /* ZeroMQ still reads it (shutdown): the kernel frees it at exit */
+        if (gone_) gone_(a->base);
         munmap(a->base, a->size);
         if (a->fd >= 0) ::close(a->fd);
         delete a;
@@ -292,6 +305,8 @@ class BpsStoreAllocator {
     bool shared_;
     std::vector<BpsArena *> arenas_;
     std::vector<BpsArena *> retired_;
+    std::function<void(void *, size_t)> made_;
+    std::function<void(void *)> gone_;
 };
 
 /* ------------------------------------------------------------------------------ sum threads */
@@ -564,6 +579,7 @@ class BpsServerCore {
         stop();
         by_ident_.clear();
         conns_.clear(); /* before the stores: a queued zero-copy reply releases its arena */
+        alloc_.set_hooks(nullptr, nullptr); /* the stores outlive the UCP worker that registered them */
         ucx_.reset();
         if (listen_fd_ >= 0) ::close(listen_fd_);
         pool_.reset();
@@ -601,7 +617,12 @@ class BpsServerCore {
 
     /* Listen for workers' UCX endpoints on ``host`` (before start()): the port, or -1 with ``why``. */
     int ucx_listen(const std::string &host, std::string *why) {
-        if (!ucx_) ucx_.reset(BpsUcxWorker::create(why));
+        if (!ucx_) {
+            ucx_.reset(BpsUcxWorker::create(why));
+            if (ucx_) /* the stores replies are sent from: registered once, for as long as they live */
+                alloc_.set_hooks([this](void *base, size_t len) { ucx_->register_region(base, len); },
+                                 [this](void *base) { ucx_->unregister_region(base); });
+        }
         return ucx_ ? ucx_->listen(host, why) : -1;
     }
 

@@ -71,6 +71,7 @@ static const size_t BPS_UCX_HEADER_MAX = 1024;          /* the most header bytes
 
 #include <atomic>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 
@@ -389,6 +390,8 @@ class BpsUcxWorker {
             bps_ucx.ucp_worker_destroy(worker_);
         }
         for (auto &kv : regs_) bps_ucx.ucp_mem_unmap(context_, kv.second.memh);
+        for (auto &kv : regions_)
+            if (kv.second.memh != nullptr) bps_ucx.ucp_mem_unmap(context_, kv.second.memh);
         if (context_ != nullptr) bps_ucx.ucp_cleanup(context_);
     }
 
@@ -409,28 +412,49 @@ class BpsUcxWorker {
             bps_ucx.ucp_mem_unmap(context_, it->second.memh); /* freed and reallocated meanwhile */
             regs_.erase(it);
         }
-        ucp_mem_map_params_t mp;
-        memset(&mp, 0, sizeof mp);
-        mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-        mp.address = p;
-        mp.length = cap;
-        ucp_mem_h memh = nullptr;
-        if (bps_ucx.ucp_mem_map(context_, &mp, &memh) != UCS_OK) return nullptr;
+        ucp_mem_h memh = map(p, cap);
+        if (memh == nullptr) return nullptr;
         regs_[p] = Registration{gen, cap, memh};
-        bps_ucx_mem_mapped++;
         bps_ucx_memh_used++;
         return memh;
     }
 
-    /* The registration covering ``len`` bytes from ``p`` when ``p`` is a pooled buffer this worker has
-     * registered and that has not been freed since (a server replying from the buffer a push arrived
-     * in); else NULL: UCX registers the memory through its cache (a tensor, a store). */
+    /* The registration covering ``len`` bytes from ``p``: a region its owner registered (a server's
+     * store arena), or a pooled buffer this worker registered that has not been freed since (a reply
+     * from the buffer a push arrived in); else NULL: UCX registers the memory through its cache (a
+     * worker's tensor). */
     ucp_mem_h send_memh(const void *p, size_t len) {
+        uintptr_t a = (uintptr_t)p;
+        auto r = regions_.upper_bound(a);
+        if (r != regions_.begin()) {
+            --r;
+            if (a + len <= r->first + r->second.cap) {
+                if (r->second.memh == nullptr) r->second.memh = map((void *)r->first, r->second.cap);
+                if (r->second.memh == nullptr) return nullptr;
+                bps_ucx_memh_used++;
+                return r->second.memh;
+            }
+        }
         auto it = regs_.find(const_cast<void *>(p));
         if (it == regs_.end() || len > it->second.cap) return nullptr;
         if (BpsUcxRecvPool::get().generation(p) != it->second.gen) return nullptr;
         bps_ucx_memh_used++;
         return it->second.memh;
+    }
+
+    /* Memory its owner keeps for many steps and sends from (a server's store arena), until
+     * unregister_region(base); on this worker's thread. Registered (ucp_mem_map) when it is first sent
+     * from, not now: on a NIC registering pins the pages, and a store a key never uses must not take
+     * memory. */
+    void register_region(void *base, size_t len) {
+        if (bps_ucx.memh_param) regions_[(uintptr_t)base] = Registration{0, len, nullptr};
+    }
+
+    void unregister_region(void *base) {
+        auto it = regions_.find((uintptr_t)base);
+        if (it == regions_.end()) return;
+        if (it->second.memh != nullptr) bps_ucx.ucp_mem_unmap(context_, it->second.memh);
+        regions_.erase(it);
     }
 
     /* The largest user header an Active Message of this worker may carry (UCX's, capped by byteps). */
@@ -701,7 +725,22 @@ class BpsUcxWorker {
         size_t cap;
         ucp_mem_h memh;
     };
+    /* ucp_mem_map of ``len`` bytes at ``p`` with this worker's context; NULL if UCX refused (its cache
+     * registers the memory then). */
+    ucp_mem_h map(void *p, size_t len) {
+        ucp_mem_map_params_t mp;
+        memset(&mp, 0, sizeof mp);
+        mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+        mp.address = p;
+        mp.length = len;
+        ucp_mem_h memh = nullptr;
+        if (bps_ucx.ucp_mem_map(context_, &mp, &memh) != UCS_OK) return nullptr;
+        bps_ucx_mem_mapped++;
+        return memh;
+    }
+
     std::unordered_map<void *, Registration> regs_; /* pooled buffers registered with this context */
+    std::map<uintptr_t, Registration> regions_;     /* owners' long-lived memory, by base address */
     std::unordered_map<ucp_ep_h, BpsUcxLink *> eps_;
     std::vector<BpsUcxLink *> accepted_;
     std::vector<void *> closing_;
@@ -1053,6 +1092,8 @@ class BpsUcxWorker {
         return -1;
     }
     std::vector<BpsUcxLink *> take_accepted() { return {}; }
+    void register_region(void *, size_t) {}
+    void unregister_region(void *) {}
     BpsUcxLink *connect(const std::string &, int, const std::string &, const std::string &, double, std::string *why) {
         *why = BPS_UCX_MISSING;
         return nullptr;

@@ -891,6 +891,9 @@ class Server:
             stats = core.stats()
             logger.info("native data plane: %d pushes handled on byteps-serve, %d rounds completed, %d messages "
                         "forwarded to Python", stats["pushes"], stats["rounds"], stats["forwarded"])
+            if self.ucx_port is not None:
+                logger.info("UCX registrations: %d receive buffers and store arenas mapped (ucp_mem_map), %d "
+                            "transfers passed one", *_server_core.ucx_registrations())
         self.data.close(linger=1000)
         timeline.flush(self.control, final=True)  # after byteps-serve stopped: its last spans are in
         self.control.close()

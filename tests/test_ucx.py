@@ -5,6 +5,7 @@ the one a verbs host runs (docs/ucx.md). Skipped, with the reason, where byteps 
 headers or no libucp loads.
 """
 import os
+import re
 import signal
 import sys
 import time
@@ -61,8 +62,15 @@ def test_large_partitions_over_ucx_rendezvous(cluster):
     its header inside the Active Message's), so each reply is received contiguously straight into a
     pooled buffer that the worker registered with ucp_mem_map the first time and whose registration
     every later reply into it passes (ucp_request_param_t.memh); float32 and int64, 3 rounds."""
-    res = check_matrix(cluster, 2, 2, [(3 << 20,)], rounds=3, ipc=False, extreme=False, dtypes=["float32", "int64"],
-                       extra_env=dict(UCX_ENV, UCX_TLS="tcp", BYTEPS_PARTITION_BYTES=str(8 << 20)))
+    made = []
+
+    def keep(*args, **kwargs):  # the job, for its servers' logs
+        made.append(cluster(*args, **kwargs))
+        return made[-1]
+
+    res = check_matrix(keep, 2, 2, [(3 << 20,)], rounds=3, ipc=False, extreme=False, dtypes=["float32", "int64"],
+                       extra_env=dict(UCX_ENV, UCX_TLS="tcp", BYTEPS_PARTITION_BYTES=str(8 << 20),
+                                      BYTEPS_LOG_LEVEL="INFO"))
     _assert_ucx(res, 2, 2)
     if _VERSION >= (1, 14):  # older UCX cannot take a registration with a request (then its cache does)
         for r in range(2):
@@ -70,6 +78,13 @@ def test_large_partitions_over_ucx_rendezvous(cluster):
             # every call pattern, 3 rounds: each buffer is mapped once and its registration used in every
             # round (a registration per reply would make used == mapped)
             assert mapped >= 1 and used >= 3 * mapped, res[r]["ucx_registrations"]
+        for s in range(2):  # a server: the buffers pushes land in, and the store arenas replies leave from
+            log = made[0].log(f"server{s}")
+            m = re.search(r"UCX registrations: (\d+) receive buffers and store arenas mapped \(ucp_mem_map\), "
+                          r"(\d+) transfers passed one", log)
+            assert m, log[-3000:]
+            mapped, used = int(m.group(1)), int(m.group(2))
+            assert mapped >= 1 and used >= 3 * mapped, (mapped, used)
 
 # ------------------------------------------------------------------------------ authentication
 
