@@ -84,7 +84,9 @@ def test_large_partitions_over_ucx_rendezvous(cluster):
                           r"(\d+) transfers passed one", log)
             assert m, log[-3000:]
             mapped, used = int(m.group(1)), int(m.group(2))
-            assert mapped >= 1 and used >= 3 * mapped, (mapped, used)
+            # a key's two stores take turns (round r uses store r % 2), so each arena's registration serves
+            # fewer rounds than a receive buffer's: 4.3x was seen; one registration per transfer would be 1x
+            assert mapped >= 1 and used >= 2 * mapped, (mapped, used)
 
 # ------------------------------------------------------------------------------ authentication
 
