@@ -333,3 +333,33 @@ def tf_async(out, args):
     bps.barrier()
     opt.apply_gradients([(tf.zeros(numel, dtype=tf.float64), var)])  # a zero delta pulls the latest
     return {"total": total.tolist(), "final": var.numpy().tolist()}
+
+
+@scenario
+def tf_average(out, args):
+    """Averaged push_pulls (the default) of every float dtype and int32, eager and in a tf.function,
+    against the sum divided by TensorFlow itself (``sum / size``; floor division for integers)."""
+    import tensorflow as tf
+
+    import byteps.tensorflow as bps
+    from byteps import common
+
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    engine = common._require().engine
+    averaged0 = engine.native_averaged
+    wrong = []
+    for dtype in ("float32", "float64", "float16", "bfloat16", "int32"):
+        tf_dtype = getattr(tf, dtype)
+
+        def data(r):  # small integers: every sum exact, the division by size rounds
+            return tf.cast((tf.range(600, dtype=tf.int64) * 7 + r * 5) % 80, tf_dtype)
+
+        total = tf.cast(sum(tf.cast(data(r), tf.float64) for r in range(size)), tf_dtype)
+        want = (total / tf.cast(size, tf_dtype) if tf_dtype.is_floating else total // size).numpy()
+        got = {"eager": bps.push_pull(data(rank), name=f"avg.eager.{dtype}"),
+               "function": tf.function(lambda x: bps.push_pull(x, name=f"avg.fn.{dtype}"))(data(rank))}
+        for how, value in got.items():
+            if value.numpy().tobytes() != want.tobytes():
+                wrong.append(f"{how} {dtype}: got {value.numpy()[:4]}, want {want[:4]}")
+    return {"wrong": wrong, "native_averaged": engine.native_averaged - averaged0}

@@ -53,3 +53,39 @@ def test_divide_kernel_matches_torch_div():
             assert torch.equal(got, want), (dtype, divisor, (got != want).nonzero()[:5])
     with pytest.raises(ValueError, match="int32 is not a floating dtype"):
         _reduce.divide(torch.ones(4, dtype=torch.int32).view(torch.uint8).numpy(), 3, dtypes.INT32)
+
+
+def test_divide_kernel_matches_tensorflow_division():
+    """byteps.tensorflow folds its float averages into the same kernel: it must divide as TensorFlow's
+    ``tensor / size`` does, bit for bit, in every float dtype TensorFlow has."""
+    tf = pytest.importorskip("tensorflow")
+    import numpy as np
+
+    from byteps.core import _reduce, dtypes
+
+    codes = {tf.float32: dtypes.FLOAT32, tf.float64: dtypes.FLOAT64, tf.float16: dtypes.FLOAT16,
+             tf.bfloat16: dtypes.BFLOAT16}
+    rng = np.random.default_rng(7)
+    base = np.concatenate([rng.standard_normal(10_000) * 1000, rng.standard_normal(1000) * 1e-6,
+                           [np.inf, -np.inf, -0.0, 0.0, 1e-40, 65504.0, 3.0]])
+    for dtype, code in codes.items():
+        for divisor in (3, 7, 24):
+            x = tf.cast(tf.constant(base), dtype)
+            want = (x / tf.cast(divisor, dtype)).numpy()
+            got = x.numpy().copy()
+            _reduce.divide(got.reshape(-1).view(np.uint8), divisor, code)
+            assert got.tobytes() == want.tobytes(), (dtype, divisor)
+
+
+@pytest.mark.timeout(200)
+def test_tensorflow_averages_are_bit_identical_to_dividing_the_sum(tmp_path):
+    """byteps.tensorflow's averages (3 workers), eager and in a tf.function: the float ones divided in
+    the native core, bit for bit as TensorFlow's ``sum / size``."""
+    pytest.importorskip("tensorflow")
+    from conftest import Run
+
+    run = Run(tmp_path, "tf_average", 3, 2)
+    for r in range(3):
+        v = run.value(r)
+        assert v["wrong"] == [], (r, v["wrong"])
+        assert v["native_averaged"] == 4 * 2, v  # 4 float dtypes, eager and in a function

@@ -11,9 +11,11 @@ starts its operations in the same order and unnamed operations get the same auto
 ``py_function`` cannot be compiled by XLA: use ``jit_compile=False`` (Keras picks ``False`` on
 CPU-only machines by default; set ``model.compile(..., jit_compile=False)`` on GPUs).
 
-Averages and the pre/post scale factors are applied with TensorFlow ops outside the transfer:
-floating-point tensors are divided by :func:`size`; integer tensors use floor division (as in
-``byteps.torch``), and integer scaling rounds down.
+A floating-point tensor's average (without tensor compression) is divided by :func:`size` as the sum
+is copied in, bit for bit as TensorFlow divides (common.submit's ``average_by``); the rest is applied
+with TensorFlow ops outside the transfer: the average of a compressed tensor after decompressing it,
+integer averages by floor division (as in ``byteps.torch``), the pre/post scale factors, and integer
+scaling rounds down.
 """
 import numpy as np
 import tensorflow as tf
@@ -75,16 +77,18 @@ def _check_not_xla():
 # ---------------------------------------------------------------------------------------- eager core
 
 
-def _submit(value, name, root, asynchronous=False, codec=None):
-    """Start one operation on an eager tensor; synchronize() returns the result as a numpy array."""
+def _submit(value, name, root, asynchronous=False, codec=None, average_by=1):
+    """Start one operation on an eager tensor; synchronize() returns the result as a numpy array.
+    ``average_by``: a float tensor's sum is divided by it as it is copied in (common.submit)."""
     arr = np.array(value.numpy() if hasattr(value, "numpy") else value, copy=True, order="C")
     code = dtype_code(value.dtype, name)
     buf = arr.reshape(-1).view(np.uint8)
     return common.submit(name, buf, code, tuple(arr.shape), broadcast_root=root, finalize=lambda: arr,
-                         asynchronous=asynchronous, compression=codec)
+                         asynchronous=asynchronous, compression=codec,
+                         average_by=average_by if code in dtypes.FLOATING else 1)
 
 
-def _run_eager(values, names, root, prefix, asynchronous=False, codec=None):
+def _run_eager(values, names, root, prefix, asynchronous=False, codec=None, average_by=1):
     """Submit every tensor, then wait for all of them; returns eager tensors in the same order."""
     names = [n if n is not None else common.auto_name(prefix) for n in names]
     for v, n in zip(values, names):  # refuse bad dtypes before anything is in flight
@@ -92,7 +96,7 @@ def _run_eager(values, names, root, prefix, asynchronous=False, codec=None):
     handles, error = [], None
     try:
         for v, n in zip(values, names):
-            handles.append(_submit(v, n, root, asynchronous, codec))
+            handles.append(_submit(v, n, root, asynchronous, codec, average_by))
     except BaseException as e:  # still wait for what was started, so no handle leaks
         error = e
     results = []
@@ -106,19 +110,20 @@ def _run_eager(values, names, root, prefix, asynchronous=False, codec=None):
     return [tf.convert_to_tensor(r, dtype=v.dtype) for r, v in zip(results, values)]
 
 
-def _transfer(tensors, names, root, prefix, op_name, asynchronous=False, codec=None):
-    """Sum (root None) or broadcast a list of tensors; eager or through one tf.py_function."""
+def _transfer(tensors, names, root, prefix, op_name, asynchronous=False, codec=None, average_by=1):
+    """Sum (root None) or broadcast a list of tensors; eager or through one tf.py_function. ``average_by``:
+    float sums are divided by it on their way in (integers are left to the caller)."""
     if not tensors:
         return []
     if tf.executing_eagerly():
-        return _run_eager(tensors, names, root, prefix, asynchronous, codec)
+        return _run_eager(tensors, names, root, prefix, asynchronous, codec, average_by)
     for t, n in zip(tensors, names):  # fail at trace time, naming the tensor
         dtype_code(t.dtype, _display_name(t, n))
     _check_not_xla()
     names = list(names)
 
     def body(*values):
-        return _run_eager(values, names, root, prefix, asynchronous, codec)
+        return _run_eager(values, names, root, prefix, asynchronous, codec, average_by)
 
     outs = tf.py_function(body, inp=list(tensors), Tout=[t.dtype for t in tensors], name=op_name)
     for o, t in zip(outs, tensors):
@@ -157,11 +162,15 @@ def _reduce_group(tensors, names, op, prescale, postscale, compression, prefix="
         c, ctx = compression.compress(_scale(t, prescale))
         compressed.append(c)
         ctxs.append(ctx)
-    summed = _transfer(compressed, names, None, prefix, "BytePSPushPull", codec=wire_codec(compression))
+    # a float average without tensor compression is divided as the sum is copied in (no pass of its own);
+    # a compressed tensor is averaged after decompress, as before
+    fold = op == Average and compression is Compression.none
+    summed = _transfer(compressed, names, None, prefix, "BytePSPushPull", codec=wire_codec(compression),
+                       average_by=size if fold else 1)
     out = []
     for s, ctx in zip(summed, ctxs):
         s = compression.decompress(s, ctx)
-        if op == Average:
+        if op == Average and not (fold and s.dtype.is_floating):
             s = _divide(s, size)
         out.append(_scale(s, postscale))
     return out
