@@ -237,21 +237,7 @@ def scale(buf, double factor, int dtype):
         ValueError: unknown or integer dtype (average integers with floor division instead),
             or a byte length that is not a multiple of the element size.
     """
-    cdef Py_buffer b
-    cdef Py_ssize_t isz = _itemsize(dtype)
-    cdef int rc
-    PyObject_GetBuffer(buf, &b, PyBUF_WRITABLE)
-    try:
-        if b.len % isz:
-            raise ValueError(f"scale: buffer has {b.len} bytes, not a multiple of {isz} "
-                             f"(the size of {_name(dtype)})")
-        with nogil:
-            rc = bps_scale(b.buf, factor, <size_t>(b.len // isz), dtype, _nthreads)
-        if rc != 0:
-            raise ValueError(f"scale: {_name(dtype)} is not a floating dtype; "
-                             "integer averaging uses floor division")
-    finally:
-        PyBuffer_Release(&b)
+    _in_place("scale", buf, dtype, factor, 0)
 
 
 def divide(buf, unsigned int divisor, int dtype):
@@ -261,21 +247,31 @@ def divide(buf, unsigned int divisor, int dtype):
     that came another way (the Python engine: compression, process sets).
 
     Raises:
-        ValueError: unknown or integer dtype, or a byte length that is not a multiple of the
-            element size.
+        ValueError: a divisor of 0, an unknown or integer dtype, or a byte length that is not a
+            multiple of the element size.
     """
+    if divisor == 0:
+        raise ValueError("divide: divisor 0 (an average over no workers)")
+    _in_place("divide", buf, dtype, 1.0, divisor)
+
+
+cdef _in_place(str what, buf, int dtype, double factor, unsigned int divisor):
+    """:func:`scale` (``divisor`` 0) or :func:`divide` a float buffer in place, with the checks both make."""
     cdef Py_buffer b
     cdef Py_ssize_t isz = _itemsize(dtype)
     cdef int rc
     PyObject_GetBuffer(buf, &b, PyBUF_WRITABLE)
     try:
         if b.len % isz:
-            raise ValueError(f"divide: buffer has {b.len} bytes, not a multiple of {isz} "
+            raise ValueError(f"{what}: buffer has {b.len} bytes, not a multiple of {isz} "
                              f"(the size of {_name(dtype)})")
         with nogil:
-            rc = bps_divide_copy(b.buf, b.buf, <size_t>(b.len // isz), dtype, divisor)
+            if divisor:
+                rc = bps_divide_copy(b.buf, b.buf, <size_t>(b.len // isz), dtype, divisor)
+            else:
+                rc = bps_scale(b.buf, factor, <size_t>(b.len // isz), dtype, _nthreads)
         if rc != 0:
-            raise ValueError(f"divide: {_name(dtype)} is not a floating dtype; "
+            raise ValueError(f"{what}: {_name(dtype)} is not a floating dtype; "
                              "integer averaging uses floor division")
     finally:
         PyBuffer_Release(&b)

@@ -32,7 +32,8 @@ from byteps.errors import BytePSError
 
 from . import completion
 from .compression import Compression, wire_codec
-from .ops import _broadcast_start, _buffers, _start, broadcast_async_ as _bps_broadcast_async_, dtype_code
+from .ops import (_average_by, _broadcast_start, _buffers, _start, broadcast_async_ as _bps_broadcast_async_,
+                  dtype_code)
 from .process_sets import (ProcessSet, _check_process_set, _members, _wire_set, add_process_set,  # noqa: F401
                            global_process_set, remove_process_set)
 
@@ -152,9 +153,7 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
     work, write_back, buf = _buffers(tensor, push_pull=pset is None, name=full)
     size = _members(pset)[0]
     _scale_(work, prescale_factor)
-    # a plain float average in host memory: divided as the sum is copied in (common.submit)
-    average_by = size if (op == Average and size > 1 and postscale_factor == 1.0 and work.is_floating_point()
-                          and work.device.type == "cpu") else 1
+    average_by = _average_by(work, size) if op == Average and postscale_factor == 1.0 else 1
 
     @torch.no_grad()
     def finalize():

@@ -120,6 +120,13 @@ def _device_buffer(work):
     return arr
 
 
+def _average_by(work, size):
+    """What common.submit's ``average_by`` takes for an average of ``work`` over ``size`` workers: ``size``
+    for a float tensor in host memory, whose sum is then divided as it is copied in (no pass of its
+    own); else 1, and the caller divides after synchronize."""
+    return size if size > 1 and work.is_floating_point() and work.device.type == "cpu" else 1
+
+
 def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None,
            sync=False, pset=None):
     """Submit ``tensor`` in place (``sync``: the caller synchronizes it at once; common.submit); ``pset``:
@@ -130,9 +137,7 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
     work, write_back, buf = _buffers(tensor, push_pull=root is None and not asynchronous and pset is None,
                                      name=name)
     size = common.size() if pset is None else len(pset[1])
-    # a float average in host memory: divided as the sum is copied in (common.submit), not in a pass of its own
-    average_by = size if (average and root is None and size > 1 and not asynchronous and work.is_floating_point()
-                          and work.device.type == "cpu") else 1
+    average_by = _average_by(work, size) if average and root is None and not asynchronous else 1
 
     def finalize():
         if average and root is None and size > 1 and average_by == 1:
