@@ -60,7 +60,8 @@ and the default ``optimizer.zero_grad()`` (set_to_none=True), against
 weights (same seed, and ``broadcast_parameters`` as users do), same data per step and rank, SGD.
 Blocks of ``--steps`` steps alternate between the two; samples/s = steps x batch x processes /
 block time (slowest rank). Losses are compared step by step (``--loss-rtol``) and the final
-parameters are compared too. ``--cluster``: the same comparison on an emulated cluster
+parameters are compared too. ``--bps-api ddp-hook``: byteps' side is DDP too (over the same gloo
+group), its buckets averaged by ``bps.ddp_comm_hook`` instead of gloo. ``--cluster``: the same comparison on an emulated cluster
 (bench/netns.py: n worker hosts, each with one worker process and a colocated server, k extra
 hosts with a standalone server each, a scheduler host, every link rate-limited to ``--rate-mbit``;
 each host's processes started by ``bpslaunch`` in role mode as on real machines). Needs root; the
@@ -602,11 +603,18 @@ def train_worker(args, bps, dist, torch):
     dev = device(args, torch)
     model_b = make_model(torch, args.width, args.hidden, args.layers, args.seed).to(dev)
     model_d = copy.deepcopy(model_b)
-    opt_b = bps.DistributedOptimizer(torch.optim.SGD(model_b.parameters(), lr=args.lr),
-                                     named_parameters=model_b.named_parameters())
-    bps.broadcast_parameters(model_b.state_dict(), root_rank=0)
-    bps.broadcast_optimizer_state(opt_b, root_rank=0)
-    ddp = DistributedDataParallel(model_d, device_ids=[dev.index] if dev.type == "cuda" else None)
+    device_ids = [dev.index] if dev.type == "cuda" else None
+    if args.bps_api == "ddp-hook":  # DDP whose buckets byteps averages
+        net_b = DistributedDataParallel(model_b, device_ids=device_ids)
+        net_b.register_comm_hook(state="bench", hook=bps.ddp_comm_hook)
+        opt_b = torch.optim.SGD(net_b.parameters(), lr=args.lr)
+    else:
+        net_b = model_b
+        opt_b = bps.DistributedOptimizer(torch.optim.SGD(model_b.parameters(), lr=args.lr),
+                                         named_parameters=model_b.named_parameters())
+        bps.broadcast_parameters(model_b.state_dict(), root_rank=0)
+        bps.broadcast_optimizer_state(opt_b, root_rank=0)
+    ddp = DistributedDataParallel(model_d, device_ids=device_ids)
     opt_d = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     warm, steps = 1, args.steps
     total = (warm + args.repeat) * steps
@@ -619,7 +627,7 @@ def train_worker(args, bps, dist, torch):
     def step_bps(i):
         x, y = data[i]
         opt_b.zero_grad()  # default: set_to_none=True, fresh gradients every step
-        loss = torch.nn.functional.mse_loss(model_b(x), y)
+        loss = torch.nn.functional.mse_loss(net_b(x), y)
         loss.backward()
         opt_b.step()
         return loss.item()
@@ -687,7 +695,7 @@ def run_job(layout, procs, args, mode):
 
 def worker_args(args):
     keep = ["device", "sizes", "patterns", "names", "repeat", "calls", "rtts", "mem_floor", "mem_budget", "width",
-            "hidden", "layers", "batch", "steps", "lr", "seed"]
+            "hidden", "layers", "batch", "steps", "lr", "seed", "bps_api"]
     out = ["--average"] if args.average else []
     for k in keep:
         v = getattr(args, k)
@@ -968,6 +976,8 @@ def main():
     tr.add_argument("--batch", type=int, default=32, help="samples per process per step (default 32)")
     tr.add_argument("--steps", type=int, default=3, help="steps per timed block (default 3)")
     tr.add_argument("--lr", type=float, default=0.01)
+    tr.add_argument("--bps-api", choices=["optimizer", "ddp-hook"], default="optimizer",
+                    help="byteps' side: bps.DistributedOptimizer (default) or DDP with bps.ddp_comm_hook")
     tr.add_argument("--seed", type=int, default=1234)
     tr.add_argument("--loss-rtol", type=float, default=1e-4, help="largest relative loss difference (default 1e-4)")
     cl = ap.add_argument_group("emulated cluster (--cluster; root)")
@@ -1081,8 +1091,8 @@ def main():
                 print(f"WARNING: namespaces left behind: {left}", file=sys.stderr)
         doc.update(results=rows, child=children)
         where = "" if args.device == "cpu" else ", model on the GPU"
-        print("## Training step: bps.DistributedOptimizer vs DDP (gloo), default zero_grad(), "
-              f"default environment{where}\n")
+        api = "DDP with bps.ddp_comm_hook" if args.bps_api == "ddp-hook" else "bps.DistributedOptimizer"
+        print(f"## Training step: {api} vs DDP (gloo), default zero_grad(), default environment{where}\n")
         print(train_table(rows))
         print("\nsamples/s = steps x batch x processes / block time (slowest rank), median over repetitions; "
               "[min-max] = spread; byteps / DDP per repetition.")

@@ -112,6 +112,40 @@ def cuda_default_path(out, args):
     res["weights"] = sorted(set(model[1].weight.detach().cpu().reshape(-1).tolist()))
     res["unused"] = sorted(set(model[0].weight.detach().cpu().reshape(-1).tolist()))
     res["staged"] = staging.stats["staged"] - staged
+    res["ddp"] = _ddp_hook_on_cuda(out, dev)
+    return res
+
+
+def _ddp_hook_on_cuda(out, dev):
+    """DDP over a gloo group on a CUDA model, its buckets averaged by ``bps.ddp_comm_hook``: the used layer
+    of cuda_default_path's optimizer part, 3 steps of SGD with lr 1, so that every weight ends at exactly
+    1 - 3 (n + 1). Returns the weights and the devices of the buckets the hook got."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/gloo_store", rank=bps.rank(), world_size=bps.size())
+    model = torch.nn.Linear(300, 5, bias=False).to(dev)
+    with torch.no_grad():
+        model.weight.fill_(float(bps.rank()))  # DDP broadcasts rank 0's weights at construction
+    ddp = DDP(model, device_ids=[dev.index])
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(str(bucket.buffer().device))
+        return bps.ddp_comm_hook(state, bucket)
+
+    ddp.register_comm_hook(state=None, hook=counting_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.full((2, 300), float(bps.rank() + 1), device=dev)
+        ddp(x).sum().backward()
+        opt.step()
+    res = {"weights": sorted(set(model.weight.detach().cpu().reshape(-1).tolist())),
+           "calls": sorted(set(calls)), "hook_calls": len(calls)}
+    dist.destroy_process_group()
     return res
 
 

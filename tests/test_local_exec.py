@@ -339,7 +339,8 @@ def test_cuda_tensors_on_the_default_path(cluster, machines, local_size):
     """CUDA tensors without the topology executor (the default): staged through host memory by the torch
     plugin, pushed and pulled, copied back to the GPU. One GPU is enough: every process may share it.
     Results exact, on the input's device, out-of-place inputs left alone; DistributedOptimizer's CUDA
-    gradients staged off autograd's thread, exact. Skips without CUDA, saying why."""
+    gradients staged off autograd's thread, exact; DDP's buckets through bps.ddp_comm_hook, exact. Skips
+    without CUDA, saying why."""
     from byteps.core import gpu
 
     reason = gpu.unavailable_reason(need_nccl=False, min_devices=1)
@@ -364,6 +365,10 @@ def test_cuda_tensors_on_the_default_path(cluster, machines, local_size):
         assert v["weights"] == [1.0 - 3 * (n + 1)], (rank, v["weights"])
         assert v["unused"] == [0.0], (rank, v["unused"])
         assert v["staged"] == 6, (rank, v["staged"])
+        # DDP's communication hook on the same CUDA layer: its one bucket averaged every step, exactly
+        ddp = v["ddp"]
+        assert ddp["weights"] == [1.0 - 3 * (n + 1)], (rank, ddp)
+        assert ddp["calls"] == [v["device"]] and ddp["hook_calls"] == 3, (rank, ddp)
 
 
 def test_executor_stage_lists():

@@ -11,6 +11,11 @@ the returned Future completes, with that buffer, from byteps' completion callbac
 backward pass is never blocked. The byteps job must be the same set of processes as DDP's group
 (same size; ranks are not compared). ``state`` may be a string: it prefixes the tensor names,
 which is needed only when several DDP models in one process use the hook at the same time.
+
+A CUDA bucket is copied to page-locked host memory on DDP's thread, as any CUDA push_pull is
+(ops._host_buffer). Staging it off that thread instead, as ``DistributedOptimizer`` does
+(staging.py), was tried and measured slower on an H100: 0.46-0.97x DDP-gloo against 1.06-1.22x
+between 2 machines, five runs each (docs/benchmarks.md, "DDP communication hook on CUDA").
 """
 import torch
 
