@@ -38,6 +38,10 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
   measured before and after the collectives), and a **ZeroMQ round trip** of the same size
   (DEALER -> ROUTER echo through pyzmq, one message in flight): the carrier byteps used before
   its direct TCP links (core/bps_link.h), and still the one with ``BYTEPS_DIRECT_TCP=0``;
+  and, since the machine's round trip drifts during a job (17-67 us on the 2-core VM), a **round
+  trip beside each block**: in every repetition a block of as many raw round trips as a byteps
+  block has calls, on the same connection, takes its turn with the byteps and gloo blocks, and
+  "byteps / RTT beside" is byteps' block over that one, per repetition, median [min-max];
 * per byteps block: minor page faults per call in the worker (``getrusage``, around each call)
   and in the servers (/proc), and memory each call left behind (RSS growth per call, workers and
   servers). If the job's processes would hold more than ``--mem-budget`` or the machine's available
@@ -256,8 +260,8 @@ def calls_for(nbytes):
     return 2
 
 
-def raw_rtt(dist, rank, host, port, labels, count):
-    """Median loopback TCP round trip (seconds) of each size between ranks 0 and 1; {} on other ranks."""
+def rtt_connection(dist, rank, host, port):
+    """A TCP connection (TCP_NODELAY) between ranks 0 and 1 for raw round trips; None on other ranks."""
     conn = srv = None
     if rank == 0:
         srv = socket.socket()
@@ -271,28 +275,38 @@ def raw_rtt(dist, rank, host, port, labels, count):
         srv.settimeout(60)
         conn, _ = srv.accept()
         srv.close()
-    out = {}
     if conn is not None:
         conn.settimeout(60)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def round_trips(conn, rank, nbytes, count, warm=10):
+    """``count`` round trips of ``nbytes`` on ``conn`` (rank 0 sends, rank 1 echoes), after ``warm``
+    untimed ones; rank 0 returns their times in seconds, rank 1 an empty list."""
+    view = memoryview(bytearray(nbytes))
+    times = []
+    for i in range(count + warm):
+        if rank == 0:
+            t0 = time.perf_counter()
+            conn.sendall(view)
+            _recv_exact(conn, view)
+            if i >= warm:
+                times.append(time.perf_counter() - t0)
+        else:
+            _recv_exact(conn, view)
+            conn.sendall(view)
+    return times
+
+
+def raw_rtt(dist, conn, rank, labels, count):
+    """Loopback TCP round trip times (seconds) of each size between ranks 0 and 1; {} on other ranks."""
+    out = {}
+    if conn is not None:
         for label in labels:
-            n = SIZES[label]
-            buf = bytearray(n)
-            view = memoryview(buf)
-            times = []
-            for i in range(count + 10):
-                if rank == 0:
-                    t0 = time.perf_counter()
-                    conn.sendall(view)
-                    _recv_exact(conn, view)
-                    if i >= 10:
-                        times.append(time.perf_counter() - t0)
-                else:
-                    _recv_exact(conn, view)
-                    conn.sendall(view)
+            times = round_trips(conn, rank, SIZES[label], count)
             if rank == 0:
                 out[label] = times
-        conn.close()
     dist.barrier()
     return out
 
@@ -351,8 +365,9 @@ def _recv_exact(conn, view):
 class Collectives:
     """One worker's side of the collective benchmark (every rank runs the same sequence)."""
 
-    def __init__(self, args, bps, dist, torch):
+    def __init__(self, args, bps, dist, torch, rtt_conn=None):
         self.args, self.bps, self.dist, self.torch = args, bps, dist, torch
+        self.rtt_conn = rtt_conn  # ranks 0 and 1: raw round trips beside each latency block
         self.rank, self.size = bps.rank(), bps.size()
         self.want = float(self.size * (self.size + 1) // 2)
         self.average = args.average
@@ -423,6 +438,15 @@ class Collectives:
             stats["server_rss_growth_per_call"] = (srv1[1] - srv0[1]) / calls
             stats["server_rss"] = srv1[1]
         return stats
+
+    def rtt_block(self, label):
+        """A raw TCP round-trip block of ``label``'s size between ranks 0 and 1, as many round trips as a
+        byteps block has calls: the round trip at the same moment as the byteps and gloo blocks beside
+        it. Rank 0 returns its stats, the other ranks None."""
+        if self.rtt_conn is None:
+            return None
+        times = round_trips(self.rtt_conn, self.rank, SIZES[label], self.args.calls or calls_for(SIZES[label]), warm=2)
+        return {"median_s": statistics.median(times), "calls": len(times)} if self.rank == 0 else None
 
     def batched(self, label, impl, names, tensors):
         """BATCH asynchronous operations, then wait for all; per-operation time."""
@@ -508,8 +532,10 @@ class Collectives:
                 base = torch.empty(nbytes // 4, device=self.device)
                 batch = ([torch.empty(nbytes // 4, device=self.device) for _ in range(BATCH)]
                          if pattern == "batched" else None)
+                paired = pattern != "batched" and label in LATENCY_SIZES and self.size > 1
+                here = variants + [("rtt", None)] if paired else variants
                 for rep in range(warm + args.repeat):
-                    order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+                    order = here[rep % len(here):] + here[:rep % len(here)]
                     for impl, names in order:
                         reset = False
                         if impl == "byteps":
@@ -517,7 +543,11 @@ class Collectives:
                             if action == "skip":
                                 continue
                         dist.barrier()
-                        if pattern == "batched":
+                        if impl == "rtt":
+                            stats = self.rtt_block(label)
+                            if stats is None:
+                                continue
+                        elif pattern == "batched":
                             stats = self.batched(label, impl, names, batch)
                         else:
                             stats = self.block(label, pattern, impl, names, base, warm_call=reset)
@@ -560,11 +590,14 @@ def worker_main(args):
         mine = train_worker(args, bps, dist, torch)
     else:
         rtt_labels = [s for s in args.sizes.split(",") if s in LATENCY_SIZES]
-        rtt = raw_rtt(dist, rank, args.master, args.rtt_port, rtt_labels, args.rtts) if size > 1 else {}
-        mine = Collectives(args, bps, dist, torch).run()
+        conn = rtt_connection(dist, rank, args.master, args.rtt_port) if size > 1 else None
+        rtt = raw_rtt(dist, conn, rank, rtt_labels, args.rtts) if size > 1 else {}
+        mine = Collectives(args, bps, dist, torch, rtt_conn=conn).run()
         if size > 1:
-            after = raw_rtt(dist, rank, args.master, args.rtt_port, rtt_labels, args.rtts)
+            after = raw_rtt(dist, conn, rank, rtt_labels, args.rtts)
             rtt = {k: v + after.get(k, []) for k, v in rtt.items()}
+            if conn is not None:
+                conn.close()
         mine["rtt"] = {k: statistics.median(v) for k, v in rtt.items()}
         zrtt = zmq_rtt(dist, rank, args.master, rtt_labels, args.rtts) if size > 1 else {}
         mine["zmq_rtt"] = {k: statistics.median(v) for k, v in zrtt.items()}
@@ -752,11 +785,20 @@ def summarize_collectives(layout, procs, job):
                        "ratio": med, "ratio_min": lo, "ratio_max": hi, "reps": len(per_rep),
                        "byteps_s": row["median_s"], "gloo_s": gloo["median_s"]})
         if label in rtt and pattern != "batched":
-            latency.append({"layout": layout, "procs": procs, "size": label, "pattern": pattern, "names": names,
-                            "byteps_s": row["median_s"], "gloo_s": gloo["median_s"], "rtt_s": rtt[label],
-                            "zmq_rtt_s": zrtt.get(label),
-                            "byteps_over_rtt": row["median_s"] / rtt[label] if row["median_s"] else None,
-                            "gloo_over_rtt": gloo["median_s"] / rtt[label]})
+            entry = {"layout": layout, "procs": procs, "size": label, "pattern": pattern, "names": names,
+                     "byteps_s": row["median_s"], "gloo_s": gloo["median_s"], "rtt_s": rtt[label],
+                     "zmq_rtt_s": zrtt.get(label),
+                     "byteps_over_rtt": row["median_s"] / rtt[label] if row["median_s"] else None,
+                     "gloo_over_rtt": gloo["median_s"] / rtt[label]}
+            beside = rows.get((label, pattern, "rtt", ""))
+            if beside is not None:  # per repetition: byteps' block over the round-trip block beside it
+                paired = [row["rep_medians_s"][r] / beside["rep_medians_s"][r] for r in row["rep_medians_s"]
+                          if r in beside["rep_medians_s"]]
+                if paired:
+                    med, lo, hi = spread(paired)
+                    entry.update(rtt_beside_s=beside["median_s"], byteps_over_rtt_beside=med,
+                                 byteps_over_rtt_beside_min=lo, byteps_over_rtt_beside_max=hi)
+            latency.append(entry)
     return list(rows.values()), ratios, latency
 
 
@@ -794,11 +836,17 @@ def collectives_tables(rows, ratios, latency):
                    f"{_f(b.get('worker_faults_per_call'), '.0f')} | {_f(b.get('server_faults_per_call'), '.0f')} | "
                    f"{kept} |")
     lat = ["| layout | procs | size | pattern | byteps names | byteps us | gloo us | raw TCP RTT us | ZeroMQ RTT us | "
-           "byteps / RTT | gloo / RTT |", "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+           "byteps / RTT | gloo / RTT | RTT beside us | byteps / RTT beside [min-max] |",
+           "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for q in latency:
+        beside = "—"
+        if q.get("byteps_over_rtt_beside") is not None:
+            beside = (f"{_f(q['byteps_over_rtt_beside'])} [{_f(q['byteps_over_rtt_beside_min'])}-"
+                      f"{_f(q['byteps_over_rtt_beside_max'])}]")
         lat.append(f"| {q['layout']} | {q['procs']} | {q['size']} | {q['pattern']} | {q['names']} | "
                    f"{_us(q['byteps_s'])} | {_us(q['gloo_s'])} | {_us(q['rtt_s'])} | {_us(q.get('zmq_rtt_s'))} | "
-                   f"{_f(q['byteps_over_rtt'])} | {_f(q['gloo_over_rtt'])} |")
+                   f"{_f(q['byteps_over_rtt'])} | {_f(q['gloo_over_rtt'])} | {_us(q.get('rtt_beside_s'))} | "
+                   f"{beside} |")
     return "\n".join(out), "\n".join(lat)
 
 
@@ -810,7 +858,9 @@ dist.all_reduce(out)` (gloo has no out-of-place all_reduce; the clone is timed).
 fills a new tensor before each timed call. byteps names `auto` = no name= argument (as scripts call it;
 byteps picks the names); `fixed` = one name= per size and pattern. `batched async` = 20 operations started, then
 all awaited (gloo async_op=True), time per operation. Faults/MB kept: byteps blocks only (workers:
-slowest rank; servers: total)."""
+slowest rank; servers: total). Latency: "byteps / RTT" = byteps' median over the round trip measured before
+and after the collectives; "byteps / RTT beside" = per repetition, byteps' block over the raw round-trip block
+taken in turn with it on the same connection, median [min-max]."""
 
 
 # =================================================================================== driver: training

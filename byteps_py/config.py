@@ -51,6 +51,7 @@ VARIABLES = {
     "BYTEPS_DIRECT_TCP": ("1", "1: with BYTEPS_NATIVE=1 on both ends, a worker's data messages to a server go over a direct TCP link the native threads read and write themselves (core/bps_link.h); 0: through ZeroMQ (an A/B switch)"),
     "BYTEPS_TRANSPORT": ("auto", "what carries a worker's direct links to servers: tcp (core/bps_link.h), ucx (UCP Active Messages, core/bps_ucx.h: verbs on an RDMA NIC) or auto (ucx when this machine has an RDMA device and UCX loads, else tcp); docs/ucx.md"),
     "BYTEPS_UCX_PEER_ERRORS": ("1", "with BYTEPS_TRANSPORT=ucx: 1 asks UCX to detect dead peers (endpoint error handling), which rules out its shared-memory transports; 0 lets UCX use sm too (a dead peer is then reported by the scheduler alone); docs/ucx.md"),
+    "BYTEPS_SPIN_US": ("auto", "microseconds a synchronous call of one small partition polls for its reply (yielding its core between polls) before it sleeps; auto: 50 where this process may run on 2 or more CPUs, else 0 (core/bps_worker.h set_direct_spin)"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # the job timeline (docs/timeline.md)
     "BYTEPS_TIMELINE": ("", "path of one Chrome/Perfetto trace of the whole job, written by the scheduler (empty: off)"),
@@ -117,6 +118,18 @@ def _float(env, name, default, minimum=0.0):
     if not value > minimum:
         raise ConfigError(f"{name}={raw} must be > {minimum} ({VARIABLES[name][1]})")
     return value
+
+
+#: BYTEPS_SPIN_US=auto where the process may run on 2 or more CPUs (measured on the 2-core VM: a 4 KB
+#: call of 2 processes took 18-22 us with 50 us of polling against 69-83 us asleep; docs/benchmarks.md)
+AUTO_SPIN_US = 50
+
+
+def _spin_us(env):
+    raw = _get(env, "BYTEPS_SPIN_US", "auto").strip().lower()
+    if raw == "auto":
+        return AUTO_SPIN_US if len(os.sched_getaffinity(0)) >= 2 else 0
+    return _int(env, "BYTEPS_SPIN_US", minimum=0, maximum=100_000)
 
 
 def _bool(env, name, default="0"):
@@ -190,6 +203,7 @@ class Config:
     transport: str = "auto"
     ucx_peer_errors: bool = True
     elastic: bool = False
+    spin_us: int = 0
 
     @property
     def distributed(self):
@@ -300,6 +314,7 @@ def load(env=None, role=None):
         transport=_choice(env, "BYTEPS_TRANSPORT", ("auto", "tcp", "ucx")),
         ucx_peer_errors=_bool(env, "BYTEPS_UCX_PEER_ERRORS", default="1"),  # read by core/bps_ucx.h
         elastic=elastic,
+        spin_us=_spin_us(env),
     )
 
 

@@ -96,6 +96,7 @@ cdef extern from "bps_worker.h" nogil:
         void add_segment(int64_t table, uint64_t start, vector[BpsPart] parts)
         void set_elastic(cbool on)
         void set_lone_machine(cbool on)
+        void set_direct_spin(double seconds)
         void set_colocated(int server, cbool on)
         uint64_t results_sent()
         void add_link(int server, int fd)
@@ -121,6 +122,7 @@ cdef extern from "bps_worker.h" nogil:
         uint64_t local_reduced()
         uint64_t local_reduced_on_thread()
         uint64_t local_coordinated()
+        uint64_t local_owner_direct()
         void start()
         void stop()
         int done_fd()
@@ -265,6 +267,10 @@ cdef class WorkerCore:
         """BYTEPS_ELASTIC=1 (before start()): keep each key's latest result for a lost server's replacement."""
         self.core.set_elastic(on)
 
+    def set_direct_spin(self, double seconds):
+        """How long a direct caller polls for its reply before it sleeps (BYTEPS_SPIN_US; before start())."""
+        self.core.set_direct_spin(seconds)
+
     def set_lone_machine(self, bint on):
         """The job has one worker machine (before start()): an owner's local sum is the result, with no
         server round trip (core/stages.py)."""
@@ -361,7 +367,8 @@ cdef class WorkerCore:
     def local_stats(self):
         """Partitions reduced natively, of those on the stage thread, and copies handed to owners."""
         return {"reduced": self.core.local_reduced(), "reduced_on_thread": self.core.local_reduced_on_thread(),
-                "coordinated": self.core.local_coordinated(), "links_up": self.core.local_links_up(),
+                "coordinated": self.core.local_coordinated(), "owner_direct": self.core.local_owner_direct(),
+                "links_up": self.core.local_links_up(),
                 "link_sent": self.core.local_link_sent(), "link_received": self.core.local_link_received()}
 
     def credit_stalls(self):

@@ -48,6 +48,7 @@
 
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
 #include <time.h>
@@ -575,6 +576,8 @@ class BpsWorkerCore {
             part = parts[0];
             name = t.name;
         }
+        if (local && part.owner == local_rank_)
+            return submit_owner_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor);
         if (local)
             return submit_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor);
         server = part.server;
@@ -673,17 +676,59 @@ class BpsWorkerCore {
         return keep;
     }
 
+    /* How long a direct caller polls for its reply (yielding its core between polls) before it sleeps
+     * (BYTEPS_SPIN_US). Waking a thread that sleeps in poll costs 25-30 us per hop on a VM, more than a
+     * small round trip takes when both ends are awake (8-12 us for 4 KB over loopback on the 2-core VM,
+     * against 57-70 us asleep); sched_yield lets any thread that is ready to run on this core go first. */
+    void set_direct_spin(double seconds) { direct_spin_s_ = seconds > 0 ? seconds : 0; }
+
     /* A direct caller's sleep on its link until input (or room to write) or ``deadline``; false once
-     * the deadline has passed. */
-    static bool wait_link(BpsConn *l, double deadline) {
+     * the deadline has passed. Before ``spin_until`` it only yields its core and returns, so that the
+     * caller polls the link again. */
+    static bool wait_link(BpsConn *l, double deadline, double spin_until) {
         if (l->wants_write()) l->flush();
-        double left = deadline - bps_now();
+        double now = bps_now(), left = deadline - now;
         if (left <= 0) return false;
+        if (now < spin_until) {
+            sched_yield();
+            return true;
+        }
         if (l->arm_to_sleep()) return true; /* UCX: input came while arming its wake-up fd */
         struct pollfd pfd = {l->fd(), (short)(POLLIN | (l->wants_write() ? POLLOUT : 0)), 0};
         struct timespec ts = {0, (long)(left * 1e9)};
         ppoll(&pfd, 1, &ts, nullptr);
         return true;
+    }
+
+    /* A direct local call's op (either side of the local reduce), registered with its round taken, or
+     * NULL when byteps-net is busy, join() handed the local reduce to Python, the servers are changing or
+     * another thread submitted on the table meanwhile. ``awaits_done``: a non-owner, whose LOCAL_DONE
+     * byteps-net keeps if it reaches the ROUTER (local_direct_ids_). */
+    BpsOp *begin_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part, const std::string &name,
+                              uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, unsigned char *buf,
+                              uint64_t nbytes, uint32_t divisor, bool awaits_done) {
+        BpsOp *op = new_op(id, cmd, dtype, root, priority, false, buf, nbytes, divisor);
+        op->name = name;
+        op->local = true;
+        op->parts.push_back(part);
+        op->parts_left = 1;
+        op->started = bps_now();
+        op->direct.store(true);
+        BpsPart &p = op->parts[0];
+        std::lock_guard<std::mutex> lock(mu_);
+        BpsTable &t = tables_.at((size_t)table);
+        if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
+            python_local_ || t.count != seq) {
+            delete op;
+            return nullptr;
+        }
+        op->table = table;
+        op->seq = t.count++;
+        ops_[id] = op;
+        p.rnd = next_round(p.key);
+        p.has_rnd = true;
+        if (awaits_done) local_direct_ids_.insert(Ident(p.key, p.rnd));
+        return op;
     }
 
     /* submit_direct for a partition of the machine's local reduce that another local rank owns (a
@@ -702,30 +747,10 @@ class BpsWorkerCore {
         std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)owner]);
         BpsConn *l = live_local_link(owner);
         if (l == nullptr || strcmp(l->kind(), "tcp") != 0 || l->wants_write() || l->pending_input()) return false;
-        BpsOp *op = new_op(id, cmd, dtype, root, priority, false, buf, nbytes, divisor);
-        op->name = name;
-        op->local = true;
-        op->parts.push_back(part);
-        op->parts_left = 1;
-        op->started = bps_now();
-        op->direct.store(true);
+        BpsOp *op = begin_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor,
+                                       true);
+        if (op == nullptr) return false;
         BpsPart &p = op->parts[0];
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            BpsTable &t = tables_.at((size_t)table);
-            /* byteps-net is busy, join() handed the local reduce to Python, or the servers are changing */
-            if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
-                python_local_ || t.count != seq) {
-                delete op;
-                return false;
-            }
-            op->table = table;
-            op->seq = t.count++;
-            ops_[id] = op;
-            p.rnd = next_round(p.key);
-            p.has_rnd = true;
-            local_direct_ids_.insert(Ident(p.key, p.rnd));
-        }
         local_direct_owned_[(size_t)owner].store(true);
         memcpy(p.staging, buf + p.offset, p.length); /* COORDINATE: our copy into our shared region */
         BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, dtype, (uint32_t)local_rank_,
@@ -755,12 +780,146 @@ class BpsWorkerCore {
         return true;
     }
 
+    /* submit_direct for a partition of the machine's local reduce that this process owns, on a machine
+     * that is the whole job (its sum is the result: no server round trip). The caller takes the other
+     * local ranks' copies itself (those that came first from byteps-net, which holds them in early_,
+     * the rest from their links), sums them with its own into its shared region, sends each LOCAL_DONE
+     * and copies the sum into the tensor: the whole LOCAL_REDUCE / LOCAL_BROADCAST / COPY_OUT of the
+     * partition on its thread, without the two hand-offs to byteps-net and back. A copy still missing
+     * after BPS_DIRECT_WINDOW_S (a late rank, one in join()), a broken link, or a copy that is not
+     * readable hands the partition to byteps-net with the copies taken so far (take_direct), whose
+     * checks, time-outs and error reports then apply. False: the fast path does not apply. */
+    bool submit_owner_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part, const std::string &name,
+                             uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, unsigned char *buf,
+                             uint64_t nbytes, uint32_t divisor) {
+        if (cmd != BPS_CMD_PUSHPULL || !lone_machine_ || local_size_ < 2 || local_size_ > 64 ||
+            (size_t)local_size_ != local_links_.size() || part.staging == nullptr ||
+            part.length > BPS_DIRECT_MAX_BYTES || part.offset + part.length > nbytes || joined_mask_.load() != 0)
+            return false;
+        /* every other local rank's link, or nothing: a direct caller of this process may hold one */
+        std::vector<std::unique_lock<std::recursive_mutex>> link_locks;
+        std::vector<int> peers;
+        for (int r = 0; r < local_size_; ++r) {
+            if (r == local_rank_) continue;
+            std::unique_lock<std::recursive_mutex> lk(*local_link_mu_[(size_t)r], std::try_to_lock);
+            BpsConn *l = lk ? live_local_link(r) : nullptr;
+            if (l == nullptr || strcmp(l->kind(), "tcp") != 0 || l->wants_write()) return false;
+            link_locks.push_back(std::move(lk));
+            peers.push_back(r);
+        }
+        BpsOp *op = begin_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor,
+                                       false);
+        if (op == nullptr) return false;
+        BpsPart &p = op->parts[0];
+        Ident me(p.key, p.rnd);
+        for (int r : peers) local_direct_owned_[(size_t)r].store(true);
+        std::vector<std::vector<std::string>> copies; /* [identity, header, body] of each LOCAL_READY */
+        {
+            std::lock_guard<std::mutex> lock(early_mu_); /* the copies that reached byteps-net first */
+            auto e = early_.find(me);
+            if (e != early_.end()) {
+                copies = std::move(e->second);
+                early_.erase(e);
+            }
+        }
+        bool strays = false;
+        bool all_in = owner_direct_wait(p, peers, &copies, &strays);
+        bool replied = false;
+        if (all_in) {
+            Group g;
+            g.op = op;
+            g.part = 0;
+            for (auto &frames : copies) add_copy(g, frames[1], frames[2]);
+            std::vector<const void *> srcs{buf + p.offset};
+            srcs.insert(srcs.end(), g.copies.begin(), g.copies.end());
+            BpsStageTask sum{priority, 0, BPS_TASK_SUM, op, 0, p.staging, std::move(srcs), p.length, dtype, 0};
+            /* an unreadable copy, or a failed sum: byteps-net reports it as usual */
+            if (g.error.empty() && g.count == (int)peers.size() && bps_run_task(sum, 1) == 0) {
+                local_reduced_++;
+                BpsHeader h = bps_header(BPS_CMD_LOCAL_DONE, node_id_, p.key, p.rnd, p.length, BPS_NO_DTYPE,
+                                         (uint32_t)local_rank_, BPS_FLAG_SHM);
+                for (int r : peers) send_local(r, &h, &p.desc, BPS_DESCRIPTOR_SIZE); /* LOCAL_BROADCAST */
+                BpsStageTask out{priority, 0, BPS_TASK_COPY_OUT, op, 0, buf + p.offset, {p.staging}, p.length, dtype, 0};
+                bps_run_task(out, 1);
+                owner_direct_++;
+                replied = true;
+            }
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            op->direct.store(false);
+            if (replied) {
+                op->parts_left = 0;
+                op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
+            } else {
+                owner_adopt_in_.push_back(std::make_pair(op, std::move(copies)));
+                net_ops_++;
+            }
+        }
+        bool more = false;
+        for (int r : peers) {
+            local_direct_owned_[(size_t)r].store(false);
+            BpsConn *l = local_links_[(size_t)r].get();
+            more |= l->pending_input() || l->dead();
+        }
+        link_locks.clear();
+        count_direct(replied, strays || more);
+        return true;
+    }
+
+    /* The direct owner's wait for the other local ranks' LOCAL_READYs of partition ``p`` on their links
+     * (their locks held), added to ``copies``: true once every one is in, false when the window passed or
+     * a link broke. Messages for others go to byteps-net in order, as in local_direct_wait. */
+    bool owner_direct_wait(const BpsPart &p, const std::vector<int> &peers,
+                           std::vector<std::vector<std::string>> *copies, bool *strays) {
+        double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
+        std::vector<struct pollfd> pfds(peers.size());
+        BpsMessage msg;
+        for (;;) {
+            for (size_t k = 0; k < peers.size(); ++k) {
+                int r = peers[k];
+                BpsConn *l = local_links_[(size_t)r].get();
+                while (copies->size() < peers.size() && l->recv(&msg, &local_link_ident_[(size_t)r]) > 0) {
+                    local_link_received_.fetch_add(1);
+                    BpsHeader h;
+                    bool mine = msg.count == 3 && !msg.truncated && bps_parse_header(msg.data(1), msg.size(1), &h) &&
+                                h.cmd == BPS_CMD_LOCAL_READY && h.key == p.key && h.round == p.rnd;
+                    if (!mine) { /* someone else's: byteps-net handles it, in arrival order */
+                        BpsMessage *keep = keep_message(msg);
+                        std::lock_guard<std::mutex> lock(mu_);
+                        local_strays_in_.push_back(keep);
+                        *strays = true;
+                        continue;
+                    }
+                    std::vector<std::string> frames;
+                    for (int i = 0; i < 3; ++i) frames.emplace_back((const char *)msg.data(i), msg.size(i));
+                    copies->push_back(std::move(frames));
+                }
+                if (l->dead()) return false;
+            }
+            if (copies->size() >= peers.size()) return true;
+            double now = bps_now(), left = deadline - now;
+            if (left <= 0) return false;
+            if (now < spin_until) {
+                sched_yield();
+                continue;
+            }
+            for (size_t k = 0; k < peers.size(); ++k) {
+                BpsConn *l = local_links_[(size_t)peers[k]].get();
+                if (l->wants_write()) l->flush();
+                pfds[k] = pollfd{l->fd(), (short)(POLLIN | (l->wants_write() ? POLLOUT : 0)), 0};
+            }
+            struct timespec ts = {0, (long)(left * 1e9)};
+            ppoll(pfds.data(), pfds.size(), &ts, nullptr);
+        }
+    }
+
     /* The direct local caller's wait for the owner's LOCAL_DONE (or ERROR) of its partition on link ``l``
      * (its lock held): true once the result is in the tensor (or the op failed), false when the window
      * passed or the link broke. */
     bool local_direct_wait(BpsOp *op, int owner, BpsConn *l, bool *strays) {
         BpsPart &p = op->parts[0];
-        double deadline = bps_now() + BPS_DIRECT_WINDOW_S;
+        double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
         BpsMessage msg;
         for (;;) {
             while (l->recv(&msg, &local_link_ident_[(size_t)owner]) > 0) { /* [identity, header, body] */
@@ -795,7 +954,7 @@ class BpsWorkerCore {
                 return true;
             }
             if (l->dead()) return false; /* byteps-net adopts it; its DEALER carries what follows */
-            if (!wait_link(l, deadline)) return false;
+            if (!wait_link(l, deadline, spin_until)) return false;
         }
     }
 
@@ -897,6 +1056,8 @@ class BpsWorkerCore {
     uint64_t local_reduced() { return local_reduced_.load(); }
     uint64_t local_reduced_on_thread() { return local_threaded_.load(); }
     uint64_t local_coordinated() { return local_coordinated_.load(); }
+    /* Partitions this process owned and reduced on the caller's thread (submit_owner_direct). */
+    uint64_t local_owner_direct() { return owner_direct_.load(); }
 
     void start() {
         std::lock_guard<std::mutex> lock(mu_); /* the full barrier that hands the sockets over */
@@ -1141,7 +1302,7 @@ class BpsWorkerCore {
      * true once the reply was taken into the op, false when the window passed. */
     bool direct_wait(BpsOp *op, int server, BpsConn *l, uint64_t rnd, bool *strays) {
         BpsPart &p = op->parts[0];
-        double deadline = bps_now() + BPS_DIRECT_WINDOW_S;
+        double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
         BpsMessage msg;
         for (;;) {
             while (l->recv(&msg) > 0) {
@@ -1170,7 +1331,7 @@ class BpsWorkerCore {
                 return true;
             }
             if (l->dead()) return false; /* byteps-net adopts it; the scheduler reports the lost server */
-            if (!wait_link(l, deadline)) return false;
+            if (!wait_link(l, deadline, spin_until)) return false;
         }
     }
 
@@ -1180,6 +1341,7 @@ class BpsWorkerCore {
         std::vector<BpsQueued> adopt, local_adopt;
         std::vector<std::pair<int, BpsMessage *>> strays;
         std::vector<BpsMessage *> local_strays;
+        std::vector<std::pair<BpsOp *, std::vector<std::vector<std::string>>>> owner_adopt;
         bool abort;
         {
             std::lock_guard<std::mutex> lock(mu_);
@@ -1187,7 +1349,22 @@ class BpsWorkerCore {
             strays.swap(strays_in_);
             local_adopt.swap(local_adopt_in_);
             local_strays.swap(local_strays_in_);
+            owner_adopt.swap(owner_adopt_in_);
             abort = abort_;
+        }
+        for (auto &a : owner_adopt) { /* LOCAL_REDUCE here, with the copies its caller took */
+            BpsOp *op = a.first;
+            if (abort) {
+                fail(op, BPS_ERR_ABORT, "");
+                continue;
+            }
+            Ident id(op->parts[0].key, op->parts[0].rnd);
+            Group &g = groups_[id];
+            g.op = op;
+            g.part = 0;
+            for (auto &frames : a.second) add_copy(g, frames[1], frames[2]);
+            take_early(g, id);
+            maybe_reduce(id);
         }
         for (auto &a : local_adopt) { /* its LOCAL_READY is out: wait for the owner's LOCAL_DONE here */
             BpsPart &p = a.op->parts[(size_t)a.part];
@@ -1428,9 +1605,13 @@ class BpsWorkerCore {
         for (auto &c : claims) local_claimed(c.first, c.second);
         if (python_local && !python_local_mode_) { /* join(): what we held goes to Python now */
             python_local_mode_ = true;
-            for (auto &kv : early_)
+            std::map<Ident, std::vector<std::vector<std::string>>> held;
+            {
+                std::lock_guard<std::mutex> lock(early_mu_);
+                held.swap(early_);
+            }
+            for (auto &kv : held)
                 for (auto &frames : kv.second) forward_local(frames);
-            early_.clear();
         }
         if (recheck_.exchange(false)) {
             std::vector<std::pair<uint64_t, uint64_t>> ids;
@@ -1452,7 +1633,10 @@ class BpsWorkerCore {
             credit_.clear();
             groups_.clear();
             awaiting_.clear();
-            early_.clear();
+            {
+                std::lock_guard<std::mutex> lock(early_mu_);
+                early_.clear();
+            }
             claimed_.clear();
         }
     }
@@ -1901,11 +2085,7 @@ class BpsWorkerCore {
             Group &g = groups_[id];
             g.op = op;
             g.part = i;
-            auto e = early_.find(id);
-            if (e != early_.end()) {
-                for (auto &frames : e->second) add_copy(g, frames[1], frames[2]);
-                early_.erase(e);
-            }
+            take_early(g, id);
             maybe_reduce(id);
             return;
         }
@@ -1913,6 +2093,19 @@ class BpsWorkerCore {
         op->owed_local[p.owner]++;
         awaiting_[id] = Await{op, i, p.owner};
         stage_or_inline(BPS_TASK_COPY_IN, op, i, p.staging, {op->buf + p.offset});
+    }
+
+    /* The copies of partition ``id`` that came before its op (early_), into its group. */
+    void take_early(Group &g, const Ident &id) {
+        std::vector<std::vector<std::string>> held;
+        {
+            std::lock_guard<std::mutex> lock(early_mu_);
+            auto e = early_.find(id);
+            if (e == early_.end()) return;
+            held = std::move(e->second);
+            early_.erase(e);
+        }
+        for (auto &frames : held) add_copy(g, frames[1], frames[2]);
     }
 
     /* Run a copy or sum inline (small) or on the stage thread (>= 256 KB); then after_task(). */
@@ -2160,7 +2353,8 @@ class BpsWorkerCore {
                 forward_local(m);
                 return;
             }
-            early_[id].push_back({ident, header, body}); /* before our op: held until it starts */
+            std::lock_guard<std::mutex> lock(early_mu_);
+            early_[id].push_back({ident, header, body}); /* before our op: held until it starts (or its direct owner takes it) */
             return;
         }
         auto a = awaiting_.find(id);
@@ -2219,13 +2413,18 @@ class BpsWorkerCore {
 
     /* Python took partition ``id`` (claim): the copies we hold for it, and ``count`` more, are its. */
     void local_claimed(const Ident &id, int count) {
-        auto e = early_.find(id);
-        if (e != early_.end()) {
-            for (auto &frames : e->second) {
-                forward_local(frames);
-                count--;
+        std::vector<std::vector<std::string>> held;
+        {
+            std::lock_guard<std::mutex> lock(early_mu_);
+            auto e = early_.find(id);
+            if (e != early_.end()) {
+                held = std::move(e->second);
+                early_.erase(e);
             }
-            early_.erase(e);
+        }
+        for (auto &frames : held) {
+            forward_local(frames);
+            count--;
         }
         if (count > 0) claimed_[id] = count;
     }
@@ -2328,6 +2527,11 @@ class BpsWorkerCore {
     std::map<Ident, Group> groups_;
     std::map<Ident, Await> awaiting_;
     std::map<Ident, std::vector<std::vector<std::string>>> early_; /* LOCAL_READYs before their op */
+    std::mutex early_mu_; /* early_: byteps-net, and a direct owner taking its copies (submit_owner_direct) */
+    /* partitions a direct owner handed to byteps-net, with the copies it had taken (mu_) */
+    std::vector<std::pair<BpsOp *, std::vector<std::vector<std::string>>>> owner_adopt_in_;
+    std::atomic<uint64_t> owner_direct_{0};
+    double direct_spin_s_ = 0; /* set_direct_spin(), before start() */
     std::map<Ident, int> claimed_;
     bool python_local_mode_ = false;
     std::atomic<uint64_t> joined_mask_{0};

@@ -278,6 +278,7 @@ class Engine:
 
         core = _worker_core.WorkerCore(self.control.node_id, self.cfg.scheduling_credit * self.cfg.partition_bytes,
                                        self.cfg.timeout, get_num_threads(), self._wake_w)
+        core.set_direct_spin(self.cfg.spin_us * 1e-6)
         for sock in self.servers:
             self.poller.unregister(sock)
             core.add_server(sock)

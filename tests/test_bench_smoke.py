@@ -28,13 +28,15 @@ def test_bench_users_tiny(tmp_path):
     assert {"meta", "results", "ratios", "latency", "child"} <= set(doc)
     assert doc["meta"]["mode"] == "collectives"
     assert {(r["size"], r["impl"]) for r in doc["results"]} == {(s, i) for s in ("4KB", "1MB")
-                                                                for i in ("byteps", "gloo")}
+                                                                for i in ("byteps", "gloo", "rtt")}
     for r in doc["results"]:
         assert r["median_s"] > 0 and r["goodput_GBps"] > 0 and r["reps"] == 1
     for q in doc["ratios"]:
         assert {"layout", "procs", "size", "pattern", "names", "ratio", "ratio_min", "ratio_max"} <= set(q)
     assert {q["size"] for q in doc["latency"]} == {"4KB", "1MB"}
     assert all(q["rtt_s"] > 0 for q in doc["latency"])
+    # the round trip beside each repetition's blocks, and byteps' time over it
+    assert all(q["rtt_beside_s"] > 0 and q["byteps_over_rtt_beside"] > 0 for q in doc["latency"])
     assert not doc.get("errors")
     assert "| local | 2 | 4KB | inplace | fixed |" in out
 

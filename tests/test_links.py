@@ -188,3 +188,34 @@ def test_synchronous_local_reduce_calls_on_the_callers_thread(cluster, case, mac
         assert direct >= 100 * machines * 2, (direct, adopted)
     elif case == "late-peer":  # rank 1 sleeps 50 ms on 4 steps: rank 0 waits longer than the window
         assert direct > 0 and adopted > 0, (direct, adopted)
+    # the owner's side runs on its caller's thread too where the machine is the whole job (its sum is the
+    # result); with servers it goes through byteps-net
+    owned = [got["native_local"]["owner_direct"] for got in res.values()]
+    if machines == 2:
+        assert owned == [0] * 4, owned
+    elif case == "alone":  # each process owns one of the two tensors: 200 calls each
+        assert min(owned) >= 100, owned
+    else:
+        assert sum(owned) > 0, owned
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", ["alone", "late-peer"])
+def test_owner_calls_on_the_callers_thread_with_four_processes(cluster, case):
+    """One machine of 4 processes (the whole job): the owner of a small tensor's partition takes the other
+    three copies (from byteps-net when they came first, else from their links), sums them and answers on
+    its own thread (submit_owner_direct); a late rank makes it hand the partition to byteps-net with the
+    copies it had taken; every result exact."""
+    c = cluster(1, 1, local_size=4, env={"BYTEPS_PARTITION_BYTES": "65536"})
+    c.run_workers("direct_calls", dict(DIRECT_CASES[case], steps=60))
+    codes, scodes, sched = c.wait_all(120)
+    assert codes == [0] * 4 and scodes == [0] and sched == 0, c.all_logs()
+    res = c.results()
+    for r, got in res.items():
+        assert got["value"]["exact"], (r, got["value"], c.all_logs())
+        assert got["native_local"]["links_up"] == 3, got["native_local"]
+    owned = sum(got["native_local"]["owner_direct"] for got in res.values())
+    adopted = sum(got["value"]["adopted"] for got in res.values())
+    assert owned >= 30, owned  # 120 calls of an owned tensor in all (2 tensors x 60 steps)
+    if case == "late-peer":
+        assert adopted > 0, adopted

@@ -83,6 +83,8 @@ def test_standalone_worker_needs_no_variables():
     ("BYTEPS_LOG_LEVEL", "LOUD", "BYTEPS_LOG_LEVEL='LOUD'"),
     ("BYTEPS_FORCE_DISTRIBUTED", "maybe", "BYTEPS_FORCE_DISTRIBUTED='maybe'"),
     ("DMLC_INTERFACE", "nonexistent0", "no such interface"),
+    ("BYTEPS_SPIN_US", "fast", "BYTEPS_SPIN_US='fast' is not an integer"),
+    ("BYTEPS_SPIN_US", "-1", "BYTEPS_SPIN_US=-1 must be >= 0"),
 ])
 def test_malformed_variables_are_named(name, value, needle):
     env = dict(BASE, **{name: value})
@@ -97,6 +99,16 @@ def test_missing_variables_are_named(missing):
     env = {k: v for k, v in BASE.items() if k != missing}
     with pytest.raises(ConfigError, match=f"{missing} is not set"):
         config.load(env)
+
+
+def test_spin_us_auto_follows_the_cpus_this_process_may_use(monkeypatch):
+    """BYTEPS_SPIN_US: auto polls 50 us with 2 or more CPUs, never with one; a number is taken as is."""
+    assert config.load(dict(BASE, BYTEPS_SPIN_US="0")).spin_us == 0
+    assert config.load(dict(BASE, BYTEPS_SPIN_US="120")).spin_us == 120
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert config.load(BASE).spin_us == config.load(dict(BASE, BYTEPS_SPIN_US="auto")).spin_us == 50
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {3})
+    assert config.load(BASE).spin_us == 0
 
 
 def test_scheduler_may_bind_any_port():
