@@ -32,7 +32,8 @@ def main():
     t = torch.ones(args.bytes // 4)
     for _ in range(100):
         bps.push_pull_inplace(t, average=False, name="call_cost")
-    native = common._job.engine._native
+    engine = common._job.engine  # None in a job of one process: only byteps' Python runs
+    native = engine._native if engine is not None else None
     direct0, adopted0 = (native.direct_calls, native.direct_adopted) if native is not None else (0, 0)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     w0 = time.perf_counter()

@@ -9,10 +9,16 @@ Python runs between calls (byteps' own Python per synchronous call is about 10-2
 On a machine with fewer cores than processes, the exchange with busy clients costs far more than
 the sum of its parts: the server has to be scheduled in between the clients' work.
 
+``--poll``: every process reads with non-blocking sockets in a loop (yielding its core between
+reads) instead of sleeping in recv, so no process is ever woken: what the round trip costs without wake-ups (the reason for byteps'
+BYTEPS_SPIN_US).
+
     python bench/raw_exchange.py --clients 1
+    python bench/raw_exchange.py --clients 1 --poll
     python bench/raw_exchange.py --clients 2 --busy-us 15
 """
 import argparse
+import os
 import socket
 import statistics
 import subprocess
@@ -21,33 +27,48 @@ import time
 
 
 def _recv_exactly(sock, buf):
+    """Fill ``buf`` from ``sock``; a non-blocking socket (--poll) is read again at once until it is."""
     view, got = memoryview(buf), 0
     while got < len(buf):
-        got += sock.recv_into(view[got:])
+        try:
+            got += sock.recv_into(view[got:])
+        except BlockingIOError:
+            os.sched_yield()  # as byteps' polling callers do: a process ready to run here goes first
 
 
-def serve(listener, clients, size, calls):
+def _send_all(sock, data):
+    view, sent = memoryview(data), 0
+    while sent < len(view):
+        try:
+            sent += sock.send(view[sent:])
+        except BlockingIOError:
+            os.sched_yield()  # as byteps' polling callers do: a process ready to run here goes first
+
+
+def serve(listener, clients, size, calls, poll):
     conns = [listener.accept()[0] for _ in range(clients)]
     for c in conns:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c.setblocking(not poll)
     buf, reply = bytearray(size), b"r" * size
     for _ in range(calls):
         for c in conns:
             _recv_exactly(c, buf)
         for c in conns:
-            c.sendall(reply)
+            _send_all(c, reply)
 
 
-def client(port, size, calls, busy_s, warmup):
+def client(port, size, calls, busy_s, warmup, poll):
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(not poll)
     msg, buf, times = b"c" * size, bytearray(size), []
     for _ in range(calls):
         start = time.perf_counter()
         while time.perf_counter() - start < busy_s:
             pass
         sent = time.perf_counter()
-        sock.sendall(msg)
+        _send_all(sock, msg)
         _recv_exactly(sock, buf)
         times.append(time.perf_counter() - sent)
     print(f"{statistics.median(times[warmup:]) * 1e6:.1f}", flush=True)
@@ -59,22 +80,25 @@ def main():
     ap.add_argument("--size", type=int, default=4096, help="bytes each way (default 4096)")
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--busy-us", type=float, default=0.0, help="each client spins this long before a call")
+    ap.add_argument("--poll", action="store_true", help="read with non-blocking sockets in a loop: nobody sleeps")
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "client":
-        client(args.port, args.size, args.calls, args.busy_us * 1e-6, args.calls // 10)
+        client(args.port, args.size, args.calls, args.busy_us * 1e-6, args.calls // 10, args.poll)
         return
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     port = listener.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, __file__, "--role", "client", "--port", str(port), "--size",
-                               str(args.size), "--calls", str(args.calls), "--busy-us", str(args.busy_us)],
+                               str(args.size), "--calls", str(args.calls), "--busy-us", str(args.busy_us)]
+                              + (["--poll"] if args.poll else []),
                               stdout=subprocess.PIPE, text=True) for _ in range(args.clients)]
-    serve(listener, args.clients, args.size, args.calls)
+    serve(listener, args.clients, args.size, args.calls, args.poll)
     medians = [float(p.communicate(timeout=60)[0]) for p in procs]
-    print(f"{args.clients} client(s), {args.size} B, busy {args.busy_us:g} us: median time from send to "
+    print(f"{args.clients} client(s), {args.size} B, busy {args.busy_us:g} us{', polling' if args.poll else ''}: "
+          f"median time from send to "
           f"reply {statistics.median(medians):.1f} us (clients: {', '.join(f'{m:.1f}' for m in medians)})")
 
 

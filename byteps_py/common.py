@@ -11,6 +11,7 @@ import time
 
 from . import config as bps_config, timeline
 from .core import _reduce, dtypes
+from .core.ops import Cmd, Op
 from .errors import BytePSTimeoutError, NotInitializedError
 from .log import logger, setup as setup_logging
 
@@ -260,8 +261,6 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
     Raises:
         ValueError: a push_pull of the same name is already in flight in this process.
     """
-    from byteps.core.engine import Cmd, Op
-
     job = _require()
     if name in job.inflight:
         raise ValueError(f"a push_pull or broadcast named {name!r} is already in flight; synchronize it before "

@@ -121,7 +121,8 @@ def _float(env, name, default, minimum=0.0):
 
 
 #: BYTEPS_SPIN_US=auto where the process may run on 2 or more CPUs (measured on the 2-core VM: a 4 KB
-#: call of 2 processes took 18-22 us with 50 us of polling against 69-83 us asleep; docs/benchmarks.md)
+#: call of a machine's 2 processes took 16 us with 50 us of polling against 63-66 us asleep;
+#: docs/benchmarks.md, "Polling before sleeping")
 AUTO_SPIN_US = 50
 
 

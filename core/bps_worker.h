@@ -678,8 +678,9 @@ class BpsWorkerCore {
 
     /* How long a direct caller polls for its reply (yielding its core between polls) before it sleeps
      * (BYTEPS_SPIN_US). Waking a thread that sleeps in poll costs 25-30 us per hop on a VM, more than a
-     * small round trip takes when both ends are awake (8-12 us for 4 KB over loopback on the 2-core VM,
-     * against 57-70 us asleep); sched_yield lets any thread that is ready to run on this core go first. */
+     * small round trip takes when both ends are awake (9 us for 4 KB over loopback on the 2-core VM,
+     * against 57-58 us asleep: bench/raw_exchange.py --poll); sched_yield lets any thread that is ready
+     * to run on this core go first. */
     void set_direct_spin(double seconds) { direct_spin_s_ = seconds > 0 ? seconds : 0; }
 
     /* A direct caller's sleep on its link until input (or room to write) or ``deadline``; false once
