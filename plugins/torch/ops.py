@@ -13,6 +13,8 @@ from byteps import common
 from byteps.core import dtypes
 from byteps.core._reduce import byte_array
 
+from . import completion
+
 __all__ = ["push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace", "broadcast_",
            "broadcast_async_", "poll", "synchronize", "declare"]
 
@@ -273,8 +275,6 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
 
 def poll(handle):
     """True when the operation behind ``handle`` has finished."""
-    from . import completion
-
     return completion.poll(handle)
 
 
@@ -284,8 +284,6 @@ def synchronize(handle):
     Handles of multi-stage operations (Horovod-style allgather, grouped or Min/Max/Product
     allreduces) return what the operation produces: a tensor, or a tuple for grouped operations.
     """
-    from . import completion
-
     return completion.synchronize(handle)
 
 
