@@ -26,23 +26,16 @@ import sys
 import time
 
 
-def _recv_exactly(sock, buf):
-    """Fill ``buf`` from ``sock``; a non-blocking socket (--poll) is read again at once until it is."""
-    view, got = memoryview(buf), 0
-    while got < len(buf):
+def _whole(io, buf):
+    """Run ``io`` (a socket's ``recv_into`` or ``send``) until all of ``buf`` has gone through it; on a
+    non-blocking socket (--poll) it is tried again at once, yielding the core in between as byteps'
+    polling callers do (a process ready to run here goes first)."""
+    view, done = memoryview(buf), 0
+    while done < len(view):
         try:
-            got += sock.recv_into(view[got:])
+            done += io(view[done:])
         except BlockingIOError:
-            os.sched_yield()  # as byteps' polling callers do: a process ready to run here goes first
-
-
-def _send_all(sock, data):
-    view, sent = memoryview(data), 0
-    while sent < len(view):
-        try:
-            sent += sock.send(view[sent:])
-        except BlockingIOError:
-            os.sched_yield()  # as byteps' polling callers do: a process ready to run here goes first
+            os.sched_yield()
 
 
 def serve(listener, clients, size, calls, poll):
@@ -53,9 +46,9 @@ def serve(listener, clients, size, calls, poll):
     buf, reply = bytearray(size), b"r" * size
     for _ in range(calls):
         for c in conns:
-            _recv_exactly(c, buf)
+            _whole(c.recv_into, buf)
         for c in conns:
-            _send_all(c, reply)
+            _whole(c.send, reply)
 
 
 def client(port, size, calls, busy_s, warmup, poll):
@@ -68,8 +61,8 @@ def client(port, size, calls, busy_s, warmup, poll):
         while time.perf_counter() - start < busy_s:
             pass
         sent = time.perf_counter()
-        _send_all(sock, msg)
-        _recv_exactly(sock, buf)
+        _whole(sock.send, msg)
+        _whole(sock.recv_into, buf)
         times.append(time.perf_counter() - sent)
     print(f"{statistics.median(times[warmup:]) * 1e6:.1f}", flush=True)
 
