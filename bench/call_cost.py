@@ -9,8 +9,8 @@ Run under bpslaunch, one line per worker:
 Each worker makes ``--calls`` in-place push_pulls of ``--bytes`` (after 100 untimed ones) and prints
 the median time of a call, the wall time per call, the CPU time of the whole process per call
 (getrusage: every thread, user + system), voluntary context switches per call, how many calls ran
-on the calling thread (``submit_direct``) or were handed to byteps-net after their window, and the
-link to server 0. No benchmark loop around the calls (no checks, no fills): this is byteps' own cost.
+on the calling thread (``submit_direct``) or were handed to byteps-net after their window, the
+link to server 0 and how many local links run over shared-memory rings. No benchmark loop around the calls (no checks, no fills): this is byteps' own cost.
 """
 import argparse
 import resource
@@ -49,10 +49,11 @@ def main():
     direct = native.direct_calls - direct0 if native is not None else 0
     adopted = native.direct_adopted - adopted0 if native is not None else 0
     link = native.link_transport(0) if native is not None else "none"
+    rings = native.local_stats()["rings_up"] if native is not None and engine._native_local else 0
     print(f"rank {bps.rank()}: {args.bytes} B, median {statistics.median(times) * 1e6:.0f} us, wall/call "
           f"{wall * 1e6:.0f} us, cpu/call {(user + system) * 1e6:.1f} us (user {user * 1e6:.1f}), voluntary "
           f"switches/call {(r1.ru_nvcsw - r0.ru_nvcsw) / args.calls:.1f}, on the caller's thread {direct}, "
-          f"handed over {adopted}, link {link!r}", flush=True)
+          f"handed over {adopted}, link {link!r}, local rings {rings}", flush=True)
     bps.shutdown()
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import socket
 
+from . import cpus
 from .errors import ConfigError
 from .log import parse_level
 
@@ -48,10 +49,12 @@ VARIABLES = {
     "BYTEPS_NATIVE": ("1", "1: workers and servers run their plain partitions on native threads (byteps-net, byteps-serve) that never take the GIL per partition; 0: the Python loops"),
     "BYTEPS_NATIVE_LOCAL": ("1", "1: with BYTEPS_NATIVE=1 and several worker processes per machine, the native thread also runs the local reduce (core/bps_worker.h); 0: the Python engine does (an A/B switch)"),
     "BYTEPS_LOCAL_LINKS": ("1", "1: with BYTEPS_NATIVE_LOCAL=1, a machine's worker processes send each other the local reduce's messages over direct TCP links the native threads read and write themselves (core/bps_worker.h); 0: through ZeroMQ (an A/B switch)"),
+    "BYTEPS_LOCAL_RINGS": ("1", "1: a local link's bytes go through rings in shared memory, its socket only wakes a sleeping reader and reports a peer that went (core/bps_link.h BpsShmLink); 0: through the TCP socket (an A/B switch)"),
     "BYTEPS_DIRECT_TCP": ("1", "1: with BYTEPS_NATIVE=1 on both ends, a worker's data messages to a server go over a direct TCP link the native threads read and write themselves (core/bps_link.h); 0: through ZeroMQ (an A/B switch)"),
     "BYTEPS_TRANSPORT": ("auto", "what carries a worker's direct links to servers: tcp (core/bps_link.h), ucx (UCP Active Messages, core/bps_ucx.h: verbs on an RDMA NIC) or auto (ucx when this machine has an RDMA device and UCX loads, else tcp); docs/ucx.md"),
     "BYTEPS_UCX_PEER_ERRORS": ("1", "with BYTEPS_TRANSPORT=ucx: 1 asks UCX to detect dead peers (endpoint error handling), which rules out its shared-memory transports; 0 lets UCX use sm too (a dead peer is then reported by the scheduler alone); docs/ucx.md"),
-    "BYTEPS_SPIN_US": ("auto", "microseconds a synchronous call of one small partition polls for its reply (yielding its core between polls) before it sleeps; auto: 50 where this process may run on 2 or more CPUs, else 0 (core/bps_worker.h set_direct_spin)"),
+    "BYTEPS_SPIN_US": ("auto", "microseconds a synchronous call of one small partition polls for its reply (yielding its core between polls) before it sleeps; auto: 50 where this process may run on 2 or more CPUs, 200 where the machine's worker processes also outnumber those CPUs, else 0 (core/bps_worker.h set_direct_spin)"),
+    "BYTEPS_CPU_BIND": ("auto", "auto | 1 | 0: bind each worker process (every thread) to one CPU, local rank r to the r-th it may use; auto: only where the machine's worker processes outnumber those CPUs, so that processes that poll (BYTEPS_SPIN_US) do not leave the kernel's load balancer with three on one CPU (byteps/cpus.py)"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # the job timeline (docs/timeline.md)
     "BYTEPS_TIMELINE": ("", "path of one Chrome/Perfetto trace of the whole job, written by the scheduler (empty: off)"),
@@ -124,12 +127,20 @@ def _float(env, name, default, minimum=0.0):
 #: call of a machine's 2 processes took 16 us with 50 us of polling against 63-66 us asleep;
 #: docs/benchmarks.md, "Polling before sleeping")
 AUTO_SPIN_US = 50
+#: ... and where the machine's worker processes outnumber its CPUs: each call then waits for processes
+#: that share a CPU, and with 50 us the pollers fell asleep on most calls, each sleep making the next
+#: call later (4 processes on 2 CPUs: 130 us a 4 KB call, against 37-64 us with 100-200 us;
+#: docs/benchmarks.md, "Shared-memory local links")
+AUTO_SPIN_SHARED_US = 200
 
 
-def _spin_us(env):
+def _spin_us(env, local_size):
     raw = _get(env, "BYTEPS_SPIN_US", "auto").strip().lower()
     if raw == "auto":
-        return AUTO_SPIN_US if len(os.sched_getaffinity(0)) >= 2 else 0
+        ncpus = len(cpus.usable_cpus())
+        if ncpus < 2:
+            return 0
+        return AUTO_SPIN_SHARED_US if local_size > ncpus else AUTO_SPIN_US
     return _int(env, "BYTEPS_SPIN_US", minimum=0, maximum=100_000)
 
 
@@ -197,6 +208,7 @@ class Config:
     native_local: bool = True
     direct_tcp: bool = True
     local_links: bool = True
+    local_rings: bool = True
     timeline: str = ""
     timeline_flush_steps: int = 50
     timeline_buffer: int = 250000
@@ -205,6 +217,7 @@ class Config:
     ucx_peer_errors: bool = True
     elastic: bool = False
     spin_us: int = 0
+    cpu_bind: str = "auto"
 
     @property
     def distributed(self):
@@ -308,6 +321,7 @@ def load(env=None, role=None):
         native_local=_bool(env, "BYTEPS_NATIVE_LOCAL", default="1"),
         direct_tcp=_bool(env, "BYTEPS_DIRECT_TCP", default="1"),
         local_links=_bool(env, "BYTEPS_LOCAL_LINKS", default="1"),
+        local_rings=_bool(env, "BYTEPS_LOCAL_RINGS", default="1"),
         timeline=_get(env, "BYTEPS_TIMELINE", ""),
         timeline_flush_steps=_int(env, "BYTEPS_TIMELINE_FLUSH_STEPS", 50, minimum=0),
         timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 250000, minimum=1),
@@ -315,7 +329,8 @@ def load(env=None, role=None):
         transport=_choice(env, "BYTEPS_TRANSPORT", ("auto", "tcp", "ucx")),
         ucx_peer_errors=_bool(env, "BYTEPS_UCX_PEER_ERRORS", default="1"),  # read by core/bps_ucx.h
         elastic=elastic,
-        spin_us=_spin_us(env),
+        spin_us=_spin_us(env, local_size),
+        cpu_bind=_choice(env, "BYTEPS_CPU_BIND", ["auto", "1", "0"]),
     )
 
 

@@ -36,6 +36,7 @@ cdef extern from "bps_worker.h" nogil:
     uint64_t bps_ucx_registered_transfers()
     void bps_cpu_init()
     const int BPS_TO_ROUTER
+    const size_t BPS_RING_REGION
 
     ctypedef struct BpsDescriptor:
         int32_t pid
@@ -110,8 +111,9 @@ cdef extern from "bps_worker.h" nogil:
         uint64_t direct_adopted()
         void add_local(void *router, vector[void *] peers, int local_rank, cbool open)
         void allow_local(const string &identity)
-        void add_local_link(int r, int fd, const string &ident)
+        string add_local_link(int r, int fd, const string &ident, int ring_fd, cbool low)
         int local_links_up()
+        int local_rings_up()
         uint64_t local_link_sent()
         uint64_t local_link_received()
         uint64_t credit_stalls(string *first)
@@ -170,6 +172,7 @@ def ucx_registrations():
 
 #: Python's ``send`` target for the local ROUTER (to one identity); local rank n is ``-2 - n``
 TO_ROUTER = BPS_TO_ROUTER
+RING_REGION_BYTES = BPS_RING_REGION  # a local link's shared-memory rings (core/bps_link.h BpsShmLink)
 
 bps_cpu_init()  # the local reduce's kernels (core/bps_reduce.h): this module's own copy of the dispatch
 
@@ -334,12 +337,17 @@ cdef class WorkerCore:
     def allow_local(self, bytes identity):
         self.core.allow_local(identity)
 
-    def add_local_link(self, int local_rank, int fd, bytes ident):
+    def add_local_link(self, int local_rank, int fd, bytes ident, int ring_fd=-1, bint low=False):
         """Hand over a direct TCP link to local rank ``local_rank`` (after :meth:`add_local`, before
         start): a connected socket whose token was checked; ``ident`` is that rank's DEALER identity
         toward our ROUTER (its messages on the link are taken as from it). The native thread owns the
-        fd from now on and closes it; the DEALER stays the fallback."""
-        self.core.add_local_link(local_rank, fd, ident)
+        fd from now on and closes it; the DEALER stays the fallback.
+
+        ``ring_fd`` >= 0: the pair's shared-memory rings (:data:`RING_REGION_BYTES`, made by the higher
+        rank; ``low``: we are the lower one), which then carry the link's bytes (core/bps_link.h
+        BpsShmLink); the caller still owns ``ring_fd``. Returns "" or why the rings could not be mapped
+        (the socket is closed then, so that both ends fall back to the DEALER)."""
+        return self.core.add_local_link(local_rank, fd, ident, ring_fd, low).decode()
 
     @property
     def local_links_up(self):
@@ -368,7 +376,7 @@ cdef class WorkerCore:
         """Partitions reduced natively, of those on the stage thread, and copies handed to owners."""
         return {"reduced": self.core.local_reduced(), "reduced_on_thread": self.core.local_reduced_on_thread(),
                 "coordinated": self.core.local_coordinated(), "owner_direct": self.core.local_owner_direct(),
-                "links_up": self.core.local_links_up(),
+                "links_up": self.core.local_links_up(), "rings_up": self.core.local_rings_up(),
                 "link_sent": self.core.local_link_sent(), "link_received": self.core.local_link_received()}
 
     def credit_stalls(self):
@@ -535,3 +543,126 @@ cdef class WorkerCore:
 
     def bytes_received(self, int server):
         return self.core.bytes_received(server)
+
+
+cdef extern from *:
+    """
+    #include <sys/ioctl.h>
+    /* Both ends of one shared-memory local link in this process, over a socketpair (RingPair). */
+    struct BpsRingPair {
+        BpsShmLink *end[2] = {nullptr, nullptr};
+        std::string open() {
+            int sv[2];
+            if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return std::string("socketpair: ") + strerror(errno);
+            int mfd = memfd_create("byteps-ring", MFD_CLOEXEC);
+            if (mfd < 0 || ftruncate(mfd, (off_t)BPS_RING_REGION) != 0) return std::string("memfd: ") + strerror(errno);
+            for (int i = 0; i < 2; ++i) {
+                void *m = mmap(nullptr, BPS_RING_REGION, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+                if (m == MAP_FAILED) return std::string("mmap: ") + strerror(errno);
+                end[i] = new BpsShmLink(sv[i], m, i == 0);
+            }
+            ::close(mfd);
+            return "";
+        }
+        ~BpsRingPair() { close(0); close(1); }
+        void close(int i) { delete end[i]; end[i] = nullptr; }
+        int send(int i, const std::string &a, const std::string &b) {
+            BpsFrames f;
+            f.copy(a.data(), a.size());
+            f.copy(b.data(), b.size());
+            return end[i]->send(f);
+        }
+        int recv(int i, std::vector<std::string> *out) {
+            BpsMessage m;
+            int rc = end[i]->recv(&m);
+            out->clear();
+            for (int k = 0; rc == 1 && k < m.count; ++k) out->emplace_back((const char *)m.data(k), m.size(k));
+            return rc;
+        }
+        int socket_bytes(int i) {
+            int n = 0;
+            ioctl(end[i]->fd(), FIONREAD, &n);
+            return n;
+        }
+    };
+    """
+    cppclass BpsRingPair:
+        string open()
+        void close(int i)
+        int send(int i, const string &a, const string &b)
+        int recv(int i, vector[string] *out)
+        int socket_bytes(int i)
+        BpsShmLinkEnd **end
+
+
+cdef extern from "bps_link.h":
+    cppclass BpsShmLinkEnd "BpsShmLink":
+        cbool dead()
+        cbool wants_write()
+        cbool pending_input()
+        cbool arm_to_sleep()
+        void poll_ring(cbool on)
+        int flush()
+        const string &error()
+
+
+cdef class RingPair:
+    """Both ends (0: the lower rank's, 1: the higher's) of one shared-memory local link, in this
+    process over a socketpair: tests of core/bps_link.h BpsShmLink (wrap-around, a full ring, bells,
+    a peer that closes) without a job around it."""
+    cdef BpsRingPair pair
+
+    def __cinit__(self):
+        why = self.pair.open().decode()
+        if why:
+            raise OSError(why)
+
+    cdef BpsShmLinkEnd *_end(self, int i) except NULL:
+        if i not in (0, 1) or self.pair.end[i] == NULL:
+            raise ValueError(f"end {i} is closed or does not exist")
+        return self.pair.end[i]
+
+    def send(self, int i, bytes a, bytes b):
+        """Send the message [a, b] from end ``i``: 0, or -1 once the link is dead."""
+        self._end(i)
+        return self.pair.send(i, a, b)
+
+    def recv(self, int i):
+        """One message at end ``i``: its frames, None if none is complete, or -1 once the link is dead."""
+        cdef vector[string] out
+        self._end(i)
+        rc = self.pair.recv(i, &out)
+        if rc < 0:
+            return -1
+        return [bytes(s) for s in out] if rc == 1 else None
+
+    def wants_write(self, int i):
+        return self._end(i).wants_write()
+
+    def pending_input(self, int i):
+        return self._end(i).pending_input()
+
+    def poll_ring(self, int i, bint on):
+        self._end(i).poll_ring(on)
+
+    def arm_to_sleep(self, int i):
+        return self._end(i).arm_to_sleep()
+
+    def flush(self, int i):
+        return self._end(i).flush()
+
+    def socket_bytes(self, int i):
+        """Bell bytes waiting in end ``i``'s socket (FIONREAD)."""
+        self._end(i)
+        return self.pair.socket_bytes(i)
+
+    def error(self, int i):
+        return self._end(i).error().decode()
+
+    def dead(self, int i):
+        return self._end(i).dead()
+
+    def close(self, int i):
+        """Close end ``i`` (its socket and mapping), as a peer process that exits."""
+        self._end(i)
+        self.pair.close(i)

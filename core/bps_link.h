@@ -29,11 +29,13 @@
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <string>
 #include <vector>
@@ -100,6 +102,11 @@ class BpsConn {
     virtual bool dead() const = 0;
     /* bytes queued for the socket: poll for POLLOUT, then flush() */
     virtual bool wants_write() const = 0;
+    /* Poll fd() for POLLOUT now (a shared-memory link never: its reader rings fd() when it made room). */
+    virtual bool poll_for_write() const { return wants_write(); }
+    /* A direct caller polls this link in a loop (on) or stops (off, before it sleeps or lets go): a
+     * shared-memory link's writer then skips the wake-up write (BpsShmLink). */
+    virtual void poll_ring(bool on) { (void)on; }
     /* Input already taken in but not yet returned by recv() (or, for UCX, events that came while
      * arming): poll() will not report it, so the owner calls recv() again before it sleeps. */
     virtual bool pending_input() = 0;
@@ -126,6 +133,21 @@ class BpsConn {
     virtual void cork(bool on) { (void)on; }
     /* the server side: whose link this is, once its token was presented ("" before) */
     std::string ident;
+};
+
+/* A direct caller polls ``links`` for the scope (when ``on``): BpsConn::poll_ring. */
+struct BpsPollingLinks {
+    std::vector<BpsConn *> links;
+    BpsPollingLinks(std::vector<BpsConn *> ls, bool on) {
+        if (!on) return;
+        links = std::move(ls);
+        for (BpsConn *l : links) l->poll_ring(true);
+    }
+    ~BpsPollingLinks() { stop(); }
+    void stop() {
+        for (BpsConn *l : links) l->poll_ring(false);
+        links.clear();
+    }
 };
 
 /* One end of a direct TCP link; used by one thread at a time (the native thread that owns it). */
@@ -245,7 +267,7 @@ class BpsLink : public BpsConn {
         }
     }
 
-  private:
+  protected:
     struct Chunk {
         const char *ref;        /* a zero-copy frame's bytes (ffn set), else NULL: ``own`` holds them */
         size_t len;
@@ -262,7 +284,7 @@ class BpsLink : public BpsConn {
     };
 
     /* Write without blocking; bytes written (0: would block), or -1 once dead. */
-    ssize_t write_iov(struct iovec *iov, int cnt) {
+    virtual ssize_t write_iov(struct iovec *iov, int cnt) {
         for (;;) {
             struct msghdr mh;
             memset(&mh, 0, sizeof mh);
@@ -315,7 +337,10 @@ class BpsLink : public BpsConn {
     }
 
     /* >0 bytes, 0 would block, -1 closed or broken (the link is dead then) */
-    ssize_t read_some(char *dst, size_t n) {
+    virtual ssize_t read_some(char *dst, size_t n) { return socket_recv(dst, n); }
+
+    /* The socket's bytes, as read_some() */
+    ssize_t socket_recv(char *dst, size_t n) {
         for (;;) {
             ssize_t got = ::recv(fd_, dst, n, MSG_DONTWAIT);
             if (got > 0) return got;
@@ -397,6 +422,180 @@ class BpsLink : public BpsConn {
     uint64_t off_ = 0;
     bool opened_ = false;
     uint64_t lens_[BPS_LINK_MAX_FRAMES];
+};
+
+/* Shared-memory local links (BYTEPS_LOCAL_RINGS=1, the default): two worker processes of one machine
+ * write their link's bytes into a ring in shared memory instead of a TCP socket.
+ *
+ * Why: a small synchronous push_pull of a machine's processes is a few tiny messages (LOCAL_READY,
+ * LOCAL_DONE: a header and a 32-byte descriptor; the data is in shared regions already). Over TCP
+ * loopback each costs a send and a recv system call and the kernel's TCP path on both ends; with 4
+ * processes on 2 cores those calls were most of a call's CPU. A star exchange of 4 processes that
+ * poll took 21 us an iteration over TCP and 3 us through shared words (docs/benchmarks.md).
+ *
+ * The TCP socket stays, for two jobs only: it wakes a reader that sleeps in poll (a "bell": one byte,
+ * written only when the reader is not polling the ring and no bell is pending), and it tells that the
+ * peer is gone (EOF), as before. So byteps-net, which sleeps in poll, sees a ring's message exactly
+ * as it saw the socket's; a direct caller that polls its link (BYTEPS_SPIN_US) reads the ring with no
+ * system call at all, and its peer writes no bell meanwhile. Framing, queueing and zero-copy frames
+ * are BpsLink's: only the byte pipe underneath (write_iov, read_some) is the ring.
+ *
+ * Layout of the region (one memfd per pair of local ranks, made by the higher rank; the lower one
+ * opens it: core/engine.py _open_local_links): [ring low -> high][ring high -> low], each a
+ * BpsRingHead followed by BPS_RING_BYTES of data. Each ring has one writing and one reading process,
+ * and within a process one thread at a time (the link's lock): head and tail are a single-producer /
+ * single-consumer pair.
+ *
+ * No lost wake-up: the writer publishes its bytes, then reads ``reader_polls``; the reader clears
+ * ``reader_polls`` (or ``rung``), then reads the ring again before it sleeps. Both are sequentially
+ * consistent, so at least one of them sees the other. */
+struct BpsRingHead {
+    alignas(64) std::atomic<uint64_t> tail;         /* bytes ever written (the writer's) */
+    alignas(64) std::atomic<uint64_t> head;         /* bytes ever read (the reader's) */
+    alignas(64) std::atomic<uint32_t> reader_polls; /* the reader polls the ring: no bell needed */
+    std::atomic<uint32_t> rung;                     /* a bell is in the socket, not yet drained */
+    std::atomic<uint32_t> writer_waits;             /* the ring was full: the reader rings once it reads */
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared-memory rings need lock-free atomics");
+static const size_t BPS_RING_BYTES = 128 << 10;
+static const size_t BPS_RING_REGION = 2 * (sizeof(BpsRingHead) + BPS_RING_BYTES);
+
+class BpsShmLink : public BpsLink {
+  public:
+    /* ``fd``: the connected socket (bells, EOF); ``region``: BPS_RING_REGION bytes mapped shared (owned
+     * from now on); ``low``: we are the lower local rank of the pair. */
+    BpsShmLink(int fd, void *region, bool low) : BpsLink(fd), region_(region) {
+        char *a = (char *)region, *b = a + sizeof(BpsRingHead) + BPS_RING_BYTES;
+        out_ = (BpsRingHead *)(low ? a : b);
+        in_ = (BpsRingHead *)(low ? b : a);
+        out_data_ = (char *)out_ + sizeof(BpsRingHead);
+        in_data_ = (char *)in_ + sizeof(BpsRingHead);
+    }
+    ~BpsShmLink() override {
+        poll_ring(false);
+        munmap(region_, BPS_RING_REGION);
+    }
+
+    const char *kind() const override { return "shm"; }
+    bool poll_for_write() const override { return false; }
+    bool pending_input() override { return !dead_ && (r_ < w_ || ring_input()); }
+
+    /* While a direct caller polls this end, the peer writes no bells to it, and it defers its own
+     * bells until it stops (a caller that polls for its answer usually finds it before then, and its
+     * peer's direct caller reads the ring without one): no system call on either side. */
+    void poll_ring(bool on) override {
+        if (on == polling_) return;
+        polling_ = on;
+        in_->reader_polls.store(on ? 1 : 0, std::memory_order_seq_cst);
+        if (!on && bell_deferred_) {
+            bell_deferred_ = false;
+            /* the peer has not read all we wrote meanwhile: the bell it would have had */
+            if (out_->head.load(std::memory_order_seq_cst) != out_->tail.load(std::memory_order_relaxed)) ring();
+        }
+    }
+    /* Stop polling before a sleep: true when bytes came meanwhile (read them first). */
+    bool arm_to_sleep() override {
+        poll_ring(false);
+        return pending_input();
+    }
+    /* A bell may also mean "the ring has room again": go on with what is queued. */
+    int recv(BpsMessage *m, const std::string *prefix = nullptr) override {
+        if (wants_write() && !dead_) flush();
+        return BpsLink::recv(m, prefix);
+    }
+
+  protected:
+    bool ring_input() const {
+        return in_->tail.load(std::memory_order_acquire) != in_->head.load(std::memory_order_relaxed);
+    }
+
+    ssize_t write_iov(struct iovec *iov, int cnt) override {
+        if (dead_) return -1;
+        uint64_t tail = out_->tail.load(std::memory_order_relaxed); /* ours alone */
+        uint64_t room = BPS_RING_BYTES - (tail - out_->head.load(std::memory_order_acquire));
+        if (room == 0) { /* full: ask the reader to ring once it has read, then look again */
+            out_->writer_waits.store(1, std::memory_order_seq_cst);
+            room = BPS_RING_BYTES - (tail - out_->head.load(std::memory_order_seq_cst));
+            if (room == 0) return 0;
+        }
+        uint64_t put = 0;
+        for (int i = 0; i < cnt && put < room; ++i) {
+            size_t n = (size_t)std::min<uint64_t>(iov[i].iov_len, room - put);
+            ring_copy_in((const char *)iov[i].iov_base, tail + put, n);
+            put += n;
+        }
+        out_->tail.store(tail + put, std::memory_order_seq_cst);
+        if (polling_) bell_deferred_ = true;
+        else if (ring() < 0) return -1;
+        return (ssize_t)put;
+    }
+
+    /* After a write: a bell unless the reader polls or one is pending already. 0, or -1 once dead. */
+    int ring() {
+        if (out_->reader_polls.load(std::memory_order_seq_cst) != 0 ||
+            out_->rung.exchange(1, std::memory_order_seq_cst) != 0)
+            return 0;
+        return bell();
+    }
+
+    ssize_t read_some(char *dst, size_t n) override {
+        for (int pass = 0; pass < 2; ++pass) {
+            uint64_t head = in_->head.load(std::memory_order_relaxed); /* ours alone */
+            uint64_t have = in_->tail.load(std::memory_order_acquire) - head;
+            if (have > 0) {
+                size_t take = (size_t)std::min<uint64_t>(have, n);
+                ring_copy_out(dst, head, take);
+                in_->head.store(head + take, std::memory_order_seq_cst);
+                if (in_->writer_waits.load(std::memory_order_seq_cst) != 0 &&
+                    in_->writer_waits.exchange(0, std::memory_order_seq_cst) != 0 && bell() < 0)
+                    return -1;
+                return (ssize_t)take;
+            }
+            /* Empty. While polling, nobody rings and the caller sleeps on the socket (which then says
+             * if the peer went) within BYTEPS_SPIN_US: no system call here. */
+            if (pass == 1 || polling_) return 0;
+            if (drain_bells() < 0) return -1;
+            in_->rung.store(0, std::memory_order_seq_cst); /* then look again: a write may have skipped its bell */
+        }
+        return 0;
+    }
+
+  private:
+    void ring_copy_in(const char *src, uint64_t at, size_t n) {
+        size_t off = (size_t)(at % BPS_RING_BYTES), first = std::min(n, BPS_RING_BYTES - off);
+        memcpy(out_data_ + off, src, first);
+        if (n > first) memcpy(out_data_, src + first, n - first);
+    }
+    void ring_copy_out(char *dst, uint64_t at, size_t n) {
+        size_t off = (size_t)(at % BPS_RING_BYTES), first = std::min(n, BPS_RING_BYTES - off);
+        memcpy(dst, in_data_ + off, first);
+        if (n > first) memcpy(dst + first, in_data_, n - first);
+    }
+    /* One byte on the socket: wakes the peer if it sleeps in poll. 0, or -1 once dead. */
+    int bell() {
+        char b = 1;
+        for (;;) {
+            ssize_t w = ::send(fd_, &b, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (w == 1 || (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))) return 0; /* full: bells wait there */
+            if (w < 0 && errno == EINTR) continue;
+            die(std::string("send: ") + strerror(errno));
+            return -1;
+        }
+    }
+    /* Read the bells out of the socket; -1 once the peer closed it (dead). */
+    int drain_bells() {
+        char sink[256];
+        ssize_t got;
+        while ((got = socket_recv(sink, sizeof sink)) > 0) {
+        }
+        return got < 0 ? -1 : 0;
+    }
+
+    void *region_;
+    BpsRingHead *out_, *in_;
+    char *out_data_, *in_data_;
+    bool polling_ = false;
+    bool bell_deferred_ = false; /* wrote while polling: ring() when polling stops */
 };
 
 #endif

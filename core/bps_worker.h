@@ -694,8 +694,8 @@ class BpsWorkerCore {
             sched_yield();
             return true;
         }
-        if (l->arm_to_sleep()) return true; /* UCX: input came while arming its wake-up fd */
-        struct pollfd pfd = {l->fd(), (short)(POLLIN | (l->wants_write() ? POLLOUT : 0)), 0};
+        if (l->arm_to_sleep()) return true; /* input came while arming (UCX's wake-up fd, a ring's bell) */
+        struct pollfd pfd = {l->fd(), (short)(POLLIN | (l->poll_for_write() ? POLLOUT : 0)), 0};
         struct timespec ts = {0, (long)(left * 1e9)};
         ppoll(&pfd, 1, &ts, nullptr);
         return true;
@@ -747,7 +747,7 @@ class BpsWorkerCore {
             return false;
         std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)owner]);
         BpsConn *l = live_local_link(owner);
-        if (l == nullptr || strcmp(l->kind(), "tcp") != 0 || l->wants_write() || l->pending_input()) return false;
+        if (l == nullptr || strcmp(l->kind(), "ucx") == 0 || l->wants_write() || l->pending_input()) return false;
         BpsOp *op = begin_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor,
                                        true);
         if (op == nullptr) return false;
@@ -760,6 +760,7 @@ class BpsWorkerCore {
         f.copy(&h, sizeof h);
         f.copy(&p.desc, sizeof p.desc);
         bool replied = false, strays = false;
+        BpsPollingLinks polling({l}, direct_spin_s_ > 0); /* a ring: its bell waits until we stop polling */
         if (l->send(f) == 0) {
             local_link_sent_.fetch_add(1);
             local_coordinated_++;
@@ -775,6 +776,7 @@ class BpsWorkerCore {
             end_direct(op, replied, p.rnd, &local_adopt_in_); /* adopted: byteps-net waits for its LOCAL_DONE */
         }
         local_direct_owned_[(size_t)owner].store(false);
+        polling.stop(); /* first: what comes after this rings a bell, what came before is pending_input */
         bool more = l->pending_input() || l->dead();
         link_lock.unlock();
         count_direct(replied, strays || more);
@@ -804,7 +806,7 @@ class BpsWorkerCore {
             if (r == local_rank_) continue;
             std::unique_lock<std::recursive_mutex> lk(*local_link_mu_[(size_t)r], std::try_to_lock);
             BpsConn *l = lk ? live_local_link(r) : nullptr;
-            if (l == nullptr || strcmp(l->kind(), "tcp") != 0 || l->wants_write()) return false;
+            if (l == nullptr || strcmp(l->kind(), "ucx") == 0 || l->wants_write()) return false;
             link_locks.push_back(std::move(lk));
             peers.push_back(r);
         }
@@ -875,6 +877,9 @@ class BpsWorkerCore {
                            std::vector<std::vector<std::string>> *copies, bool *strays) {
         double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
         std::vector<struct pollfd> pfds(peers.size());
+        std::vector<BpsConn *> links;
+        for (int r : peers) links.push_back(local_links_[(size_t)r].get());
+        BpsPollingLinks polling(links, direct_spin_s_ > 0); /* until we sleep or return */
         BpsMessage msg;
         for (;;) {
             for (size_t k = 0; k < peers.size(); ++k) {
@@ -905,11 +910,14 @@ class BpsWorkerCore {
                 sched_yield();
                 continue;
             }
+            bool came = false;
             for (size_t k = 0; k < peers.size(); ++k) {
                 BpsConn *l = local_links_[(size_t)peers[k]].get();
                 if (l->wants_write()) l->flush();
-                pfds[k] = pollfd{l->fd(), (short)(POLLIN | (l->wants_write() ? POLLOUT : 0)), 0};
+                came |= l->arm_to_sleep(); /* a ring's bytes that came without a bell */
+                pfds[k] = pollfd{l->fd(), (short)(POLLIN | (l->poll_for_write() ? POLLOUT : 0)), 0};
             }
+            if (came) continue;
             struct timespec ts = {0, (long)(left * 1e9)};
             ppoll(pfds.data(), pfds.size(), &ts, nullptr);
         }
@@ -989,10 +997,31 @@ class BpsWorkerCore {
     /* A direct link to local rank ``r`` (before start(), after add_local()): a connected socket whose
      * one-time token was checked (core/engine.py _open_local_links). ``ident`` is r's DEALER identity
      * toward our ROUTER: its messages on the link are taken as from that identity. This thread owns
-     * and closes the fd; the DEALER stays the fallback. */
-    void add_local_link(int r, int fd, const std::string &ident) {
-        local_links_.at((size_t)r).reset(new BpsLink(fd));
+     * and closes the fd; the DEALER stays the fallback. ``ring_fd`` >= 0: the pair's shared-memory
+     * rings (BPS_RING_REGION bytes; BpsShmLink carries the bytes, the socket only bells), ``low``: we are
+     * the lower local rank. The caller keeps ``ring_fd`` (a mapping outlives it). "" or why the ring
+     * could not be mapped: the socket is then closed, so that the peer's end of the link dies too and
+     * both sides use the DEALER. */
+    std::string add_local_link(int r, int fd, const std::string &ident, int ring_fd = -1, bool low = false) {
+        if (ring_fd >= 0) {
+            void *region = mmap(nullptr, BPS_RING_REGION, PROT_READ | PROT_WRITE, MAP_SHARED, ring_fd, 0);
+            if (region == MAP_FAILED) {
+                std::string why = std::string("mmap: ") + strerror(errno);
+                ::close(fd);
+                return why;
+            }
+            local_links_.at((size_t)r).reset(new BpsShmLink(fd, region, low));
+        } else {
+            local_links_.at((size_t)r).reset(new BpsLink(fd));
+        }
         local_link_ident_.at((size_t)r) = ident;
+        return "";
+    }
+    /* Local ranks whose link runs over shared-memory rings (tests check the path really ran). */
+    int local_rings_up() const {
+        int n = 0;
+        for (auto &l : local_links_) n += l && !l->dead() && strcmp(l->kind(), "shm") == 0;
+        return n;
     }
 
     /* Local ranks reached over a working link, and messages sent / received on local links (tests
@@ -1443,13 +1472,13 @@ class BpsWorkerCore {
             bool buffered = false;
             for (size_t i = 0; i < nsocks; ++i) { /* a dead link, or one a direct caller holds: not polled */
                 BpsConn *l = direct_owned_[i].load() ? nullptr : live_link((int)i);
-                short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->wants_write() ? BPS_ZMQ_POLLOUT : 0));
+                short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->poll_for_write() ? BPS_ZMQ_POLLOUT : 0));
                 items[links_at + i] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
                 buffered |= l != nullptr && l->pending_input(); /* whole messages in hand: no sleep */
             }
             for (size_t r = 0; r < local_links_.size(); ++r) {
                 BpsConn *l = local_direct_owned_[r].load() ? nullptr : live_local_link((int)r);
-                short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->wants_write() ? BPS_ZMQ_POLLOUT : 0));
+                short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->poll_for_write() ? BPS_ZMQ_POLLOUT : 0));
                 items[local_at + r] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
                 buffered |= l != nullptr && l->pending_input();
             }

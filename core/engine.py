@@ -147,7 +147,7 @@ class Engine:
         self.local = None           # LocalPlan when this machine's processes reduce together
         self._local_sock = None     # ROUTER: LOCAL_READY / LOCAL_DONE from this machine's other processes
         self._local_peers = {}      # local rank -> DEALER to its ROUTER
-        self._link_offers = {}      # local rank -> (port, token, its DEALER identity): direct links offered
+        self._link_offers = {}      # local rank -> (port, token, its DEALER identity, ring offer or None): direct links offered
         self._io = {}               # data-plane socket -> its message I/O (core/transport.py)
         self._expected_for, self._expected_copies = None, 0  # see _local_copies_expected
         self._compute = None        # ComputeStage running the owner's sums (LOCAL_REDUCE)
@@ -290,14 +290,20 @@ class Engine:
             core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
                            self._gate.secret is None)
             core.set_lone_machine(self.cfg.num_worker == 1)  # the same rule as stages.stage_list(machines=)
-            for lr, (fd, ident) in links.items():
-                core.add_local_link(lr, fd, ident)
+            for lr, (fd, ident, ring_fd, low) in links.items():
+                why = core.add_local_link(lr, fd, ident, -1 if ring_fd is None else ring_fd, low)
+                if why:
+                    logger.warning("local rank %d: its link's shared-memory rings could not be mapped (%s); its "
+                                   "local messages go through ZeroMQ", lr, why)
+                if ring_fd is not None:
+                    os.close(ring_fd)  # the native mapping keeps the memory
             for identity in self._gate.admitted():
                 core.allow_local(identity)
             self._native_local = True
             logger.info("native local reduce: %d processes on this machine, sums >= %d bytes on thread "
-                        "byteps-reduce, %d of %d local peers over direct TCP links", self.local.size,
-                        STAGE_THREAD_MIN_BYTES, core.local_links_up, len(self._local_peers))
+                        "byteps-reduce, %d of %d local peers over direct links (%d through shared-memory "
+                        "rings)", self.local.size, STAGE_THREAD_MIN_BYTES, core.local_links_up,
+                        len(self._local_peers), core.local_stats()["rings_up"])
         if timeline.recorder is not None:
             timeline.recorder.add_native(_worker_core.trace_buffer())
         core.set_elastic(self.cfg.elastic)
@@ -356,28 +362,39 @@ class Engine:
             core.add_link(i, fd)
 
     def _open_local_links(self):
-        """Direct TCP links to this machine's other worker processes (core/bps_worker.h, "Local links"),
-        after the local handshake: {local rank: (fd, its DEALER identity toward our ROUTER)}.
+        """Direct links to this machine's other worker processes (core/bps_worker.h, "Local links"),
+        after the local handshake: {local rank: (socket fd, its DEALER identity toward our ROUTER, ring
+        fd or None, whether we are the lower rank)}.
 
         Each pair has one link; the higher local rank listens on 127.0.0.1. It offers each lower rank a
         one-time token over its authenticated DEALER (Cmd.LINK {port, token}, behind its AUTH on the
         same pipe); the lower rank connects and presents the token, as a worker does to a server
         (transport.open_link). Everyone first offers, then connects upward, then accepts from below:
         the highest rank waits for nobody, so no wait is circular. A pair whose link does not come up
-        within the time limit stays on ZeroMQ (logged with the local rank waited for)."""
+        within the time limit stays on ZeroMQ (logged with the local rank waited for).
+
+        With BYTEPS_LOCAL_RINGS=1 the offer also names a memfd of shared-memory rings that the higher
+        rank made for the pair ({"ring": {pid, fd, inode}}); the lower rank opens it and says so in its
+        hello (arg 1), and then both ends carry the link's bytes through it (core/bps_link.h
+        BpsShmLink). A ring that does not open leaves that pair on the TCP socket alone."""
         me, node = self.cfg.local_rank, self.control.node_id
         lower = sorted(lr for lr in self._local_peers if lr < me)
         higher = sorted(lr for lr in self._local_peers if lr > me)
         limit = min(self.cfg.timeout, 10.0)
-        links, expected, listener = {}, {}, None
+        links, expected, listener, rings = {}, {}, None, {}
         if lower:
             fd, port = transport.listen_link("127.0.0.1")
             listener = socket.socket(fileno=fd)
             for lr in lower:
                 token = os.urandom(transport.TOKEN_BYTES)
                 expected[token] = lr
-                self._local_peers[lr].send_multipart(
-                    wire.control(Cmd.LINK, node, {"port": port, "token": token.hex(), "local_rank": me}))
+                offer = {"port": port, "token": token.hex(), "local_rank": me}
+                if self.cfg.local_rings:
+                    try:
+                        rings[lr], offer["ring"] = shm.ring_region(_worker_core.RING_REGION_BYTES)
+                    except OSError as e:
+                        logger.info("no shared-memory ring for local rank %d (%s): its link stays on TCP", lr, e)
+                self._local_peers[lr].send_multipart(wire.control(Cmd.LINK, node, offer))
         poller = zmq.Poller()
         poller.register(self._local_sock, zmq.POLLIN)
         if listener is not None:
@@ -388,7 +405,7 @@ class Engine:
                 if sock is self._local_sock:
                     self._drain_data(sock, self._on_local)
                 elif listener is not None and sock == listener.fileno():
-                    self._accept_local_link(listener, expected, links, limit)
+                    self._accept_local_link(listener, expected, links, limit, rings)
             self.control.tick()
 
         for lr in higher:
@@ -400,15 +417,23 @@ class Engine:
                 logger.warning("local rank %d offered no direct link within %g s (is BYTEPS_LOCAL_LINKS=1 there?); "
                                "its local messages go through ZeroMQ", lr, limit)
                 continue
-            port, token, ident = offer
+            port, token, ident, ring_info = offer
+            ring_fd = None
+            if ring_info is not None and self.cfg.local_rings:
+                try:
+                    ring_fd = shm.open_ring(ring_info, _worker_core.RING_REGION_BYTES)
+                except ProtocolError as e:
+                    logger.info("local rank %d: %s; its link stays on TCP", lr, e)
             try:
                 fd = transport.open_link("127.0.0.1", port, token, self._local_peers[lr].getsockopt(zmq.IDENTITY),
-                                         node, limit)
+                                         node, limit, arg=int(ring_fd is not None))
             except (OSError, ProtocolError) as e:
                 logger.warning("no direct link to local rank %d (127.0.0.1:%s): %s; its local messages go "
                                "through ZeroMQ", lr, port, e)
+                if ring_fd is not None:
+                    os.close(ring_fd)
                 continue
-            links[lr] = (fd, ident)
+            links[lr] = (fd, ident, ring_fd, True)
         deadline = time.monotonic() + limit
         while any(lr not in links for lr in lower) and time.monotonic() < deadline:
             serve(100)
@@ -416,12 +441,15 @@ class Engine:
             if lr not in links:
                 logger.warning("local rank %d did not open its direct link within %g s; its local messages go "
                                "through ZeroMQ", lr, limit)
+        for ring_fd in rings.values():  # offered, not taken
+            os.close(ring_fd)
         if listener is not None:
             listener.close()
         return links
 
-    def _accept_local_link(self, listener, expected, links, limit):
-        """A connection on our local link listener: admitted if it presents a token we offered."""
+    def _accept_local_link(self, listener, expected, links, limit, rings):
+        """A connection on our local link listener: admitted if it presents a token we offered; its
+        hello's arg 1 says it mapped the ring we offered (``rings``: local rank -> our ring fd)."""
         try:
             conn, _ = listener.accept()
         except BlockingIOError:
@@ -442,7 +470,8 @@ class Engine:
                 return
             conn.sendall(transport.link_pack([wire.pack(Cmd.LINK, sender=self.control.node_id, arg=1)]))
             conn.setblocking(False)
-            links[lr] = (conn.detach(), ident)
+            ring_fd = rings.pop(lr, None) if header.arg == 1 else None
+            links[lr] = (conn.detach(), ident, ring_fd, False)
         except (OSError, ProtocolError) as e:
             logger.warning("a local direct link failed its handshake: %s", e)
         finally:
@@ -1488,7 +1517,8 @@ class Engine:
         if header.cmd == Cmd.LINK:  # a higher local rank offers a direct link (_open_local_links)
             try:
                 offer = wire.decode(frames[2])
-                self._link_offers[int(offer["local_rank"])] = (int(offer["port"]), bytes.fromhex(offer["token"]), peer)
+                self._link_offers[int(offer["local_rank"])] = (int(offer["port"]), bytes.fromhex(offer["token"]), peer,
+                                                               offer.get("ring"))
             except (ProtocolError, KeyError, TypeError, ValueError) as e:
                 logger.warning("dropped a malformed local link offer: %s", e)
             return

@@ -169,6 +169,41 @@ class PeerMaps:
         self.maps.clear()
 
 
+def ring_region(nbytes):
+    """A memfd of ``nbytes`` for a local link's shared-memory rings (core/bps_link.h BpsShmLink): (fd,
+    what the peer needs to open it: {"pid", "fd", "inode"}). The caller closes the fd once both ends
+    mapped it; the kernel frees it with the last mapping."""
+    fd = os.memfd_create("byteps-ring", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        return fd, {"pid": os.getpid(), "fd": fd, "inode": os.fstat(fd).st_ino}
+    except OSError:
+        os.close(fd)
+        raise
+
+
+def open_ring(info, nbytes):
+    """Open a peer's ring_region() from its info: our fd (the caller closes it once mapped).
+    ProtocolError if it is not a byteps ring of at least ``nbytes`` on this kernel."""
+    try:
+        pid, fd, inode = int(info["pid"]), int(info["fd"]), int(info["inode"])
+    except (KeyError, TypeError, ValueError):
+        raise ProtocolError(f"malformed shared-memory ring offer {info!r}") from None
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        if not os.readlink(path).startswith("/memfd:byteps-ring"):
+            raise ProtocolError(f"fd {fd} of pid {pid} is not a byteps shared-memory ring")
+        f = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise ProtocolError(f"cannot open the shared-memory ring of pid {pid} (fd {fd}): {e}") from None
+    st = os.fstat(f)
+    if st.st_ino != inode or st.st_size < nbytes:
+        os.close(f)
+        raise ProtocolError(f"the shared-memory ring of pid {pid} (fd {fd}) is not the one offered (inode "
+                            f"{st.st_ino}, {st.st_size} bytes; expected inode {inode}, {nbytes} bytes)")
+    return f
+
+
 class Probe:
     """A one-page arena holding a nonce: a peer that can read it back may use our shared memory."""
 

@@ -103,14 +103,15 @@ def _read_exactly(sock, n):
     return bytes(buf)
 
 
-def open_link(host, port, token, identity, node_id, timeout):
+def open_link(host, port, token, identity, node_id, timeout, arg=0):
     """Connect a direct link and present ``token`` for ``identity``; the connected socket's fd (now the
-    caller's) once the server accepted it. OSError/ProtocolError/ConnectionError if it did not."""
+    caller's) once the server accepted it. OSError/ProtocolError/ConnectionError if it did not. ``arg``
+    goes in the hello's header (a local link: 1 = we mapped the offered shared-memory ring)."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(link_pack([wire.pack(wire.Cmd.LINK, sender=node_id, length=TOKEN_BYTES + len(identity)),
-                                token + identity]))
+        sock.sendall(link_pack([wire.pack(wire.Cmd.LINK, sender=node_id, length=TOKEN_BYTES + len(identity),
+                                          arg=arg), token + identity]))
         frames = link_recv(sock)
         header = wire.unpack(frames[0])
         if header.cmd != wire.Cmd.LINK or header.arg != 1:

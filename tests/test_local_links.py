@@ -1,9 +1,13 @@
 """Local links (core/bps_worker.h, "Local links"): a machine's worker processes send each other the
-local reduce's messages over direct TCP links that byteps-net reads and writes, not ZeroMQ.
+local reduce's messages over direct links that byteps-net reads and writes, not ZeroMQ: shared-memory
+rings with a TCP socket for wake-ups (BYTEPS_LOCAL_RINGS=1, the default; tests/test_local_rings.py
+tests the rings alone), or the TCP socket itself.
 
 Every job here is real (scheduler, servers and workers as processes on 127.0.0.1); sums are compared
 bit for bit with locally computed ones by test_push_pull.check_matrix.
 """
+import os
+
 import pytest
 
 from byteps.core import _worker_core
@@ -18,22 +22,25 @@ SHAPES = SMALL_SHAPES + [(3, 257), (3, 70001)]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("links", ["1", "0"], ids=["links", "zeromq"])
-def test_exact_sums_with_local_links_on_and_off(cluster, links):
+@pytest.mark.parametrize("links,rings", [("1", "1"), ("1", "0"), ("0", "1")], ids=["rings", "tcp-links", "zeromq"])
+def test_exact_sums_with_local_links_on_and_off(cluster, links, rings):
     """1 machine x 2 processes: exact sums either way; with links on, every LOCAL_READY / LOCAL_DONE
-    went over the links (their counters), with links off none did."""
+    went over the links (their counters), through shared-memory rings unless BYTEPS_LOCAL_RINGS=0;
+    with links off none did."""
     res = check_matrix(cluster, 1, 1, SHAPES, rounds=2, extreme=True, local_size=2,
-                       extra_env={"BYTEPS_PARTITION_BYTES": "300000", "BYTEPS_LOCAL_LINKS": links})
+                       extra_env={"BYTEPS_PARTITION_BYTES": "300000", "BYTEPS_LOCAL_LINKS": links,
+                                  "BYTEPS_LOCAL_RINGS": rings})
     stats = [res[r]["native_local"] for r in range(2)]
     assert all(s is not None and s["reduced"] > 0 and s["coordinated"] > 0 for s in stats), stats
     if links == "1":
         for s in stats:
-            assert s["links_up"] == 1, stats
+            assert s["links_up"] == 1 and s["rings_up"] == int(rings), stats
             # each partition's non-owner sends one LOCAL_READY and gets one LOCAL_DONE: all on links
             assert s["link_sent"] >= s["coordinated"] + s["reduced"] and s["link_received"] > 0, stats
         assert sum(s["link_sent"] for s in stats) == sum(s["link_received"] for s in stats), stats
     else:
-        assert all(s["links_up"] == 0 and s["link_sent"] == 0 and s["link_received"] == 0 for s in stats), stats
+        assert all(s["links_up"] == 0 and s["rings_up"] == 0 and s["link_sent"] == 0 and s["link_received"] == 0
+                   for s in stats), stats
 
 
 @pytest.mark.timeout(300)
@@ -43,7 +50,7 @@ def test_local_links_between_four_processes_with_two_machines(cluster):
                        extra_env={"BYTEPS_PARTITION_BYTES": "300000"})
     for r in range(4):
         s = res[r]["native_local"]
-        assert s["links_up"] == 1 and s["link_sent"] > 0 and s["link_received"] > 0, (r, s)
+        assert s["links_up"] == 1 and s["rings_up"] == 1 and s["link_sent"] > 0 and s["link_received"] > 0, (r, s)
 
     def make(*a, **kw):
         return cluster(*a, subdir="1x4", **kw)
@@ -51,7 +58,12 @@ def test_local_links_between_four_processes_with_two_machines(cluster):
                        extra_env={"BYTEPS_PARTITION_BYTES": "300000"})
     for r in range(4):
         s = res[r]["native_local"]
-        assert s["links_up"] == 3 and s["link_sent"] > 0 and s["link_received"] > 0, (r, s)
+        assert s["links_up"] == 3 and s["rings_up"] == 3 and s["link_sent"] > 0 and s["link_received"] > 0, (r, s)
+    # BYTEPS_CPU_BIND=auto: 4 processes on fewer CPUs are bound, local rank r to the r-th CPU; else left alone
+    usable = sorted(os.sched_getaffinity(0))
+    for r in range(4):
+        want = [usable[r % len(usable)]] if len(usable) < 4 else usable
+        assert res[r]["cpus"] == want, (r, res[r]["cpus"], usable)
 
 
 @pytest.mark.timeout(120)

@@ -102,13 +102,25 @@ def test_missing_variables_are_named(missing):
 
 
 def test_spin_us_auto_follows_the_cpus_this_process_may_use(monkeypatch):
-    """BYTEPS_SPIN_US: auto polls 50 us with 2 or more CPUs, never with one; a number is taken as is."""
+    """BYTEPS_SPIN_US: auto polls 50 us with 2 or more CPUs (200 us where the machine's worker processes
+    outnumber them), never with one; a number is taken as is."""
     assert config.load(dict(BASE, BYTEPS_SPIN_US="0")).spin_us == 0
     assert config.load(dict(BASE, BYTEPS_SPIN_US="120")).spin_us == 120
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0, 1})
     assert config.load(BASE).spin_us == config.load(dict(BASE, BYTEPS_SPIN_US="auto")).spin_us == 50
+    # the machine's worker processes outnumber its CPUs: poll longer (they wait for processes that share one)
+    assert config.load(dict(BASE, BYTEPS_LOCAL_SIZE="4", BYTEPS_LOCAL_RANK="3")).spin_us == 200
+    assert config.load(dict(BASE, BYTEPS_LOCAL_SIZE="2", BYTEPS_LOCAL_RANK="1")).spin_us == 50
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {3})
     assert config.load(BASE).spin_us == 0
+    assert config.load(dict(BASE, BYTEPS_LOCAL_SIZE="4", BYTEPS_LOCAL_RANK="3")).spin_us == 0
+
+
+def test_cpu_bind_values():
+    assert config.load(BASE).cpu_bind == "auto"
+    assert config.load(dict(BASE, BYTEPS_CPU_BIND="0")).cpu_bind == "0"
+    with pytest.raises(ConfigError, match="BYTEPS_CPU_BIND='yes' must be one of auto, 1, 0"):
+        config.load(dict(BASE, BYTEPS_CPU_BIND="yes"))
 
 
 def test_scheduler_may_bind_any_port():
@@ -122,3 +134,42 @@ def test_every_variable_is_documented():
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "env.md")).read()
     for name in config.VARIABLES:
         assert f"`{name}`" in doc, f"{name} is missing from docs/env.md"
+
+
+BIND_CHILD = r"""
+import json, os, sys, threading
+from byteps import cpus
+usable = sorted(os.sched_getaffinity(0))
+ready, stop = threading.Event(), threading.Event()
+t = threading.Thread(target=lambda: (ready.set(), stop.wait()))  # a thread that was there before binding
+t.start()
+ready.wait()
+cpu = cpus.bind_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+threads = {int(tid): sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
+stop.set()
+print(json.dumps({"cpu": cpu, "usable": usable, "threads": list(threads.values()),
+                  "usable_after": sorted(cpus.usable_cpus())}))
+"""
+
+
+@pytest.mark.parametrize("local_rank,local_size,mode", [(3, 2, "auto"), (3, 99, "auto"), (1, 99, "0"), (1, 1, "1")])
+def test_bind_worker_binds_every_thread_where_processes_outnumber_cpus(local_rank, local_size, mode):
+    """BYTEPS_CPU_BIND (byteps/cpus.py), in a child process (binding is for the whole process): auto
+    binds only where local_size exceeds the usable CPUs, 1 always, 0 never; a bound process has every
+    thread, including one started before, on the local rank's CPU, and still reports the CPUs it could
+    use before (which BYTEPS_SPIN_US=auto is computed from)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", BIND_CHILD, str(local_rank), str(local_size), mode],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    got = json.loads(out)
+    usable = got["usable"]
+    bind = mode == "1" or (mode == "auto" and local_size > len(usable))
+    if bind:
+        assert got["cpu"] == usable[local_rank % len(usable)]
+        assert got["threads"] == [[got["cpu"]]] * len(got["threads"]) and len(got["threads"]) >= 2, got
+    else:
+        assert got["cpu"] is None and all(t == usable for t in got["threads"]), got
+    assert got["usable_after"] == usable
