@@ -10,7 +10,13 @@ Each worker makes ``--calls`` in-place push_pulls of ``--bytes`` (after 100 unti
 the median time of a call, the wall time per call, the CPU time of the whole process per call
 (getrusage: every thread, user + system), voluntary context switches per call, how many calls ran
 on the calling thread (``submit_direct``) or were handed to byteps-net after their window, the
-link to server 0 and how many local links run over shared-memory rings. No benchmark loop around the calls (no checks, no fills): this is byteps' own cost.
+link to server 0 and how many local links run over shared-memory rings. No benchmark loop around
+the calls (no checks, no fills): this is byteps' own cost.
+
+``--blocks N`` also splits the calls into N blocks, each after a barrier (a tiny push_pull), and
+prints each block's median and the CPU the process was on at its end: where a machine's processes
+share its CPUs, which ones share a CPU decides a small call's time (BYTEPS_CPU_BIND,
+docs/benchmarks.md "Shared-memory local links").
 """
 import argparse
 import resource
@@ -23,10 +29,20 @@ import byteps.common as common
 import byteps.torch as bps
 
 
+def _cpu():
+    """The CPU this process last ran on (/proc/self/stat, field 39)."""
+    with open("/proc/self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[36])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bytes", type=int, default=4096)
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--blocks", type=int, default=1, help="split the calls into blocks, each after a barrier")
+    ap.add_argument("--check", action="store_true",
+                    help="fill the tensor before each call and check the sum after it (Python between calls, "
+                         "as in bench_users.py), outside the timed call")
     args = ap.parse_args()
     bps.init()
     t = torch.ones(args.bytes // 4)
@@ -37,12 +53,25 @@ def main():
     direct0, adopted0 = (native.direct_calls, native.direct_adopted) if native is not None else (0, 0)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     w0 = time.perf_counter()
-    times = []
-    for _ in range(args.calls):
+    times, blocks = [], []
+    want = float(bps.size() * (bps.size() + 1) // 2)
+    per_block = max(1, args.calls // args.blocks)
+    barrier = torch.zeros(1)
+    for i in range(args.calls):
+        if args.blocks > 1 and i % per_block == 0:
+            if i:
+                blocks.append((statistics.median(times[-per_block:]), _cpu()))
+            bps.push_pull_inplace(barrier, name="call_cost.barrier")
+        if args.check:
+            t.fill_(bps.rank() + 1)
         a = time.perf_counter()
         bps.push_pull_inplace(t, average=False, name="call_cost")
         times.append(time.perf_counter() - a)
+        if args.check and not (float(t[0]) == want and float(t[-1]) == want):
+            raise SystemExit(f"rank {bps.rank()}: got {float(t[0])}..{float(t[-1])}, want {want}")
     wall = (time.perf_counter() - w0) / args.calls
+    if args.blocks > 1:
+        blocks.append((statistics.median(times[-per_block:]), _cpu()))
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     user = (r1.ru_utime - r0.ru_utime) / args.calls
     system = (r1.ru_stime - r0.ru_stime) / args.calls
@@ -54,6 +83,9 @@ def main():
           f"{wall * 1e6:.0f} us, cpu/call {(user + system) * 1e6:.1f} us (user {user * 1e6:.1f}), voluntary "
           f"switches/call {(r1.ru_nvcsw - r0.ru_nvcsw) / args.calls:.1f}, on the caller's thread {direct}, "
           f"handed over {adopted}, link {link!r}, local rings {rings}", flush=True)
+    if blocks:
+        print(f"rank {bps.rank()} blocks (median us @ CPU): " + " ".join(f"{m * 1e6:.0f}@{c}" for m, c in blocks),
+              flush=True)
     bps.shutdown()
 
 

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from . import config as bps_config, cpus, timeline
+from . import config as bps_config, timeline
 from .core import _reduce, dtypes
 from .core.ops import Cmd, Op
 from .errors import BytePSTimeoutError, NotInitializedError
@@ -65,7 +65,6 @@ def init(lazy=False):
         if cfg.distributed:
             from byteps.core.engine import Engine
 
-            cpus.bind_worker(cfg.local_rank, cfg.local_size, cfg.cpu_bind)  # before the engine's threads start
             engine = Engine(cfg)
             engine.start()
             _exit_notice = cfg

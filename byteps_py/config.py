@@ -53,8 +53,8 @@ VARIABLES = {
     "BYTEPS_DIRECT_TCP": ("1", "1: with BYTEPS_NATIVE=1 on both ends, a worker's data messages to a server go over a direct TCP link the native threads read and write themselves (core/bps_link.h); 0: through ZeroMQ (an A/B switch)"),
     "BYTEPS_TRANSPORT": ("auto", "what carries a worker's direct links to servers: tcp (core/bps_link.h), ucx (UCP Active Messages, core/bps_ucx.h: verbs on an RDMA NIC) or auto (ucx when this machine has an RDMA device and UCX loads, else tcp); docs/ucx.md"),
     "BYTEPS_UCX_PEER_ERRORS": ("1", "with BYTEPS_TRANSPORT=ucx: 1 asks UCX to detect dead peers (endpoint error handling), which rules out its shared-memory transports; 0 lets UCX use sm too (a dead peer is then reported by the scheduler alone); docs/ucx.md"),
-    "BYTEPS_SPIN_US": ("auto", "microseconds a synchronous call of one small partition polls for its reply (yielding its core between polls) before it sleeps; auto: 50 where this process may run on 2 or more CPUs, 200 where the machine's worker processes also outnumber those CPUs, else 0 (core/bps_worker.h set_direct_spin)"),
-    "BYTEPS_CPU_BIND": ("auto", "auto | 1 | 0: bind each worker process (every thread) to one CPU, local rank r to the r-th it may use; auto: only where the machine's worker processes outnumber those CPUs, so that processes that poll (BYTEPS_SPIN_US) do not leave the kernel's load balancer with three on one CPU (byteps/cpus.py)"),
+    "BYTEPS_SPIN_US": ("auto", "microseconds a synchronous call of one small partition polls for its reply (yielding its core between polls) before it sleeps; auto: 50 where this process may run on 2 or more CPUs, 200 where the job's worker processes on this host also outnumber those CPUs, else 0 (core/bps_worker.h set_direct_spin)"),
+    "BYTEPS_CPU_BIND": ("auto", "auto | 1 | 0: bind each worker process (every thread) to one CPU, the host's i-th worker process of the job to the i-th CPU it may use; auto: only where the job's worker processes on this host (2 or more) are at least as many as those CPUs, so that processes that poll (BYTEPS_SPIN_US) are not left sharing one CPU by the kernel's scheduler (byteps/cpus.py)"),
     "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # the job timeline (docs/timeline.md)
     "BYTEPS_TIMELINE": ("", "path of one Chrome/Perfetto trace of the whole job, written by the scheduler (empty: off)"),
@@ -127,21 +127,28 @@ def _float(env, name, default, minimum=0.0):
 #: call of a machine's 2 processes took 16 us with 50 us of polling against 63-66 us asleep;
 #: docs/benchmarks.md, "Polling before sleeping")
 AUTO_SPIN_US = 50
-#: ... and where the machine's worker processes outnumber its CPUs: each call then waits for processes
-#: that share a CPU, and with 50 us the pollers fell asleep on most calls, each sleep making the next
-#: call later (4 processes on 2 CPUs: 130 us a 4 KB call, against 37-64 us with 100-200 us;
+#: ... and where the job's worker processes on this host outnumber its CPUs: each call then waits for processes
+#: that take turns on a CPU, and with 50 us the pollers fall asleep, each sleep making the next call
+#: later (4 processes on 2 CPUs, bench_users.py: 46-146 us a 4 KB call with 50 us, 42-70 us with 200;
 #: docs/benchmarks.md, "Shared-memory local links")
 AUTO_SPIN_SHARED_US = 200
 
 
+def auto_spin_us(processes):
+    """BYTEPS_SPIN_US=auto for ``processes`` worker processes on this host."""
+    ncpus = len(cpus.usable_cpus())
+    if ncpus < 2:
+        return 0
+    return AUTO_SPIN_SHARED_US if processes > ncpus else AUTO_SPIN_US
+
+
 def _spin_us(env, local_size):
+    """(microseconds, whether auto): auto is computed for the machine's local_size processes here, and
+    again by the engine once it knows how many of the job's worker processes share this host."""
     raw = _get(env, "BYTEPS_SPIN_US", "auto").strip().lower()
     if raw == "auto":
-        ncpus = len(cpus.usable_cpus())
-        if ncpus < 2:
-            return 0
-        return AUTO_SPIN_SHARED_US if local_size > ncpus else AUTO_SPIN_US
-    return _int(env, "BYTEPS_SPIN_US", minimum=0, maximum=100_000)
+        return auto_spin_us(local_size), True
+    return _int(env, "BYTEPS_SPIN_US", minimum=0, maximum=100_000), False
 
 
 def _bool(env, name, default="0"):
@@ -217,6 +224,7 @@ class Config:
     ucx_peer_errors: bool = True
     elastic: bool = False
     spin_us: int = 0
+    spin_auto: bool = False
     cpu_bind: str = "auto"
 
     @property
@@ -300,6 +308,7 @@ def load(env=None, role=None):
                                                 and _bool(env, "BYTEPS_ZMQ_DIRECT", default="1")):
         raise ConfigError("BYTEPS_ELASTIC=1 needs the native data plane (BYTEPS_NATIVE=1 and BYTEPS_ZMQ_DIRECT=1): "
                           "workers re-send a lost server's partitions from it, and servers take them over in it")
+    spin_us, spin_auto = _spin_us(env, local_size)
     return Config(
         role=role, num_worker=num_worker, num_server=num_server, root_uri=root_uri, root_port=root_port,
         worker_id=worker_id, node_host=node_host, local_rank=local_rank, local_size=local_size,
@@ -329,7 +338,8 @@ def load(env=None, role=None):
         transport=_choice(env, "BYTEPS_TRANSPORT", ("auto", "tcp", "ucx")),
         ucx_peer_errors=_bool(env, "BYTEPS_UCX_PEER_ERRORS", default="1"),  # read by core/bps_ucx.h
         elastic=elastic,
-        spin_us=_spin_us(env, local_size),
+        spin_us=spin_us,
+        spin_auto=spin_auto,
         cpu_bind=_choice(env, "BYTEPS_CPU_BIND", ["auto", "1", "0"]),
     )
 

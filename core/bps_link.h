@@ -429,9 +429,10 @@ class BpsLink : public BpsConn {
  *
  * Why: a small synchronous push_pull of a machine's processes is a few tiny messages (LOCAL_READY,
  * LOCAL_DONE: a header and a 32-byte descriptor; the data is in shared regions already). Over TCP
- * loopback each costs a send and a recv system call and the kernel's TCP path on both ends; with 4
- * processes on 2 cores those calls were most of a call's CPU. A star exchange of 4 processes that
- * poll took 21 us an iteration over TCP and 3 us through shared words (docs/benchmarks.md).
+ * loopback each costs a send and a recv system call and the kernel's TCP path on both ends. A 4 KB
+ * push_pull of a machine's 2 processes took 9 us through the rings against 16-27 us over the TCP
+ * socket, and of 4 processes on 2 cores 27-31 us against 45-51 us (bench/call_cost.py;
+ * docs/benchmarks.md, "Shared-memory local links").
  *
  * The TCP socket stays, for two jobs only: it wakes a reader that sleeps in poll (a "bell": one byte,
  * written only when the reader is not polling the ring and no bell is pending), and it tells that the
@@ -509,21 +510,33 @@ class BpsShmLink : public BpsLink {
         return in_->tail.load(std::memory_order_acquire) != in_->head.load(std::memory_order_relaxed);
     }
 
+    /* As much of the iovecs as the ring takes. What does not fit stays queued (BpsLink::send), and the
+     * reader is asked to ring once it has read (writer_waits): nothing else would flush the queue. */
     ssize_t write_iov(struct iovec *iov, int cnt) override {
         if (dead_) return -1;
         uint64_t tail = out_->tail.load(std::memory_order_relaxed); /* ours alone */
-        uint64_t room = BPS_RING_BYTES - (tail - out_->head.load(std::memory_order_acquire));
-        if (room == 0) { /* full: ask the reader to ring once it has read, then look again */
+        uint64_t total = 0, put = 0;
+        for (int i = 0; i < cnt; ++i) total += iov[i].iov_len;
+        int i = 0;
+        size_t off = 0; /* into iov[i] */
+        for (;;) {
+            uint64_t room = BPS_RING_BYTES - (tail + put - out_->head.load(std::memory_order_acquire));
+            for (; i < cnt && room > 0; ++i, off = 0) {
+                size_t n = (size_t)std::min<uint64_t>(iov[i].iov_len - off, room);
+                ring_copy_in((const char *)iov[i].iov_base + off, tail + put, n);
+                put += n;
+                room -= n;
+                if (off + n < iov[i].iov_len) {
+                    off += n;
+                    break;
+                }
+            }
+            if (put == total) break;
+            /* full: ask the reader to ring once it has read, then look again (it may have read meanwhile) */
             out_->writer_waits.store(1, std::memory_order_seq_cst);
-            room = BPS_RING_BYTES - (tail - out_->head.load(std::memory_order_seq_cst));
-            if (room == 0) return 0;
+            if (out_->head.load(std::memory_order_seq_cst) == tail + put - BPS_RING_BYTES) break;
         }
-        uint64_t put = 0;
-        for (int i = 0; i < cnt && put < room; ++i) {
-            size_t n = (size_t)std::min<uint64_t>(iov[i].iov_len, room - put);
-            ring_copy_in((const char *)iov[i].iov_base, tail + put, n);
-            put += n;
-        }
+        if (put == 0) return 0;
         out_->tail.store(tail + put, std::memory_order_seq_cst);
         if (polling_) bell_deferred_ = true;
         else if (ring() < 0) return -1;

@@ -45,7 +45,7 @@ import time
 import numpy as np
 import zmq
 
-from byteps import autotune, compression, timeline
+from byteps import autotune, compression, config, cpus, timeline
 from byteps.errors import BytePSError, BytePSTimeoutError, ConfigError, PeerLostError, ProtocolError, TensorMismatchError
 from byteps.log import logger
 from byteps.placement import Placement
@@ -110,6 +110,7 @@ class Engine:
         self._stopped = threading.Event()
         self.failure = None
         self.book = None
+        self._cpu_slot = None  # (index, count) among the job's worker processes on this host
         self.rank = self.size = None
         self.tuning = None          # autotune.Agreement: the job's partition size and this worker's credit
         self._agreed = None         # the scheduler's release of the agreement (see _tune)
@@ -199,6 +200,8 @@ class Engine:
         if self.failure is not None:
             self.stop()
             raise self.failure
+        if self._cpu_slot is not None:  # the training thread: the one that polls (byteps/cpus.py)
+            cpus.bind_worker(*self._cpu_slot, self.cfg.cpu_bind)
 
     def submit(self, op, sync=False):
         """Start ``op``. ``sync``: the caller waits for it at once (a synchronous API call), so a small
@@ -772,6 +775,7 @@ class Engine:
                 raise BytePSTimeoutError(f"the scheduler at {self.cfg.scheduler_endpoint} did not start the job "
                                          f"within {self.cfg.timeout:g} s (BYTEPS_TIMEOUT); its log names the "
                                          "nodes that never registered")
+        self._place_on_cpus()
         for info in self.book["servers"]:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -930,6 +934,19 @@ class Engine:
             self.control.tick()
         for sock in self._local_peers.values():
             self.poller.unregister(sock)
+
+    def _place_on_cpus(self):
+        """Where this process stands among the job's worker processes on this host: start() binds the
+        training thread to a CPU where they fill its CPUs, and callers poll longer where they outnumber
+        them (byteps/cpus.py, BYTEPS_CPU_BIND, BYTEPS_SPIN_US=auto). Counted per host address, not per
+        machine of the job: bpslaunch --local runs several "machines" on one host."""
+        here = sorted((w["worker_id"], w["local_rank"]) for w in self.book["workers"] if w["host"] == self.cfg.node_host)
+        me = (self.cfg.worker_id, self.cfg.local_rank)
+        if me not in here:  # registered under another address: count ourselves alone
+            here = [me]
+        self._cpu_slot = (here.index(me), len(here))
+        if self.cfg.spin_auto:
+            self.cfg = dataclasses.replace(self.cfg, spin_us=config.auto_spin_us(len(here)))
 
     def _setup_local(self):
         """Connect to this machine's other worker processes for the local reduce."""

@@ -269,8 +269,8 @@ def main():
     result["data_sent"] = sum(_job.engine.transport_bytes()["sent"].values()) if _job.engine is not None else None
     # the native local reduce's counters (ops, partitions reduced, of those on its thread), or None
     result["native_local"] = _job.engine.native_local_stats() if _job.engine is not None else None
-    # the CPUs each thread may run on (BYTEPS_CPU_BIND binds a machine's processes where they outnumber its CPUs)
-    result["cpus"] = sorted(set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task"))))
+    # the CPUs the training thread may run on (BYTEPS_CPU_BIND binds it where the host's processes fill its CPUs)
+    result["cpus"] = sorted(os.sched_getaffinity(0))
     write_result(outdir, result["rank"], result)
     bps.shutdown()
 

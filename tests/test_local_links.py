@@ -51,6 +51,14 @@ def test_local_links_between_four_processes_with_two_machines(cluster):
     for r in range(4):
         s = res[r]["native_local"]
         assert s["links_up"] == 1 and s["rings_up"] == 1 and s["link_sent"] > 0 and s["link_received"] > 0, (r, s)
+    # BYTEPS_CPU_BIND=auto counts the job's worker processes on this host (both machines here): with at most
+    # 4 CPUs each of the 4 is bound to one, the same number on every CPU
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) <= 4:
+        bound = [res[r]["cpus"] for r in range(4)]
+        assert all(len(c) == 1 for c in bound), bound
+        per_cpu = [sum(c == [u] for c in bound) for u in usable]
+        assert max(per_cpu) - min(per_cpu) <= 1, (bound, usable)
 
     def make(*a, **kw):
         return cluster(*a, subdir="1x4", **kw)
@@ -59,10 +67,10 @@ def test_local_links_between_four_processes_with_two_machines(cluster):
     for r in range(4):
         s = res[r]["native_local"]
         assert s["links_up"] == 3 and s["rings_up"] == 3 and s["link_sent"] > 0 and s["link_received"] > 0, (r, s)
-    # BYTEPS_CPU_BIND=auto: 4 processes on fewer CPUs are bound, local rank r to the r-th CPU; else left alone
+    # BYTEPS_CPU_BIND=auto: 4 processes on at most 4 CPUs are bound, local rank r to the r-th CPU; else left alone
     usable = sorted(os.sched_getaffinity(0))
     for r in range(4):
-        want = [usable[r % len(usable)]] if len(usable) < 4 else usable
+        want = [usable[r % len(usable)]] if len(usable) <= 4 else usable
         assert res[r]["cpus"] == want, (r, res[r]["cpus"], usable)
 
 

@@ -59,9 +59,14 @@ def test_messages_arrive_whole_and_in_order_through_a_full_ring_and_its_wrap_aro
 
 
 def test_a_frame_larger_than_the_ring_goes_through_in_pieces():
+    """The writer queues what the ring does not take; the reader's first read rings a bell toward
+    it (a writer that sleeps in poll has nothing else to go on), and the frame arrives whole."""
     pair = _worker_core.RingPair()
     big = bytes(random.Random(3).getrandbits(8) for _ in range(1 << 16)) * 16  # 1 MB, 8x the ring
     assert pair.send(1, b"header", big) == 0
+    assert pair.wants_write(1) and pair.socket_bytes(1) == 0
+    assert pair.recv(0) is None  # takes what the ring holds; the frame is not whole yet
+    assert pair.socket_bytes(1) == 1, "the reader made room but did not tell the waiting writer"
     got = []
     for _ in range(10000):
         if got:

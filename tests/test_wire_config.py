@@ -141,35 +141,41 @@ import json, os, sys, threading
 from byteps import cpus
 usable = sorted(os.sched_getaffinity(0))
 ready, stop = threading.Event(), threading.Event()
-t = threading.Thread(target=lambda: (ready.set(), stop.wait()))  # a thread that was there before binding
-t.start()
+before = threading.Thread(target=lambda: (ready.set(), stop.wait()))  # a thread started before binding
+before.start()
 ready.wait()
 cpu = cpus.bind_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
-threads = {int(tid): sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
-stop.set()
-print(json.dumps({"cpu": cpu, "usable": usable, "threads": list(threads.values()),
+later = []
+after = threading.Thread(target=lambda: later.append(sorted(os.sched_getaffinity(0))))  # started after
+after.start()
+after.join()
+print(json.dumps({"cpu": cpu, "usable": usable, "caller": sorted(os.sched_getaffinity(0)),
+                  "before": sorted(os.sched_getaffinity(before.native_id)), "after": later[0],
                   "usable_after": sorted(cpus.usable_cpus())}))
+stop.set()
 """
 
 
-@pytest.mark.parametrize("local_rank,local_size,mode", [(3, 2, "auto"), (3, 99, "auto"), (1, 99, "0"), (1, 1, "1")])
-def test_bind_worker_binds_every_thread_where_processes_outnumber_cpus(local_rank, local_size, mode):
-    """BYTEPS_CPU_BIND (byteps/cpus.py), in a child process (binding is for the whole process): auto
-    binds only where local_size exceeds the usable CPUs, 1 always, 0 never; a bound process has every
-    thread, including one started before, on the local rank's CPU, and still reports the CPUs it could
-    use before (which BYTEPS_SPIN_US=auto is computed from)."""
+@pytest.mark.parametrize("index,count,mode", [(3, 1, "auto"), (3, 99, "auto"), (1, 99, "0"), (1, 1, "1")])
+def test_bind_worker_binds_the_training_thread_where_processes_fill_the_cpus(index, count, mode):
+    """BYTEPS_CPU_BIND (byteps/cpus.py), in a child process: auto binds only where ``count`` (2 or
+    more) is at least the number of usable CPUs, 1 always, 0 never. Bound, the calling thread and
+    the threads it starts later run on the index-th CPU only; a thread started before (byteps' own)
+    keeps every CPU; the process still reports the CPUs it could use before (BYTEPS_SPIN_US=auto is
+    computed from them)."""
     import json
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", BIND_CHILD, str(local_rank), str(local_size), mode],
+    out = subprocess.run([sys.executable, "-c", BIND_CHILD, str(index), str(count), mode],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     got = json.loads(out)
     usable = got["usable"]
-    bind = mode == "1" or (mode == "auto" and local_size > len(usable))
+    bind = mode == "1" or (mode == "auto" and count >= max(2, len(usable)))
     if bind:
-        assert got["cpu"] == usable[local_rank % len(usable)]
-        assert got["threads"] == [[got["cpu"]]] * len(got["threads"]) and len(got["threads"]) >= 2, got
+        assert got["cpu"] == usable[index % len(usable)]
+        assert got["caller"] == got["after"] == [got["cpu"]], got
     else:
-        assert got["cpu"] is None and all(t == usable for t in got["threads"]), got
+        assert got["cpu"] is None and got["caller"] == got["after"] == usable, got
+    assert got["before"] == usable, got
     assert got["usable_after"] == usable
