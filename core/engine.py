@@ -148,7 +148,7 @@ class Engine:
         self.local = None           # LocalPlan when this machine's processes reduce together
         self._local_sock = None     # ROUTER: LOCAL_READY / LOCAL_DONE from this machine's other processes
         self._local_peers = {}      # local rank -> DEALER to its ROUTER
-        self._link_offers = {}      # local rank -> (port, token, its DEALER identity, ring offer or None): direct links offered
+        self._link_offers = {}      # local rank -> (port, token, DEALER identity, ring offer or None): links offered
         self._io = {}               # data-plane socket -> its message I/O (core/transport.py)
         self._expected_for, self._expected_copies = None, 0  # see _local_copies_expected
         self._compute = None        # ComputeStage running the owner's sums (LOCAL_REDUCE)
@@ -940,7 +940,8 @@ class Engine:
         training thread to a CPU where they fill its CPUs, and callers poll longer where they outnumber
         them (byteps/cpus.py, BYTEPS_CPU_BIND, BYTEPS_SPIN_US=auto). Counted per host address, not per
         machine of the job: bpslaunch --local runs several "machines" on one host."""
-        here = sorted((w["worker_id"], w["local_rank"]) for w in self.book["workers"] if w["host"] == self.cfg.node_host)
+        here = sorted((w["worker_id"], w["local_rank"]) for w in self.book["workers"]
+                      if w["host"] == self.cfg.node_host)
         me = (self.cfg.worker_id, self.cfg.local_rank)
         if me not in here:  # registered under another address: count ourselves alone
             here = [me]
