@@ -666,6 +666,19 @@ class BpsWorkerCore {
         else direct_adopted_.fetch_add(1);
     }
 
+    /* A local link's message [identity, header, body] with a readable header (into ``h``). */
+    static bool local_header(BpsMessage &msg, BpsHeader *h) {
+        return msg.count == 3 && !msg.truncated && bps_parse_header(msg.data(1), msg.size(1), h);
+    }
+
+    /* A local message a direct caller read for someone else: byteps-net handles it, in arrival order. */
+    void stray_local(BpsMessage &msg, bool *strays) {
+        BpsMessage *keep = keep_message(msg);
+        std::lock_guard<std::mutex> lock(mu_);
+        local_strays_in_.push_back(keep);
+        *strays = true;
+    }
+
     /* A message a direct caller read for someone else, moved out of ``msg`` for byteps-net. */
     static BpsMessage *keep_message(BpsMessage &msg) {
         BpsMessage *keep = new BpsMessage();
@@ -888,13 +901,8 @@ class BpsWorkerCore {
                 while (copies->size() < peers.size() && l->recv(&msg, &local_link_ident_[(size_t)r]) > 0) {
                     local_link_received_.fetch_add(1);
                     BpsHeader h;
-                    bool mine = msg.count == 3 && !msg.truncated && bps_parse_header(msg.data(1), msg.size(1), &h) &&
-                                h.cmd == BPS_CMD_LOCAL_READY && h.key == p.key && h.round == p.rnd;
-                    if (!mine) { /* someone else's: byteps-net handles it, in arrival order */
-                        BpsMessage *keep = keep_message(msg);
-                        std::lock_guard<std::mutex> lock(mu_);
-                        local_strays_in_.push_back(keep);
-                        *strays = true;
+                    if (!local_header(msg, &h) || h.cmd != BPS_CMD_LOCAL_READY || h.key != p.key || h.round != p.rnd) {
+                        stray_local(msg, strays);
                         continue;
                     }
                     std::vector<std::string> frames;
@@ -934,14 +942,9 @@ class BpsWorkerCore {
             while (l->recv(&msg, &local_link_ident_[(size_t)owner]) > 0) { /* [identity, header, body] */
                 local_link_received_.fetch_add(1);
                 BpsHeader h;
-                bool mine = msg.count == 3 && !msg.truncated && bps_parse_header(msg.data(1), msg.size(1), &h) &&
-                            h.key == p.key && h.round == p.rnd &&
-                            (h.cmd == BPS_CMD_LOCAL_DONE || h.cmd == BPS_CMD_ERROR);
-                if (!mine) { /* someone else's: byteps-net handles it, in arrival order */
-                    BpsMessage *keep = keep_message(msg);
-                    std::lock_guard<std::mutex> lock(mu_);
-                    local_strays_in_.push_back(keep);
-                    *strays = true;
+                if (!local_header(msg, &h) || h.key != p.key || h.round != p.rnd ||
+                    (h.cmd != BPS_CMD_LOCAL_DONE && h.cmd != BPS_CMD_ERROR)) {
+                    stray_local(msg, strays);
                     continue;
                 }
                 if (h.cmd == BPS_CMD_ERROR) {

@@ -165,6 +165,20 @@ def test_synchronous_calls_on_the_callers_thread(cluster, case):
             assert v["direct"] > 0, v
 
 
+def run_direct_calls(cluster, machines, local_size, args):
+    """The "direct_calls" scenario on ``machines`` machines of ``local_size`` processes (a server each):
+    every process exits cleanly with exact results, each linked to every other local rank; the results."""
+    c = cluster(machines, machines, local_size=local_size, env={"BYTEPS_PARTITION_BYTES": "65536"})
+    c.run_workers("direct_calls", args)
+    codes, scodes, sched = c.wait_all(120)
+    assert codes == [0] * (machines * local_size) and scodes == [0] * machines and sched == 0, c.all_logs()
+    res = c.results()
+    for r, got in res.items():
+        assert got["value"]["exact"], (r, got["value"], c.all_logs())
+        assert got["native_local"]["links_up"] == local_size - 1, got["native_local"]
+    return res
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", list(DIRECT_CASES))
 @pytest.mark.parametrize("machines", [1, 2], ids=["1x2", "2x2"])
@@ -173,14 +187,7 @@ def test_synchronous_local_reduce_calls_on_the_callers_thread(cluster, case, mac
     owner and reads the owner's LOCAL_DONE on its own thread (submit_local_direct); a late owner makes it
     hand the partition to byteps-net; async local-reduce traffic on the same links reaches its owners;
     every result exact. "small" and "small.oop" have consecutive keys, so each process owns one."""
-    c = cluster(machines, machines, local_size=2, env={"BYTEPS_PARTITION_BYTES": "65536"})
-    c.run_workers("direct_calls", DIRECT_CASES[case])
-    codes, scodes, sched = c.wait_all(120)
-    assert codes == [0] * (2 * machines) and scodes == [0] * machines and sched == 0, c.all_logs()
-    res = c.results()
-    for r, got in res.items():
-        assert got["value"]["exact"], (r, got["value"], c.all_logs())
-        assert got["native_local"]["links_up"] == 1, got["native_local"]
+    res = run_direct_calls(cluster, machines, 2, DIRECT_CASES[case])
     direct = sum(got["value"]["direct"] for got in res.values())
     adopted = sum(got["value"]["adopted"] for got in res.values())
     if case == "alone":  # half the calls are a non-owner's; most take the fast path (a loaded machine
@@ -206,14 +213,7 @@ def test_owner_calls_on_the_callers_thread_with_four_processes(cluster, case):
     three copies (from byteps-net when they came first, else from their links), sums them and answers on
     its own thread (submit_owner_direct); a late rank makes it hand the partition to byteps-net with the
     copies it had taken; every result exact."""
-    c = cluster(1, 1, local_size=4, env={"BYTEPS_PARTITION_BYTES": "65536"})
-    c.run_workers("direct_calls", dict(DIRECT_CASES[case], steps=60))
-    codes, scodes, sched = c.wait_all(120)
-    assert codes == [0] * 4 and scodes == [0] and sched == 0, c.all_logs()
-    res = c.results()
-    for r, got in res.items():
-        assert got["value"]["exact"], (r, got["value"], c.all_logs())
-        assert got["native_local"]["links_up"] == 3, got["native_local"]
+    res = run_direct_calls(cluster, 1, 4, dict(DIRECT_CASES[case], steps=60))
     owned = sum(got["native_local"]["owner_direct"] for got in res.values())
     adopted = sum(got["value"]["adopted"] for got in res.values())
     assert owned >= 30, owned  # 120 calls of an owned tensor in all (2 tensors x 60 steps)
