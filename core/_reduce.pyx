@@ -29,7 +29,7 @@ cdef extern from "bps_reduce.h" nogil:
     int bps_sum_many(void *dst, const void *const *srcs, int nsrc, size_t n, int dtype, int nthreads)
     int bps_scale(void *buf, double factor, size_t n, int dtype, int nthreads)
     void bps_copy(void *dst, const void *src, size_t nbytes, int nthreads)
-    void bps_copy_result(void *dst, const void *src, size_t nbytes, int nthreads)
+    void bps_copy_streamed(void *dst, const void *src, size_t nbytes, int nthreads)
     int bps_divide_copy(void *dst, const void *src, size_t n, int dtype, unsigned int divisor)
 
 
@@ -199,8 +199,9 @@ def copy_into(dst, src, bint stream=False):
     Args:
         dst: writable C-contiguous buffer.
         src: C-contiguous buffer with the same byte length; must not overlap ``dst``.
-        stream: ``dst`` is not read again soon (a result into the caller's tensor): from 1 MB on, a
-            copy on one thread writes it with non-temporal stores (bps_copy_result).
+        stream: ``dst`` is not read again soon on this core (a result into the caller's tensor, a
+            partition staged for another process): from 1 MB on, a copy on one thread writes it with
+            non-temporal stores (bps_copy_streamed).
 
     Raises:
         ValueError: the byte lengths differ.
@@ -214,7 +215,7 @@ def copy_into(dst, src, bint stream=False):
                 raise ValueError(f"copy_into: dst has {d.len} bytes and src has {s.len} bytes")
             with nogil:
                 if stream:
-                    bps_copy_result(d.buf, s.buf, <size_t>d.len, _nthreads)
+                    bps_copy_streamed(d.buf, s.buf, <size_t>d.len, _nthreads)
                 else:
                     bps_copy(d.buf, s.buf, <size_t>d.len, _nthreads)
         finally:

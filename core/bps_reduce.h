@@ -842,9 +842,11 @@ static inline void bps_copy(void *dst, const void *src, size_t nbytes, int nthre
   bps_parallel(bps_job_copy, &j, nt);
 }
 
-/* A copy whose destination is not read again soon (a result into the caller's tensor): from 1 MB on,
- * non-temporal stores write it without first reading every destination line into the cache, as a
- * plain copy does (docs/benchmarks.md, "Result copies"). */
+/* A copy whose destination this core does not read again soon: a result into the caller's tensor, or a
+ * partition staged in shared memory, which a server or the machine's owner reads next on another core,
+ * after other partitions have gone through the cache. From 1 MB on, non-temporal stores write it without
+ * first reading every destination line into the cache, as a plain copy does (docs/benchmarks.md,
+ * "Result copies"). */
 #define BPS_STREAM_MIN_BYTES (1u << 20)
 
 static inline void bps_copy_stream(void *dst, const void *src, size_t nbytes) {
@@ -908,8 +910,8 @@ static inline int bps_divide_copy(void *dst, const void *src, size_t n, int dtyp
 
 static inline int bps_divides(int dtype) { return dtype >= BPS_FLOAT32 && dtype <= BPS_BFLOAT16; }
 
-/* A result into the caller's tensor: streamed by one thread, or bps_copy's threads when it uses several. */
-static inline void bps_copy_result(void *dst, const void *src, size_t nbytes, int nthreads) {
+/* bps_copy_stream on one thread, or bps_copy's threads when it uses several. */
+static inline void bps_copy_streamed(void *dst, const void *src, size_t nbytes, int nthreads) {
   if (bps_threads_for(nbytes, nthreads) > 1)
     bps_copy(dst, src, nbytes, nthreads);
   else

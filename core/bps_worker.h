@@ -153,13 +153,13 @@ struct BpsOp {
 };
 
 /* A partition's sum into the tensor at ``dst``: copied, or divided by the op's divisor on the way (an
- * average). ``stream``: a copy of 1 MB or more uses non-temporal stores (bps_copy_result). */
+ * average). ``stream``: a copy of 1 MB or more uses non-temporal stores (bps_copy_streamed). */
 static inline void bps_result_into(const BpsOp *op, void *dst, const void *src, size_t nbytes, bool stream,
                                    int nthreads = 1) {
     if (op->divisor > 1)
         bps_divide_copy(dst, src, nbytes / (size_t)bps_itemsize(op->dtype), op->dtype, op->divisor);
     else if (stream)
-        bps_copy_result(dst, src, nbytes, nthreads);
+        bps_copy_streamed(dst, src, nbytes, nthreads);
     else
         memcpy(dst, src, nbytes);
 }
@@ -236,7 +236,7 @@ static inline int bps_run_task(BpsStageTask &t, int nthreads) {
     if (t.kind == BPS_TASK_COPY_OUT)
         bps_result_into(t.op, t.dst, t.srcs[0], t.nbytes, true, nthreads);
     else
-        bps_copy(t.dst, t.srcs[0], t.nbytes, nthreads);
+        bps_copy_streamed(t.dst, t.srcs[0], t.nbytes, nthreads);
     bps_span(t.kind == BPS_TASK_COPY_IN ? BPS_TRACE_STAGE : BPS_TRACE_LOCAL_BROADCAST, t0, p.key, p.rnd, t.nbytes,
              p.server, t.priority);
     return 0;
@@ -1772,7 +1772,7 @@ class BpsWorkerCore {
             if (p.colocated) flags = BPS_FLAG_SHM;
         } else if (p.staging != nullptr && !empty) {
             uint64_t t_stage = bps_span_start();
-            memcpy(p.staging, data, p.length);
+            bps_copy_stream(p.staging, data, p.length); /* the server reads it on another core */
             bps_span(BPS_TRACE_STAGE, t_stage, p.key, rnd, p.length, p.server, op->priority);
             flags = BPS_FLAG_SHM;
         }

@@ -1451,7 +1451,7 @@ class Engine:
         view, prefix = self._region(key, data.size)
 
         def stage():
-            copy_into(view, data)
+            copy_into(view, data, stream=True)  # the server reads it on another core
         stage.ident = (op, key, rnd, server, off, view, prefix)
         op.servers["the copy stage"] += 1
         self._copier.submit(op.priority, stage)
@@ -1508,7 +1508,7 @@ class Engine:
     def _stage(self, key, data):
         """Copy a partition into this key's shared staging region; return its descriptor."""
         view, prefix = self._region(key, data.size)
-        copy_into(view, data)
+        copy_into(view, data, stream=True)  # the server reads it on another core
         return shm.describe(prefix, data.size)
 
     # ---------------------------------------------------------------- local reduce (core/local.py)

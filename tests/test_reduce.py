@@ -493,8 +493,9 @@ def test_copy_into(two_threads, nbytes):
 @pytest.mark.parametrize("nbytes", [1 << 20, (3 << 20) + 37])
 @pytest.mark.parametrize("offset", [0, 1, 13])
 def test_copy_into_streaming_any_alignment(nbytes, offset):
-    """stream=True (a result into the caller's tensor) takes the non-temporal path from 1 MB on: every
-    byte lands, whatever the destination's alignment and the tail's length, and nothing beyond it."""
+    """stream=True (a result into the caller's tensor, a partition staged for a server) takes the
+    non-temporal path from 1 MB on: every byte lands, whatever the destination's alignment and the
+    tail's length, and nothing beyond it."""
     old = _reduce.get_num_threads()
     _reduce.set_num_threads(1)  # the streaming copy runs where the kernels run on one thread
     try:
