@@ -94,6 +94,13 @@ MIN_PARTITION = 64 << 10
 MAX_PARTITION = 64 << 20
 #: bytes/s through shared memory to a colocated server (a copy and a sum: a few GB/s)
 LOCAL_BPS = 4e9
+#: a probe that reads a link faster than this (800 Gbit/s, beyond any NIC and any copy through
+#: loopback) measured its own process's delays, not the link: its fastest 1 MiB echo came back about
+#: as fast as its fastest small one (on the 2-core VM, one of 4 workers starting next to 4 servers
+#: once proposed 64 MB partitions and took credit 64 from such a probe)
+MAX_PROBE_BPS = 100e9
+#: rounds of echoes a probe may take before it gives up on such readings
+PROBE_ATTEMPTS = 2
 #: the defaults before this module (used when nothing can be measured)
 DEFAULT_PARTITION = 4096000
 DEFAULT_CREDIT = 4
@@ -234,36 +241,48 @@ def probe(send_recv, sizes=(64, 1 << 20), repeats=5, budget_s=1.0, clock=time.pe
         send_recv: ``send_recv(payload: bytes) -> bytes``: sends one PROBE with ``payload`` and
             returns the echoed body (see :func:`zmq_echo`); raises on a time-out or a wrong echo.
         sizes: payload sizes; the smallest gives the round trip, the largest the bandwidth.
-        repeats: echoes per size; the fastest is kept (others' traffic only slows an echo down).
+        repeats: echoes per size, the sizes taking turns; the fastest is kept (others' traffic only
+            slows an echo down).
         budget_s: stop repeating a size once its echoes took this long (a slow link).
 
     Returns:
         :class:`Measurement`: ``rtt_s`` = fastest small echo; ``bandwidth_Bps`` = ``2 * large /
         (fastest large echo - rtt)``, since the large payload crosses the link once each way.
+
+    Raises:
+        ValueError: an echo came back wrong, or in each of :data:`PROBE_ATTEMPTS` rounds the large
+            echoes were so little slower than the small ones that the link would be faster than
+            :data:`MAX_PROBE_BPS` (the small ones were delayed: the echoes timed the machine's load).
+            The engine then proposes nothing, and its credit comes from its machine's or the job's
+            median probe (:func:`agree`).
     """
     sizes = sorted(set(sizes))
     if len(sizes) < 2 or sizes[0] < 0:
         raise ValueError("probe needs at least two payload sizes (small, large)")
-    samples = {}
-    for size in sizes:
-        payload = os.urandom(size)
-        took = []
-        spent = 0.0
-        for _ in range(repeats):
-            start = clock()
-            echo = send_recv(payload)
-            elapsed = clock() - start
-            if len(echo) != size or bytes(echo) != payload:
-                raise ValueError(f"PROBE echo of {size} bytes came back as {len(echo)} different bytes")
-            took.append(elapsed)
-            spent += elapsed
-            if spent > budget_s:
-                break
-        samples[size] = took
-    rtt = min(samples[sizes[0]])
-    large = sizes[-1]
-    transfer = max(min(samples[large]) - rtt, 1e-9)
-    return Measurement(rtt, 2 * (large - sizes[0]) / transfer, samples)
+    payloads = {size: os.urandom(size) for size in sizes}
+    small, large = sizes[0], sizes[-1]
+    for _attempt in range(PROBE_ATTEMPTS):
+        samples = {size: [] for size in sizes}
+        spent = dict.fromkeys(sizes, 0.0)
+        for _ in range(repeats):  # sizes in turn, so that a burst of load delays them alike
+            for size in sizes:
+                if spent[size] > budget_s:
+                    continue
+                start = clock()
+                echo = send_recv(payloads[size])
+                elapsed = clock() - start
+                if len(echo) != size or bytes(echo) != payloads[size]:
+                    raise ValueError(f"PROBE echo of {size} bytes came back as {len(echo)} different bytes")
+                samples[size].append(elapsed)
+                spent[size] += elapsed
+        rtt = min(samples[small])
+        transfer = min(samples[large]) - rtt
+        bandwidth = 2 * (large - small) / transfer if transfer > 0 else math.inf
+        if bandwidth <= MAX_PROBE_BPS:
+            return Measurement(rtt, bandwidth, samples)
+    raise ValueError(f"the fastest {large}-byte echo took {min(samples[large]) * 1e6:.0f} us, about as long as the "
+                     f"fastest {small}-byte one ({rtt * 1e6:.0f} us), {PROBE_ATTEMPTS} times: that timed this "
+                     f"machine's load, not the link")
 
 
 def zmq_echo(sock, node_id=0, timeout_s=5.0):
@@ -304,8 +323,9 @@ def zmq_echo(sock, node_id=0, timeout_s=5.0):
 AGREE_BARRIER = "byteps.autotune"
 #: test hook: ``bytes_per_s,rtt_s`` replaces this worker's probe (tests make workers disagree)
 TEST_LINK_VAR = "BYTEPS_TEST_LINK"
-#: the probe at start: a small and a 1 MiB echo, at most PROBE_REPEATS of each, and no more echoes of a
-#: size once they took PROBE_BUDGET_S (about 0.4 s in all at 200 Mbit/s, a few ms on loopback)
+#: the probe at start: small and 1 MiB echoes in turn, at most PROBE_REPEATS of each, and no more echoes
+#: of a size once they took PROBE_BUDGET_S (about 0.4 s in all at 200 Mbit/s, a few ms on loopback;
+#: a second round where the first timed the machine's load, see MAX_PROBE_BPS)
 PROBE_SIZES = (64, 1 << 20)
 PROBE_REPEATS = 5
 PROBE_BUDGET_S = 0.2

@@ -135,6 +135,41 @@ def test_probe_arithmetic_on_a_simulated_link():
     assert len(m.samples[64]) == len(m.samples[1 << 20]) == 5
 
 
+def test_probe_refuses_echoes_that_timed_the_load():
+    """The small echoes waited behind other processes, so the fastest 1 MiB echo came back 1 us after
+    the fastest small one: that is no link (it would be 2 TB/s, and gave one worker 64 MB partitions
+    and credit 64). The probe tries a second round, then fails; the engine then proposes nothing
+    (agree() gives it the job's median link). A round spoilt once is measured again."""
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def send_recv(payload):
+        now[0] += 400e-6 if len(payload) < 1000 else 401e-6
+        return payload
+
+    with pytest.raises(ValueError, match="2 times: that timed this machine's load, not the link"):
+        autotune.probe(send_recv, sizes=(64, 1 << 20), repeats=3, clock=clock)
+
+    calls = [0]
+
+    def load_then_link(payload):  # 10 GB/s; the first round's small echoes wait 300 us behind other work
+        calls[0] += 1
+        now[0] += 100e-6 + 2 * len(payload) / 10e9 + (300e-6 if calls[0] <= 6 and len(payload) < 1000 else 0)
+        return payload
+
+    m = autotune.probe(load_then_link, sizes=(64, 1 << 20), repeats=3, clock=clock)
+    assert calls[0] == 12 and m.bandwidth_Bps == pytest.approx(10e9, rel=1e-6)
+
+    def fast_link(payload):  # 50 GB/s each way: fast, but a link
+        now[0] += 100e-6 + 2 * len(payload) / 50e9
+        return payload
+
+    m = autotune.probe(fast_link, sizes=(64, 1 << 20), repeats=3, clock=clock)
+    assert m.bandwidth_Bps == pytest.approx(50e9, rel=1e-6)
+
+
 def test_probe_rejects_a_wrong_echo():
     with pytest.raises(ValueError, match="echo"):
         autotune.probe(lambda p: p[:-1], sizes=(64, 4096))
