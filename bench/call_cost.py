@@ -11,7 +11,8 @@ the median time of a call, the wall time per call, the CPU time of the whole pro
 (getrusage: every thread, user + system), voluntary context switches per call, how many calls ran
 on the calling thread (``submit_direct``) or were handed to byteps-net after their window, the
 link to server 0 and how many local links run over shared-memory rings. No benchmark loop around
-the calls (no checks, no fills): this is byteps' own cost.
+the calls (no checks, no fills): this is byteps' own cost. Rank 0 also prints how the host's CPUs
+spent the timed calls (/proc/stat: user, system, idle), the servers' work included.
 
 ``--blocks N`` also splits the calls into N blocks, each after a barrier (a tiny push_pull), and
 prints each block's median and the CPU the process was on at its end: where a machine's processes
@@ -35,6 +36,12 @@ def _cpu():
         return int(f.read().rsplit(")", 1)[1].split()[36])
 
 
+def _host_cpu():
+    """The host's CPU time so far, by kind (/proc/stat's first line: user, nice, system, idle, ...)."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bytes", type=int, default=4096)
@@ -52,6 +59,7 @@ def main():
     native = engine._native if engine is not None else None
     direct0, adopted0 = (native.direct_calls, native.direct_adopted) if native is not None else (0, 0)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
+    h0 = _host_cpu()
     w0 = time.perf_counter()
     times, blocks = [], []
     want = float(bps.size() * (bps.size() + 1) // 2)
@@ -73,6 +81,7 @@ def main():
     if args.blocks > 1:
         blocks.append((statistics.median(times[-per_block:]), _cpu()))
     r1 = resource.getrusage(resource.RUSAGE_SELF)
+    host = [b - a for a, b in zip(h0, _host_cpu())]
     user = (r1.ru_utime - r0.ru_utime) / args.calls
     system = (r1.ru_stime - r0.ru_stime) / args.calls
     direct = native.direct_calls - direct0 if native is not None else 0
@@ -83,6 +92,10 @@ def main():
           f"{wall * 1e6:.0f} us, cpu/call {(user + system) * 1e6:.1f} us (user {user * 1e6:.1f}), voluntary "
           f"switches/call {(r1.ru_nvcsw - r0.ru_nvcsw) / args.calls:.1f}, on the caller's thread {direct}, "
           f"handed over {adopted}, link {link!r}, local rings {rings}", flush=True)
+    if bps.rank() == 0:  # every process of the job, the servers too: where the host's CPUs went
+        share = [100 * x / max(sum(host), 1) for x in host]
+        print(f"host CPUs during the calls: user {share[0] + share[1]:.0f}%, system {share[2] + share[5] + share[6]:.0f}% "
+              f"(softirq {share[6]:.0f}%), idle {share[3] + share[4]:.0f}%", flush=True)
     if blocks:
         print(f"rank {bps.rank()} blocks (median us @ CPU): " + " ".join(f"{m * 1e6:.0f}@{c}" for m, c in blocks),
               flush=True)
