@@ -1,5 +1,5 @@
 # distutils: language = c++
-"""Scheduling primitives of the pipeline: a priority queue with a byte credit.
+"""The pipeline's stage rule (core/bps_stages.h) and its scheduling primitive, a priority queue with a byte credit.
 
 Every stage of the pipeline takes its work from a :class:`PriorityQueue`: larger priority first,
 then smaller tie (the send queue's tie is the partition's wire key, one order on every worker),
@@ -7,7 +7,34 @@ FIFO among equals, and at most ``credit`` bytes handed out and not yet released,
 tensor cannot starve an urgent one (BYTEPS_SCHEDULING_CREDIT). Waiting happens in C with the GIL
 released. The queue holds integer task ids only; the owner maps them to objects.
 """
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from libcpp cimport bool as cbool
+
+cdef extern from "bps_stages.h" nogil:
+    ctypedef struct BpsStageName:
+        int32_t code
+        const char *name
+    const BpsStageName BPS_STAGE_NAMES[]
+    const int BPS_STAGE_COUNT
+    cdef cppclass BpsStageList:
+        int32_t n
+        int32_t stage[12]
+    BpsStageList bps_stage_list(int32_t kind, cbool owner, cbool local_reduce, cbool colocated, cbool lone_machine)
+
+#: operation kinds of bps_stages.h BpsOpKind, by the names tensor declarations use
+OP_KINDS = {"push_pull": 0, "broadcast": 1, "async push_pull": 2}
+
+
+def stage_names():
+    """{code: name} of every stage and span kind of bps_stages.h, in code order."""
+    return {BPS_STAGE_NAMES[i].code: BPS_STAGE_NAMES[i].name.decode() for i in range(BPS_STAGE_COUNT)}
+
+
+def stage_codes(kind, bint owner, bint local_reduce, bint colocated, bint lone_machine):
+    """The stage codes of one partition, in order, by bps_stage_list(): the rule the native core runs."""
+    cdef BpsStageList got = bps_stage_list(OP_KINDS[kind], owner, local_reduce, colocated, lone_machine)
+    return tuple(got.stage[i] for i in range(got.n))
+
 
 cdef extern from "bps_queue.h" nogil:
     cdef cppclass BpsQueue:

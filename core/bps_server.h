@@ -330,7 +330,7 @@ struct BpsSumTask {
         } else {
             bps_sum_into(dst, srcs[0], count, dtype, kernel_threads);
         }
-        bps_span(BPS_TRACE_SUM, t0, key, round, count * (uint64_t)bps_itemsize(dtype), -1);
+        bps_span(BPS_STAGE_SUM, t0, key, round, count * (uint64_t)bps_itemsize(dtype), -1);
         for (int i = 0; i < nkeep; ++i) bps_zmq.msg_close(&keep[i]);
         nkeep = 0;
     }
@@ -1088,7 +1088,7 @@ class BpsServerCore {
         st.waiters.push_back(BpsRound::Waiter{ident, (h.flags & BPS_FLAG_SHM) != 0});
         st.has_header = true;
         st.header = h;
-        bps_span(BPS_TRACE_RECV, t_recv, h.key, h.round, h.length, -1, 0, (int32_t)rank);
+        bps_span(BPS_STAGE_RECV, t_recv, h.key, h.round, h.length, -1, 0, (int32_t)rank);
         if ((int64_t)st.senders.size() >= expected(h.cmd)) maybe_complete(st, h);
     }
 
@@ -1295,7 +1295,7 @@ class BpsServerCore {
     /* Every pusher of the round is in and summed: answer them all (summation/server.py's _complete). */
     void complete(BpsRound &st, const BpsHeader &h) {
         uint64_t t_reply = bps_span_start();
-        bps_span(BPS_TRACE_ROUND, (uint64_t)(st.since * 1e9), h.key, st.round, h.length, -1);
+        bps_span(BPS_STAGE_ROUND, (uint64_t)(st.since * 1e9), h.key, st.round, h.length, -1);
         if (st.error.empty() && h.cmd == BPS_CMD_BROADCAST && !st.has_root_ident) {
             st.error = bps_key_name(h.key) + ": broadcast root rank " + std::to_string(st.root) + " never sent its data";
         }
@@ -1325,7 +1325,7 @@ class BpsServerCore {
                 }
             }
         }
-        bps_span(BPS_TRACE_REPLY, t_reply, h.key, st.round, h.length, -1, 0, (int32_t)st.waiters.size());
+        bps_span(BPS_STAGE_REPLY, t_reply, h.key, st.round, h.length, -1, 0, (int32_t)st.waiters.size());
         rounds_.fetch_add(1);
         st.has_done = st.error.empty();
         st.done_round = st.round;

@@ -23,20 +23,7 @@
 #include <unistd.h>
 #include <vector>
 
-/* Stage codes; byteps_py/timeline/spans.py STAGES names them (keep the two in step). */
-enum BpsTraceStage {
-    BPS_TRACE_QUEUE = 1,           /* worker: submitted -> taken off the priority queue (credit) */
-    BPS_TRACE_STAGE = 2,           /* worker: copy into the shared staging region */
-    BPS_TRACE_PUSH = 3,            /* worker: handed to the transport -> the server's reply arrived */
-    BPS_TRACE_PULL = 4,            /* worker: the reply copied into the tensor */
-    BPS_TRACE_COORDINATE = 5,      /* worker, not the owner: copy to shm + LOCAL_READY -> LOCAL_DONE */
-    BPS_TRACE_LOCAL_REDUCE = 6,    /* worker, owner: sum of the machine's copies */
-    BPS_TRACE_LOCAL_BROADCAST = 7, /* worker: the machine's result copied back into the tensor */
-    BPS_TRACE_RECV = 8,            /* server: one push taken in (checks, held or summed inline) */
-    BPS_TRACE_SUM = 9,             /* server: one summation into the round's store */
-    BPS_TRACE_ROUND = 10,          /* server: first push of a round -> last push summed */
-    BPS_TRACE_REPLY = 11,          /* server: replies of a round handed to the transport */
-};
+#include "bps_stages.h"
 
 struct BpsSpan {      /* 64 bytes; byteps_py/timeline/spans.py SPAN_DTYPE mirrors it */
     uint64_t t0, t1;  /* CLOCK_MONOTONIC ns */
@@ -47,7 +34,7 @@ struct BpsSpan {      /* 64 bytes; byteps_py/timeline/spans.py SPAN_DTYPE mirror
     int32_t server;   /* worker: the partition's server index; server: -1 */
     int32_t peer;     /* server: the pushing rank; worker: -1 */
     int32_t tid;      /* the recording thread (Linux tid: its name is in /proc) */
-    int32_t stage;    /* BpsTraceStage */
+    int32_t stage;    /* BpsStage (bps_stages.h) */
 };
 
 static inline uint64_t bps_trace_now() {

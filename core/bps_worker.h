@@ -230,14 +230,14 @@ static inline int bps_run_task(BpsStageTask &t, int nthreads) {
         int isz = bps_itemsize(t.dtype);
         if (isz <= 0 || t.nbytes % (uint64_t)isz) return -1;
         int rc = bps_sum_many(t.dst, t.srcs.data(), (int)t.srcs.size(), t.nbytes / isz, t.dtype, nthreads);
-        bps_span(BPS_TRACE_LOCAL_REDUCE, t0, p.key, p.rnd, t.nbytes, p.server, t.priority);
+        bps_span(BPS_STAGE_LOCAL_REDUCE, t0, p.key, p.rnd, t.nbytes, p.server, t.priority);
         return rc;
     }
     if (t.kind == BPS_TASK_COPY_OUT)
         bps_result_into(t.op, t.dst, t.srcs[0], t.nbytes, true, nthreads);
     else
         bps_copy_streamed(t.dst, t.srcs[0], t.nbytes, nthreads);
-    bps_span(t.kind == BPS_TASK_COPY_IN ? BPS_TRACE_STAGE : BPS_TRACE_LOCAL_BROADCAST, t0, p.key, p.rnd, t.nbytes,
+    bps_span(t.kind == BPS_TASK_COPY_IN ? BPS_STAGE_STAGE : BPS_STAGE_LOCAL_BROADCAST, t0, p.key, p.rnd, t.nbytes,
              p.server, t.priority);
     return 0;
 }
@@ -1351,10 +1351,10 @@ class BpsWorkerCore {
                 }
                 received_[(size_t)server] += msg.size(0) + (msg.count > 1 ? msg.size(1) : 0);
                 uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
-                bps_span_to(BPS_TRACE_PUSH, p.trace_t, t_reply, p.key, rnd, p.length, server, op->priority);
+                bps_span_to(BPS_STAGE_PUSH, p.trace_t, t_reply, p.key, rnd, p.length, server, op->priority);
                 if (h.cmd == BPS_CMD_REPLY) {
                     receive(op, p, server, h, &msg);
-                    bps_span(BPS_TRACE_PULL, t_reply, p.key, rnd, p.length, server, op->priority);
+                    bps_span(BPS_STAGE_PULL, t_reply, p.key, rnd, p.length, server, op->priority);
                 } else if (h.cmd == BPS_CMD_ERROR) {
                     set_error(op, BPS_ERR_SERVER, msg.count > 1 ? std::string((const char *)msg.data(1), msg.size(1)) : "{}");
                 } else {
@@ -1766,14 +1766,14 @@ class BpsWorkerCore {
         bool empty = op->cmd == BPS_CMD_BROADCAST && !op->root_self;
         uint8_t flags = 0;
         const unsigned char *data = op->local ? p.staging : op->buf + p.offset;
-        bps_span(BPS_TRACE_QUEUE, p.trace_t ? p.trace_t : (uint64_t)(op->started * 1e9), p.key, rnd, p.length,
+        bps_span(BPS_STAGE_QUEUE, p.trace_t ? p.trace_t : (uint64_t)(op->started * 1e9), p.key, rnd, p.length,
                  p.server, op->priority);
         if (op->local) {
             if (p.colocated) flags = BPS_FLAG_SHM;
         } else if (p.staging != nullptr && !empty) {
             uint64_t t_stage = bps_span_start();
             bps_copy_stream(p.staging, data, p.length); /* the server reads it on another core */
-            bps_span(BPS_TRACE_STAGE, t_stage, p.key, rnd, p.length, p.server, op->priority);
+            bps_span(BPS_STAGE_STAGE, t_stage, p.key, rnd, p.length, p.server, op->priority);
             flags = BPS_FLAG_SHM;
         }
         p.trace_t = bps_span_start(); /* PUSH: until the reply arrives (on_message) */
@@ -1869,7 +1869,7 @@ class BpsWorkerCore {
         release(op, index);
         BpsPart &p = op->parts[index];
         uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
-        bps_span_to(BPS_TRACE_PUSH, p.trace_t, t_reply, p.key, h.round, p.length, server, op->priority);
+        bps_span_to(BPS_STAGE_PUSH, p.trace_t, t_reply, p.key, h.round, p.length, server, op->priority);
         op->owed[server]--;
         received_[server] += m->size(0) + (m->count > 1 ? m->size(1) : 0);
         if (op->done.load()) return;
@@ -1879,7 +1879,7 @@ class BpsWorkerCore {
         }
         if (h.cmd == BPS_CMD_REPLY) {
             receive(op, p, server, h, m);
-            bps_span(BPS_TRACE_PULL, t_reply, p.key, h.round, p.length, server, op->priority);
+            bps_span(BPS_STAGE_PULL, t_reply, p.key, h.round, p.length, server, op->priority);
         } else if (h.cmd == BPS_CMD_ERROR) {
             std::string body = m->count > 1 ? std::string((const char *)m->data(1), m->size(1)) : "{}";
             set_error(op, BPS_ERR_SERVER, body);

@@ -3,10 +3,12 @@
 The paper (§6.1) runs every partition through a fixed sequence of stages, each with its own
 thread and priority queue, chosen for the machine. Here a stage list is built per tensor from
 the process's role on its machine (the partition's local owner or not), the local size, whether
-the server is on this machine (shared memory), the tensor's operation and the topology plan; it
-is plain data, so it is configured from the environment without recompiling
-(``BYTEPS_PIPELINE``: drop optional stages, or insist on a list), printed by ``bpslaunch
---stages`` and checked by the engine at every step of a partition.
+the server is on this machine (shared memory), the tensor's operation and the topology plan, by
+one rule: ``bps_stage_list()`` in core/bps_stages.h, which :func:`stage_list` calls. The stages are
+numbered there too, for the native cores, this module's :class:`Stage` and the timeline's spans.
+A list is plain data, so it is configured from the environment without recompiling
+(``BYTEPS_PIPELINE``: drop optional stages), printed by ``bpslaunch --stages`` and checked by the
+engine at every step of a partition.
 
 Stages and the thread that runs them (core/engine.py):
 
@@ -38,19 +40,40 @@ import os
 
 from byteps.errors import ConfigError
 
+from . import _pipeline
 
-class Stage(enum.Enum):
-    COPYD2H = "copyd2h"
-    NCCL_REDUCE = "nccl_reduce"
-    PCIE_REDUCE = "pcie_reduce"
-    COORDINATE = "coordinate"
-    LOCAL_REDUCE = "local_reduce"
-    STAGE = "stage"
-    PUSH = "push"
-    PULL = "pull"
-    LOCAL_BROADCAST = "local_broadcast"
-    NCCL_BROADCAST = "nccl_broadcast"
-    COPYH2D = "copyh2d"
+
+class Stage(enum.IntEnum):
+    """Every stage and span kind, numbered as core/bps_stages.h numbers them (a test keeps the two
+    equal); the timeline's spans carry these codes. QUEUE, RECV, SUM, ROUND and REPLY are span
+    kinds only (:data:`SPAN_ONLY`): waits and the server's side of a round, not steps of a list."""
+    QUEUE = 1
+    STAGE = 2
+    PUSH = 3
+    PULL = 4
+    COORDINATE = 5
+    LOCAL_REDUCE = 6
+    LOCAL_BROADCAST = 7
+    RECV = 8
+    SUM = 9
+    ROUND = 10
+    REPLY = 11
+    COPYD2H = 12
+    NCCL_REDUCE = 13
+    PCIE_REDUCE = 14
+    NCCL_BROADCAST = 15
+    COPYH2D = 16
+
+    @property
+    def label(self):
+        """The lower-case name BYTEPS_PIPELINE and the logs use."""
+        return self.name.lower()
+
+
+#: span kinds that are not steps of a partition's stage list
+SPAN_ONLY = frozenset({Stage.QUEUE, Stage.RECV, Stage.SUM, Stage.ROUND, Stage.REPLY})
+#: the server's span kinds
+SERVER_STAGES = (Stage.RECV, Stage.SUM, Stage.ROUND, Stage.REPLY)
 
 
 #: stages a user may leave out with BYTEPS_PIPELINE=-name (they are optimisations, not steps of the sum)
@@ -74,18 +97,8 @@ def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", 
             server for one machine).
     """
     before, after = gpu_stages if device == "cuda" and gpu_stages else ((), ())
-    stages = list(before)
-    if kind == "push_pull" and local_reduce and local_size > 1:
-        if not owner:
-            return tuple(stages + [Stage.COORDINATE, Stage.LOCAL_BROADCAST] + list(after))
-        stages += [Stage.LOCAL_REDUCE]
-        # the owner's sum is already in its shared region: no STAGE copy before a colocated push
-        stages += ([] if machines == 1 else [Stage.PUSH, Stage.PULL]) + [Stage.LOCAL_BROADCAST]
-    else:
-        if colocated:
-            stages.append(Stage.STAGE)
-        stages += [Stage.PUSH, Stage.PULL]
-    return tuple(stages + list(after))
+    host = _pipeline.stage_codes(kind, owner, bool(local_reduce and local_size > 1), colocated, machines == 1)
+    return tuple(before) + tuple(Stage(code) for code in host) + tuple(after)
 
 
 def executor_stage_list(plan, device="cpu", owner=True):
@@ -120,15 +133,15 @@ def parse_override(raw):
             continue
         if not item.startswith("-"):
             raise ConfigError(f"BYTEPS_PIPELINE={raw!r}: {item!r} must name a stage to drop, like '-stage' "
-                              f"(optional stages: {', '.join('-' + s.value for s in OPTIONAL)})")
+                              f"(optional stages: {', '.join('-' + s.label for s in OPTIONAL)})")
         try:
-            stage = Stage(item[1:])
-        except ValueError:
+            stage = Stage[item[1:].upper()]
+        except KeyError:
             raise ConfigError(f"BYTEPS_PIPELINE={raw!r}: unknown stage {item[1:]!r} (stages: "
-                              f"{', '.join(s.value for s in Stage)})") from None
+                              f"{', '.join(s.label for s in Stage if s not in SPAN_ONLY)})") from None
         if stage not in OPTIONAL:
-            raise ConfigError(f"BYTEPS_PIPELINE={raw!r}: stage {stage.value!r} cannot be dropped; optional stages: "
-                              + "; ".join(f"{s.value} ({why})" for s, why in OPTIONAL.items()))
+            raise ConfigError(f"BYTEPS_PIPELINE={raw!r}: stage {stage.label!r} cannot be dropped; optional stages: "
+                              + "; ".join(f"{s.label} ({why})" for s, why in OPTIONAL.items()))
         dropped.add(stage)
     return dropped
 
@@ -139,7 +152,7 @@ def from_env(env=None):
 
 
 def describe(stages):
-    return " -> ".join(s.value.upper() for s in stages)
+    return " -> ".join(s.name for s in stages)
 
 
 def situations(local_size=2, dropped=frozenset()):
@@ -175,7 +188,7 @@ def situations_text(local_size=2, env=None):
     dropped = from_env(env)
     head = f"pipeline stage lists (core/stages.py), {local_size} processes per machine for the local-reduce rows"
     if dropped:
-        head += ", BYTEPS_PIPELINE drops " + ", ".join(sorted(s.value for s in dropped))
+        head += ", BYTEPS_PIPELINE drops " + ", ".join(sorted(s.label for s in dropped))
     rows = situations(local_size, dropped)
     width = max(len(what) for what, _ in rows)
     lines = [head + ":"] + [f"  {what:<{width}}  {describe(st)}" for what, st in rows]

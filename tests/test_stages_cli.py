@@ -27,3 +27,35 @@ def test_stages_apply_byteps_pipeline(capsys, monkeypatch):
     monkeypatch.setenv("BYTEPS_PIPELINE", "-push")
     assert launcher.main(["--stages"]) == 2
     assert "cannot be dropped" in capsys.readouterr().err
+
+
+def test_one_numbering_for_native_core_python_and_timeline():
+    """core/bps_stages.h, byteps.core.stages.Stage and the timeline's span kinds are one list."""
+    from byteps.core import _pipeline
+    from byteps.timeline import spans
+    assert _pipeline.stage_names() == {s.value: s.name for s in Stage}
+    assert spans.STAGES == _pipeline.stage_names()
+    assert set(spans.MEANING) == set(spans.STAGES.values())
+
+
+def test_stage_lists_come_from_the_native_rule():
+    """stages.stage_list() is bps_stage_list(): every combination, against the rule written out here."""
+    S = Stage
+    for kind in ("push_pull", "broadcast", "async push_pull"):
+        for owner in (True, False):
+            for local in (True, False):
+                for colocated in (True, False):
+                    for machines in (1, 2):
+                        got = stages.stage_list(owner=owner, local_size=2, local_reduce=local, colocated=colocated,
+                                                kind=kind, machines=machines)
+                        if kind == "push_pull" and local:
+                            want = ((S.COORDINATE, S.LOCAL_BROADCAST) if not owner else
+                                    (S.LOCAL_REDUCE,) + (() if machines == 1 else (S.PUSH, S.PULL))
+                                    + (S.LOCAL_BROADCAST,))
+                        else:
+                            want = ((S.STAGE,) if colocated else ()) + (S.PUSH, S.PULL)
+                        assert got == want, (kind, owner, local, colocated, machines)
+    # one process on its machine never reduces locally, and GPU stages go around the host stages
+    assert stages.stage_list(owner=True, local_size=1, local_reduce=True, colocated=False) == (S.PUSH, S.PULL)
+    assert stages.stage_list(owner=True, local_size=1, local_reduce=False, colocated=False, device="cuda",
+                             gpu_stages=((S.COPYD2H,), (S.COPYH2D,))) == (S.COPYD2H, S.PUSH, S.PULL, S.COPYH2D)

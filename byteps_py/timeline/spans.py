@@ -9,13 +9,12 @@ import base64
 
 import numpy as np
 
-#: stage code -> name (core/bps_trace.h BpsTraceStage); worker stages first, then server stages
-STAGES = {
-    1: "QUEUE", 2: "STAGE", 3: "PUSH", 4: "PULL", 5: "COORDINATE", 6: "LOCAL_REDUCE", 7: "LOCAL_BROADCAST",
-    8: "RECV", 9: "SUM", 10: "ROUND", 11: "REPLY",
-}
+from byteps.core.stages import SERVER_STAGES as _SERVER, Stage
+
+#: stage code -> name: the pipeline's one numbering (core/bps_stages.h, byteps.core.stages.Stage)
+STAGES = {s.value: s.name for s in Stage}
 CODES = {name: code for code, name in STAGES.items()}
-SERVER_STAGES = ("RECV", "SUM", "ROUND", "REPLY")
+SERVER_STAGES = tuple(s.name for s in _SERVER)
 #: what each stage means, for the docs and the summary's legend
 MEANING = {
     "QUEUE": "waiting in the worker's priority queue (and for byte credit)",
@@ -29,6 +28,11 @@ MEANING = {
     "SUM": "server: one summation into the round's store",
     "ROUND": "server: from a round's first push until all pushes are in and summed",
     "REPLY": "server: the round's replies handed to the transport",
+    "COPYD2H": "GPU to page-locked host buffer",
+    "NCCL_REDUCE": "the GPUs of a local group reduce over NCCL",
+    "PCIE_REDUCE": "the CPU sums the local groups' copies",
+    "NCCL_BROADCAST": "the result to every GPU of the group over NCCL",
+    "COPYH2D": "page-locked host buffer to GPU",
 }
 
 #: core/bps_trace.h BpsSpan, byte for byte

@@ -1,0 +1,87 @@
+/* The pipeline's stages: one list for the native cores, core/stages.py (``Stage``) and the job
+ * timeline's span kinds (byteps_py/timeline/spans.py); tests/test_stages_cli.py keeps the three equal.
+ *
+ * A partition of a tensor goes through an ordered list of these (the paper's multi-stage pipeline,
+ * section 6.1), built once per tensor from the op, this process's role on its machine and the
+ * machine's strategy by bps_stage_list(), the one rule ``bpslaunch --stages`` prints. The span-only
+ * kinds (QUEUE and the server's RECV, SUM, ROUND, REPLY) are timeline spans of the same numbering:
+ * they time waits and the server's side of a round, which are not steps of a partition's list.
+ */
+#pragma once
+
+#include <cstdint>
+
+enum BpsStage : int32_t {
+    BPS_STAGE_QUEUE = 1,            /* span: submitted -> taken off the priority queue (credit) */
+    BPS_STAGE_STAGE = 2,            /* copy into the shared staging region of a colocated server */
+    BPS_STAGE_PUSH = 3,             /* handed to the transport -> the server's reply arrived */
+    BPS_STAGE_PULL = 4,             /* the reply copied into the tensor */
+    BPS_STAGE_COORDINATE = 5,       /* not the owner: copy to shm + LOCAL_READY -> LOCAL_DONE */
+    BPS_STAGE_LOCAL_REDUCE = 6,     /* the owner sums the machine's copies */
+    BPS_STAGE_LOCAL_BROADCAST = 7,  /* the machine's result copied back into every tensor */
+    BPS_STAGE_RECV = 8,             /* span, server: one push taken in (checks, held or summed inline) */
+    BPS_STAGE_SUM = 9,              /* span, server: one summation into the round's store */
+    BPS_STAGE_ROUND = 10,           /* span, server: first push of a round -> last push summed */
+    BPS_STAGE_REPLY = 11,           /* span, server: replies of a round handed to the transport */
+    BPS_STAGE_COPYD2H = 12,         /* GPU -> page-locked host buffer */
+    BPS_STAGE_NCCL_REDUCE = 13,     /* GPUs of a local group reduce (-scatter) over NCCL */
+    BPS_STAGE_PCIE_REDUCE = 14,     /* the CPU sums the groups' copies (PCIe-only hosts) */
+    BPS_STAGE_NCCL_BROADCAST = 15,  /* the result to every GPU of the group over NCCL */
+    BPS_STAGE_COPYH2D = 16,         /* page-locked host buffer -> GPU */
+};
+
+/* (code, name) in code order, for the Python side's equality test */
+struct BpsStageName {
+    int32_t code;
+    const char *name;
+};
+static const BpsStageName BPS_STAGE_NAMES[] = {
+    {BPS_STAGE_QUEUE, "QUEUE"}, {BPS_STAGE_STAGE, "STAGE"}, {BPS_STAGE_PUSH, "PUSH"}, {BPS_STAGE_PULL, "PULL"},
+    {BPS_STAGE_COORDINATE, "COORDINATE"}, {BPS_STAGE_LOCAL_REDUCE, "LOCAL_REDUCE"},
+    {BPS_STAGE_LOCAL_BROADCAST, "LOCAL_BROADCAST"}, {BPS_STAGE_RECV, "RECV"}, {BPS_STAGE_SUM, "SUM"},
+    {BPS_STAGE_ROUND, "ROUND"}, {BPS_STAGE_REPLY, "REPLY"}, {BPS_STAGE_COPYD2H, "COPYD2H"},
+    {BPS_STAGE_NCCL_REDUCE, "NCCL_REDUCE"}, {BPS_STAGE_PCIE_REDUCE, "PCIE_REDUCE"},
+    {BPS_STAGE_NCCL_BROADCAST, "NCCL_BROADCAST"}, {BPS_STAGE_COPYH2D, "COPYH2D"},
+};
+static const int BPS_STAGE_COUNT = sizeof(BPS_STAGE_NAMES) / sizeof(BPS_STAGE_NAMES[0]);
+
+/* What a partition is part of (the scheduler compares it across workers with the tensor's name) */
+enum BpsOpKind : int32_t { BPS_OP_PUSH_PULL = 0, BPS_OP_BROADCAST = 1, BPS_OP_ASYNC_PUSH_PULL = 2 };
+
+/* One partition's stages, in order: at most 5 host stages plus the GPU stages around them */
+struct BpsStageList {
+    int32_t n = 0;
+    int32_t stage[12];
+    void add(int32_t s) { stage[n++] = s; }
+};
+
+/* The host stages of one partition on this process.
+ *   owner:        this process reduces and pushes the partition for its machine
+ *   local_reduce: the machine's processes sum locally first (several processes, not switched off)
+ *   colocated:    the partition's server is on this machine and shares memory with this process
+ *   lone_machine: the job has one worker machine: the local sum is the whole sum, so the owner
+ *                 broadcasts it at once, without a server round trip (BytePS needs no server there)
+ * Broadcasts and asynchronous push_pulls never reduce locally. */
+static inline BpsStageList bps_stage_list(int32_t kind, bool owner, bool local_reduce, bool colocated,
+                                          bool lone_machine) {
+    BpsStageList l;
+    if (kind == BPS_OP_PUSH_PULL && local_reduce) {
+        if (!owner) {
+            l.add(BPS_STAGE_COORDINATE);
+            l.add(BPS_STAGE_LOCAL_BROADCAST);
+            return l;
+        }
+        l.add(BPS_STAGE_LOCAL_REDUCE);  /* the sum is already in the owner's shared region: no STAGE */
+        if (!lone_machine) {
+            l.add(BPS_STAGE_PUSH);
+            l.add(BPS_STAGE_PULL);
+        }
+        l.add(BPS_STAGE_LOCAL_BROADCAST);
+        return l;
+    }
+    if (colocated)
+        l.add(BPS_STAGE_STAGE);
+    l.add(BPS_STAGE_PUSH);
+    l.add(BPS_STAGE_PULL);
+    return l;
+}
