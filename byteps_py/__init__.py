@@ -5,8 +5,8 @@ Framework plugins: ``import byteps.torch as bps``. This package imports no frame
 import os as _os
 
 from . import config
-from .common import (barrier, init, is_initialized, join, local_rank, local_size, poll, rank, shutdown, size,
-                     synchronize)
+from .common import (barrier, init, is_initialized, join, local_rank, local_size, metrics, poll, rank, shutdown,
+                     size, synchronize)
 from .errors import (BytePSError, BytePSTimeoutError, ConfigError, NotInitializedError, PeerLostError,
                      ProtocolError, TensorMismatchError)
 
@@ -14,5 +14,5 @@ with open(_os.path.join(_os.path.dirname(__file__), "VERSION")) as _f:
     __version__ = _f.read().strip()
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "poll",
-           "synchronize", "barrier", "join", "config", "BytePSError", "BytePSTimeoutError", "ConfigError",
+           "synchronize", "barrier", "join", "metrics", "config", "BytePSError", "BytePSTimeoutError", "ConfigError",
            "NotInitializedError", "PeerLostError", "ProtocolError", "TensorMismatchError", "__version__"]

@@ -411,6 +411,31 @@ def exchange(name, value):
     return values
 
 
+def metrics():
+    """A snapshot of what this worker's data plane did so far, as plain data (JSON-ready).
+
+    Keys: ``rank``, ``size``, ``local_rank``, ``local_size``; ``servers`` (per server: ``index``,
+    ``colocated``, ``role``, ``weight`` (its share of the k/n plan), ``transport`` ("tcp", "ucx: ...",
+    "zeromq"), ``bytes_sent``, ``bytes_received``); ``partition_bytes`` and ``credit_bytes`` as agreed
+    at start-up; ``tensors`` (declared name -> tensor key); ``native`` (ops the native pipeline ran
+    whole, averages it divided, synchronous calls run on the caller's thread, direct links up, the
+    local reduce's counters); ``python_partitions`` (partitions the Python engine moved, by their
+    first stage: compression, process sets, asynchronous rounds and the topology executor still run
+    there); ``credit_stalls``; ``local_group`` (processes of this machine whose copies are summed
+    locally, or None); ``local_strategy``. A job of one worker process has no data plane:
+    only the rank fields are there, with ``servers`` empty.
+    """
+    job = _require()
+    base = {"rank": job.rank, "size": job.size, "local_rank": job.cfg.local_rank, "local_size": job.cfg.local_size}
+    if job.engine is None:
+        return dict(base, servers=[])
+    while True:
+        try:  # the engine thread may add a server's first count meanwhile
+            return dict(base, **job.engine.metrics())
+        except RuntimeError:
+            continue
+
+
 def transport_bytes():
     """Bytes this worker sent to and received from each server on its data sockets (headers and
     bodies, shared-memory descriptors included): ``{"sent": {server: n}, "received": {server: n}}``.

@@ -137,6 +137,7 @@ class Engine:
         self._sendq = PriorityQueue(cfg.scheduling_credit * cfg.partition_bytes)
         self._stall_noted = False
         self._python_credit_stalls = 0
+        self.python_partitions = collections.Counter()  # Stage -> partitions Python ran from it (metrics())
         self._tasks = {}            # task id -> (op, partition index, offset, nbytes)
         self._task_ids = itertools.count()
         # shared memory with servers on this machine (core/shm.py)
@@ -719,6 +720,34 @@ class Engine:
                 sent[i] += self._native.bytes_sent(i)
                 received[i] += self._native.bytes_received(i)
         return {"sent": {k: v for k, v in sent.items() if v}, "received": {k: v for k, v in received.items() if v}}
+
+    def metrics(self):
+        """What this worker's data plane did so far, for users, tests and bench/ (byteps.metrics())."""
+        traffic = self.transport_bytes()
+        links = self.native_link_transports
+        placement = getattr(self, "placement", None)  # set once the address book is in
+        servers = [{"index": i, "colocated": bool(self.colocated[i]), "role": placement.roles[i],
+                    "weight": placement.weights[i],
+                    "transport": (links[i] if i < len(links) else "") or "zeromq",
+                    "bytes_sent": traffic["sent"].get(i, 0), "bytes_received": traffic["received"].get(i, 0)}
+                   for i in range(len(self.servers))] if placement is not None else []
+        native = self._native
+        return {
+            "servers": servers,
+            "partition_bytes": placement.partition_bytes if placement is not None else None,
+            "credit_bytes": self._sendq.credit,
+            "tensors": {name: tkey for (name, _), tkey in self._keys.items()},
+            "native": {"ops": self.native_submitted, "averaged": self.native_averaged,
+                       "direct_calls": self.native_direct_calls, "links_up": self.native_links,
+                       "direct_adopted": native.direct_adopted if native is not None else 0,
+                       "results_sent": native.results_sent if native is not None else 0,
+                       "local_reduce": self.native_local_stats()},
+            # partitions that moved through this Python engine, by their first stage on this process
+            "python_partitions": {stage.label: n for stage, n in self.python_partitions.items()},
+            "credit_stalls": self.credit_stalls(),
+            "local_group": self.local.size if self.local else None,  # processes whose copies are summed locally
+            "local_strategy": "topology" if self._local_exec is not None else "native",
+        }
 
     def _abort(self, error):
         self.failure = self.failure or error
@@ -1378,6 +1407,7 @@ class Engine:
             if timeline.recorder is not None:
                 timeline.span("QUEUE", int(op.started * 1e9), key, rnd, length, server, op.priority)
             first = self.stages_of(op, i, server)[0]
+            self.python_partitions[first] += 1
             if first == Stage.STAGE and length >= STAGE_THREAD_MIN_BYTES:
                 self._stage_async(op, key, rnd, server, off, data)
                 continue
@@ -1421,6 +1451,7 @@ class Engine:
         self._queue(rop, parts)
 
     def _push_range(self, rop, j, off, length):
+        self.python_partitions[Stage.PUSH] += 1
         key = wire.make_key(rop.tkey, rop.range_index << 16 | j)
         rnd = self._next_round(key)
         shared = None

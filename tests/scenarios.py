@@ -245,30 +245,34 @@ def main():
     bps.init()
     from byteps.common import _job
 
-    result = {"rank": bps.rank(), "size": bps.size(), "local_rank": bps.local_rank(),
-              "local_size": bps.local_size(),
-              "colocated": list(_job.engine.colocated) if _job.engine is not None else None,
-              "local_reduce": _job.engine.local.size if _job.engine is not None and _job.engine.local else None,
+    m = bps.metrics()  # the public introspection API (byteps.metrics())
+    dataplane = _job.engine is not None
+    result = {"rank": m["rank"], "size": m["size"], "local_rank": m["local_rank"], "local_size": m["local_size"],
+              "colocated": [s["colocated"] for s in m["servers"]] if dataplane else None,
+              "local_reduce": m["local_group"] if dataplane else None,
               # the data-plane message I/O in use (core/transport.py): FastSocket or PyzmqSocket
-              "transport": sorted({type(io).__name__ for io in _job.engine._io.values()})
-              if _job.engine is not None else None}
+              "transport": sorted({type(io).__name__ for io in _job.engine._io.values()}) if dataplane else None}
     try:
         result["value"] = SCENARIOS[name](outdir, args)
     except Exception as e:  # the test reads the error text
         result["error"] = f"{type(e).__name__}: {e}"
+    m = bps.metrics()
     # ops the native data plane ran whole (core/bps_worker.h)
-    result["native_ops"] = _job.engine.native_submitted if _job.engine is not None else None
+    result["native_ops"] = m["native"]["ops"] if dataplane else None
     # servers reached over a direct TCP link (core/bps_link.h) rather than ZeroMQ
-    result["native_links"] = _job.engine.native_links if _job.engine is not None else None
+    result["native_links"] = m["native"]["links_up"] if dataplane else None
     # what carries each server's link: "tcp", "ucx: <UCX transports>" or "" (ZeroMQ)
-    result["link_transports"] = _job.engine.native_link_transports if _job.engine is not None else None
+    result["link_transports"] = [("" if s["transport"] == "zeromq" else s["transport"]) for s in m["servers"]] \
+        if dataplane else None
     # UCX: pooled receive buffers registered (ucp_mem_map), transfers that passed a registration (core/bps_ucx.h)
     from byteps.core import _worker_core
     result["ucx_registrations"] = list(_worker_core.ucx_registrations())
     # bytes this worker sent to servers on the data plane (both engines)
-    result["data_sent"] = sum(_job.engine.transport_bytes()["sent"].values()) if _job.engine is not None else None
+    result["data_sent"] = sum(s["bytes_sent"] for s in m["servers"]) if dataplane else None
     # the native local reduce's counters (ops, partitions reduced, of those on its thread), or None
-    result["native_local"] = _job.engine.native_local_stats() if _job.engine is not None else None
+    result["native_local"] = m["native"]["local_reduce"] if dataplane else None
+    # partitions the Python engine moved, by first stage
+    result["python_partitions"] = m.get("python_partitions")
     # the CPUs the training thread may run on (BYTEPS_CPU_BIND binds it where the host's processes fill its CPUs)
     result["cpus"] = sorted(os.sched_getaffinity(0))
     write_result(outdir, result["rank"], result)

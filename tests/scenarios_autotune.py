@@ -18,15 +18,16 @@ def tuned(out, args):
     started = time.monotonic()
     out_t = bps.push_pull(t, average=False, name="tuned.t")
     took = time.monotonic() - started
-    tkey = next(k for (name, _), k in job.engine._keys.items() if name == "tuned.t")
+    m = bps.metrics()
+    tkey = m["tensors"]["tuned.t"]
     parts = job.engine.placement.partitions(tkey, t.numel() * 4, 4)
     # the native core's table of that tensor: cut with the agreed size too (it once kept the
     # placement built before the agreement, with the 4 MB default)
     native = [count for (key, *_), (_, count) in job.engine._native_parts.items() if key == tkey]
     return {"tuning": got, "native_pieces": native, "config_partition": common.config().partition_bytes,
             "config_credit": common.config().scheduling_credit,
-            "placement_partition": job.engine.placement.partition_bytes,
-            "queue_credit": job.engine._sendq.credit,
+            "placement_partition": m["partition_bytes"],
+            "queue_credit": m["credit_bytes"],
             "pieces": len(parts), "sum": out_t.tolist()[:8], "push_pull_s": took}
 
 

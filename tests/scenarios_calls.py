@@ -120,3 +120,15 @@ def torch_average(out, args):
     res["native"] = engine.native_submitted - res.pop("native_before")
     res["native_averaged"] = engine.native_averaged - res.pop("averaged_before")
     return res
+
+
+@scenario
+def metrics_snapshot(out, args):
+    """Three push_pulls of one tensor, then byteps.metrics() (made JSON-ready by the harness)."""
+    r, n = bps.rank(), bps.size()
+    exact = True
+    for step in range(3):
+        t = torch.full((args["numel"],), float(r + step))
+        got = bps.push_pull(t, average=False, name="metrics.t")
+        exact &= torch.equal(got, torch.full_like(t, float(sum(range(n)) + n * step)))
+    return dict(bps.metrics(), exact=bool(exact))

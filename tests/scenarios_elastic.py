@@ -44,8 +44,6 @@ def elastic_train(out, args):
     every step was exact, whether the final parameters equal the locally computed ones, the bytes
     this worker sent to each server per step (the transport's counters) and each step's
     communication time (first submit to last synchronize)."""
-    from byteps.common import _job
-
     r, n = bps.rank(), bps.size()
     tensors = TENSORS + ((("w.huge", args["big"]),) if args.get("big") else ())  # ``big``: one more, that large
     if args.get("only"):
@@ -54,7 +52,7 @@ def elastic_train(out, args):
     path = os.path.join(out, f"progress.{r}")
     bad, per_step_bytes, times = [], [], []
     for step in range(args["steps"]):
-        before = dict(_job.engine.transport_bytes()["sent"])
+        before = {s["index"]: s["bytes_sent"] for s in bps.metrics()["servers"]}
         grads = {name: gradient(r, step, numel) for name, numel in tensors}
         mine = gradient(r, step, 1000)
         began = time.perf_counter()
@@ -71,7 +69,7 @@ def elastic_train(out, args):
             if not torch.equal(grads[name], want):
                 bad.append(f"{name} step {step}")
             params[name] -= LR * grads[name]
-        after = _job.engine.transport_bytes()["sent"]
+        after = {s["index"]: s["bytes_sent"] for s in bps.metrics()["servers"] if s["bytes_sent"]}
         per_step_bytes.append({str(s): after.get(s, 0) - before.get(s, 0) for s in after})
         with open(path + ".tmp", "w") as f:
             f.write(str(step))
@@ -81,4 +79,4 @@ def elastic_train(out, args):
     want = expected_params(n, args["steps"], tensors)
     final = all(torch.equal(params[name], want[name]) for name, _ in tensors)
     return {"bad": bad[:10], "final_exact": final, "bytes": per_step_bytes, "times": times,
-            "servers": len(_job.engine.servers), "results_sent": _job.engine._native.results_sent}
+            "servers": len(bps.metrics()["servers"]), "results_sent": bps.metrics()["native"]["results_sent"]}

@@ -22,8 +22,6 @@ def direct_calls(out, args):
     ``busy_steps`` async multi-partition push_pulls, so direct callers see others' replies on their
     link; its errors are reported in ``bad``.
     Returns whether every result was exact, and the direct-call count."""
-    from byteps.common import _job
-
     r, n = bps.rank(), bps.size()
     late = set(args.get("late_steps", [])) if r in args.get("late_ranks", []) else set()
     bad = []
@@ -53,5 +51,6 @@ def direct_calls(out, args):
         exact &= torch.equal(t, _want(512, n, step)) and torch.equal(out_t, _want(512, n, step))
     if helper is not None:
         helper.join()
-    return {"exact": bool(exact) and not bad, "bad": bad, "direct": _job.engine.native_direct_calls,
-            "adopted": _job.engine._native.direct_adopted if _job.engine._native is not None else 0}
+    native = bps.metrics()["native"]
+    return {"exact": bool(exact) and not bad, "bad": bad, "direct": native["direct_calls"],
+            "adopted": native["direct_adopted"]}

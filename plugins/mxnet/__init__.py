@@ -4,7 +4,7 @@ BytePS's MXNet API (init, byteps_push_pull, DistributedOptimizer, DistributedTra
 broadcast_parameters, ...) over the Summation Service. Supported with mxnet 1.9.1 and
 numpy 1.23.5 in their own virtual environment (``make mxnet-env``); see docs/mxnet.md.
 """
-from byteps.common import barrier, init, is_initialized, local_rank, local_size, rank, shutdown, size
+from byteps.common import barrier, init, is_initialized, local_rank, local_size, metrics, rank, shutdown, size
 
 from .compression import Compression
 from .functions import broadcast_parameters

@@ -8,7 +8,7 @@ communication hook (:func:`ddp_comm_hook`) and a ``torch.distributed`` backend n
 """
 from byteps import common as _common
 from byteps.common import barrier as _bps_barrier  # noqa: F401  (byteps' own barrier, kept importable)
-from byteps.common import is_initialized, local_rank, local_size, rank, size
+from byteps.common import is_initialized, local_rank, local_size, metrics, rank, size
 
 from . import completion as _completion
 from . import mpi_ops as _mpi_ops
