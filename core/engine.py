@@ -726,11 +726,16 @@ class Engine:
         traffic = self.transport_bytes()
         links = self.native_link_transports
         placement = getattr(self, "placement", None)  # set once the address book is in
-        servers = [{"index": i, "colocated": bool(self.colocated[i]), "role": placement.roles[i],
-                    "weight": placement.weights[i],
+        # the placement numbers the servers of the current membership by position (docs/elastic.md)
+        memberships = getattr(self, "_memberships", None)  # set once the address book is in
+        ids = memberships[-1]["ids"] if memberships else list(range(len(self.servers)))
+        place = {sid: pos for pos, sid in enumerate(ids)} if placement is not None else {}
+        servers = [{"index": i, "colocated": bool(self.colocated[i]),
+                    "role": placement.roles[place[i]] if i in place else "removed",
+                    "weight": placement.weights[place[i]] if i in place else 0,
                     "transport": (links[i] if i < len(links) else "") or "zeromq",
                     "bytes_sent": traffic["sent"].get(i, 0), "bytes_received": traffic["received"].get(i, 0)}
-                   for i in range(len(self.servers))] if placement is not None else []
+                   for i in range(len(self.servers))]
         native = self._native
         return {
             "servers": servers,

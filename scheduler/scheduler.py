@@ -26,16 +26,15 @@ use the new membership. One change at a time; events that arrive meanwhile make 
 """
 import os
 import signal
-import sys
 import time
 
 import zmq
 
-from byteps import config as bps_config
+from byteps import service
 from byteps.core import auth, wire
 from byteps.core.control import describe_node
 from byteps.errors import BytePSError, ConfigError, ProtocolError
-from byteps.log import logger, setup as setup_logging
+from byteps.log import logger
 from byteps.timeline.trace import Collector
 
 Cmd = wire.Cmd
@@ -819,37 +818,38 @@ def write_port_file(path, port):
 
 
 def main():
-    try:
-        cfg = bps_config.load(role="scheduler")
-    except ConfigError as e:
-        print(f"byteps scheduler: {e}", file=sys.stderr)
-        return 2
-    setup_logging("scheduler")
-    try:
-        sched = Scheduler(cfg)
-    except ConfigError as e:
-        logger.error("%s", e)
-        return 2
-    port_file = os.environ.get("BYTEPS_SCHEDULER_PORT_FILE")
-    if port_file:
-        write_port_file(port_file, sched.port)
-    logger.info("listening on %s:%d for %d workers and %d servers", cfg.root_uri, sched.port, cfg.num_worker,
-                cfg.num_server)
-    if sched.timeline.path:  # bpslaunch ends a failed job with SIGTERM: keep what the nodes sent
-        signal.signal(signal.SIGTERM, _terminated)
-    grace = min(10.0, cfg.timeout)
-    try:
-        return sched.run()
-    except JobFailed:
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except Terminated:
-        grace = 0.0  # the nodes are being stopped too: write at once
-        return 143
-    finally:
-        sched.finish_timeline(grace)
-        sched.close()
+    return service.main("scheduler", _Service)
+
+
+class _Service:
+    """The scheduler as ``python -m byteps.scheduler`` runs it: the port file bpslaunch waits for,
+    and the job timeline written at the end, also when bpslaunch stops a failed job with SIGTERM."""
+
+    def __init__(self, cfg):
+        self.sched = Scheduler(cfg)
+        self.grace = min(10.0, cfg.timeout)  # for the nodes' last spans
+        port_file = os.environ.get("BYTEPS_SCHEDULER_PORT_FILE")
+        if port_file:
+            write_port_file(port_file, self.sched.port)
+        logger.info("listening on %s:%d for %d workers and %d servers", cfg.root_uri, self.sched.port,
+                    cfg.num_worker, cfg.num_server)
+        if self.sched.timeline.path:
+            signal.signal(signal.SIGTERM, _terminated)
+
+    def run(self):
+        try:
+            return self.sched.run()
+        except JobFailed:  # said already, to every node and in the log
+            return service.EXIT_FAILED
+        except Terminated:
+            self.grace = 0.0  # the nodes are being stopped too: write at once
+            return 143
+
+    def close(self):
+        try:
+            self.sched.finish_timeline(self.grace)
+        finally:
+            self.sched.close()
 
 
 class Terminated(Exception):

@@ -37,17 +37,16 @@ or pyzmq's libzmq not found) this loop does everything, as before.
 """
 import itertools
 import os
-import sys
 import time
 
 import zmq
 
-from byteps import compression, config as bps_config, placement, timeline
+from byteps import compression, placement, service, timeline
 from byteps.core import auth, dtypes, shm, transport, wire
 from byteps.core._reduce import aligned_empty, copy_into, get_num_threads, sum_into, sum_many
 from byteps.core.control import ControlClient
-from byteps.errors import BytePSError, ConfigError, PeerLostError, ProtocolError
-from byteps.log import logger, setup as setup_logging
+from byteps.errors import BytePSError, PeerLostError, ProtocolError
+from byteps.log import logger
 
 from .sum_pool import SumPool
 
@@ -907,19 +906,4 @@ class Server:
 
 
 def main():
-    try:
-        cfg = bps_config.load(role="server")
-    except ConfigError as e:
-        print(f"byteps server: {e}", file=sys.stderr)
-        return 2
-    setup_logging("server")
-    server = Server(cfg)
-    try:
-        return server.run()
-    except BytePSError as e:
-        logger.error("%s", e)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        server.close()
+    return service.main("server", Server)
