@@ -275,7 +275,7 @@ class Engine:
 
     def _start_native(self):
         """Hand the authenticated server sockets to the native thread (core/bps_worker.h)."""
-        if not (self.cfg.native and self.cfg.zmq_direct and _worker_core is not None and _worker_core.available):
+        if not (self.cfg.native and _worker_core is not None and _worker_core.available):
             return
         from ._reduce import get_num_threads
 
@@ -756,7 +756,7 @@ class Engine:
             self._local_sock = self.ctx.socket(zmq.ROUTER)
             self._local_sock.setsockopt(zmq.LINGER, 0)
             info["local_port"] = self._local_sock.bind_to_random_port("tcp://127.0.0.1")
-            self._io[self._local_sock] = transport.wrap(self._local_sock, self.cfg.zmq_direct)
+            self._io[self._local_sock] = transport.wrap(self._local_sock)
         if self.cfg.timeline:
             timeline.start(self.cfg).wake = self._wake
         self.control = ControlClient(self.ctx, self.cfg, info)
@@ -783,7 +783,7 @@ class Engine:
             sock.connect(f"tcp://{info['host']}:{info['port']}")
             self.poller.register(sock, zmq.POLLIN)
             self.servers.append(sock)
-            self._io[sock] = transport.wrap(sock, self.cfg.zmq_direct)
+            self._io[sock] = transport.wrap(sock)
         self._server_index = {sock: i for i, sock in enumerate(self.servers)}
         # which server sums which bytes: the k/n split of byteps/placement.py, the same on every worker
         self.placement = Placement.from_book(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
@@ -837,7 +837,7 @@ class Engine:
         if not both_set and (self.local is None or self.cfg.local_rank == 0):
             measurement = autotune.test_link(env) or self._probe(
                 autotune.probe_target(self.book["servers"], weights, me, self.rank))
-        native = (self.cfg.native and self.cfg.zmq_direct and _worker_core is not None and _worker_core.available
+        native = (self.cfg.native and _worker_core is not None and _worker_core.available
                   and self.local is None)
         mine = autotune.propose(measurement, shape, self.cfg.placement,
                                 autotune.PIECE_COST_NATIVE if native else autotune.PIECE_COST_PYTHON,
@@ -961,7 +961,7 @@ class Engine:
             sock.setsockopt(zmq.IDENTITY, auth.new_identity())
             sock.connect(f"tcp://127.0.0.1:{w['local_port']}")
             self._local_peers[w["local_rank"]] = sock
-            self._io[sock] = transport.wrap(sock, self.cfg.zmq_direct)
+            self._io[sock] = transport.wrap(sock)
         self.poller.register(self._local_sock, zmq.POLLIN)
         self._compute = ComputeStage(self._wake)
         logger.info("local reduce with %d processes on this machine", self.local.size)
@@ -1188,7 +1188,7 @@ class Engine:
         self._native.set_colocated(index, shared)
         self.servers.append(sock)
         self._server_index[sock] = index
-        self._io[sock] = transport.wrap(sock, self.cfg.zmq_direct)
+        self._io[sock] = transport.wrap(sock)
         self._native.add_server_live(sock, fd)
         logger.info("%s joined: %s", who, "direct TCP link" if fd >= 0 else "ZeroMQ")
 

@@ -32,8 +32,7 @@ arrived, the data socket belongs to the thread "byteps-serve" (core/bps_server.h
 summation/_server_core.pyx), which does all of the above for plain pushes without the GIL. This
 loop then keeps the control plane and handles what that thread forwards (handshakes, strangers,
 PROBE, compressed and asynchronous keys, malformed messages) with the same code as before; its
-replies go out through the native thread. Without the native core (BYTEPS_NATIVE=0, BYTEPS_ZMQ_DIRECT=0,
-or pyzmq's libzmq not found) this loop does everything, as before.
+replies go out through the native thread. Without the native core (BYTEPS_NATIVE=0) this loop does everything, as before.
 """
 import itertools
 import os
@@ -169,7 +168,7 @@ class Server:
         self.set_pushers = {}    # tensor key of a process set -> how many members push it (for the job)
         self.index = None
         self.epoch = None
-        self.fast = transport.wrap(self.data, cfg.zmq_direct)  # the data plane's message I/O (core/_transport.pyx)
+        self.fast = transport.wrap(self.data)  # the data plane's message I/O (core/_transport.pyx)
         self._frames, self._next = [], 0
         self.pool = SumPool(cfg.server_engine_threads)  # BYTEPS_SERVER_ENGINE_THREAD
         self.poller = None
@@ -299,9 +298,8 @@ class Server:
         """Hand the data socket to the native thread byteps-serve (core/bps_server.h), if it may run."""
         if not self.cfg.native:
             return
-        if not self.cfg.zmq_direct or _server_core is None or not _server_core.available:
-            why = ("BYTEPS_ZMQ_DIRECT=0" if not self.cfg.zmq_direct else "summation/_server_core is not built"
-                   if _server_core is None else _server_core.unavailable_reason)
+        if _server_core is None or not _server_core.available:
+            why = "summation/_server_core is not built" if _server_core is None else _server_core.unavailable_reason
             logger.info("native data plane unavailable (%s): the Python loop serves every push", why)
             return
         # anything Python received before the hand-over was handled already: the socket is idle here

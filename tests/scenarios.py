@@ -249,7 +249,7 @@ def main():
               "local_size": bps.local_size(),
               "colocated": list(_job.engine.colocated) if _job.engine is not None else None,
               "local_reduce": _job.engine.local.size if _job.engine is not None and _job.engine.local else None,
-              # the data-plane message I/O in use (core/transport.py): FastSocket or PyzmqSocket
+              # the data-plane message I/O in use (core/transport.py): FastSocket
               "transport": sorted({type(io).__name__ for io in _job.engine._io.values()})
               if _job.engine is not None else None}
     try:
