@@ -322,9 +322,7 @@ class Engine:
     def _open_links(self, core):
         """Direct TCP links to the servers (core/bps_link.h): ask each for a one-time token over the
         authenticated ZeroMQ socket, connect, present it, and hand the socket to the native thread. A
-        server that has none (its Python loop, BYTEPS_DIRECT_TCP=0 there) stays on ZeroMQ."""
-        if not self.cfg.direct_tcp:
-            return
+        server that cannot listen for links stays on ZeroMQ (logged)."""
         from . import ucx
         use_ucx = ucx.choose(self.cfg.transport, _worker_core) == "ucx"
         poller, asked = zmq.Poller(), {}
@@ -1172,14 +1170,13 @@ class Engine:
                 raise BytePSError(f"{who} answered {Cmd(header.cmd).name} to our HELLO: {body.get('error')}")
             sock.send_multipart(wire.control(Cmd.AUTH, self.control.node_id, {"mac": knock.answer(body, who)}))
         fd = -1
-        if self.cfg.direct_tcp:
-            header, answer = self._ask(sock, wire.control(Cmd.LINK, self.control.node_id), limit, who)
-            if header.cmd == Cmd.LINK and "port" in answer:
-                try:
-                    fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
-                                             sock.getsockopt(zmq.IDENTITY), self.control.node_id, limit)
-                except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:
-                    logger.warning("no direct link to %s: %s; its data goes through ZeroMQ", who, e)
+        header, answer = self._ask(sock, wire.control(Cmd.LINK, self.control.node_id), limit, who)
+        if header.cmd == Cmd.LINK and "port" in answer:
+            try:
+                fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
+                                         sock.getsockopt(zmq.IDENTITY), self.control.node_id, limit)
+            except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:
+                logger.warning("no direct link to %s: %s; its data goes through ZeroMQ", who, e)
         shared = (self.cfg.enable_ipc and Stage.STAGE not in self._dropped and info["host"] == self.cfg.node_host
                   and shm.can_share(info.get("shm"), self._maps))
         if shared and self._shm is None:

@@ -306,13 +306,12 @@ class Server:
         core = _server_core.ServerCore(self.data, self.gate.secret is not None, self.alloc is not None,
                                        self.cfg.server_engine_threads, get_num_threads())
         core.set_adopt_rounds(self.cfg.elastic)
-        if self.cfg.direct_tcp:  # workers' direct links (core/bps_link.h); ZeroMQ serves them meanwhile
-            try:
-                fd, self.link_port = transport.listen_link(self.cfg.node_host)
-                core.set_listener(fd)
-            except OSError as e:
-                logger.info("no direct links (cannot listen on %s: %s): workers' data goes through ZeroMQ",
-                            self.cfg.node_host, e)
+        try:  # workers' direct links (core/bps_link.h); ZeroMQ serves them meanwhile
+            fd, self.link_port = transport.listen_link(self.cfg.node_host)
+            core.set_listener(fd)
+        except OSError as e:
+            logger.warning("no direct links (cannot listen on %s: %s): workers' data goes through ZeroMQ",
+                           self.cfg.node_host, e)
         self.ucx_port = self._ucx_listen(core)
         for ident in self.gate.admitted():
             core.admit(ident, True)
@@ -330,8 +329,6 @@ class Server:
     def _ucx_listen(self, core):
         """A UCX listener for workers' endpoints (core/bps_ucx.h) when this server's transport is UCX:
         its port, or None (workers then use TCP links or ZeroMQ)."""
-        if not self.cfg.direct_tcp:
-            return None
         from byteps.core import ucx
         if ucx.choose(self.cfg.transport, _server_core) != "ucx":
             return None
@@ -431,7 +428,7 @@ class Server:
         or why not (the worker then stays on ZeroMQ)."""
         self._discard_rest()
         if self.core is None or (self.link_port is None and self.ucx_port is None):
-            answer = {"error": "this server has no direct links (BYTEPS_NATIVE=0 or BYTEPS_DIRECT_TCP=0 here)"}
+            answer = {"error": f"this server cannot listen for direct links on {self.cfg.node_host}"}
         else:
             token = os.urandom(transport.TOKEN_BYTES)  # one use, on a TCP link or a UCX endpoint
             self.core.expect_link(ident, token)  # queued before the answer below: the token is known first
