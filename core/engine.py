@@ -288,7 +288,7 @@ class Engine:
         self._open_links(core)
         # the local reduce too, unless the topology executor does it (core/local_exec.py)
         if self.local is not None and self.cfg.native_local and self.cfg.local_strategy != "topology":
-            links = self._open_local_links() if self.cfg.local_links else {}
+            links = self._open_local_links()
             self.poller.unregister(self._local_sock)
             core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
                            self._gate.secret is None)
@@ -374,8 +374,7 @@ class Engine:
         the highest rank waits for nobody, so no wait is circular. A pair whose link does not come up
         within the time limit stays on ZeroMQ (logged with the local rank waited for).
 
-        With BYTEPS_LOCAL_RINGS=1 the offer also names a memfd of shared-memory rings that the higher
-        rank made for the pair ({"ring": {pid, fd, inode}}); the lower rank opens it and says so in its
+        The offer also names a memfd of shared-memory rings that the higher rank made for the pair ({"ring": {pid, fd, inode}}); the lower rank opens it and says so in its
         hello (arg 1), and then both ends carry the link's bytes through it (core/bps_link.h
         BpsShmLink). A ring that does not open leaves that pair on the TCP socket alone."""
         me, node = self.cfg.local_rank, self.control.node_id
@@ -390,11 +389,10 @@ class Engine:
                 token = os.urandom(transport.TOKEN_BYTES)
                 expected[token] = lr
                 offer = {"port": port, "token": token.hex(), "local_rank": me}
-                if self.cfg.local_rings:
-                    try:
-                        rings[lr], offer["ring"] = shm.ring_region(_worker_core.RING_REGION_BYTES)
-                    except OSError as e:
-                        logger.info("no shared-memory ring for local rank %d (%s): its link stays on TCP", lr, e)
+                try:
+                    rings[lr], offer["ring"] = shm.ring_region(_worker_core.RING_REGION_BYTES)
+                except OSError as e:
+                    logger.info("no shared-memory ring for local rank %d (%s): its link stays on TCP", lr, e)
                 self._local_peers[lr].send_multipart(wire.control(Cmd.LINK, node, offer))
         poller = zmq.Poller()
         poller.register(self._local_sock, zmq.POLLIN)
@@ -415,12 +413,12 @@ class Engine:
                 serve(100)
             offer = self._link_offers.pop(lr, None)
             if offer is None:
-                logger.warning("local rank %d offered no direct link within %g s (is BYTEPS_LOCAL_LINKS=1 there?); "
+                logger.warning("local rank %d offered no direct link within %g s; "
                                "its local messages go through ZeroMQ", lr, limit)
                 continue
             port, token, ident, ring_info = offer
             ring_fd = None
-            if ring_info is not None and self.cfg.local_rings:
+            if ring_info is not None:
                 try:
                     ring_fd = shm.open_ring(ring_info, _worker_core.RING_REGION_BYTES)
                 except ProtocolError as e:

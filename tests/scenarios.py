@@ -242,6 +242,12 @@ def main():
     if args.get("no_init"):
         SCENARIOS[name](outdir, args)
         return
+    if os.environ.get("TEST_NO_LOCAL_RINGS") == "1":  # a ring that cannot be made: the pair's link stays on TCP
+        from byteps.core import shm
+
+        def no_ring(nbytes):
+            raise OSError("rings refused by the test")
+        shm.ring_region = no_ring
     bps.init()
     from byteps.common import _job
 
