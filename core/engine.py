@@ -287,7 +287,7 @@ class Engine:
             core.add_server(sock)
         self._open_links(core)
         # the local reduce too, unless the topology executor does it (core/local_exec.py)
-        if self.local is not None and self.cfg.native_local and self.cfg.local_strategy != "topology":
+        if self.local is not None and self.cfg.local_strategy != "topology":
             links = self._open_local_links()
             self.poller.unregister(self._local_sock)
             core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
