@@ -78,7 +78,7 @@ Commands
     .venv/bin/python bench/bench_users.py --quick               # smoke run (3 sizes, 2 repetitions)
     .venv/bin/python bench/bench_users.py --layouts local --procs 2 --sizes 4KB,1MB --patterns inplace \\
         --names fixed --repeat 1 --quick                         # the tiny config of tests/test_bench_smoke.py
-    .venv/bin/python bench/bench_users.py --env BYTEPS_NATIVE=1 # an A/B with a variable set: printed as such
+    .venv/bin/python bench/bench_users.py --env BYTEPS_SPIN_US=0 # an A/B with a variable set: printed as such
     python bench/bench_users.py --device cuda --layouts machines --procs 2   # CUDA tensors, on a GPU machine
     .venv/bin/python bench/bench_users.py --train               # training step, one machine (bpslaunch --local)
     .venv/bin/python bench/bench_users.py --train --quick

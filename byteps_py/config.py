@@ -46,7 +46,6 @@ VARIABLES = {
     "BYTEPS_SERVER_ENGINE_THREAD": ("0", "server threads that sum pushes (0: the network thread sums inline)"),
     "BYTEPS_ENABLE_ASYNC": ("0", "asynchronous training: servers keep the parameters, workers push deltas, no barrier"),
     "BYTEPS_ELASTIC": ("0", "1: the job survives losing Summation Service servers (not the last) and admits servers that join mid-job; set it on every node (docs/elastic.md)"),
-    "BYTEPS_NATIVE": ("1", "1: workers and servers run their plain partitions on native threads (byteps-net, byteps-serve) that never take the GIL per partition; 0: the Python loops"),
     "BYTEPS_TRANSPORT": ("auto", "what carries a worker's direct links to servers: tcp (core/bps_link.h), ucx (UCP Active Messages, core/bps_ucx.h: verbs on an RDMA NIC) or auto (ucx when this machine has an RDMA device and UCX loads, else tcp); docs/ucx.md"),
     "BYTEPS_UCX_PEER_ERRORS": ("1", "with BYTEPS_TRANSPORT=ucx: 1 asks UCX to detect dead peers (endpoint error handling), which rules out its shared-memory transports; 0 lets UCX use sm too (a dead peer is then reported by the scheduler alone); docs/ucx.md"),
     "BYTEPS_SPIN_US": ("auto", "microseconds a synchronous call of one small partition polls for its reply (yielding its core between polls) before it sleeps; auto: 50 where this process may run on 2 or more CPUs, 200 where the job's worker processes on this host also outnumber those CPUs, else 0 (core/bps_worker.h set_direct_spin)"),
@@ -83,6 +82,7 @@ VARIABLES = {
 #: variables that chose between two data planes, each now the only one: a set one is ignored with a warning
 REMOVED = {
     "BYTEPS_ZMQ_DIRECT": "ZeroMQ messages always go through libzmq called from C (core/_transport.pyx)",
+    "BYTEPS_NATIVE": "workers and servers always run plain push_pulls and broadcasts in their native cores",
     "BYTEPS_NATIVE_LOCAL": "the local reduce of plain push_pulls always runs in the native core",
     "BYTEPS_DIRECT_TCP": "workers' data to servers always goes over direct links (BYTEPS_TRANSPORT: tcp or ucx)",
     "BYTEPS_LOCAL_LINKS": "a machine's worker processes always send each other the local reduce's messages over direct links",
@@ -225,7 +225,6 @@ class Config:
     server_engine_threads: int = 0
     fusion: bool = False
     local_strategy: str = "owners"
-    native: bool = True
     timeline: str = ""
     timeline_flush_steps: int = 50
     timeline_buffer: int = 250000
@@ -314,9 +313,6 @@ def load(env=None, role=None):
         raise ConfigError("BYTEPS_ELASTIC=1 cannot be combined with BYTEPS_ENABLE_ASYNC=1: in asynchronous training "
                           "the servers hold the model's parameters, so a lost server would lose them; use "
                           "synchronous training for elastic servers")
-    if elastic and role != "scheduler" and not _bool(env, "BYTEPS_NATIVE", default="1"):
-        raise ConfigError("BYTEPS_ELASTIC=1 needs the native data plane (BYTEPS_NATIVE=1): "
-                          "workers re-send a lost server's partitions from it, and servers take them over in it")
     _warn_removed(env)
     spin_us, spin_auto = _spin_us(env, local_size)
     return Config(
@@ -335,7 +331,6 @@ def load(env=None, role=None):
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 0, minimum=0, maximum=64),
         fusion=_bool(env, "BYTEPS_FUSION"),
         local_strategy=_choice(env, "BYTEPS_LOCAL_STRATEGY", ("owners", "topology")),
-        native=_bool(env, "BYTEPS_NATIVE", default="1"),
         timeline=_get(env, "BYTEPS_TIMELINE", ""),
         timeline_flush_steps=_int(env, "BYTEPS_TIMELINE_FLUSH_STEPS", 50, minimum=0),
         timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 250000, minimum=1),

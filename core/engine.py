@@ -59,10 +59,7 @@ from .ops import Op, RangeOp
 from .stages import Stage
 from .threads import name_native
 
-try:
-    from . import _worker_core
-except ImportError:  # a source tree without build_ext
-    _worker_core = None
+from . import _worker_core
 
 #: partitions at least this large are copied into shared memory (STAGE) and summed (LOCAL_REDUCE) on
 #: their stage's thread; smaller ones inline, where the thread hand-off (a GIL round trip between two
@@ -123,7 +120,6 @@ class Engine:
         self._decl_pending = {}     # (name, spec) -> (name, seq, set id) of its declaration in flight
         self._decl_seq = collections.Counter()
         self._keys = {}             # (name, spec) -> tensor key
-        self._rounds = collections.Counter()  # wire key -> next round
         self._requests = {}         # ("barrier"|"leave", name) -> event set on release
         self.barrier_values = {}    # barrier name -> {rank: value} of a barrier whose members sent values
         self._left = False
@@ -210,7 +206,7 @@ class Engine:
             raise self.failure
         if self._local_exec is not None and self._local_exec.takes(op):
             self._local_exec.enqueue(op)  # in submission order; it runs once the key is known
-        elif self._native is not None and not self._inbox and self._native_eligible(op):
+        elif not self._inbox and self._native_eligible(op):
             key = self._keys.get((op.name, op.spec))
             if key is not None and self._native_submit(op, key, sync, lazy=True):  # declared before: no engine hop
                 return op
@@ -275,8 +271,9 @@ class Engine:
 
     def _start_native(self):
         """Hand the authenticated server sockets to the native thread (core/bps_worker.h)."""
-        if not (self.cfg.native and _worker_core is not None and _worker_core.available):
-            return
+        if not _worker_core.available:
+            from ._transport import unavailable_reason
+            raise BytePSError(f"the native worker core cannot run here: {unavailable_reason}")
         from ._reduce import get_num_threads
 
         core = _worker_core.WorkerCore(self.control.node_id, self.cfg.scheduling_credit * self.cfg.partition_bytes,
@@ -515,6 +512,8 @@ class Engine:
         join() a process runs its local reduce in Python (the native side routes each partition's
         LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
         still meet)."""
+        # what stays on this engine's Python partition path: compressed ops, process sets, the topology
+        # executor's ranges (RangeOp) and a process's local reduce after join(); the native core runs none yet
         if type(op) is not Op or op.codec is not None or op.pset is not None:
             return False
         if op.cmd == Cmd.BROADCAST:
@@ -687,25 +686,13 @@ class Engine:
                 self.control.send(Cmd.SUSPECT, {"server": server})
 
     def _next_round(self, key):
-        if self._native is not None:
-            return self._native.next_round(key)
-        rnd = self._rounds[key]
-        self._rounds[key] = rnd + 1
-        return rnd
+        return self._native.next_round(key)  # one count per key, whichever side sends the partition
 
     def _send_data(self, server, header, body):
-        """Send a data message to a server from Python: through the native thread once it owns the sockets."""
-        if self._native is not None:
-            token = next(self._keep_tokens)
-            if self._native.send(server, header, body, token):
-                self._keepalive[token] = body
-            return
-        sock = self.servers[server]
-        nbytes = body.nbytes if hasattr(body, "nbytes") else len(body)
-        if nbytes < transport.COPY_BELOW:
-            self._io[sock].send_multipart([header, body])
-        else:  # zero-copy from the tensor: ZeroMQ reads it while it is on the wire
-            sock.send_multipart([header, body], copy=False)
+        """Send a data message to a server from Python, through the native thread, which owns the sockets."""
+        token = next(self._keep_tokens)
+        if self._native.send(server, header, body, token):
+            self._keepalive[token] = body  # alive until the native thread has sent it
 
     def transport_bytes(self):
         """Bytes sent to / received from each server on the data sockets (both paths)."""
@@ -833,10 +820,9 @@ class Engine:
         if not both_set and (self.local is None or self.cfg.local_rank == 0):
             measurement = autotune.test_link(env) or self._probe(
                 autotune.probe_target(self.book["servers"], weights, me, self.rank))
-        native = (self.cfg.native and _worker_core is not None and _worker_core.available
-                  and self.local is None)
+        # the per-partition cost of a machine's local reduce was fitted on its Python path (byteps/autotune.py)
         mine = autotune.propose(measurement, shape, self.cfg.placement,
-                                autotune.PIECE_COST_NATIVE if native else autotune.PIECE_COST_PYTHON,
+                                autotune.PIECE_COST_NATIVE if self.local is None else autotune.PIECE_COST_PYTHON,
                                 self.cfg.worker_id, env)
         self.control.send(Cmd.BARRIER, {"name": autotune.AGREE_BARRIER, "value": mine})
         # the scheduler answers, naming the ranks it lacks, after BYTEPS_TIMEOUT; this wait is longer
@@ -979,12 +965,9 @@ class Engine:
                         pass
                 elif sock is self.control.sock:
                     self._drain(sock, lambda _: self._on_control())
-                elif sock is self._local_sock:
+                elif sock is self._local_sock:  # not when the native thread runs the local reduce
                     self._drain_data(sock, self._on_local)
-                else:
-                    self._drain_data(sock, lambda s, frames: self._on_data(self._server_index[s], frames))
-            if self._native is not None:
-                self._drain_native()
+            self._drain_native()  # the servers' sockets are the native thread's: their replies come from it
             if self._compute is not None:
                 while self._compute.done:
                     self._on_reduced(*self._compute.done.popleft())
@@ -1002,7 +985,7 @@ class Engine:
                 self._check_timeouts()
                 if len(self._sendq):  # a stalled credit (CREDIT_STALL_S)
                     self._send_ready()
-                if self._native is not None and not self._stall_noted:
+                if not self._stall_noted:
                     stalls, first = self._native.credit_stalls()
                     if stalls:
                         self._note_stall(repr(first))
@@ -1110,8 +1093,6 @@ class Engine:
         each tensor were submitted. COMMIT: the n-th op of a tensor uses the new membership's
         partitions from the cut (the largest count over all workers) on; stranded partitions go to
         their replacements in their rounds."""
-        if self._native is None:  # config.load refuses BYTEPS_ELASTIC=1 without it
-            raise BytePSError("the scheduler changed the servers, but this worker has no native data plane")
         if body.get("phase") == "prepare":
             began = time.monotonic()
             counts = self._native.hold(body.get("dead", []))
@@ -1182,8 +1163,6 @@ class Engine:
         self.colocated.append(shared)
         self._native.set_colocated(index, shared)
         self.servers.append(sock)
-        self._server_index[sock] = index
-        self._io[sock] = transport.wrap(sock)
         self._native.add_server_live(sock, fd)
         logger.info("%s joined: %s", who, "direct TCP link" if fd >= 0 else "ZeroMQ")
 
@@ -1209,9 +1188,7 @@ class Engine:
             # every rank is in join(), nothing is in flight: a sync point where rounds restart at 0
             self.joined = frozenset()
             self._joins_ended += 1
-            self._rounds.clear()
-            if self._native is not None:
-                self._native.reset_rounds()
+            self._native.reset_rounds()
             # nothing of the join is in flight now; copies local peers sent after they heard the end
             # belong to this process's next ops (their rounds restarted at 0 too)
             for ident in [i for i in self._early if i not in self._early_next]:
@@ -1307,7 +1284,7 @@ class Engine:
         if self._local_exec is not None and self._local_exec.owns(op):
             self._local_exec.keyed(op, tkey)  # the topology executor runs it (core/local_exec.py)
             return
-        if self._native is not None and self._native_eligible(op) and self._native_submit(op, tkey):
+        if self._native_eligible(op) and self._native_submit(op, tkey):
             return
         if self.cfg.elastic:  # only the native core re-sends a lost server's partitions (docs/elastic.md)
             op.fail(ConfigError(f"tensor {op.name!r}: BYTEPS_ELASTIC=1 supports plain push_pull and broadcast "

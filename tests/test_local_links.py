@@ -10,12 +10,9 @@ import os
 
 import pytest
 
-from byteps.core import _worker_core
 from test_native_core import run_join
 from test_push_pull import SMALL_SHAPES, check_matrix
 
-pytestmark = pytest.mark.skipif(not _worker_core.available, reason="the native core needs pyzmq's libzmq "
-                                                                   "as a shared object")
 
 #: one tiny partition, a few inline-summed ones, and 300000-byte partitions summed on the stage thread
 SHAPES = SMALL_SHAPES + [(3, 257), (3, 70001)]
