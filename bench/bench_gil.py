@@ -22,8 +22,7 @@ peer (the counterpart of the byteps server).
 --local-size N``), which reduce locally through shared memory before the server; local rank 0 is the
 measured process (its training thread on the training core), the others start the same operations
 and wait for each, staying on the communication core (as gloo's peer does). Their sums then go
-through the machine's local reduce (core/local.py; in the native core since issue 15, or in Python
-with ``--env BYTEPS_NATIVE_LOCAL=0``).
+through the machine's local reduce (core/local.py's protocol, run by the native core).
 
 Cases: one 64 MB float32 tensor (``64MB``), and 256 tensors of 64 KB (``256x64KB``). Each timed run
 starts every tensor asynchronously (``bps.push_pull_async_inplace`` / ``dist.all_reduce(...,
@@ -50,7 +49,7 @@ Commands
     .venv/bin/python bench/bench_gil.py                  # byteps and gloo, both cases, 7 repetitions
     .venv/bin/python bench/bench_gil.py --quick          # smoke run (2 repetitions)
     .venv/bin/python bench/bench_gil.py --systems byteps --cases 256x64KB --reps 9
-    .venv/bin/python bench/bench_gil.py --systems byteps --env BYTEPS_NATIVE=1   # an A/B, labelled as such
+    .venv/bin/python bench/bench_gil.py --systems byteps --env BYTEPS_SPIN_US=0   # an A/B, labelled as such
     .venv/bin/python bench/bench_gil.py --systems byteps --local-size 2           # a 1x2 machine (local reduce)
 
 Output: a markdown table on stdout, JSON in bench/results/gil-<date>.json (``--json``).
@@ -423,7 +422,7 @@ def main():
     ap.add_argument("--job-timeout", type=float, default=600)
     ap.add_argument("--json", help="JSON path (default bench/results/gil-<date>.json)")
     ap.add_argument("--env", action="append", metavar="KEY=VALUE",
-                    help="set a variable in the jobs (repeatable), e.g. BYTEPS_NATIVE=1 for an A/B; printed with "
+                    help="set a variable in the jobs (repeatable), e.g. BYTEPS_SPIN_US=0 for an A/B; printed with "
                          "the results")
     args = ap.parse_args()
     if args.worker:

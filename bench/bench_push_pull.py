@@ -329,32 +329,27 @@ def main():
 
     if args.overhead:
         # 16 MB in 4 KB partitions, 2 workers, credit unlimited: the cost of a partition, not of its bytes.
-        # Per-thread CPU per partition of one worker's tensor: the engine thread runs the PUSH and PULL
-        # stages (and STAGE inline at this size), a local-reduce owner's byteps-reduce thread its
-        # LOCAL_REDUCE, the server's main thread receives, sums and replies to every worker's push.
-        # BYTEPS_NATIVE=1: the worker's partitions run on byteps-net (core/bps_worker.h) and the server's
-        # on its native thread; 0: the Python engine thread and server loop, as before (issue 15).
-        rows = ["| layout | engine | wall us / partition | worker: byteps-net | worker: Python engine + completion | "
+        # Per-thread CPU per partition of one worker's tensor: the worker's byteps-net thread runs the
+        # STAGE, PUSH and PULL stages (core/bps_worker.h), a local-reduce owner's byteps-reduce thread its
+        # LOCAL_REDUCE, the server's byteps-serve thread receives, sums and replies to every worker's push.
+        rows = ["| layout | wall us / partition | worker: byteps-net | worker: Python engine + completion | "
                 "reduce thread | worker zmq I/O | server (all but zmq I/O) | server zmq I/O |",
-                "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
         out = {}
         for layout in ("machines", "local"):
-            for native in ("1", "0"):
-                res, _ = run_job(2, args.servers, ["16MB"], 1, {"BYTEPS_PARTITION_BYTES": "4096",
-                                                               "BYTEPS_SCHEDULING_CREDIT": "0",
-                                                               "BYTEPS_NATIVE": native},
-                                 layout=layout, extra_args=["--thread-cpu", "--ops", str(args.ops)])
-                r = res["16MB"]
-                th = r["thread_us_per_partition"]
-                w, srv = th["worker"], th.get("server0", {})
-                zmq_io = sum(v for k, v in w.items() if k.startswith("ZMQbg"))
-                srv_io = sum(v for k, v in srv.items() if k.startswith("ZMQbg"))
-                srv_main = sum(v for k, v in srv.items() if not k.startswith("ZMQbg"))
-                py = w.get("byteps-engine", 0) + w.get("byteps-complete", 0)
-                rows.append(f"| {layout} | {'native' if native == '1' else 'Python'} | "
-                            f"{r['us_per_partition']:.1f} | {w.get('byteps-net', 0):.1f} | {py:.1f} | "
-                            f"{w.get('byteps-reduce', 0):.1f} | {zmq_io:.1f} | {srv_main:.1f} | {srv_io:.1f} |")
-                out[f"{layout},{native}"] = r
+            res, _ = run_job(2, args.servers, ["16MB"], 1, {"BYTEPS_PARTITION_BYTES": "4096",
+                                                           "BYTEPS_SCHEDULING_CREDIT": "0"},
+                             layout=layout, extra_args=["--thread-cpu", "--ops", str(args.ops)])
+            r = res["16MB"]
+            th = r["thread_us_per_partition"]
+            w, srv = th["worker"], th.get("server0", {})
+            zmq_io = sum(v for k, v in w.items() if k.startswith("ZMQbg"))
+            srv_io = sum(v for k, v in srv.items() if k.startswith("ZMQbg"))
+            srv_main = sum(v for k, v in srv.items() if not k.startswith("ZMQbg"))
+            py = w.get("byteps-engine", 0) + w.get("byteps-complete", 0)
+            rows.append(f"| {layout} | {r['us_per_partition']:.1f} | {w.get('byteps-net', 0):.1f} | {py:.1f} | "
+                        f"{w.get('byteps-reduce', 0):.1f} | {zmq_io:.1f} | {srv_main:.1f} | {srv_io:.1f} |")
+            out[layout] = r
         print("\n".join(rows))
         if args.json:
             with open(args.json, "w") as f:

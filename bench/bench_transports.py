@@ -1,10 +1,9 @@
-"""push_pull goodput and server CPU per transport, in the same run: ZeroMQ, direct TCP links, UCX.
+"""push_pull goodput and server CPU per transport, in the same run: direct TCP links, UCX.
 
 One machine, ``bpslaunch --local --workers N`` (N single-process worker machines and N colocated
 servers) with BYTEPS_ENABLE_IPC=0, so every partition crosses the transport under test instead of
 byteps' shared-memory descriptors. The transports (docs/ucx.md):
 
-* ``zmq``:     BYTEPS_DIRECT_TCP=0 (every data message through ZeroMQ's I/O threads)
 * ``tcp``:     BYTEPS_TRANSPORT=tcp (direct TCP links, core/bps_link.h)
 * ``ucx-tcp``: BYTEPS_TRANSPORT=ucx, UCX_TLS=tcp (UCP Active Messages over UCX's tcp transport)
 * ``ucx-sm``:  BYTEPS_TRANSPORT=ucx, UCX_TLS=sm,self,tcp, BYTEPS_UCX_PEER_ERRORS=0 (UCX's shared memory)
@@ -29,7 +28,6 @@ sys.path.insert(0, HERE)
 from bench_push_pull import SIZES, run_job  # noqa: E402
 
 TRANSPORTS = {
-    "zmq": {"BYTEPS_DIRECT_TCP": "0"},
     "tcp": {"BYTEPS_TRANSPORT": "tcp"},
     "ucx-tcp": {"BYTEPS_TRANSPORT": "ucx", "UCX_TLS": "tcp"},
     "ucx-sm": {"BYTEPS_TRANSPORT": "ucx", "UCX_TLS": "sm,self,tcp", "BYTEPS_UCX_PEER_ERRORS": "0"},
@@ -41,7 +39,7 @@ TRANSPORTS = {
     "ucx-tcp-256k": {"BYTEPS_TRANSPORT": "ucx", "UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k",
                      "UCX_TCP_RX_SEG_SIZE": "256k"},
 }
-DEFAULT = "zmq,tcp,ucx-tcp,ucx-sm"
+DEFAULT = "tcp,ucx-tcp,ucx-sm"
 
 
 def main():

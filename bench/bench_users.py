@@ -37,7 +37,7 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
   TCP_NODELAY, rank 0 sends N bytes, rank 1 echoes N bytes; median of ``--rtts`` round trips,
   measured before and after the collectives), and a **ZeroMQ round trip** of the same size
   (DEALER -> ROUTER echo through pyzmq, one message in flight): the carrier byteps used before
-  its direct TCP links (core/bps_link.h), and still the one with ``BYTEPS_DIRECT_TCP=0``;
+  its direct TCP links (core/bps_link.h);
   and, since the machine's round trip drifts during a job (17-67 us on the 2-core VM), a **round
   trip beside each block**: in every repetition a block of as many raw round trips as a byteps
   block has calls, on the same connection, takes its turn with the byteps and gloo blocks, and
@@ -78,7 +78,7 @@ Commands
     .venv/bin/python bench/bench_users.py --quick               # smoke run (3 sizes, 2 repetitions)
     .venv/bin/python bench/bench_users.py --layouts local --procs 2 --sizes 4KB,1MB --patterns inplace \\
         --names fixed --repeat 1 --quick                         # the tiny config of tests/test_bench_smoke.py
-    .venv/bin/python bench/bench_users.py --env BYTEPS_NATIVE=1 # an A/B with a variable set: printed as such
+    .venv/bin/python bench/bench_users.py --env BYTEPS_SPIN_US=0 # an A/B with a variable set: printed as such
     python bench/bench_users.py --device cuda --layouts machines --procs 2   # CUDA tensors, on a GPU machine
     .venv/bin/python bench/bench_users.py --train               # training step, one machine (bpslaunch --local)
     .venv/bin/python bench/bench_users.py --train --quick
@@ -314,8 +314,7 @@ def raw_rtt(dist, conn, rank, labels, count):
 def zmq_rtt(dist, rank, host, labels, count):
     """Median ZeroMQ round trip (seconds) of each size between ranks 0 and 1 over loopback TCP: rank 0's
     DEALER sends ``[40-byte header, N bytes]``, rank 1's ROUTER echoes it (pyzmq, one message in
-    flight): the carrier of byteps' data messages before its direct TCP links (and with
-    BYTEPS_DIRECT_TCP=0); {} on other ranks."""
+    flight): the carrier of byteps' data messages before its direct TCP links; {} on other ranks."""
     import zmq
 
     ctx = zmq.Context()

@@ -46,16 +46,10 @@ VARIABLES = {
     "BYTEPS_SERVER_ENGINE_THREAD": ("0", "server threads that sum pushes (0: the network thread sums inline)"),
     "BYTEPS_ENABLE_ASYNC": ("0", "asynchronous training: servers keep the parameters, workers push deltas, no barrier"),
     "BYTEPS_ELASTIC": ("0", "1: the job survives losing Summation Service servers (not the last) and admits servers that join mid-job; set it on every node (docs/elastic.md)"),
-    "BYTEPS_NATIVE": ("1", "1: workers and servers run their plain partitions on native threads (byteps-net, byteps-serve) that never take the GIL per partition; 0: the Python loops"),
-    "BYTEPS_NATIVE_LOCAL": ("1", "1: with BYTEPS_NATIVE=1 and several worker processes per machine, the native thread also runs the local reduce (core/bps_worker.h); 0: the Python engine does (an A/B switch)"),
-    "BYTEPS_LOCAL_LINKS": ("1", "1: with BYTEPS_NATIVE_LOCAL=1, a machine's worker processes send each other the local reduce's messages over direct TCP links the native threads read and write themselves (core/bps_worker.h); 0: through ZeroMQ (an A/B switch)"),
-    "BYTEPS_LOCAL_RINGS": ("1", "1: a local link's bytes go through rings in shared memory, its socket only wakes a sleeping reader and reports a peer that went (core/bps_link.h BpsShmLink); 0: through the TCP socket (an A/B switch)"),
-    "BYTEPS_DIRECT_TCP": ("1", "1: with BYTEPS_NATIVE=1 on both ends, a worker's data messages to a server go over a direct TCP link the native threads read and write themselves (core/bps_link.h); 0: through ZeroMQ (an A/B switch)"),
     "BYTEPS_TRANSPORT": ("auto", "what carries a worker's direct links to servers: tcp (core/bps_link.h), ucx (UCP Active Messages, core/bps_ucx.h: verbs on an RDMA NIC) or auto (ucx when this machine has an RDMA device and UCX loads, else tcp); docs/ucx.md"),
     "BYTEPS_UCX_PEER_ERRORS": ("1", "with BYTEPS_TRANSPORT=ucx: 1 asks UCX to detect dead peers (endpoint error handling), which rules out its shared-memory transports; 0 lets UCX use sm too (a dead peer is then reported by the scheduler alone); docs/ucx.md"),
     "BYTEPS_SPIN_US": ("auto", "microseconds a synchronous call of one small partition polls for its reply (yielding its core between polls) before it sleeps; auto: 50 where this process may run on 2 or more CPUs, 200 where the job's worker processes on this host also outnumber those CPUs, else 0 (core/bps_worker.h set_direct_spin)"),
     "BYTEPS_CPU_BIND": ("auto", "auto | 1 | 0: bind each worker process's training thread (the one that called init()) to one CPU, the host's i-th worker process of the job to the i-th CPU it may use; auto: only where the job's worker processes on this host (2 or more) are at least as many as those CPUs, so that threads that poll (BYTEPS_SPIN_US) are not left sharing one CPU by the kernel's scheduler (byteps/cpus.py)"),
-    "BYTEPS_ZMQ_DIRECT": ("1", "data-plane messages through libzmq called from C (core/_transport.pyx); 0: through pyzmq"),
     # the job timeline (docs/timeline.md)
     "BYTEPS_TIMELINE": ("", "path of one Chrome/Perfetto trace of the whole job, written by the scheduler (empty: off)"),
     "BYTEPS_TIMELINE_FLUSH_STEPS": ("50", "workers send their spans to the scheduler every N steps (0: only at the end)"),
@@ -84,6 +78,27 @@ VARIABLES = {
     "BYTEPS_SERVICES_EXIT_TIMEOUT": ("30", "seconds rank 0 waits at exit for the scheduler/server it started"),
     "BYTEPS_LAUNCHER": ("", "set by byteps: which launcher's environment was translated (informational)"),
 }
+
+#: variables that chose between two data planes, each now the only one: a set one is ignored with a warning
+REMOVED = {
+    "BYTEPS_ZMQ_DIRECT": "ZeroMQ messages always go through libzmq called from C (core/_transport.pyx)",
+    "BYTEPS_NATIVE": "workers and servers always run plain push_pulls and broadcasts in their native cores",
+    "BYTEPS_NATIVE_LOCAL": "the local reduce of plain push_pulls always runs in the native core",
+    "BYTEPS_DIRECT_TCP": "workers' data to servers always goes over direct links (BYTEPS_TRANSPORT: tcp or ucx)",
+    "BYTEPS_LOCAL_LINKS": "a machine's worker processes always send each other the local reduce's messages over direct links",
+    "BYTEPS_LOCAL_RINGS": "a local link's bytes always go through shared-memory rings where they can be mapped",
+}
+_warned_removed = set()
+
+
+def _warn_removed(env):
+    """Say once per process that a removed variable is set and has no effect (the results were the same
+    either way: the variables chose only which code moved the bytes)."""
+    from .log import logger
+    for name, now in REMOVED.items():
+        if _get(env, name) is not None and name not in _warned_removed:
+            _warned_removed.add(name)
+            logger.warning("%s no longer exists and is ignored: %s (docs/env.md, \"Removed variables\")", name, now)
 
 
 def _get(env, name, default=None):
@@ -210,12 +225,6 @@ class Config:
     server_engine_threads: int = 0
     fusion: bool = False
     local_strategy: str = "owners"
-    zmq_direct: bool = True
-    native: bool = True
-    native_local: bool = True
-    direct_tcp: bool = True
-    local_links: bool = True
-    local_rings: bool = True
     timeline: str = ""
     timeline_flush_steps: int = 50
     timeline_buffer: int = 250000
@@ -304,10 +313,7 @@ def load(env=None, role=None):
         raise ConfigError("BYTEPS_ELASTIC=1 cannot be combined with BYTEPS_ENABLE_ASYNC=1: in asynchronous training "
                           "the servers hold the model's parameters, so a lost server would lose them; use "
                           "synchronous training for elastic servers")
-    if elastic and role != "scheduler" and not (_bool(env, "BYTEPS_NATIVE", default="1")
-                                                and _bool(env, "BYTEPS_ZMQ_DIRECT", default="1")):
-        raise ConfigError("BYTEPS_ELASTIC=1 needs the native data plane (BYTEPS_NATIVE=1 and BYTEPS_ZMQ_DIRECT=1): "
-                          "workers re-send a lost server's partitions from it, and servers take them over in it")
+    _warn_removed(env)
     spin_us, spin_auto = _spin_us(env, local_size)
     return Config(
         role=role, num_worker=num_worker, num_server=num_server, root_uri=root_uri, root_port=root_port,
@@ -325,12 +331,6 @@ def load(env=None, role=None):
         server_engine_threads=_int(env, "BYTEPS_SERVER_ENGINE_THREAD", 0, minimum=0, maximum=64),
         fusion=_bool(env, "BYTEPS_FUSION"),
         local_strategy=_choice(env, "BYTEPS_LOCAL_STRATEGY", ("owners", "topology")),
-        zmq_direct=_bool(env, "BYTEPS_ZMQ_DIRECT", default="1"),
-        native=_bool(env, "BYTEPS_NATIVE", default="1"),
-        native_local=_bool(env, "BYTEPS_NATIVE_LOCAL", default="1"),
-        direct_tcp=_bool(env, "BYTEPS_DIRECT_TCP", default="1"),
-        local_links=_bool(env, "BYTEPS_LOCAL_LINKS", default="1"),
-        local_rings=_bool(env, "BYTEPS_LOCAL_RINGS", default="1"),
         timeline=_get(env, "BYTEPS_TIMELINE", ""),
         timeline_flush_steps=_int(env, "BYTEPS_TIMELINE_FLUSH_STEPS", 50, minimum=0),
         timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 250000, minimum=1),

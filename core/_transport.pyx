@@ -17,7 +17,7 @@ per message, more than the work itself. This module calls libzmq directly:
 The functions are looked up in the libzmq that pyzmq itself loaded (found in /proc/self/maps), so
 both speak to the same sockets and the same library, and nothing is compiled against zmq.h.
 Where that library cannot be found (no /proc, a static pyzmq build), :data:`available` is False
-and core/transport.py falls back to pyzmq with the same interface.
+and byteps cannot run: core/transport.py and the native cores say why.
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_FromStringAndSize

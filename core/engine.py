@@ -59,10 +59,7 @@ from .ops import Op, RangeOp
 from .stages import Stage
 from .threads import name_native
 
-try:
-    from . import _worker_core
-except ImportError:  # a source tree without build_ext
-    _worker_core = None
+from . import _worker_core
 
 #: partitions at least this large are copied into shared memory (STAGE) and summed (LOCAL_REDUCE) on
 #: their stage's thread; smaller ones inline, where the thread hand-off (a GIL round trip between two
@@ -123,7 +120,6 @@ class Engine:
         self._decl_pending = {}     # (name, spec) -> (name, seq, set id) of its declaration in flight
         self._decl_seq = collections.Counter()
         self._keys = {}             # (name, spec) -> tensor key
-        self._rounds = collections.Counter()  # wire key -> next round
         self._requests = {}         # ("barrier"|"leave", name) -> event set on release
         self.barrier_values = {}    # barrier name -> {rank: value} of a barrier whose members sent values
         self._left = False
@@ -211,7 +207,7 @@ class Engine:
             raise self.failure
         if self._local_exec is not None and self._local_exec.takes(op):
             self._local_exec.enqueue(op)  # in submission order; it runs once the key is known
-        elif self._native is not None and not self._inbox and self._native_eligible(op):
+        elif not self._inbox and self._native_eligible(op):
             key = self._keys.get((op.name, op.spec))
             if key is not None and self._native_submit(op, key, sync, lazy=True):  # declared before: no engine hop
                 return op
@@ -276,8 +272,9 @@ class Engine:
 
     def _start_native(self):
         """Hand the authenticated server sockets to the native thread (core/bps_worker.h)."""
-        if not (self.cfg.native and self.cfg.zmq_direct and _worker_core is not None and _worker_core.available):
-            return
+        if not _worker_core.available:
+            from ._transport import unavailable_reason
+            raise BytePSError(f"the native worker core cannot run here: {unavailable_reason}")
         from ._reduce import get_num_threads
 
         core = _worker_core.WorkerCore(self.control.node_id, self.cfg.scheduling_credit * self.cfg.partition_bytes,
@@ -288,8 +285,8 @@ class Engine:
             core.add_server(sock)
         self._open_links(core)
         # the local reduce too, unless the topology executor does it (core/local_exec.py)
-        if self.local is not None and self.cfg.native_local and self.cfg.local_strategy != "topology":
-            links = self._open_local_links() if self.cfg.local_links else {}
+        if self.local is not None and self.cfg.local_strategy != "topology":
+            links = self._open_local_links()
             self.poller.unregister(self._local_sock)
             core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
                            self._gate.secret is None)
@@ -323,9 +320,7 @@ class Engine:
     def _open_links(self, core):
         """Direct TCP links to the servers (core/bps_link.h): ask each for a one-time token over the
         authenticated ZeroMQ socket, connect, present it, and hand the socket to the native thread. A
-        server that has none (its Python loop, BYTEPS_DIRECT_TCP=0 there) stays on ZeroMQ."""
-        if not self.cfg.direct_tcp:
-            return
+        server that cannot listen for links stays on ZeroMQ (logged)."""
         from . import ucx
         use_ucx = ucx.choose(self.cfg.transport, _worker_core) == "ucx"
         poller, asked = zmq.Poller(), {}
@@ -377,8 +372,7 @@ class Engine:
         the highest rank waits for nobody, so no wait is circular. A pair whose link does not come up
         within the time limit stays on ZeroMQ (logged with the local rank waited for).
 
-        With BYTEPS_LOCAL_RINGS=1 the offer also names a memfd of shared-memory rings that the higher
-        rank made for the pair ({"ring": {pid, fd, inode}}); the lower rank opens it and says so in its
+        The offer also names a memfd of shared-memory rings that the higher rank made for the pair ({"ring": {pid, fd, inode}}); the lower rank opens it and says so in its
         hello (arg 1), and then both ends carry the link's bytes through it (core/bps_link.h
         BpsShmLink). A ring that does not open leaves that pair on the TCP socket alone."""
         me, node = self.cfg.local_rank, self.control.node_id
@@ -393,11 +387,10 @@ class Engine:
                 token = os.urandom(transport.TOKEN_BYTES)
                 expected[token] = lr
                 offer = {"port": port, "token": token.hex(), "local_rank": me}
-                if self.cfg.local_rings:
-                    try:
-                        rings[lr], offer["ring"] = shm.ring_region(_worker_core.RING_REGION_BYTES)
-                    except OSError as e:
-                        logger.info("no shared-memory ring for local rank %d (%s): its link stays on TCP", lr, e)
+                try:
+                    rings[lr], offer["ring"] = shm.ring_region(_worker_core.RING_REGION_BYTES)
+                except OSError as e:
+                    logger.info("no shared-memory ring for local rank %d (%s): its link stays on TCP", lr, e)
                 self._local_peers[lr].send_multipart(wire.control(Cmd.LINK, node, offer))
         poller = zmq.Poller()
         poller.register(self._local_sock, zmq.POLLIN)
@@ -418,12 +411,12 @@ class Engine:
                 serve(100)
             offer = self._link_offers.pop(lr, None)
             if offer is None:
-                logger.warning("local rank %d offered no direct link within %g s (is BYTEPS_LOCAL_LINKS=1 there?); "
+                logger.warning("local rank %d offered no direct link within %g s; "
                                "its local messages go through ZeroMQ", lr, limit)
                 continue
             port, token, ident, ring_info = offer
             ring_fd = None
-            if ring_info is not None and self.cfg.local_rings:
+            if ring_info is not None:
                 try:
                     ring_fd = shm.open_ring(ring_info, _worker_core.RING_REGION_BYTES)
                 except ProtocolError as e:
@@ -520,6 +513,8 @@ class Engine:
         join() a process runs its local reduce in Python (the native side routes each partition's
         LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
         still meet)."""
+        # what stays on this engine's Python partition path: compressed ops, process sets, the topology
+        # executor's ranges (RangeOp) and a process's local reduce after join(); the native core runs none yet
         if type(op) is not Op or op.codec is not None or op.pset is not None:
             return False
         if op.cmd == Cmd.BROADCAST:
@@ -692,25 +687,13 @@ class Engine:
                 self.control.send(Cmd.SUSPECT, {"server": server})
 
     def _next_round(self, key):
-        if self._native is not None:
-            return self._native.next_round(key)
-        rnd = self._rounds[key]
-        self._rounds[key] = rnd + 1
-        return rnd
+        return self._native.next_round(key)  # one count per key, whichever side sends the partition
 
     def _send_data(self, server, header, body):
-        """Send a data message to a server from Python: through the native thread once it owns the sockets."""
-        if self._native is not None:
-            token = next(self._keep_tokens)
-            if self._native.send(server, header, body, token):
-                self._keepalive[token] = body
-            return
-        sock = self.servers[server]
-        nbytes = body.nbytes if hasattr(body, "nbytes") else len(body)
-        if nbytes < transport.COPY_BELOW:
-            self._io[sock].send_multipart([header, body])
-        else:  # zero-copy from the tensor: ZeroMQ reads it while it is on the wire
-            sock.send_multipart([header, body], copy=False)
+        """Send a data message to a server from Python, through the native thread, which owns the sockets."""
+        token = next(self._keep_tokens)
+        if self._native.send(server, header, body, token):
+            self._keepalive[token] = body  # alive until the native thread has sent it
 
     def transport_bytes(self):
         """Bytes sent to / received from each server on the data sockets (both paths)."""
@@ -790,7 +773,7 @@ class Engine:
             self._local_sock = self.ctx.socket(zmq.ROUTER)
             self._local_sock.setsockopt(zmq.LINGER, 0)
             info["local_port"] = self._local_sock.bind_to_random_port("tcp://127.0.0.1")
-            self._io[self._local_sock] = transport.wrap(self._local_sock, self.cfg.zmq_direct)
+            self._io[self._local_sock] = transport.wrap(self._local_sock)
         if self.cfg.timeline:
             timeline.start(self.cfg).wake = self._wake
         self.control = ControlClient(self.ctx, self.cfg, info)
@@ -817,7 +800,7 @@ class Engine:
             sock.connect(f"tcp://{info['host']}:{info['port']}")
             self.poller.register(sock, zmq.POLLIN)
             self.servers.append(sock)
-            self._io[sock] = transport.wrap(sock, self.cfg.zmq_direct)
+            self._io[sock] = transport.wrap(sock)
         self._server_index = {sock: i for i, sock in enumerate(self.servers)}
         # which server sums which bytes: the k/n split of byteps/placement.py, the same on every worker
         self.placement = Placement.from_book(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
@@ -871,10 +854,9 @@ class Engine:
         if not both_set and (self.local is None or self.cfg.local_rank == 0):
             measurement = autotune.test_link(env) or self._probe(
                 autotune.probe_target(self.book["servers"], weights, me, self.rank))
-        native = (self.cfg.native and self.cfg.zmq_direct and _worker_core is not None and _worker_core.available
-                  and self.local is None)
+        # the per-partition cost of a machine's local reduce was fitted on its Python path (byteps/autotune.py)
         mine = autotune.propose(measurement, shape, self.cfg.placement,
-                                autotune.PIECE_COST_NATIVE if native else autotune.PIECE_COST_PYTHON,
+                                autotune.PIECE_COST_NATIVE if self.local is None else autotune.PIECE_COST_PYTHON,
                                 self.cfg.worker_id, env)
         self.control.send(Cmd.BARRIER, {"name": autotune.AGREE_BARRIER, "value": mine})
         # the scheduler answers, naming the ranks it lacks, after BYTEPS_TIMEOUT; this wait is longer
@@ -995,7 +977,7 @@ class Engine:
             sock.setsockopt(zmq.IDENTITY, auth.new_identity())
             sock.connect(f"tcp://127.0.0.1:{w['local_port']}")
             self._local_peers[w["local_rank"]] = sock
-            self._io[sock] = transport.wrap(sock, self.cfg.zmq_direct)
+            self._io[sock] = transport.wrap(sock)
         self.poller.register(self._local_sock, zmq.POLLIN)
         self._compute = ComputeStage(self._wake)
         logger.info("local reduce with %d processes on this machine", self.local.size)
@@ -1017,12 +999,9 @@ class Engine:
                         pass
                 elif sock is self.control.sock:
                     self._drain(sock, lambda _: self._on_control())
-                elif sock is self._local_sock:
+                elif sock is self._local_sock:  # not when the native thread runs the local reduce
                     self._drain_data(sock, self._on_local)
-                else:
-                    self._drain_data(sock, lambda s, frames: self._on_data(self._server_index[s], frames))
-            if self._native is not None:
-                self._drain_native()
+            self._drain_native()  # the servers' sockets are the native thread's: their replies come from it
             if self._compute is not None:
                 while self._compute.done:
                     self._on_reduced(*self._compute.done.popleft())
@@ -1040,7 +1019,7 @@ class Engine:
                 self._check_timeouts()
                 if len(self._sendq):  # a stalled credit (CREDIT_STALL_S)
                     self._send_ready()
-                if self._native is not None and not self._stall_noted:
+                if not self._stall_noted:
                     stalls, first = self._native.credit_stalls()
                     if stalls:
                         self._note_stall(repr(first))
@@ -1148,8 +1127,6 @@ class Engine:
         each tensor were submitted. COMMIT: the n-th op of a tensor uses the new membership's
         partitions from the cut (the largest count over all workers) on; stranded partitions go to
         their replacements in their rounds."""
-        if self._native is None:  # config.load refuses BYTEPS_ELASTIC=1 without it
-            raise BytePSError("the scheduler changed the servers, but this worker has no native data plane")
         if body.get("phase") == "prepare":
             began = time.monotonic()
             counts = self._native.hold(body.get("dead", []))
@@ -1206,14 +1183,13 @@ class Engine:
                 raise BytePSError(f"{who} answered {Cmd(header.cmd).name} to our HELLO: {body.get('error')}")
             sock.send_multipart(wire.control(Cmd.AUTH, self.control.node_id, {"mac": knock.answer(body, who)}))
         fd = -1
-        if self.cfg.direct_tcp:
-            header, answer = self._ask(sock, wire.control(Cmd.LINK, self.control.node_id), limit, who)
-            if header.cmd == Cmd.LINK and "port" in answer:
-                try:
-                    fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
-                                             sock.getsockopt(zmq.IDENTITY), self.control.node_id, limit)
-                except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:
-                    logger.warning("no direct link to %s: %s; its data goes through ZeroMQ", who, e)
+        header, answer = self._ask(sock, wire.control(Cmd.LINK, self.control.node_id), limit, who)
+        if header.cmd == Cmd.LINK and "port" in answer:
+            try:
+                fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
+                                         sock.getsockopt(zmq.IDENTITY), self.control.node_id, limit)
+            except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:
+                logger.warning("no direct link to %s: %s; its data goes through ZeroMQ", who, e)
         shared = (self.cfg.enable_ipc and Stage.STAGE not in self._dropped and info["host"] == self.cfg.node_host
                   and shm.can_share(info.get("shm"), self._maps))
         if shared and self._shm is None:
@@ -1221,8 +1197,6 @@ class Engine:
         self.colocated.append(shared)
         self._native.set_colocated(index, shared)
         self.servers.append(sock)
-        self._server_index[sock] = index
-        self._io[sock] = transport.wrap(sock, self.cfg.zmq_direct)
         self._native.add_server_live(sock, fd)
         logger.info("%s joined: %s", who, "direct TCP link" if fd >= 0 else "ZeroMQ")
 
@@ -1248,9 +1222,7 @@ class Engine:
             # every rank is in join(), nothing is in flight: a sync point where rounds restart at 0
             self.joined = frozenset()
             self._joins_ended += 1
-            self._rounds.clear()
-            if self._native is not None:
-                self._native.reset_rounds()
+            self._native.reset_rounds()
             # nothing of the join is in flight now; copies local peers sent after they heard the end
             # belong to this process's next ops (their rounds restarted at 0 too)
             for ident in [i for i in self._early if i not in self._early_next]:
@@ -1346,7 +1318,7 @@ class Engine:
         if self._local_exec is not None and self._local_exec.owns(op):
             self._local_exec.keyed(op, tkey)  # the topology executor runs it (core/local_exec.py)
             return
-        if self._native is not None and self._native_eligible(op) and self._native_submit(op, tkey):
+        if self._native_eligible(op) and self._native_submit(op, tkey):
             return
         if self.cfg.elastic:  # only the native core re-sends a lost server's partitions (docs/elastic.md)
             op.fail(ConfigError(f"tensor {op.name!r}: BYTEPS_ELASTIC=1 supports plain push_pull and broadcast "

@@ -18,12 +18,12 @@ reduce-scatter at partition granularity); BYTEPS_LOCAL_PUSH=root makes local ran
 A staging region is reused by the next round only after everyone has moved on: a process sends
 LOCAL_READY for round r+1 only once it has copied out round r.
 
-With the native core (BYTEPS_NATIVE=1, BYTEPS_NATIVE_LOCAL=1) plain push_pulls run these steps in
-core/bps_worker.h ("Local reduce"): the network thread byteps-net owns the local sockets, and the
-sums of partitions >= 256 KB run on its stage thread (also named byteps-reduce), by priority. The
-Python path here (core/engine.py) stays for compressed ops, join() (a process switches to it for
-the rest of the job) and BYTEPS_NATIVE=0; the wire messages are the same, and the native thread
-hands each partition's messages to whichever side runs it.
+Plain push_pulls run these steps in the native core, core/bps_worker.h ("Local reduce"): the
+network thread byteps-net owns the local sockets, and the sums of partitions >= 256 KB run on its
+stage thread (also named byteps-reduce), by priority. The Python path here (core/engine.py) stays
+only for what the native core does not run yet: compressed and process-set ops, and join() (a
+process switches to it for the rest of the job); the wire messages are the same, and the native
+thread hands each partition's messages to whichever side runs it.
 """
 import collections
 import threading

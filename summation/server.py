@@ -27,13 +27,12 @@ A push of the wrong round, a duplicate, or a length/dtype that differs from the 
 push fails that round for every worker of it (each gets an ERROR naming the ranks and values),
 so no worker waits forever and no bytes are silently truncated.
 
-Native data plane (BYTEPS_NATIVE, on by default for servers): once the first address book has
-arrived, the data socket belongs to the thread "byteps-serve" (core/bps_server.h through
-summation/_server_core.pyx), which does all of the above for plain pushes without the GIL. This
-loop then keeps the control plane and handles what that thread forwards (handshakes, strangers,
-PROBE, compressed and asynchronous keys, malformed messages) with the same code as before; its
-replies go out through the native thread. Without the native core (BYTEPS_NATIVE=0, BYTEPS_ZMQ_DIRECT=0,
-or pyzmq's libzmq not found) this loop does everything, as before.
+Native data plane: once the first address book has arrived, the data socket belongs to the thread
+"byteps-serve" (core/bps_server.h through summation/_server_core.pyx), which does all of the above
+for plain pushes without the GIL. This loop keeps the control plane and handles what that thread
+forwards: handshakes, strangers, PROBE, LINK, and the rounds the native core does not run yet
+(compressed pushes, process sets' keys, asynchronous training); its replies go out through the
+native thread.
 """
 import itertools
 import os
@@ -50,10 +49,7 @@ from byteps.log import logger
 
 from .sum_pool import SumPool
 
-try:
-    from . import _server_core
-except ImportError:  # a source tree without build_ext: the Python loop does everything
-    _server_core = None
+from . import _server_core
 
 Cmd = wire.Cmd
 #: replies whose body is smaller than this are copied into ZeroMQ (cheaper than a zero-copy send)
@@ -168,7 +164,8 @@ class Server:
         self.set_pushers = {}    # tensor key of a process set -> how many members push it (for the job)
         self.index = None
         self.epoch = None
-        self.fast = transport.wrap(self.data, cfg.zmq_direct)  # the data plane's message I/O (core/_transport.pyx)
+        if not _server_core.available:
+            raise BytePSError(f"the native server core cannot run here: {_server_core.unavailable_reason}")
         self._frames, self._next = [], 0
         self.pool = SumPool(cfg.server_engine_threads)  # BYTEPS_SERVER_ENGINE_THREAD
         self.poller = None
@@ -295,25 +292,17 @@ class Server:
     # ---------------------------------------------------------------- native data plane
 
     def _start_native(self):
-        """Hand the data socket to the native thread byteps-serve (core/bps_server.h), if it may run."""
-        if not self.cfg.native:
-            return
-        if not self.cfg.zmq_direct or _server_core is None or not _server_core.available:
-            why = ("BYTEPS_ZMQ_DIRECT=0" if not self.cfg.zmq_direct else "summation/_server_core is not built"
-                   if _server_core is None else _server_core.unavailable_reason)
-            logger.info("native data plane unavailable (%s): the Python loop serves every push", why)
-            return
-        # anything Python received before the hand-over was handled already: the socket is idle here
+        """Hand the data socket to the native thread byteps-serve (core/bps_server.h). Python never reads it:
+        workers learn its address from the same address book, so nothing arrives before this."""
         core = _server_core.ServerCore(self.data, self.gate.secret is not None, self.alloc is not None,
                                        self.cfg.server_engine_threads, get_num_threads())
         core.set_adopt_rounds(self.cfg.elastic)
-        if self.cfg.direct_tcp:  # workers' direct links (core/bps_link.h); ZeroMQ serves them meanwhile
-            try:
-                fd, self.link_port = transport.listen_link(self.cfg.node_host)
-                core.set_listener(fd)
-            except OSError as e:
-                logger.info("no direct links (cannot listen on %s: %s): workers' data goes through ZeroMQ",
-                            self.cfg.node_host, e)
+        try:  # workers' direct links (core/bps_link.h); ZeroMQ serves them meanwhile
+            fd, self.link_port = transport.listen_link(self.cfg.node_host)
+            core.set_listener(fd)
+        except OSError as e:
+            logger.warning("no direct links (cannot listen on %s: %s): workers' data goes through ZeroMQ",
+                           self.cfg.node_host, e)
         self.ucx_port = self._ucx_listen(core)
         for ident in self.gate.admitted():
             core.admit(ident, True)
@@ -322,7 +311,6 @@ class Server:
         core.start()
         self.core = core
         if self.poller is not None:
-            self.poller.unregister(self.data)
             self.poller.register(core.notify_fd, zmq.POLLIN)
         logger.info("native data plane: pushes received, summed and answered on thread byteps-serve "
                     "(%s)", f"{self.cfg.server_engine_threads} sum threads" if self.cfg.server_engine_threads
@@ -331,8 +319,6 @@ class Server:
     def _ucx_listen(self, core):
         """A UCX listener for workers' endpoints (core/bps_ucx.h) when this server's transport is UCX:
         its port, or None (workers then use TCP links or ZeroMQ)."""
-        if not self.cfg.direct_tcp:
-            return None
         from byteps.core import ucx
         if ucx.choose(self.cfg.transport, _server_core) != "ucx":
             return None
@@ -395,25 +381,13 @@ class Server:
         self._next = len(self._frames)
 
     def _send(self, frames, copy=True):
-        """Send a message; small ones are copied in one C call, large bodies go zero-copy."""
-        if self.core is not None:  # the native thread owns the socket
-            token = None
-            if not copy and len(frames[-1]) >= COPY_BELOW:
-                token = next(self._tokens)
-                self._zero_copy[token] = frames[-1]  # alive until the native thread says it is released
-            if not self.core.send(frames, token) and token is not None:
-                self._zero_copy.pop(token, None)
-            return
-        try:
-            if copy or len(frames[-1]) < COPY_BELOW:
-                self.fast.send_multipart(frames)
-            else:
-                self.data.send_multipart(frames, copy=False)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            # that worker is gone; the scheduler reports the loss to everyone
-            logger.debug("reply to a disconnected worker dropped")
+        """Send a message through the native thread, which owns the socket; large bodies go zero-copy."""
+        token = None
+        if not copy and len(frames[-1]) >= COPY_BELOW:
+            token = next(self._tokens)
+            self._zero_copy[token] = frames[-1]  # alive until the native thread says it is released
+        if not self.core.send(frames, token) and token is not None:
+            self._zero_copy.pop(token, None)
 
     def _reply_error(self, ident, header, msg):
         body = wire.encode({"error": msg})
@@ -431,8 +405,8 @@ class Server:
         """LINK from an authenticated worker: a one-time token for a direct TCP link (core/bps_link.h),
         or why not (the worker then stays on ZeroMQ)."""
         self._discard_rest()
-        if self.core is None or (self.link_port is None and self.ucx_port is None):
-            answer = {"error": "this server has no direct links (BYTEPS_NATIVE=0 or BYTEPS_DIRECT_TCP=0 here)"}
+        if self.link_port is None and self.ucx_port is None:
+            answer = {"error": f"this server cannot listen for direct links on {self.cfg.node_host}"}
         else:
             token = os.urandom(transport.TOKEN_BYTES)  # one use, on a TCP link or a UCX endpoint
             self.core.expect_link(ident, token)  # queued before the answer below: the token is known first
@@ -441,16 +415,8 @@ class Server:
                 answer["ucx_port"] = self.ucx_port
         self._send([ident] + wire.control(Cmd.LINK, self.control.node_id, answer))
 
-    def _on_data(self):
-        """Handle one data-plane message; False if none was queued."""
-        frames = self.fast.recv_multipart()
-        if frames is None:
-            return False
-        self._handle(frames)
-        return True
-
     def _handle(self, frames):
-        """One data-plane message (received here, or forwarded by the native thread); True."""
+        """One data-plane message the native thread forwarded; True."""
         self._frames, self._next = frames, 2
         if len(frames) < 2:
             return True
@@ -635,6 +601,9 @@ class Server:
             self._send([ident] + wire.control(Cmd.CHALLENGE, self.control.node_id, self.gate.challenge(ident, body)))
         elif not self.gate.check(ident, body.get("mac")):
             logger.warning("refused worker connection %r: authentication failed", ident)
+
+    # The synchronous rounds below serve only the keys the native core forwards: compressed pushes,
+    # process sets' keys (FLAG_PYTHON) and keys handed over mid-round (_take_handover); it runs the rest.
 
     def _check(self, st, h, rank):
         """Why this message cannot join the round, or None (messages are built only on error)."""
@@ -848,7 +817,6 @@ class Server:
     def run(self):
         self.control.register()
         poller = self.poller = zmq.Poller()
-        poller.register(self.data, zmq.POLLIN)
         poller.register(self.control.sock, zmq.POLLIN)
         if self.pool.fd is not None:
             poller.register(self.pool.fd, zmq.POLLIN)
@@ -865,11 +833,6 @@ class Server:
                 self._on_summed()
             if self.core is not None and self.core.notify_fd in events:
                 self._on_native()
-            if self.core is None and self.data in events:
-                # drain a burst of data messages before looking at the clock again
-                for _ in range(64):
-                    if not self._on_data():
-                        break
             self.control.tick()
             now = time.monotonic()
             if now >= next_check:  # walks every key: not once per message

@@ -242,6 +242,12 @@ def main():
     if args.get("no_init"):
         SCENARIOS[name](outdir, args)
         return
+    if os.environ.get("TEST_NO_LOCAL_RINGS") == "1":  # a ring that cannot be made: the pair's link stays on TCP
+        from byteps.core import shm
+
+        def no_ring(nbytes):
+            raise OSError("rings refused by the test")
+        shm.ring_region = no_ring
     bps.init()
     from byteps.common import _job
 
@@ -250,7 +256,7 @@ def main():
     result = {"rank": m["rank"], "size": m["size"], "local_rank": m["local_rank"], "local_size": m["local_size"],
               "colocated": [s["colocated"] for s in m["servers"]] if dataplane else None,
               "local_reduce": m["local_group"] if dataplane else None,
-              # the data-plane message I/O in use (core/transport.py): FastSocket or PyzmqSocket
+              # the data-plane message I/O in use (core/transport.py): FastSocket
               "transport": sorted({type(io).__name__ for io in _job.engine._io.values()}) if dataplane else None}
     try:
         result["value"] = SCENARIOS[name](outdir, args)

@@ -403,14 +403,14 @@ def test_balanced_partitions_are_never_too_small_to_cut():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("native", ["0", "1"])
-def test_urgent_tensor_past_a_full_credit_does_not_deadlock(cluster, native):
+@pytest.mark.parametrize("compressor", ["fp16", "none"], ids=["python-queue", "native-queue"])
+def test_urgent_tensor_past_a_full_credit_does_not_deadlock(cluster, compressor):
     """Small partitions (as probed on slow links) and a full credit: the most urgent tensor goes out
     past the credit piece by piece on every worker, so every worker must send a partition's pieces in
     the same order, or each server waits for a piece another worker's credit holds back (seen on
     the emulated cluster: bench_users.py --cluster hung with 1 MB partitions at 1 Gbit/s)."""
     c = cluster(2, 2, env={"BYTEPS_PARTITION_BYTES": "65536", "BYTEPS_SCHEDULING_CREDIT": "1",
-                           "BYTEPS_TIMEOUT": "10", "BYTEPS_NATIVE": native, "BYTEPS_ENABLE_IPC": "0"})
+                           "BYTEPS_TIMEOUT": "10", "BYTEPS_COMPRESSOR": compressor, "BYTEPS_ENABLE_IPC": "0"})
     c.run_workers("credit_crossing")
     for v in _tuned(c):
         assert v["errors"] == [] and v["exact"], v

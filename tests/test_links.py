@@ -1,8 +1,7 @@
 """Direct TCP links between the native threads (core/bps_link.h): the data path without ZeroMQ.
 
 * exact sums of every dtype with every server reached over a link (proved by the workers' link
-  count), over TCP and with shared-memory descriptors, and the same with BYTEPS_DIRECT_TCP=0 (no
-  links: ZeroMQ carries everything);
+  count), over TCP and with shared-memory descriptors;
 * partitions of 8 MiB over the network path: messages larger than a socket buffer, written in
   pieces (the send queue, POLLOUT) and read straight into their frames;
 * the handshake against a real server: an authenticated job member gets a one-time token over
@@ -33,12 +32,6 @@ POINTS = [(2, 2, False), (3, 1, True)]
 def test_exact_sums_over_direct_links(cluster, n, k, ipc):
     res = check_matrix(cluster, n, k, SMALL_SHAPES + [(3, 257)], rounds=3, ipc=ipc)
     assert [res[r]["native_links"] for r in range(n)] == [k] * n, res
-
-
-@pytest.mark.timeout(150)
-def test_direct_tcp_off_goes_through_zeromq(cluster):
-    res = check_matrix(cluster, 2, 2, SMALL_SHAPES, rounds=2, ipc=False, extra_env={"BYTEPS_DIRECT_TCP": "0"})
-    assert [res[r]["native_links"] for r in range(2)] == [0, 0], res
 
 
 @pytest.mark.timeout(180)

@@ -1,7 +1,7 @@
 """Local links (core/bps_worker.h, "Local links"): a machine's worker processes send each other the
 local reduce's messages over direct links that byteps-net reads and writes, not ZeroMQ: shared-memory
-rings with a TCP socket for wake-ups (BYTEPS_LOCAL_RINGS=1, the default; tests/test_local_rings.py
-tests the rings alone), or the TCP socket itself.
+rings with a TCP socket for wake-ups (tests/test_local_rings.py tests the rings alone), or the TCP
+socket itself where a ring cannot be made.
 
 Every job here is real (scheduler, servers and workers as processes on 127.0.0.1); sums are compared
 bit for bit with locally computed ones by test_push_pull.check_matrix.
@@ -10,37 +10,29 @@ import os
 
 import pytest
 
-from byteps.core import _worker_core
 from test_native_core import run_join
 from test_push_pull import SMALL_SHAPES, check_matrix
 
-pytestmark = pytest.mark.skipif(not _worker_core.available, reason="the native core needs pyzmq's libzmq "
-                                                                   "as a shared object")
 
 #: one tiny partition, a few inline-summed ones, and 300000-byte partitions summed on the stage thread
 SHAPES = SMALL_SHAPES + [(3, 257), (3, 70001)]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("links,rings", [("1", "1"), ("1", "0"), ("0", "1")], ids=["rings", "tcp-links", "zeromq"])
-def test_exact_sums_with_local_links_on_and_off(cluster, links, rings):
-    """1 machine x 2 processes: exact sums either way; with links on, every LOCAL_READY / LOCAL_DONE
-    went over the links (their counters), through shared-memory rings unless BYTEPS_LOCAL_RINGS=0;
-    with links off none did."""
+@pytest.mark.parametrize("rings", ["1", "0"], ids=["rings", "tcp-links"])
+def test_exact_sums_over_local_links(cluster, rings):
+    """1 machine x 2 processes: exact sums; every LOCAL_READY / LOCAL_DONE went over the links (their
+    counters), through shared-memory rings unless the test refuses to make them (the pair then stays on
+    the link's TCP socket)."""
     res = check_matrix(cluster, 1, 1, SHAPES, rounds=2, extreme=True, local_size=2,
-                       extra_env={"BYTEPS_PARTITION_BYTES": "300000", "BYTEPS_LOCAL_LINKS": links,
-                                  "BYTEPS_LOCAL_RINGS": rings})
+                       extra_env={"BYTEPS_PARTITION_BYTES": "300000", "TEST_NO_LOCAL_RINGS": str(1 - int(rings))})
     stats = [res[r]["native_local"] for r in range(2)]
     assert all(s is not None and s["reduced"] > 0 and s["coordinated"] > 0 for s in stats), stats
-    if links == "1":
-        for s in stats:
-            assert s["links_up"] == 1 and s["rings_up"] == int(rings), stats
-            # each partition's non-owner sends one LOCAL_READY and gets one LOCAL_DONE: all on links
-            assert s["link_sent"] >= s["coordinated"] + s["reduced"] and s["link_received"] > 0, stats
-        assert sum(s["link_sent"] for s in stats) == sum(s["link_received"] for s in stats), stats
-    else:
-        assert all(s["links_up"] == 0 and s["rings_up"] == 0 and s["link_sent"] == 0 and s["link_received"] == 0
-                   for s in stats), stats
+    for s in stats:
+        assert s["links_up"] == 1 and s["rings_up"] == int(rings), stats
+        # each partition's non-owner sends one LOCAL_READY and gets one LOCAL_DONE: all on links
+        assert s["link_sent"] >= s["coordinated"] + s["reduced"] and s["link_received"] > 0, stats
+    assert sum(s["link_sent"] for s in stats) == sum(s["link_received"] for s in stats), stats
 
 
 @pytest.mark.timeout(300)

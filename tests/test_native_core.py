@@ -1,27 +1,23 @@
-"""The worker's native data plane (core/bps_worker.h, core/_worker_core.pyx) against the Python engine.
+"""The worker's native data plane (core/bps_worker.h, core/_worker_core.pyx).
 
 Every job here is real (scheduler, servers and workers as processes on 127.0.0.1); sums are compared
 bit for bit with locally computed ones by test_push_pull.check_matrix.
 """
 import pytest
 
-from byteps.core import _worker_core
 from test_push_pull import SMALL_SHAPES, check_matrix
 
-pytestmark = pytest.mark.skipif(not _worker_core.available, reason="the native core needs pyzmq's libzmq "
-                                                                   "as a shared object")
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("ipc", [True, False], ids=["shm", "tcp"])
-@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
-def test_exact_sums_through_either_engine(cluster, native, ipc):
+def test_exact_sums_through_the_native_engine(cluster, ipc):
     """Every dtype and shape, partitions below and above the zero-copy size, through shared memory
-    and TCP; the native path really ran (or really did not)."""
+    and TCP; the native path really ran."""
     res = check_matrix(cluster, 2, 2, SMALL_SHAPES + [(3, 70001)], rounds=2, extreme=False, ipc=ipc,
-                       extra_env={"BYTEPS_PARTITION_BYTES": "300000", "BYTEPS_NATIVE": native})
+                       extra_env={"BYTEPS_PARTITION_BYTES": "300000"})
     for r, v in res.items():
-        assert (v["native_ops"] > 0) == (native == "1"), (r, v["native_ops"])
+        assert v["native_ops"] > 0, (r, v["native_ops"])
 
 
 
@@ -48,48 +44,37 @@ LOCAL_NATIVE_POINTS = [(1, 2), (1, 4), (2, 2)]
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("m,l", LOCAL_NATIVE_POINTS, ids=[f"{m}x{l}" for m, l in LOCAL_NATIVE_POINTS])
-def test_local_reduce_native_is_bit_identical_to_python(cluster, m, l):
+def test_local_reduce_native_is_exact(cluster, m, l):
     """Every dtype (fp16/bf16 and ints included), 1 to many partitions, above and below the inline-sum
-    size, 2 rounds: exact against the ground truth through both engines, and the two give the same bytes;
-    the native local path really ran (its counters), and the Python one really did not."""
+    size, 2 rounds: exact against the ground truth computed locally (check_matrix); the native local
+    path really ran (its counters)."""
     env = {"BYTEPS_PARTITION_BYTES": "300000", "PARTITION_BYTES_NOTE": "see LOCAL_SHAPES"}
-    runs = {}
-    for native in ("1", "0"):
-        def make(*a, _native=native, **kw):
-            return cluster(*a, subdir=f"native{_native}", **kw)
-        runs[native] = check_matrix(make, m, 1, LOCAL_SHAPES, rounds=2, extreme=True, ipc=m == 1, local_size=l,
-                                    extra_env=dict(env, BYTEPS_NATIVE=native))
+    runs = check_matrix(cluster, m, 1, LOCAL_SHAPES, rounds=2, extreme=True, ipc=m == 1, local_size=l, extra_env=env)
     n = m * l
-    for r in range(n):
-        assert runs["1"][r]["value"] == runs["0"][r]["value"], f"rank {r}: native and Python sums differ"
-        assert runs["0"][r]["native_local"] is None, runs["0"][r]
-    stats = [runs["1"][r]["native_local"] for r in range(n)]
+    stats = [runs[r]["native_local"] for r in range(n)]
     assert all(s is not None and s["ops"] > 0 and s["reduced"] > 0 and s["coordinated"] > 0 for s in stats), stats
     assert sum(s["reduced_on_thread"] for s in stats) > 0, stats  # big partitions were summed off the network thread
-    # one worker machine: its local sum is the job's, no partition goes to a server (core/stages.py), in
-    # both engines; with two machines the owners push
-    for native in ("1", "0"):
-        sent = [runs[native][r]["data_sent"] for r in range(n)]
-        assert (sum(sent) == 0) == (m == 1), (native, sent)
+    # one worker machine: its local sum is the job's, no partition goes to a server (core/stages.py); with
+    # two machines the owners push
+    sent = [runs[r]["data_sent"] for r in range(n)]
+    assert (sum(sent) == 0) == (m == 1), sent
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
-def test_missing_local_rank_is_named_in_the_time_out(cluster, native):
+def test_missing_local_rank_is_named_in_the_time_out(cluster):
     timeout = 8  # also bounds start-up, which takes a few seconds on a loaded 2-core machine
-    c = cluster(1, 1, local_size=2, env={"BYTEPS_TIMEOUT": str(timeout), "BYTEPS_PARTITION_BYTES": "4000",
-                                         "BYTEPS_NATIVE": native})
+    c = cluster(1, 1, local_size=2, env={"BYTEPS_TIMEOUT": str(timeout), "BYTEPS_PARTITION_BYTES": "4000"})
     c.run_workers("local_rank_missing", {"sleep": 2 * timeout + 6})
     codes, _, _ = c.wait_all(90)
     assert codes == [0, 0], c.all_logs()
     res = c.results()[0]
     got = res["value"]
-    for name in ("multi", "one") if native == "1" else ("multi",):  # Python's owner names no one for its own
+    for name in ("multi", "one"):
         err = got[name]
         assert err.startswith("BytePSTimeoutError") and f"tensor {name!r}" in err and "local rank 1" in err, err
         assert f"BYTEPS_TIMEOUT={timeout}" in err and "a local rank waits for its machine's other processes" in err, err
     assert got["one"].startswith("BytePSTimeoutError"), got
-    assert (res["native_local"] is not None) == (native == "1"), res
+    assert res["native_local"] is not None, res
 
 
 @pytest.mark.timeout(120)

@@ -124,10 +124,11 @@ def test_summary_and_chart(loopback, tmp_path):
 
 @pytest.mark.timeout(200)
 def test_python_engines_record_the_same_stages(tmp_path):
-    """BYTEPS_NATIVE=0: the Python engine and server loop record QUEUE, PUSH, PULL and RECV, ROUND,
-    REPLY on their own threads, and the pushes nest in the same way."""
+    """Compressed push_pulls (still on the Python data plane): the Python engine and server loop record
+    QUEUE, PUSH, PULL and RECV, ROUND, REPLY on their own threads, and the pushes nest in the same way.
+    The sums are small integers, exact in fp16."""
     path = str(tmp_path / "py.trace.json")
-    c = Cluster(str(tmp_path), 2, 2, env={"BYTEPS_TIMELINE": path, "BYTEPS_NATIVE": "0"}).start()
+    c = Cluster(str(tmp_path), 2, 2, env={"BYTEPS_TIMELINE": path, "BYTEPS_COMPRESSOR": "fp16"}).start()
     try:
         for wid in range(2):
             c.workers.append(c._spawn([sys.executable, WORKER, "4"], "worker", {"DMLC_WORKER_ID": str(wid)},

@@ -1,6 +1,6 @@
-"""core/transport.py: whole-message I/O through libzmq called from C (core/_transport.pyx), or pyzmq.
+"""core/transport.py: whole-message I/O through libzmq called from C (core/_transport.pyx).
 
-Both implementations run every test on real ZeroMQ sockets over loopback TCP.
+Every test runs on real ZeroMQ sockets over loopback TCP.
 """
 import threading
 import time
@@ -11,12 +11,9 @@ import zmq
 
 from byteps.core import transport
 
-IMPLS = ["direct", "pyzmq"]
-
-
-def wrap(sock, impl):
-    io = transport.wrap(sock, direct=impl == "direct")
-    assert type(io).__name__ == ("FastSocket" if impl == "direct" else "PyzmqSocket")
+def wrap(sock):
+    io = transport.wrap(sock)
+    assert type(io).__name__ == "FastSocket"
     return io
 
 
@@ -54,14 +51,13 @@ def receive(io, timeout=5.0):
 
 
 def test_direct_path_is_available_here():
-    ok, why = transport.direct_available()
-    assert ok, why
+    from byteps.core import _transport
+    assert _transport.available, _transport.unavailable_reason
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_round_trip_small_large_and_empty_frames(pair, impl):
+def test_round_trip_small_large_and_empty_frames(pair):
     router, dealer = pair
-    r, d = wrap(router, impl), wrap(dealer, impl)
+    r, d = wrap(router), wrap(dealer)
     assert r.recv_multipart() is None  # nothing queued: returns at once
     big = np.arange(transport.COPY_BELOW, dtype=np.uint8)  # exactly the threshold: zero-copy
     d.send_multipart([b"header", b"", bytes(big)])
@@ -77,10 +73,9 @@ def test_round_trip_small_large_and_empty_frames(pair, impl):
     assert frames[0] == b"reply" and isinstance(frames[1], bytes) and len(frames[1]) == transport.COPY_BELOW - 1
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_messages_keep_their_order_and_boundaries(pair, impl):
+def test_messages_keep_their_order_and_boundaries(pair):
     router, dealer = pair
-    r, d = wrap(router, impl), wrap(dealer, impl)
+    r, d = wrap(router), wrap(dealer)
     for i in range(500):
         d.send_multipart([i.to_bytes(4, "little"), bytes([i % 256]) * (i % 7)])
     for i in range(500):
@@ -90,7 +85,7 @@ def test_messages_keep_their_order_and_boundaries(pair, impl):
 
 def test_large_frame_is_zero_copy_writable_and_outlives_its_socket(pair):
     router, dealer = pair
-    r = wrap(router, "direct")
+    r = wrap(router)
     payload = np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8)
     dealer.send_multipart([b"h", payload])
     frame = receive(r)[2]
@@ -102,22 +97,20 @@ def test_large_frame_is_zero_copy_writable_and_outlives_its_socket(pair):
     assert np.array_equal(np.frombuffer(frame.bytes, dtype=np.uint8)[4:], payload[4:])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_unreachable_router_peer_raises_ehostunreach(pair, impl):
+def test_unreachable_router_peer_raises_ehostunreach(pair):
     router, _ = pair
-    r = wrap(router, impl)
+    r = wrap(router)
     with pytest.raises(zmq.ZMQError) as err:
         r.send_multipart([b"nobody", b"x"])
     assert err.value.errno == zmq.EHOSTUNREACH
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_send_at_the_high_water_mark_waits_without_holding_the_gil(impl):
+def test_send_at_the_high_water_mark_waits_without_holding_the_gil():
     """A blocked send must let other Python threads run (here: the reader that unblocks it)."""
     ctx = zmq.Context()
     try:
         pull, push = connected(ctx, zmq.PULL, zmq.PUSH, RCVHWM=1, SNDHWM=1)
-        p = wrap(push, impl)
+        p = wrap(push)
         got = []
         started = threading.Event()
 

@@ -179,3 +179,25 @@ def test_bind_worker_binds_the_training_thread_where_processes_fill_the_cpus(ind
         assert got["cpu"] is None and got["caller"] == got["after"] == usable, got
     assert got["before"] == usable, got
     assert got["usable_after"] == usable
+
+
+def test_removed_variables_warn_once_and_are_ignored():
+    """A variable that chose between two data planes still set: one warning per process naming it and
+    what happens now; the configuration is the one without it."""
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("byteps")
+    log.addHandler(handler)
+    try:
+        config._warned_removed.clear()
+        env = dict(BASE, **{name: "0" for name in config.REMOVED})
+        assert config.load(env) == config.load(BASE)
+        config.load(env)
+    finally:
+        log.removeHandler(handler)
+    for name in config.REMOVED:
+        assert sum(m.startswith(f"{name} no longer exists and is ignored") for m in seen) == 1, (name, seen)
+        assert name not in config.VARIABLES
