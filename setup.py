@@ -103,10 +103,10 @@ def extensions():
             extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing", "-pthread"],
             extra_link_args=["-pthread"],
         ),
-        Extension(  # the server's native data plane (core/bps_server.h)
+        Extension(  # the server's native data plane (summation/native/bps_server.h)
             "byteps.server._server_core",
             ["summation/_server_core.pyx"],
-            include_dirs=[os.path.join(HERE, "core")] + ucx_includes,
+            include_dirs=[HERE] + ucx_includes,  # headers are named from the repository root
             define_macros=ucx_macros,
             libraries=ucx_libs,
             language="c++",
@@ -145,6 +145,7 @@ setup(
     packages=packages(),
     package_dir=PACKAGE_DIR,
     package_data={"byteps": ["VERSION", "py.typed"], "byteps.core": ["*.pxd", "*.pyi", "*.h"],
+                  "byteps.server": ["native/*.h"],
                   "byteps.topology": ["fixtures/*.json"]},  # example machines (docs/topology.md)
     ext_modules=extensions(),
     zip_safe=False,

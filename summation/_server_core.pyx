@@ -1,6 +1,6 @@
 # cython: language_level=3
 # distutils: language = c++
-"""Python's handle on the server's native data plane (core/bps_server.h).
+"""Python's handle on the server's native data plane (summation/native/bps_server.h).
 
 summation/server.py creates one :class:`ServerCore` once the first address book has arrived and
 hands it the data ROUTER socket; the native thread "byteps-serve" then receives, checks, sums and
@@ -25,7 +25,7 @@ from libcpp.vector cimport vector
 
 from byteps.core import _transport
 
-cdef extern from "bps_server.h" nogil:
+cdef extern from "summation/native/bps_server.h" nogil:
     int bps_zmq_load(const char *path)
     int bps_ucx_load(const char *path)
     cbool bps_ucx_built()
@@ -137,7 +137,7 @@ def ucx_registrations():
 bps_cpu_init()  # this module's copy of the kernels picks its SIMD level (bps_reduce.h)
 
 
-cdef extern from "bps_trace.h" nogil:
+cdef extern from "core/bps_trace.h" nogil:
     uintptr_t bps_trace_address()
 
 
