@@ -5,7 +5,7 @@ servers) with BYTEPS_ENABLE_IPC=0, so every partition crosses the transport unde
 byteps' shared-memory descriptors. The transports (docs/ucx.md):
 
 * ``zmq``:     BYTEPS_DIRECT_TCP=0 (every data message through ZeroMQ's I/O threads)
-* ``tcp``:     BYTEPS_TRANSPORT=tcp (direct TCP links, core/bps_link.h)
+* ``tcp``:     BYTEPS_TRANSPORT=tcp (direct TCP links, core/transport/bps_link.h)
 * ``ucx-tcp``: BYTEPS_TRANSPORT=ucx, UCX_TLS=tcp (UCP Active Messages over UCX's tcp transport)
 * ``ucx-sm``:  BYTEPS_TRANSPORT=ucx, UCX_TLS=sm,self,tcp, BYTEPS_UCX_PEER_ERRORS=0 (UCX's shared memory)
 

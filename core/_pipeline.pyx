@@ -9,7 +9,7 @@ released. The queue holds integer task ids only; the owner maps them to objects.
 """
 from libc.stdint cimport int64_t, uint64_t
 
-cdef extern from "bps_queue.h" nogil:
+cdef extern from "core/pipeline/bps_queue.h" nogil:
     cdef cppclass BpsQueue:
         BpsQueue(int64_t credit)
         void push(int64_t priority, uint64_t tie, int64_t id, int64_t nbytes)

@@ -43,12 +43,12 @@
 #include <thread>
 #include <vector>
 
-#include "core/bps_link.h"
-#include "core/bps_reduce.h"
-#include "core/bps_trace.h"
-#include "core/bps_ucx.h"
-#include "core/bps_wire.h"
-#include "core/bps_zmq.h"
+#include "core/transport/bps_link.h"
+#include "core/kernels/bps_reduce.h"
+#include "core/pipeline/bps_trace.h"
+#include "core/transport/bps_ucx.h"
+#include "core/transport/bps_wire.h"
+#include "core/transport/bps_zmq.h"
 #include "summation/native/elastic_rounds.h"
 #include "summation/native/handover.h"
 #include "summation/native/replies.h"

@@ -9,8 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/bps_link.h"
-#include "core/bps_wire.h"
+#include "core/transport/bps_link.h"
+#include "core/transport/bps_wire.h"
 #include "summation/native/round.h"
 #include "summation/native/server_links.h"
 #include "summation/native/server_texts.h"

@@ -9,8 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/bps_wire.h"
-#include "core/bps_zmq.h"
+#include "core/transport/bps_wire.h"
+#include "core/transport/bps_zmq.h"
 #include "summation/native/server_texts.h"
 #include "summation/native/store.h"
 #include "summation/native/sum_pool.h"

@@ -1,5 +1,5 @@
 /* The server's transport seam: the data ROUTER, workers' direct links (a BpsConn: a TCP socket,
- * BpsLink, or a UCX endpoint, BpsUcxLink; core/bps_link.h, core/bps_ucx.h) and their accept loop.
+ * BpsLink, or a UCX endpoint, BpsUcxLink; core/transport/bps_link.h, core/transport/bps_ucx.h) and their accept loop.
  * A link is admitted once the worker presents the one-time token Python gave it (expect()); every
  * message out goes through send_to(), which picks that worker's link or the ROUTER. Serve-thread
  * state only, but for the counter. */
@@ -20,10 +20,10 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/bps_link.h"
-#include "core/bps_ucx.h"
-#include "core/bps_wire.h"
-#include "core/bps_zmq.h"
+#include "core/transport/bps_link.h"
+#include "core/transport/bps_ucx.h"
+#include "core/transport/bps_wire.h"
+#include "core/transport/bps_zmq.h"
 #include "summation/native/server_texts.h"
 #include "summation/native/store.h"
 

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "core/bps_zmq.h"
+#include "core/transport/bps_zmq.h"
 
 
 enum {

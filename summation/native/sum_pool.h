@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include "core/bps_reduce.h"
-#include "core/bps_trace.h"
-#include "core/bps_zmq.h"
+#include "core/kernels/bps_reduce.h"
+#include "core/pipeline/bps_trace.h"
+#include "core/transport/bps_zmq.h"
 
 
 /* One summation into a round's store, with the ZeroMQ buffers it reads (closed once it has run). */

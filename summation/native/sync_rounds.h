@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "core/bps_reduce.h"
-#include "core/bps_trace.h"
+#include "core/kernels/bps_reduce.h"
+#include "core/pipeline/bps_trace.h"
 #include "summation/native/elastic_rounds.h"
 #include "summation/native/replies.h"
 #include "summation/native/round.h"

@@ -37,11 +37,11 @@
  * (key, round), a compressed reply, ...) to Python's queue, waking the engine through its pipe.
  * Rounds of every wire key are counted here, for both paths.
  *
- * Transport seam (core/bps_link.h): a message to a server is a BpsFrames, sent by send_server()
+ * Transport seam (core/transport/bps_link.h): a message to a server is a BpsFrames, sent by send_server()
  * over the server's direct TCP link (BpsLink, once Python set one up: add_link) or its ZeroMQ DEALER;
- * for a colocated server the body is a shared-memory descriptor (core/bps_wire.h). Replies come back
+ * for a colocated server the body is a shared-memory descriptor (core/transport/bps_wire.h). Replies come back
  * on either, whole, as a BpsMessage. A link is a BpsConn: a TCP socket (BpsLink) or a UCX endpoint
- * (BpsUcxLink, core/bps_ucx.h: BYTEPS_TRANSPORT=ucx), both polled in run() like the sockets.
+ * (BpsUcxLink, core/transport/bps_ucx.h: BYTEPS_TRANSPORT=ucx), both polled in run() like the sockets.
  */
 #ifndef BPS_WORKER_H
 #define BPS_WORKER_H
@@ -67,13 +67,13 @@
 #include <unordered_map>
 #include <vector>
 
-#include "bps_queue.h"
-#include "bps_trace.h"
-#include "bps_reduce.h"
-#include "bps_link.h"
-#include "bps_ucx.h"
-#include "bps_wire.h"
-#include "bps_zmq.h"
+#include "core/pipeline/bps_queue.h"
+#include "core/pipeline/bps_trace.h"
+#include "core/kernels/bps_reduce.h"
+#include "core/transport/bps_link.h"
+#include "core/transport/bps_ucx.h"
+#include "core/transport/bps_wire.h"
+#include "core/transport/bps_zmq.h"
 
 #include <set>
 
@@ -343,7 +343,7 @@ struct BpsQueued {
     uint64_t seq;
     BpsOp *op;
     int part;
-    uint64_t tie = 0; /* in the send queue: the partition's wire key (core/bps_queue.h says why) */
+    uint64_t tie = 0; /* in the send queue: the partition's wire key (core/pipeline/bps_queue.h says why) */
 };
 
 
@@ -1704,7 +1704,7 @@ class BpsWorkerCore {
     }
 
     /* the credit counts bytes in flight at least as urgent: (priority, wire key), one order on every
-     * worker (core/bps_queue.h says why) */
+     * worker (core/pipeline/bps_queue.h says why) */
     static BpsUrgency urgency(const BpsOp *op, int part) {
         return BpsUrgency{op->priority, op->parts[(size_t)part].key};
     }
