@@ -51,7 +51,7 @@ def cython_include_tree():
 
 
 def ucx_include_dir():
-    """UCX's headers for the UCX transport (core/bps_ucx.h): the libucx wheel's (pip install
+    """UCX's headers for the UCX transport (core/transport/bps_ucx.h): the libucx wheel's (pip install
     libucx-cu12), else a system UCX's (Debian libucx-dev); None builds without it (docs/ucx.md).
     Only the headers are needed: libucp is loaded at run time (core/ucx.py), never linked."""
     if os.environ.get("BYTEPS_BUILD_UCX", "1") == "0":
@@ -71,6 +71,7 @@ def extensions():
     import numpy
     from Cython.Build import cythonize
 
+    # every native header is included by its path from the repository root ("core/transport/bps_link.h")
     # no OpenMP: bps_reduce.h has its own pool of helpers that sleep between calls (libgomp's spin)
     compile_args = ["-O3", "-fno-strict-aliasing", "-pthread"]
     link_args = ["-pthread"]
@@ -81,21 +82,21 @@ def extensions():
         Extension(
             "byteps.core._reduce",
             ["core/_reduce.pyx"],
-            include_dirs=[os.path.join(HERE, "core"), numpy.get_include()],
+            include_dirs=[HERE, numpy.get_include()],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
         ),
         Extension(
             "byteps.core._pipeline",
             ["core/_pipeline.pyx"],
-            include_dirs=[os.path.join(HERE, "core")],
+            include_dirs=[HERE],
             language="c++",
             extra_compile_args=["-O2", "-std=c++17"],
         ),
-        Extension(  # the worker's native data plane (libzmq through core/bps_zmq.h, as _transport)
+        Extension(  # the worker's native data plane (libzmq through core/transport/bps_zmq.h, as _transport)
             "byteps.core._worker_core",
             ["core/_worker_core.pyx"],
-            include_dirs=[os.path.join(HERE, "core")] + ucx_includes,
+            include_dirs=[HERE] + ucx_includes,
             define_macros=ucx_macros,
             libraries=ucx_libs,
             language="c++",
@@ -103,10 +104,10 @@ def extensions():
             extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing", "-pthread"],
             extra_link_args=["-pthread"],
         ),
-        Extension(  # the server's native data plane (core/bps_server.h)
+        Extension(  # the server's native data plane (summation/native/bps_server.h)
             "byteps.server._server_core",
             ["summation/_server_core.pyx"],
-            include_dirs=[os.path.join(HERE, "core")] + ucx_includes,
+            include_dirs=[HERE] + ucx_includes,
             define_macros=ucx_macros,
             libraries=ucx_libs,
             language="c++",
@@ -116,7 +117,7 @@ def extensions():
         Extension(  # empties the native span buffers of the two cores above (BYTEPS_TIMELINE)
             "byteps.core._trace",
             ["core/_trace.pyx"],
-            include_dirs=[os.path.join(HERE, "core")],
+            include_dirs=[HERE],
             language="c++",
             extra_compile_args=["-O2", "-std=c++17"],
         ),
@@ -144,7 +145,9 @@ setup(
     version=read_version(),
     packages=packages(),
     package_dir=PACKAGE_DIR,
-    package_data={"byteps": ["VERSION", "py.typed"], "byteps.core": ["*.pxd", "*.pyi", "*.h"],
+    package_data={"byteps": ["VERSION", "py.typed"],
+                  "byteps.core": ["*.pxd", "*.pyi", "transport/*.h", "pipeline/*.h", "kernels/*.h"],
+                  "byteps.server": ["native/*.h"],
                   "byteps.topology": ["fixtures/*.json"]},  # example machines (docs/topology.md)
     ext_modules=extensions(),
     zip_safe=False,

@@ -330,7 +330,7 @@ def main():
     if args.overhead:
         # 16 MB in 4 KB partitions, 2 workers, credit unlimited: the cost of a partition, not of its bytes.
         # Per-thread CPU per partition of one worker's tensor: the worker's byteps-net thread runs the
-        # STAGE, PUSH and PULL stages (core/bps_worker.h), a local-reduce owner's byteps-reduce thread its
+        # STAGE, PUSH and PULL stages (core/pipeline/bps_worker.h), a local-reduce owner's byteps-reduce thread its
         # LOCAL_REDUCE, the server's byteps-serve thread receives, sums and replies to every worker's push.
         rows = ["| layout | wall us / partition | worker: byteps-net | worker: Python engine + completion | "
                 "reduce thread | worker zmq I/O | server (all but zmq I/O) | server zmq I/O |",

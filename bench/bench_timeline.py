@@ -8,7 +8,7 @@ float32, 7.2 MB) and checks the sums. The same job runs with the timeline off an
 Reported per mode: the median step time over all steps but the first two of every run and worker
 (start-up), and the spread of the runs' medians; the overhead is on/off - 1. Also the CPU seconds the
 whole job used (less sensitive than step times to other load on the machine). Off, each stage
-boundary of the native threads costs one relaxed atomic load (core/bps_trace.h) and the Python
+boundary of the native threads costs one relaxed atomic load (core/pipeline/bps_trace.h) and the Python
 paths one attribute test; on, a clock read and a 64-byte append under a mutex per span, plus the
 sends to the scheduler every BYTEPS_TIMELINE_FLUSH_STEPS steps.
 

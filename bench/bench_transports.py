@@ -4,7 +4,7 @@ One machine, ``bpslaunch --local --workers N`` (N single-process worker machines
 servers) with BYTEPS_ENABLE_IPC=0, so every partition crosses the transport under test instead of
 byteps' shared-memory descriptors. The transports (docs/ucx.md):
 
-* ``tcp``:     BYTEPS_TRANSPORT=tcp (direct TCP links, core/bps_link.h)
+* ``tcp``:     BYTEPS_TRANSPORT=tcp (direct TCP links, core/transport/bps_link.h)
 * ``ucx-tcp``: BYTEPS_TRANSPORT=ucx, UCX_TLS=tcp (UCP Active Messages over UCX's tcp transport)
 * ``ucx-sm``:  BYTEPS_TRANSPORT=ucx, UCX_TLS=sm,self,tcp, BYTEPS_UCX_PEER_ERRORS=0 (UCX's shared memory)
 

@@ -37,7 +37,7 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
   TCP_NODELAY, rank 0 sends N bytes, rank 1 echoes N bytes; median of ``--rtts`` round trips,
   measured before and after the collectives), and a **ZeroMQ round trip** of the same size
   (DEALER -> ROUTER echo through pyzmq, one message in flight): the carrier byteps used before
-  its direct TCP links (core/bps_link.h);
+  its direct TCP links (core/transport/bps_link.h);
   and, since the machine's round trip drifts during a job (17-67 us on the 2-core VM), a **round
   trip beside each block**: in every repetition a block of as many raw round trips as a byteps
   block has calls, on the same connection, takes its turn with the byteps and gloo blocks, and

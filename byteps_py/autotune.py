@@ -65,7 +65,7 @@ The model (every constant is a module attribute, so tests and benchmarks can var
   Mbit/s: W = 1 MB 1.059x t_opt, 4 MB 1.167x, 16 MB 1.28x; earlier 512 KB x 16 1.22x, x 64 1.33x).
   A training step, where workers' gradients arrive skewed and priorities preempt, once needed
   16-32 MB (1 Gbit/s) because less urgent bytes held the urgent tensor's credit; the queue now
-  counts only bytes of the same or a more urgent priority (core/bps_queue.h), and 2 MB x 4 reaches
+  counts only bytes of the same or a more urgent priority (core/pipeline/bps_queue.h), and 2 MB x 4 reaches
   1.23x DDP-gloo (bench_users.py --cluster).
 
 ``bpslaunch --plan --bandwidth 1Gbit --latency 200us`` prints the choice for a job shape.

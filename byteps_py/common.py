@@ -251,7 +251,7 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
             (a :class:`byteps.compression.WireCompressor`); None: the job's default
             (BYTEPS_COMPRESSOR, usually none); False: none (docs/compression.md).
         sync: the caller synchronizes the handle at once (a synchronous API call): a small op may
-            then run its round trip on the calling thread (core/bps_worker.h submit_direct).
+            then run its round trip on the calling thread (core/pipeline/bps_worker.h submit_direct).
         process_set: None for every worker, or ``(set id, sorted global ranks)`` of a process set this
             worker is a member of: only its members take part (the same id and ranks on each of them).
 

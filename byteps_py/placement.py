@@ -29,7 +29,7 @@ applies it in the worker's engine (core/engine.py) from the address book, one of
     (byteps/fusion.py, Herring's balanced fusion buffers), loads the servers in the optimal
     proportions at every instant, not only on average. Every worker sends a partition's pieces in
     the same order (successive partitions start at successive servers): the credit's exception for
-    the most urgent tensor relies on it (core/bps_queue.h). A partition whose smallest piece would be under :data:`MIN_PIECE` (a small
+    the most urgent tensor relies on it (core/pipeline/bps_queue.h). A partition whose smallest piece would be under :data:`MIN_PIECE` (a small
     tensor, the tail of a large one, or tiny BYTEPS_PARTITION_BYTES) is not cut: it goes whole to
     a server picked by a weighted hash of (tensor key, partition), as in ``hash`` (fuse small
     tensors with byteps/fusion.py to keep them balanced too).
@@ -424,7 +424,7 @@ class Placement:
             offs = [start + sum(lengths[:s]) for s in range(s_count)]
             # every worker sends a partition's pieces in the same order, successive partitions
             # starting at successive servers. Not rotated by rank: a worker whose credit is full may
-            # send the most urgent tensor one piece at a time (core/bps_queue.h); with rank-rotated
+            # send the most urgent tensor one piece at a time (core/pipeline/bps_queue.h); with rank-rotated
             # orders each worker's piece went to a different server, each server waited for a piece
             # another worker's credit held back, and the job hung (tests/test_autotune.py)
             first = (tkey + j) % s_count

@@ -1,5 +1,5 @@
 # distutils: language = c++
-"""The pipeline's stage rule (core/bps_stages.h) and its scheduling primitive, a priority queue with a byte credit.
+"""The pipeline's stage rule (core/pipeline/bps_stages.h) and its scheduling primitive, a priority queue with a byte credit.
 
 Every stage of the pipeline takes its work from a :class:`PriorityQueue`: larger priority first,
 then smaller tie (the send queue's tie is the partition's wire key, one order on every worker),
@@ -10,7 +10,7 @@ released. The queue holds integer task ids only; the owner maps them to objects.
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libcpp cimport bool as cbool
 
-cdef extern from "bps_stages.h" nogil:
+cdef extern from "core/pipeline/bps_stages.h" nogil:
     ctypedef struct BpsStageName:
         int32_t code
         const char *name
@@ -36,7 +36,7 @@ def stage_codes(kind, bint owner, bint local_reduce, bint colocated, bint lone_m
     return tuple(got.stage[i] for i in range(got.n))
 
 
-cdef extern from "bps_queue.h" nogil:
+cdef extern from "core/pipeline/bps_queue.h" nogil:
     cdef cppclass BpsQueue:
         BpsQueue(int64_t credit)
         void push(int64_t priority, uint64_t tie, int64_t id, int64_t nbytes)

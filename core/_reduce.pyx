@@ -18,7 +18,7 @@ from libc.stdlib cimport free, malloc
 cnp.import_array()
 
 
-cdef extern from "bps_reduce.h" nogil:
+cdef extern from "core/kernels/bps_reduce.h" nogil:
     size_t bps_par_min_bytes
     int bps_use_avx2, bps_use_f16c, bps_use_avx512, bps_has_avx512bf16
     void bps_cpu_init()
@@ -64,7 +64,7 @@ def default_threads(env=None):
     thread or the engine's and servers' network threads need: on a 2-core host two threads made a
     64 MB push_pull 2-3x slower than one (docs/benchmarks.md, "Kernel threads"); a sum is bound by
     memory bandwidth, which a few threads saturate. The helpers sleep between calls (they never
-    spin; core/bps_reduce.h).
+    spin; core/kernels/bps_reduce.h).
 
     Raises:
         ConfigError: BYTEPS_OMP_THREAD_PER_GPU is not an integer in 1..64.

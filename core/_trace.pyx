@@ -1,6 +1,6 @@
 # cython: language_level=3
 # distutils: language = c++
-"""Switch on and empty a native span buffer (core/bps_trace.h) for the job timeline (byteps/timeline).
+"""Switch on and empty a native span buffer (core/pipeline/bps_trace.h) for the job timeline (byteps/timeline).
 
 The buffer lives in the module whose threads record into it (``_worker_core`` or ``_server_core``),
 which hands over its address (``trace_buffer()``); this module is the one place that reads it.
@@ -9,7 +9,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport uint64_t, uintptr_t
 from libcpp.vector cimport vector
 
-cdef extern from "bps_trace.h" nogil:
+cdef extern from "core/pipeline/bps_trace.h" nogil:
     ctypedef struct BpsSpan:
         pass
     cdef cppclass BpsTrace:

@@ -1,6 +1,6 @@
 # cython: language_level=3
 # distutils: language = c++
-"""Python's handle on the worker's native data plane (core/bps_worker.h).
+"""Python's handle on the worker's native data plane (core/pipeline/bps_worker.h).
 
 core/engine.py creates one :class:`WorkerCore` per job after the data sockets are authenticated,
 hands it those sockets, and from then on:
@@ -26,7 +26,7 @@ from libcpp.vector cimport vector
 
 from byteps.core import _transport
 
-cdef extern from "bps_worker.h" nogil:
+cdef extern from "core/pipeline/bps_worker.h" nogil:
     int bps_zmq_load(const char *path)
     int bps_ucx_load(const char *path)
     cbool bps_ucx_built()
@@ -145,7 +145,7 @@ cdef extern from "bps_worker.h" nogil:
         uint64_t bytes_sent(int server)
         uint64_t bytes_received(int server)
 
-#: error kinds of a completed op (core/bps_worker.h BpsErrorKind)
+#: error kinds of a completed op (core/pipeline/bps_worker.h BpsErrorKind)
 OK, ERR_SERVER, ERR_PROTOCOL, ERR_TIMEOUT, ERR_ABORT = 0, 1, 2, 3, 4
 #: bodies at least this large are sent zero-copy (Python keeps them alive until released())
 ZERO_COPY_MIN = 65536
@@ -172,17 +172,17 @@ def ucx_registrations():
 
 #: Python's ``send`` target for the local ROUTER (to one identity); local rank n is ``-2 - n``
 TO_ROUTER = BPS_TO_ROUTER
-RING_REGION_BYTES = BPS_RING_REGION  # a local link's shared-memory rings (core/bps_link.h BpsShmLink)
+RING_REGION_BYTES = BPS_RING_REGION  # a local link's shared-memory rings (core/transport/bps_link.h BpsShmLink)
 
-bps_cpu_init()  # the local reduce's kernels (core/bps_reduce.h): this module's own copy of the dispatch
+bps_cpu_init()  # the local reduce's kernels (core/kernels/bps_reduce.h): this module's own copy of the dispatch
 
 
-cdef extern from "bps_trace.h" nogil:
+cdef extern from "core/pipeline/bps_trace.h" nogil:
     uintptr_t bps_trace_address()
 
 
 def trace_buffer():
-    """Address of this process's native span buffer (core/bps_trace.h), for core/_trace.pyx."""
+    """Address of this process's native span buffer (core/pipeline/bps_trace.h), for core/_trace.pyx."""
     return bps_trace_address()
 
 
@@ -296,14 +296,14 @@ cdef class WorkerCore:
         return list(out)
 
     def add_link(self, int server, int fd):
-        """Hand over a direct TCP link to server ``server`` (core/bps_link.h): a connected socket whose
+        """Hand over a direct TCP link to server ``server`` (core/transport/bps_link.h): a connected socket whose
         token the server accepted. The native thread owns the fd from now on and closes it."""
         if not 0 <= server < self.servers:
             raise ValueError(f"no server {server} (have {self.servers})")
         self.core.add_link(server, fd)
 
     def add_ucx_link(self, int server, str host, int port, bytes token, bytes ident, double timeout):
-        """A UCX endpoint to server ``server``'s listener (core/bps_ucx.h), admitted by ``token`` for
+        """A UCX endpoint to server ``server``'s listener (core/transport/bps_ucx.h), admitted by ``token`` for
         ``ident``, before start(): "" once it is up, else why not (its data then goes through ZeroMQ).
         Blocks up to ``timeout`` seconds for the server's answer (without the GIL)."""
         if not 0 <= server < self.servers:
@@ -344,7 +344,7 @@ cdef class WorkerCore:
         fd from now on and closes it; the DEALER stays the fallback.
 
         ``ring_fd`` >= 0: the pair's shared-memory rings (:data:`RING_REGION_BYTES`, made by the higher
-        rank; ``low``: we are the lower one), which then carry the link's bytes (core/bps_link.h
+        rank; ``low``: we are the lower one), which then carry the link's bytes (core/transport/bps_link.h
         BpsShmLink); the caller still owns ``ring_fd``. Returns "" or why the rings could not be mapped
         (the socket is closed then, so that both ends fall back to the DEALER)."""
         return self.core.add_local_link(local_rank, fd, ident, ring_fd, low).decode()
@@ -595,7 +595,7 @@ cdef extern from *:
         BpsShmLinkEnd **end
 
 
-cdef extern from "bps_link.h":
+cdef extern from "core/transport/bps_link.h":
     cppclass BpsShmLinkEnd "BpsShmLink":
         cbool dead()
         cbool wants_write()
@@ -608,7 +608,7 @@ cdef extern from "bps_link.h":
 
 cdef class RingPair:
     """Both ends (0: the lower rank's, 1: the higher's) of one shared-memory local link, in this
-    process over a socketpair: tests of core/bps_link.h BpsShmLink (wrap-around, a full ring, bells,
+    process over a socketpair: tests of core/transport/bps_link.h BpsShmLink (wrap-around, a full ring, bells,
     a peer that closes) without a job around it."""
     cdef BpsRingPair pair
 

@@ -67,7 +67,7 @@ from . import _worker_core
 STAGE_THREAD_MIN_BYTES = 256 << 10
 
 #: the send queue's head goes past the credit after this long without progress (no partition sent or
-#: answered): only workers that disagree on a tensor's priority ever need it (core/bps_queue.h)
+#: answered): only workers that disagree on a tensor's priority ever need it (core/pipeline/bps_queue.h)
 CREDIT_STALL_S = 1.0
 
 Cmd = wire.Cmd
@@ -166,7 +166,7 @@ class Engine:
         self.join_result = None     # the last rank to join, once every rank has
         # BYTEPS_LOCAL_STRATEGY=topology: the thread running the plan's executor (core/local_exec.py)
         self._local_exec = None
-        # the native data plane (core/bps_worker.h): owns the server sockets once authenticated
+        # the native data plane (core/pipeline/bps_worker.h): owns the server sockets once authenticated
         self._native = None
         self._native_ops = {}       # native id -> Op, until its completion is delivered
         self._native_ids = itertools.count(1)
@@ -179,7 +179,7 @@ class Engine:
         self._completer = None      # thread delivering native completions
         self.native_submitted = 0   # ops handed to the native thread (tests check the path really ran)
         self.native_averaged = 0    # of them, averages the native core divided as it copied the sums in
-        # the native thread also runs this machine's local reduce (core/bps_worker.h "Local reduce"):
+        # the native thread also runs this machine's local reduce (core/pipeline/bps_worker.h "Local reduce"):
         # set once at start from the job's config, so every local rank decides alike
         self._native_local = False
         self._local_python = False  # join() seen: Python runs this process's local reduce from then on
@@ -271,7 +271,7 @@ class Engine:
     # ---------------------------------------------------------------- native data plane
 
     def _start_native(self):
-        """Hand the authenticated server sockets to the native thread (core/bps_worker.h)."""
+        """Hand the authenticated server sockets to the native thread (core/pipeline/bps_worker.h)."""
         if not _worker_core.available:
             from ._transport import unavailable_reason
             raise BytePSError(f"the native worker core cannot run here: {unavailable_reason}")
@@ -318,7 +318,7 @@ class Engine:
                     len(self.servers), core.links_up)
 
     def _open_links(self, core):
-        """Direct TCP links to the servers (core/bps_link.h): ask each for a one-time token over the
+        """Direct TCP links to the servers (core/transport/bps_link.h): ask each for a one-time token over the
         authenticated ZeroMQ socket, connect, present it, and hand the socket to the native thread. A
         server that cannot listen for links stays on ZeroMQ (logged)."""
         from . import ucx
@@ -361,7 +361,7 @@ class Engine:
             core.add_link(i, fd)
 
     def _open_local_links(self):
-        """Direct links to this machine's other worker processes (core/bps_worker.h, "Local links"),
+        """Direct links to this machine's other worker processes (core/pipeline/bps_worker.h, "Local links"),
         after the local handshake: {local rank: (socket fd, its DEALER identity toward our ROUTER, ring
         fd or None, whether we are the lower rank)}.
 
@@ -373,7 +373,7 @@ class Engine:
         within the time limit stays on ZeroMQ (logged with the local rank waited for).
 
         The offer also names a memfd of shared-memory rings that the higher rank made for the pair ({"ring": {pid, fd, inode}}); the lower rank opens it and says so in its
-        hello (arg 1), and then both ends carry the link's bytes through it (core/bps_link.h
+        hello (arg 1), and then both ends carry the link's bytes through it (core/transport/bps_link.h
         BpsShmLink). A ring that does not open leaves that pair on the TCP socket alone."""
         me, node = self.cfg.local_rank, self.control.node_id
         lower = sorted(lr for lr in self._local_peers if lr < me)
@@ -475,7 +475,7 @@ class Engine:
             conn.close()  # after detach() this closes nothing
 
     def _open_ucx_link(self, core, i, host, answer, ident):
-        """A UCX endpoint to server ``i`` (core/bps_ucx.h), admitted by the token of its LINK answer;
+        """A UCX endpoint to server ``i`` (core/transport/bps_ucx.h), admitted by the token of its LINK answer;
         a server without a UCX listener, or a failed handshake, leaves it on ZeroMQ (logged)."""
         if "ucx_port" not in answer:
             logger.warning("server %d has no UCX listener (its BYTEPS_TRANSPORT is not ucx); its data goes "
@@ -667,7 +667,7 @@ class Engine:
         """``op`` has a done callback now: have the completion thread deliver it as soon as it is done.
 
         Native ops their caller submits are lazy: their completion waits (BPS_LAZY_DELIVERY_S,
-        core/bps_worker.h) for the caller's synchronize() to finish them on its own thread, so the
+        core/pipeline/bps_worker.h) for the caller's synchronize() to finish them on its own thread, so the
         completion thread does not take the GIL from a training thread for ops nobody listens to yet."""
         if op.native_id is not None and self._native is not None:
             self._native.prompt(op.native_id)
@@ -1333,7 +1333,7 @@ class Engine:
         for i, off, length, _ in parts:
             task = next(self._task_ids)
             self._tasks[task] = (op, i, off, length)
-            # ties broken by wire key, one order on every worker (core/bps_queue.h says why)
+            # ties broken by wire key, one order on every worker (core/pipeline/bps_queue.h says why)
             self._sendq.push(op.priority, task, length, tie=self._wire_key(op, i))
         self._send_ready()
 

@@ -18,7 +18,7 @@ reduce-scatter at partition granularity); BYTEPS_LOCAL_PUSH=root makes local ran
 A staging region is reused by the next round only after everyone has moved on: a process sends
 LOCAL_READY for round r+1 only once it has copied out round r.
 
-Plain push_pulls run these steps in the native core, core/bps_worker.h ("Local reduce"): the
+Plain push_pulls run these steps in the native core, core/pipeline/bps_worker.h ("Local reduce"): the
 network thread byteps-net owns the local sockets, and the sums of partitions >= 256 KB run on its
 stage thread (also named byteps-reduce), by priority. The Python path here (core/engine.py) stays
 only for what the native core does not run yet: compressed and process-set ops, and join() (a

@@ -76,7 +76,7 @@ class Op:
         self.started = time.monotonic()
         self.callbacks = []
         self.codec = None           # byteps.compression.WireCompressor for partitions sent over the network
-        self.native_id = None       # its id in the native data plane (core/bps_worker.h), if it runs there
+        self.native_id = None       # its id in the native data plane (core/pipeline/bps_worker.h), if it runs there
         self.divisor = 1            # an average: the sum is divided by this (float push_pulls; common.submit)
         self.divided = False        # the native core divided each partition on its way into ``buf``
 

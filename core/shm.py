@@ -170,7 +170,7 @@ class PeerMaps:
 
 
 def ring_region(nbytes):
-    """A memfd of ``nbytes`` for a local link's shared-memory rings (core/bps_link.h BpsShmLink): (fd,
+    """A memfd of ``nbytes`` for a local link's shared-memory rings (core/transport/bps_link.h BpsShmLink): (fd,
     what the peer needs to open it: {"pid", "fd", "inode"}). The caller closes the fd once both ends
     mapped it; the kernel frees it with the last mapping."""
     fd = os.memfd_create("byteps-ring", os.MFD_CLOEXEC)

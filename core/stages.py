@@ -4,7 +4,7 @@ The paper (§6.1) runs every partition through a fixed sequence of stages, each 
 thread and priority queue, chosen for the machine. Here a stage list is built per tensor from
 the process's role on its machine (the partition's local owner or not), the local size, whether
 the server is on this machine (shared memory), the tensor's operation and the topology plan, by
-one rule: ``bps_stage_list()`` in core/bps_stages.h, which :func:`stage_list` calls. The stages are
+one rule: ``bps_stage_list()`` in core/pipeline/bps_stages.h, which :func:`stage_list` calls. The stages are
 numbered there too, for the native cores, this module's :class:`Stage` and the timeline's spans.
 A list is plain data, so it is configured from the environment without recompiling
 (``BYTEPS_PIPELINE``: drop optional stages), printed by ``bpslaunch --stages`` and checked by the
@@ -44,7 +44,7 @@ from . import _pipeline
 
 
 class Stage(enum.IntEnum):
-    """Every stage and span kind, numbered as core/bps_stages.h numbers them (a test keeps the two
+    """Every stage and span kind, numbered as core/pipeline/bps_stages.h numbers them (a test keeps the two
     equal); the timeline's spans carry these codes. QUEUE, RECV, SUM, ROUND and REPLY are span
     kinds only (:data:`SPAN_ONLY`): waits and the server's side of a round, not steps of a list."""
     QUEUE = 1

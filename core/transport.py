@@ -32,7 +32,7 @@ def wrap(sock, copy_below=COPY_BELOW):
     return _transport.FastSocket(sock, copy_below)
 
 
-# ---------------------------------------------------------------- direct links (core/bps_link.h)
+# ---------------------------------------------------------------- direct links (core/transport/bps_link.h)
 # The native threads own a link once it is up; Python only opens it: the LINK request over ZeroMQ,
 # then the token on the new TCP socket and the server's answer, in the link's framing.
 

@@ -1,6 +1,6 @@
 """The UCX transport's Python side: which libucp the native cores call, and whether to use it.
 
-The native threads call UCP themselves (core/bps_ucx.h); this module only finds the library and
+The native threads call UCP themselves (core/transport/bps_ucx.h); this module only finds the library and
 hands its path to each native module (``ucx_load``), which resolves the calls with dlsym:
 
 * the ``libucx`` wheel (``pip install libucx-cu12``: UCX's tcp, shared-memory and cma transports, no

@@ -86,7 +86,7 @@ class Cmd(enum.IntEnum):
                        # measures round trip and bandwidth with it before choosing the partition size)
     LINK = 28          # worker -> server (authenticated, over ZeroMQ): may I open a direct TCP link? reply:
                        # LINK {port, token} or {error}; then, first on the new link: LINK with token + identity,
-                       # answered by LINK with arg 1 (accepted) or 0 (core/bps_link.h)
+                       # answered by LINK with arg 1 (accepted) or 0 (core/transport/bps_link.h)
                        # Local plane: a higher local rank offers a lower one LINK {port, token, local_rank}
                        # over its authenticated DEALER; the same handshake follows (core/engine.py
                        # _open_local_links)

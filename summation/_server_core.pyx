@@ -1,6 +1,6 @@
 # cython: language_level=3
 # distutils: language = c++
-"""Python's handle on the server's native data plane (core/bps_server.h).
+"""Python's handle on the server's native data plane (summation/native/bps_server.h).
 
 summation/server.py creates one :class:`ServerCore` once the first address book has arrived and
 hands it the data ROUTER socket; the native thread "byteps-serve" then receives, checks, sums and
@@ -25,7 +25,7 @@ from libcpp.vector cimport vector
 
 from byteps.core import _transport
 
-cdef extern from "bps_server.h" nogil:
+cdef extern from "summation/native/bps_server.h" nogil:
     int bps_zmq_load(const char *path)
     int bps_ucx_load(const char *path)
     cbool bps_ucx_built()
@@ -137,12 +137,12 @@ def ucx_registrations():
 bps_cpu_init()  # this module's copy of the kernels picks its SIMD level (bps_reduce.h)
 
 
-cdef extern from "bps_trace.h" nogil:
+cdef extern from "core/pipeline/bps_trace.h" nogil:
     uintptr_t bps_trace_address()
 
 
 def trace_buffer():
-    """Address of this process's native span buffer (core/bps_trace.h), for core/_trace.pyx."""
+    """Address of this process's native span buffer (core/pipeline/bps_trace.h), for core/_trace.pyx."""
     return bps_trace_address()
 
 
@@ -239,12 +239,12 @@ cdef class ServerCore:
         self.core.set_adopt_rounds(on)
 
     def set_listener(self, int fd):
-        """Hand over a listening TCP socket for workers' direct links (core/bps_link.h), before start();
+        """Hand over a listening TCP socket for workers' direct links (core/transport/bps_link.h), before start();
         the native thread owns the fd from now on and closes it."""
         self.core.set_listener(fd)
 
     def ucx_listen(self, str host):
-        """Listen for workers' UCX endpoints on ``host`` (core/bps_ucx.h), before start(): the port.
+        """Listen for workers' UCX endpoints on ``host`` (core/transport/bps_ucx.h), before start(): the port.
         RuntimeError if UCX is not loaded or cannot listen there."""
         cdef string why
         cdef int port = self.core.ucx_listen(host.encode(), &why)

@@ -28,7 +28,7 @@ push fails that round for every worker of it (each gets an ERROR naming the rank
 so no worker waits forever and no bytes are silently truncated.
 
 Native data plane: once the first address book has arrived, the data socket belongs to the thread
-"byteps-serve" (core/bps_server.h through summation/_server_core.pyx), which does all of the above
+"byteps-serve" (summation/native/bps_server.h through summation/_server_core.pyx), which does all of the above
 for plain pushes without the GIL. This loop keeps the control plane and handles what that thread
 forwards: handshakes, strangers, PROBE, LINK, and the rounds the native core does not run yet
 (compressed pushes, process sets' keys, asynchronous training); its replies go out through the
@@ -169,7 +169,7 @@ class Server:
         self._frames, self._next = [], 0
         self.pool = SumPool(cfg.server_engine_threads)  # BYTEPS_SERVER_ENGINE_THREAD
         self.poller = None
-        # the native data plane (core/bps_server.h): owns the data socket once the address book is in
+        # the native data plane (summation/native/bps_server.h): owns the data socket once the address book is in
         self.core = None
         self._zero_copy = {}  # token -> a body ZeroMQ still reads (sent through the native thread)
         self._tokens = itertools.count()
@@ -292,12 +292,12 @@ class Server:
     # ---------------------------------------------------------------- native data plane
 
     def _start_native(self):
-        """Hand the data socket to the native thread byteps-serve (core/bps_server.h). Python never reads it:
+        """Hand the data socket to the native thread byteps-serve (summation/native/bps_server.h). Python never reads it:
         workers learn its address from the same address book, so nothing arrives before this."""
         core = _server_core.ServerCore(self.data, self.gate.secret is not None, self.alloc is not None,
                                        self.cfg.server_engine_threads, get_num_threads())
         core.set_adopt_rounds(self.cfg.elastic)
-        try:  # workers' direct links (core/bps_link.h); ZeroMQ serves them meanwhile
+        try:  # workers' direct links (core/transport/bps_link.h); ZeroMQ serves them meanwhile
             fd, self.link_port = transport.listen_link(self.cfg.node_host)
             core.set_listener(fd)
         except OSError as e:
@@ -317,7 +317,7 @@ class Server:
                     else "sums inline")
 
     def _ucx_listen(self, core):
-        """A UCX listener for workers' endpoints (core/bps_ucx.h) when this server's transport is UCX:
+        """A UCX listener for workers' endpoints (core/transport/bps_ucx.h) when this server's transport is UCX:
         its port, or None (workers then use TCP links or ZeroMQ)."""
         from byteps.core import ucx
         if ucx.choose(self.cfg.transport, _server_core) != "ucx":
@@ -402,7 +402,7 @@ class Server:
                                      length=len(body)), body], copy=False)
 
     def _on_link(self, ident):
-        """LINK from an authenticated worker: a one-time token for a direct TCP link (core/bps_link.h),
+        """LINK from an authenticated worker: a one-time token for a direct TCP link (core/transport/bps_link.h),
         or why not (the worker then stays on ZeroMQ)."""
         self._discard_rest()
         if self.link_port is None and self.ucx_port is None:

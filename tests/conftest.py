@@ -149,7 +149,7 @@ class Run:
 def server_data_port(pid, wait=20.0):
     """The ZeroMQ data port of the server process ``pid``: of its listening TCP ports, the one that
     greets a new connection with ZMTP's signature (0xFF first); its direct-link listener
-    (core/bps_link.h) says nothing until spoken to."""
+    (core/transport/bps_link.h) says nothing until spoken to."""
     import psutil
 
     deadline = time.monotonic() + wait

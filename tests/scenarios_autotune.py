@@ -35,7 +35,7 @@ def tuned(out, args):
 def credit_crossing(out, args):
     """Two workers whose credit is full of different, less urgent tensors when the most urgent one
     arrives: rank 0 has X on the wire, rank 1 has Z, then both get Y. Each may send Y past its credit
-    one partition piece at a time (core/bps_queue.h); unless both send the same piece first, each
+    one partition piece at a time (core/pipeline/bps_queue.h); unless both send the same piece first, each
     server waits for the other worker's piece, which that worker's credit holds back."""
     import byteps.common as common
     from byteps.core import dtypes

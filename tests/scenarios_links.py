@@ -1,5 +1,5 @@
 """Scenarios for tests/test_links.py: synchronous calls whose round trip runs on the caller's thread
-(core/bps_worker.h submit_direct), alone, against a late peer, and beside asynchronous traffic."""
+(core/pipeline/bps_worker.h submit_direct), alone, against a late peer, and beside asynchronous traffic."""
 import threading
 import time
 

@@ -1,4 +1,4 @@
-"""Scenarios for the native local reduce (core/bps_worker.h, tests/test_native_core.py)."""
+"""Scenarios for the native local reduce (core/pipeline/bps_worker.h, tests/test_native_core.py)."""
 import time
 
 import torch

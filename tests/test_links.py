@@ -1,4 +1,4 @@
-"""Direct TCP links between the native threads (core/bps_link.h): the data path without ZeroMQ.
+"""Direct TCP links between the native threads (core/transport/bps_link.h): the data path without ZeroMQ.
 
 * exact sums of every dtype with every server reached over a link (proved by the workers' link
   count), over TCP and with shared-memory descriptors;

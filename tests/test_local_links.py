@@ -1,4 +1,4 @@
-"""Local links (core/bps_worker.h, "Local links"): a machine's worker processes send each other the
+"""Local links (core/pipeline/bps_worker.h, "Local links"): a machine's worker processes send each other the
 local reduce's messages over direct links that byteps-net reads and writes, not ZeroMQ: shared-memory
 rings with a TCP socket for wake-ups (tests/test_local_rings.py tests the rings alone), or the TCP
 socket itself where a ring cannot be made.

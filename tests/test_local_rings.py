@@ -1,4 +1,4 @@
-"""Shared-memory local links (core/bps_link.h BpsShmLink): both ends of one link in this process
+"""Shared-memory local links (core/transport/bps_link.h BpsShmLink): both ends of one link in this process
 (``_worker_core.RingPair``: a real memfd mapped twice and a real socketpair), then whole jobs whose
 local links run over rings.
 

@@ -1,4 +1,4 @@
-"""The worker's native data plane (core/bps_worker.h, core/_worker_core.pyx).
+"""The worker's native data plane (core/pipeline/bps_worker.h, core/_worker_core.pyx).
 
 Every job here is real (scheduler, servers and workers as processes on 127.0.0.1); sums are compared
 bit for bit with locally computed ones by test_push_pull.check_matrix.

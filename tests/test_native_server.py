@@ -1,4 +1,4 @@
-"""The server's native data plane (core/bps_server.h, thread byteps-serve): exact sums and the
+"""The server's native data plane (summation/native/bps_server.h, thread byteps-serve): exact sums and the
 answers a reference written down here expects.
 
 * exact sums of every dtype (fp16/bf16 and integers included) through real servers, over TCP and

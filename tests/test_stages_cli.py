@@ -30,7 +30,7 @@ def test_stages_apply_byteps_pipeline(capsys, monkeypatch):
 
 
 def test_one_numbering_for_native_core_python_and_timeline():
-    """core/bps_stages.h, byteps.core.stages.Stage and the timeline's span kinds are one list."""
+    """core/pipeline/bps_stages.h, byteps.core.stages.Stage and the timeline's span kinds are one list."""
     from byteps.core import _pipeline
     from byteps.timeline import spans
     assert _pipeline.stage_names() == {s.value: s.name for s in Stage}

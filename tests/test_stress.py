@@ -306,7 +306,7 @@ def test_mixed_priorities_keep_progressing_under_credit(cluster):
     credit frees: neither moves until BYTEPS_TIMEOUT ("waited ... for its turn to be sent").
     DistributedOptimizer gives every gradient its own priority, so a model with several tensors
     larger than the credit (4 x 4 MB by default) could hit this in training. Fixed in the queue
-    (core/bps_queue.h): a partition more urgent than everything in flight goes past the credit.
+    (core/pipeline/bps_queue.h): a partition more urgent than everything in flight goes past the credit.
     """
     c = cluster(2, 2, env={"BYTEPS_PARTITION_BYTES": "4096", "BYTEPS_TIMEOUT": "8"})
     c.run_workers("stress_loop", {"seed": 1, "max_steps": 200, "priorities": True})
@@ -334,7 +334,7 @@ def test_tensors_queued_in_different_orders_keep_progressing(cluster, engine, lo
     equal priorities went by arrival, so machine 0 filled its credit with x, machine 1 with y, and each
     server waited for the other machine's push until BYTEPS_TIMEOUT. On 2x2 the owners' pushes of the
     machines' sums are what cross, as when two machines' local sums finish in different orders. Ties
-    now go by wire key, one order on every worker (core/bps_queue.h). The sums are small integers,
+    now go by wire key, one order on every worker (core/pipeline/bps_queue.h). The sums are small integers,
     exact in fp16 too.
     """
     c = cluster(2, 1, local_size=local_size, env={**CROSSED_ENV, **ENGINES[engine]})

@@ -1,4 +1,4 @@
-"""The UCX transport (core/bps_ucx.h, BYTEPS_TRANSPORT=ucx) over UCX's tcp and shared-memory transports.
+"""The UCX transport (core/transport/bps_ucx.h, BYTEPS_TRANSPORT=ucx) over UCX's tcp and shared-memory transports.
 
 These machines have no RDMA NIC, so UCX runs its tcp and sm (posix) transports here; the code path is
 the one a verbs host runs (docs/ucx.md). Skipped, with the reason, where byteps was built without UCX

@@ -1,7 +1,7 @@
 """One merged timeline for the whole job (``BYTEPS_TIMELINE=PATH``; docs/timeline.md).
 
 Every worker and server records spans (one stage of one partition on one thread) into bounded
-in-memory buffers: the native threads into core/bps_trace.h's buffer, Python's engine threads into
+in-memory buffers: the native threads into core/pipeline/bps_trace.h's buffer, Python's engine threads into
 this module's :class:`Recorder`. Each node estimates the offset of its clock to the scheduler's
 with timestamped round trips on the control plane (:class:`Clock`, NTP's rule) and sends its spans
 with its current estimate to the scheduler (``TRACE`` messages, every

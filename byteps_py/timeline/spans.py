@@ -2,7 +2,7 @@
 
 A span is one stage of one partition on one thread: :data:`SPAN_DTYPE`'s fields, times in the
 recording process's CLOCK_MONOTONIC nanoseconds. The native threads record exactly this layout
-(core/bps_trace.h ``BpsSpan``) and Python's spans are tuples in the same order, so a batch travels
+(core/pipeline/bps_trace.h ``BpsSpan``) and Python's spans are tuples in the same order, so a batch travels
 to the scheduler as one base64 string of the packed records: no per-span work on the node.
 """
 import base64
@@ -11,7 +11,7 @@ import numpy as np
 
 from byteps.core.stages import SERVER_STAGES as _SERVER, Stage
 
-#: stage code -> name: the pipeline's one numbering (core/bps_stages.h, byteps.core.stages.Stage)
+#: stage code -> name: the pipeline's one numbering (core/pipeline/bps_stages.h, byteps.core.stages.Stage)
 STAGES = {s.value: s.name for s in Stage}
 CODES = {name: code for code, name in STAGES.items()}
 SERVER_STAGES = tuple(s.name for s in _SERVER)
@@ -35,7 +35,7 @@ MEANING = {
     "COPYH2D": "page-locked host buffer to GPU",
 }
 
-#: core/bps_trace.h BpsSpan, byte for byte
+#: core/pipeline/bps_trace.h BpsSpan, byte for byte
 SPAN_DTYPE = np.dtype([("t0", "<u8"), ("t1", "<u8"), ("key", "<u8"), ("round", "<u8"), ("bytes", "<u8"),
                        ("priority", "<i8"), ("server", "<i4"), ("peer", "<i4"), ("tid", "<i4"), ("stage", "<i4")])
 

@@ -40,7 +40,7 @@
 #include <string>
 #include <vector>
 
-#include "bps_zmq.h"
+#include "core/transport/bps_zmq.h"
 
 static const uint32_t BPS_LINK_MAGIC = 0x4B4C5042u; /* "BPLK" */
 static const int BPS_LINK_MAX_FRAMES = 8;
@@ -92,7 +92,7 @@ static inline int bps_zmq_send_frames(void *sock, BpsFrames &m, const std::strin
 }
 
 /* What the native threads need of a link to one peer, whatever carries it: a direct TCP socket
- * (BpsLink, below) or a UCX endpoint (BpsUcxLink, core/bps_ucx.h). The worker's send_server() and the
+ * (BpsLink, below) or a UCX endpoint (BpsUcxLink, core/transport/bps_ucx.h). The worker's send_server() and the
  * server's send_to() / serve_link() / link_hello() are written against this alone. */
 class BpsConn {
   public:

@@ -23,7 +23,7 @@
 #include <unistd.h>
 #include <vector>
 
-#include "bps_stages.h"
+#include "core/pipeline/bps_stages.h"
 
 struct BpsSpan {      /* 64 bytes; byteps_py/timeline/spans.py SPAN_DTYPE mirrors it */
     uint64_t t0, t1;  /* CLOCK_MONOTONIC ns */

@@ -2,7 +2,7 @@
  *
  * Nothing is compiled against zmq.h: core/_transport.pyx finds pyzmq's libzmq in /proc/self/maps,
  * and bps_zmq_load() takes the functions from that same shared object, so Python (pyzmq) and the
- * native threads (core/bps_worker.h, core/bps_server.h) speak to the same sockets. A socket is used
+ * native threads (core/pipeline/bps_worker.h, summation/native/bps_server.h) speak to the same sockets. A socket is used
  * by one thread at a time only: Python sets it up and authenticates it, then hands it to a native
  * thread, which owns it from then on (ZeroMQ allows moving a socket between threads with a full
  * memory barrier; the hand-over goes through a mutex).

@@ -1,4 +1,4 @@
-/* The UCX transport under the link seam (core/bps_link.h): the same messages as a direct TCP link,
+/* The UCX transport under the link seam (core/transport/bps_link.h): the same messages as a direct TCP link,
  * carried by UCP Active Messages, so that on a machine with an RDMA NIC they go over verbs (RC/DC)
  * and here over UCX's tcp and shared-memory transports (docs/ucx.md).
  *
@@ -45,8 +45,8 @@
 #include <string>
 #include <vector>
 
-#include "bps_link.h"
-#include "bps_wire.h"
+#include "core/transport/bps_link.h"
+#include "core/transport/bps_wire.h"
 
 static const unsigned BPS_UCX_AM_ID = 0x4250; /* "BP": our one Active Message handler */
 static const uint64_t BPS_UCX_HELLO_MAX = 64 << 10; /* the most an endpoint may send before its token */

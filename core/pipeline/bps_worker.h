@@ -1,0 +1,416 @@
+/* The worker's native data plane: one thread that sends partitions and takes replies without the GIL.
+ *
+ * core/engine.py (Python) keeps what is per tensor or rare: declarations, the control plane,
+ * authentication, join(), compression, the topology executor.
+ * Once a tensor's key is known, a plain push_pull or broadcast is handed over whole with
+ * BpsWorkerCore::submit() (on the caller's thread, under a mutex; no Python object crosses). From then
+ * on, the network thread ("byteps-net") follows each partition through its stages in one place:
+ *
+ *     queued (priority, credit)  ->  [STAGE: copy into shared memory, colocated server]
+ *       ->  PUSH (header + body zero-copy from the tensor, or a 32-byte descriptor)
+ *       ->  PULL (REPLY: copy into the tensor from ZeroMQ's buffer or the server's shared store)
+ *       ->  op complete (completion queue + eventfd; Python's completion thread sets the event)
+ *
+ * On a machine with L > 1 worker processes a push_pull partition instead goes through the local
+ * reduce of core/local.py (same protocol and wire messages; worker_local_reduce.h):
+ *
+ *   owner (LocalPlan: local rank (t + i) % L, or 0):
+ *     LOCAL_REDUCE: wait for the L-1 LOCAL_READYs, sum the L copies into our shared region (on the
+ *       stage thread "byteps-reduce" by priority when >= 256 KB, else inline)
+ *       ->  PUSH of the region (queued by priority within the credit, like any partition) -> PULL
+ *       ->  LOCAL_BROADCAST: LOCAL_DONE (descriptor of our region or the server's store) or ERROR
+ *           to every other local rank; copy the result into our tensor
+ *   other local ranks:
+ *     COORDINATE: copy into our shared region, LOCAL_READY (its descriptor) to the owner
+ *       ->  LOCAL_DONE from the owner: copy the result into the tensor  (ERROR: the op fails)
+ *
+ * The local ROUTER (LOCAL_READY / LOCAL_DONE from the others) and DEALERs (to them) are handed over
+ * after Python authenticated them; the handshakes of late peers still reach Python (forwarded).
+ * Local links (BYTEPS_LOCAL_LINKS=1): a direct TCP link (BpsLink on 127.0.0.1) per other local rank,
+ * opened by Python after that handshake (core/engine.py _open_local_links: a one-time token offered over
+ * the authenticated ZeroMQ plane) and handed over with add_local_link. send_local() uses it while it
+ * works, else the DEALER; what comes in on it is taken as if it came on the ROUTER from that peer's
+ * DEALER identity, so the messages Python gets (forwarded) look the same either way.
+ *
+ * Python's own partitions (the slow paths above) still go through this thread's sockets: it sends
+ * what Python queues with send_raw() and forwards every message it does not own (an unknown
+ * (key, round), a compressed reply, ...) to Python's queue, waking the engine through its pipe.
+ * Rounds of every wire key are counted here, for both paths.
+ *
+ * Transport seam (core/transport/bps_link.h): a message to a server is a BpsFrames, sent by send_server()
+ * over the server's direct TCP link (BpsLink, once Python set one up: add_link) or its ZeroMQ DEALER;
+ * for a colocated server the body is a shared-memory descriptor (core/transport/bps_wire.h). Replies come back
+ * on either, whole, as a BpsMessage. A link is a BpsConn: a TCP socket (BpsLink) or a UCX endpoint
+ * (BpsUcxLink, core/transport/bps_ucx.h: BYTEPS_TRANSPORT=ucx), both polled in run() like the sockets.
+ *
+ * The class is declared here; its member functions live in one header per part, each included at
+ * the end of this one:
+ *
+ *     worker_loop.h          byteps-net: start/stop, submit, run(), the inbox, PULL (on_message, receive)
+ *     worker_links.h         server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback
+ *     worker_send_queue.h    the send queue: priority within the byte credit (bps_queue.h), PUSH, raw sends
+ *     worker_completions.h   the op table, errors, lazy delivery, waits and time-outs
+ *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread
+ *     worker_direct.h        direct calls: submit_direct, submit_local_direct, submit_owner_direct
+ *     worker_elastic.h       elastic routing: hold / commit, replacements, retained results
+ *     worker_types.h         the records (BpsOp, BpsPart, BpsTable, ...); stage_thread.h: byteps-reduce
+ *
+ * The data members stay in one list below, in their original order (it is their order of construction
+ * and destruction: a UCP worker outlives its links), each mutex with what it guards.
+ */
+#ifndef BPS_WORKER_H
+#define BPS_WORKER_H
+
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/eventfd.h>
+#include <sys/prctl.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <queue>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "core/kernels/bps_reduce.h"
+#include "core/pipeline/bps_queue.h"
+#include "core/pipeline/bps_trace.h"
+#include "core/transport/bps_link.h"
+#include "core/transport/bps_ucx.h"
+#include "core/transport/bps_wire.h"
+#include "core/transport/bps_zmq.h"
+#include "core/pipeline/stage_thread.h"
+#include "core/pipeline/worker_types.h"
+
+class BpsWorkerCore {
+  public:
+    /* the network thread byteps-net: start, submit, its loop and inbox, PULL (worker_loop.h) */
+    BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd);
+    ~BpsWorkerCore();
+    void start();
+    void stop();
+    int64_t add_table(const std::string &name, std::vector<BpsPart> parts);
+    bool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+                      bool root_self, unsigned char *buf, uint64_t nbytes, bool lazy = false, uint32_t divisor = 1);
+    void submit(BpsOp *op);
+    void submit_locked(BpsOp *op);
+    uint64_t next_round(uint64_t key);
+    void reset_rounds();
+
+    /* server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback (worker_links.h) */
+    bool add_server(void *sock);
+    bool add_server_live(void *sock, int fd);
+    void set_colocated(int server, bool on);
+    void lost_links(std::vector<int> *out);
+    std::string add_ucx_link(int server, const std::string &host, int port, const std::string &token,
+                             const std::string &ident, double timeout);
+    std::string link_transport(int server);
+    int links_up() const;
+    int nservers() const { return nservers_.load(); }
+    /* A direct TCP link to server ``server`` (before start()): a connected socket whose token the server
+     * accepted (core/engine.py _open_links). This thread owns and closes it; ZeroMQ stays the fallback. */
+    void add_link(int server, int fd) { links_.at((size_t)server).reset(new BpsLink(fd)); }
+    uint64_t bytes_sent(int server) { return server < (int)sent_.size() ? sent_[server].load() : 0; }
+    uint64_t bytes_received(int server) { return server < (int)received_.size() ? received_[server].load() : 0; }
+
+    /* the send queue: priority within the byte credit, PUSH, Python's raw sends (worker_send_queue.h) */
+    uint64_t credit_stalls(std::string *first);
+    void send_raw(BpsRawSend *m);
+
+    /* completions: the op table, errors, lazy delivery, waits, time-outs (worker_completions.h) */
+    void fail_all();
+    bool is_done(int64_t id);
+    bool wait_op(int64_t id, int timeout_ms);
+    void completions(std::vector<int64_t> *out, int timeout_ms);
+    uint64_t lazy_late();
+    void prompt(int64_t id);
+    BpsOp *op(int64_t id);
+    bool forget(int64_t id);
+    void forwarded(std::vector<BpsForward> *out);
+    void released(std::vector<int64_t> *out);
+    static void zc_free(void *, void *hint);
+    int done_fd() const { return done_fd_; }
+
+    /* the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread (worker_local_reduce.h) */
+    static bool local_header(BpsMessage &msg, BpsHeader *h);
+    void stray_local(BpsMessage &msg, bool *strays);
+    void add_local(void *router, std::vector<void *> peers, int local_rank, bool open);
+    std::string add_local_link(int r, int fd, const std::string &ident, int ring_fd = -1, bool low = false);
+    int local_rings_up() const;
+    int local_links_up() const;
+    void allow_local(const std::string &identity);
+    void set_local_joined(uint64_t mask);
+    void local_python();
+    void local_claim(uint64_t key, uint64_t rnd, int count);
+    void forwarded_local(std::vector<std::vector<std::string>> *out);
+    /* The job has one worker machine (before start()): its local reduce is the whole sum, so an owner
+     * broadcasts it at once instead of a round trip through a server (core/stages.py, "one machine"). */
+    void set_lone_machine(bool on) { lone_machine_ = on; }
+    uint64_t local_link_sent() const { return local_link_sent_.load(); }
+    uint64_t local_link_received() const { return local_link_received_.load(); }
+    /* Partitions reduced natively (all, and on the stage thread), and copies handed to owners. */
+    uint64_t local_reduced() { return local_reduced_.load(); }
+    uint64_t local_reduced_on_thread() { return local_threaded_.load(); }
+    uint64_t local_coordinated() { return local_coordinated_.load(); }
+
+    /* direct calls: a synchronous call's round trip on the caller's thread (worker_direct.h) */
+    bool submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+                       bool root_self, unsigned char *buf, uint64_t nbytes, uint32_t divisor = 1);
+    void end_direct(BpsOp *op, bool replied, uint64_t rnd, std::vector<BpsQueued> *adopt);
+    void count_direct(bool replied, bool more);
+    static BpsMessage *keep_message(BpsMessage &msg);
+    static bool wait_link(BpsConn *l, double deadline, double spin_until);
+    BpsOp *begin_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part, const std::string &name,
+                              uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, unsigned char *buf,
+                              uint64_t nbytes, uint32_t divisor, bool awaits_done);
+    bool submit_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part, const std::string &name,
+                             uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, unsigned char *buf,
+                             uint64_t nbytes, uint32_t divisor);
+    bool submit_owner_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part, const std::string &name,
+                             uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, unsigned char *buf,
+                             uint64_t nbytes, uint32_t divisor);
+    bool owner_direct_wait(const BpsPart &p, const std::vector<int> &peers,
+                           std::vector<std::vector<std::string>> *copies, bool *strays);
+    bool local_direct_wait(BpsOp *op, int owner, BpsConn *l, bool *strays);
+    /* How long a direct caller polls for its reply (yielding its core between polls) before it sleeps
+     * (BYTEPS_SPIN_US). Waking a thread that sleeps in poll costs 25-30 us per hop on a VM, more than a
+     * small round trip takes when both ends are awake (9 us for 4 KB over loopback on the 2-core VM,
+     * against 57-58 us asleep: bench/raw_exchange.py --poll); sched_yield lets any thread that is ready
+     * to run on this core go first. */
+    void set_direct_spin(double seconds) { direct_spin_s_ = seconds > 0 ? seconds : 0; }
+    /* Calls that completed on the caller's thread (submit_direct; tests check the path ran). */
+    uint64_t direct_calls() const { return direct_calls_.load(); }
+    /* Direct calls whose reply did not come within the window: byteps-net took them over. */
+    uint64_t direct_adopted() const { return direct_adopted_.load(); }
+    /* Partitions this process owned and reduced on the caller's thread (submit_owner_direct). */
+    uint64_t local_owner_direct() { return owner_direct_.load(); }
+
+    /* elastic routing: hold / commit, replacements of lost servers, retained results (worker_elastic.h) */
+    std::vector<uint64_t> hold(const std::vector<int> &dead);
+    void commit(const std::vector<int> &alive, const std::vector<int64_t> &tables, const std::vector<uint64_t> &from,
+                std::vector<std::vector<BpsPart>> segs);
+    void add_segment(int64_t table, uint64_t from, std::vector<BpsPart> parts);
+    void reroute(std::vector<BpsPart> &parts, const std::set<int> &dead, const std::vector<int> &alive);
+    void move_part(BpsPart &p, int to);
+    void replay_reroutes(std::vector<BpsPart> &parts);
+    /* BYTEPS_ELASTIC=1 (before start()): keep each key's latest result for a lost server's replacement. */
+    void set_elastic(bool on) { retain_ = on; }
+    /* RESULTs sent to lost servers' replacements (tests check the path ran). */
+    uint64_t results_sent() const { return results_sent_.load(); }
+
+  private:
+    /* the local reduce's partitions: (wire key, round), an owner's LOCAL_REDUCE, a non-owner's wait */
+    typedef std::pair<uint64_t, uint64_t> Ident; /* (wire key, round) */
+
+    struct Group { /* an owner's partition in LOCAL_REDUCE */
+        BpsOp *op;
+        int part;
+        int count = 0;                         /* LOCAL_READYs in (copies or bad descriptors) */
+        uint64_t ranks = 0;                    /* bit n: local rank n's copy is in */
+        std::vector<const void *> copies;
+        std::string error;                     /* the first unreadable copy */
+        bool reducing = false;
+    };
+
+    struct Await { /* a non-owner's partition waiting for LOCAL_DONE */
+        BpsOp *op;
+        int part;
+        int owner;
+    };
+
+    /* the network thread byteps-net: start, submit, its loop and inbox, PULL (worker_loop.h) */
+    void wake();
+    void run();
+    void take_inbox();
+    void forward(int server, BpsMessage *m);
+    void on_message(int server, BpsMessage *m);
+    void receive(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m);
+
+    /* server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback (worker_links.h) */
+    BpsConn *live_link(int server);
+    int send_server(int server, BpsFrames &f);
+    void cork_links(bool on);
+
+    /* the send queue: priority within the byte credit, PUSH, Python's raw sends (worker_send_queue.h) */
+    void send_raw_now(BpsRawSend *m);
+    static BpsUrgency urgency(const BpsOp *op, int part);
+    bool fits(const BpsQueued &q) const;
+    void send_ready();
+    void push(BpsOp *op, int index);
+    void release(BpsOp *op, int index);
+
+    /* completions: the op table, errors, lazy delivery, waits, time-outs (worker_completions.h) */
+    static BpsOp *new_op(int64_t id, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, bool root_self,
+                         unsigned char *buf, uint64_t nbytes, uint32_t divisor);
+    void notify_python();
+    void set_error(BpsOp *op, int kind, const std::string &text);
+    void fail(BpsOp *op, int kind, const std::string &text);
+    void complete(BpsOp *op);
+    void flush_completions();
+    void check_timeouts(double now);
+    void part_done(BpsOp *op);
+
+    /* the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread (worker_local_reduce.h) */
+    void local_start(BpsOp *op, int i);
+    void take_early(Group &g, const Ident &id);
+    void stage_or_inline(int kind, BpsOp *op, int i, void *dst, std::vector<const void *> srcs);
+    void take_stage_done();
+    void after_task(BpsStageTask &t);
+    void add_copy(Group &g, const std::string &header, const std::string &body);
+    int expected_copies() const;
+    std::vector<int> missing(const Group &g) const;
+    void maybe_reduce(const Ident &id);
+    void local_pulled(BpsOp *op, int i, int server, const BpsHeader &h, BpsMessage *m);
+    void local_failed(BpsOp *op, int i, int kind, const std::string &text);
+    void local_broadcast(BpsOp *op, int i, const void *desc, const std::string &error_body);
+    BpsConn *live_local_link(int r);
+    int send_local(int r, const BpsHeader *h, const void *body, size_t n);
+    void on_local(BpsMessage *m, bool linked = false);
+    int view_shared(const void *body, size_t n, unsigned char **ptr, uint64_t *len, std::string *err);
+    void local_claimed(const Ident &id, int count);
+    void forward_local(BpsMessage *m);
+    void forward_local(const std::vector<std::string> &frames);
+
+    /* direct calls: a synchronous call's round trip on the caller's thread (worker_direct.h) */
+    bool direct_wait(BpsOp *op, int server, BpsConn *l, uint64_t rnd, bool *strays);
+    void take_direct();
+    bool held_direct(const Ident &id);
+
+    /* elastic routing: hold / commit, replacements of lost servers, retained results (worker_elastic.h) */
+    void strand_dead();
+    void retain(const BpsPart &p, uint64_t round, uint8_t dtype, const void *data, size_t n);
+    void send_results();
+    /* Elastic (network thread): a server reads as dead from hold() on, but its replacement is known only
+     * once byteps-net has taken the commit() that follows; until then its partitions wait (stranded). */
+    bool awaiting_commit() const { return commits_net_ < holds_.load(); }
+
+    uint32_t node_id_;
+    BpsCredit credit_;  /* network-thread state: bytes in flight by urgency */
+    double timeout_;
+    int nthreads_;
+    int notify_fd_;
+    int wake_fd_, done_fd_;
+    std::vector<void *> socks_;
+    std::unique_ptr<BpsUcxWorker> ucx_;           /* this thread's UCP worker (UCX links); outlives links_ */
+    std::mutex ucx_mu_; /* the UCP worker's user: byteps-net, or while it polls a direct caller (submit_direct) */
+    std::vector<std::unique_ptr<BpsConn>> links_; /* per server: its direct link (TCP or UCX), or NULL */
+    std::vector<std::unique_ptr<std::mutex>> link_mu_; /* per server: who writes or reads its link now */
+    std::deque<std::atomic<bool>> direct_owned_;      /* per server: a direct caller holds its link */
+    std::atomic<uint64_t> direct_calls_{0}, direct_adopted_{0};
+    std::deque<std::atomic<uint64_t>> sent_, received_;
+    std::thread thread_;
+    std::atomic<bool> stopping_{false};
+
+    std::mutex mu_; /* guards everything Python touches below */
+    std::condition_variable done_cv_;
+    std::unordered_map<int64_t, BpsOp *> ops_;
+    std::deque<BpsTable> tables_;
+    std::vector<BpsQueued> inbox_;
+    std::vector<std::unique_ptr<BpsRawSend>> raw_;
+    std::vector<int64_t> completed_;
+    std::deque<std::pair<double, int64_t>> deferred_; /* (completed at, id) of lazy ops, oldest first */
+    uint64_t lazy_late_ = 0;
+    std::vector<BpsForward> forward_;
+    bool abort_ = false;
+    int64_t net_ops_ = 0;                       /* ops byteps-net runs that are not done: a direct call needs 0 */
+    std::vector<BpsQueued> adopt_in_;           /* direct partitions handed over (seq: their round) */
+    std::vector<std::pair<int, BpsMessage *>> strays_in_; /* messages direct callers read for others */
+    std::vector<BpsQueued> local_adopt_in_;     /* direct local partitions handed over (seq: their round) */
+    std::vector<BpsMessage *> local_strays_in_; /* local-link messages direct callers read for others */
+    std::set<std::pair<uint64_t, uint64_t>> local_direct_ids_; /* (key, round) a direct local caller waits for */
+    std::vector<std::string> allow_in_;                   /* identities Python admitted */
+    std::vector<std::pair<Ident, int>> claims_in_;        /* partitions Python took */
+    std::vector<std::vector<std::string>> forward_local_; /* local messages for Python */
+    bool python_local_ = false;                           /* local_python() was called */
+    /* elastic servers (hold() / commit()) */
+    bool holding_ = false;                                /* ops submitted now wait in held_ */
+    std::vector<BpsOp *> held_;
+    bool dead_in_ = false, commit_in_ = false;            /* for byteps-net's next turn */
+    std::vector<int> alive_;                              /* the membership's servers, in order */
+    std::vector<std::pair<std::set<int>, std::vector<int>>> reroutes_; /* each commit(): (dead, alive) */
+    bool retain_ = false;                                 /* set_elastic(): keep each key's latest result */
+    bool lone_machine_ = false;                           /* set_lone_machine(): no server round trip */
+    std::mutex retain_mu_;
+    std::unordered_map<uint64_t, BpsRetained> retained_;
+    std::atomic<uint64_t> results_sent_{0};
+    std::vector<std::pair<void *, int>> new_servers_;     /* (DEALER, link fd) of servers that joined */
+    std::vector<int> lost_;                               /* servers whose link broke, for Python */
+    std::atomic<int> nservers_{0};
+    std::deque<std::atomic<bool>> colocated_;             /* per server: on this machine (shared memory) */
+    std::atomic<uint64_t> holds_{0};                      /* hold() calls */
+    uint64_t commits_ = 0;                                /* commit() calls */
+    std::deque<std::atomic<bool>> dead_;                  /* per server: left the job */
+
+    std::mutex rounds_mu_;
+    std::unordered_map<uint64_t, uint64_t> rounds_;
+
+    std::mutex zc_mu_;
+    std::vector<int64_t> released_;
+
+    /* network-thread state */
+    std::priority_queue<BpsQueued, std::vector<BpsQueued>, BpsByUrgency<BpsQueued>> queue_;
+    uint64_t seq_ = 0;
+    std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsOp *, int>> pending_;
+    BpsPeerMaps maps_;
+    uint64_t commits_net_ = 0;              /* commit()s byteps-net has taken (awaiting_commit()) */
+    std::vector<int> alive_net_;            /* commit()'s membership */
+    std::vector<BpsQueued> stranded_;       /* partitions waiting for a dead server's replacement */
+    std::vector<bool> reported_;            /* per server: its broken link was reported */
+    bool have_done_ = false;
+
+    /* local reduce: set up by add_local() before start(); then network-thread state */
+    void *router_ = nullptr;
+    std::vector<void *> peers_;
+    int local_rank_ = 0, local_size_ = 1;
+    bool auth_open_ = false;
+    BpsStageThread *stage_ = nullptr;
+    std::set<std::string> allowed_;
+    std::map<Ident, Group> groups_;
+    std::map<Ident, Await> awaiting_;
+    std::map<Ident, std::vector<std::vector<std::string>>> early_; /* LOCAL_READYs before their op */
+    std::mutex early_mu_; /* early_: byteps-net, and a direct owner taking its copies (submit_owner_direct) */
+    /* partitions a direct owner handed to byteps-net, with the copies it had taken (mu_) */
+    std::vector<std::pair<BpsOp *, std::vector<std::vector<std::string>>>> owner_adopt_in_;
+    std::atomic<uint64_t> owner_direct_{0};
+    double direct_spin_s_ = 0; /* set_direct_spin(), before start() */
+    std::map<Ident, int> claimed_;
+    bool python_local_mode_ = false;
+    std::atomic<uint64_t> joined_mask_{0};
+    std::atomic<bool> recheck_{false};
+    std::atomic<uint64_t> local_reduced_{0}, local_threaded_{0}, local_coordinated_{0};
+    std::vector<std::unique_ptr<BpsConn>> local_links_; /* per local rank: its direct link, or NULL */
+    /* per local rank: who writes or reads its link now (recursive: byteps-net sends on a link while it
+     * reads it), and whether a direct caller holds it (then byteps-net does not poll it) */
+    std::vector<std::unique_ptr<std::recursive_mutex>> local_link_mu_;
+    std::deque<std::atomic<bool>> local_direct_owned_;
+    /* byteps-net: a LOCAL_DONE / ERROR that reached the ROUTER for a partition a direct caller still held
+     * (kept until it is handed over), with whether it came on a link */
+    std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsMessage *, bool>> early_done_;
+    std::mutex maps_mu_; /* maps_: byteps-net and direct local callers read results through it */
+    std::vector<std::string> local_link_ident_;         /* per local rank: its DEALER identity (frame 0) */
+    std::atomic<uint64_t> local_link_sent_{0}, local_link_received_{0};
+    std::atomic<uint64_t> credit_stalls_{0};
+    std::string first_stall_; /* guarded by mu_ */
+};
+
+/* The member functions, one header per part (each includes this one) */
+#include "core/pipeline/worker_loop.h"
+#include "core/pipeline/worker_links.h"
+#include "core/pipeline/worker_send_queue.h"
+#include "core/pipeline/worker_completions.h"
+#include "core/pipeline/worker_local_reduce.h"
+#include "core/pipeline/worker_direct.h"
+#include "core/pipeline/worker_elastic.h"
+
+#endif

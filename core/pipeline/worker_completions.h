@@ -1,0 +1,275 @@
+/* BpsWorkerCore, completions: the op table, errors, lazy delivery, waits, time-outs. */
+#ifndef BPS_WORKER_COMPLETIONS_H
+#define BPS_WORKER_COMPLETIONS_H
+
+#include "core/pipeline/bps_worker.h"
+
+/* Fail every op in flight (the engine failed): they complete with BPS_ERR_ABORT. */
+inline void BpsWorkerCore::fail_all() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        abort_ = true;
+    }
+    wake();
+}
+
+inline bool BpsWorkerCore::is_done(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ops_.find(id);
+    return it == ops_.end() || it->second->done.load();
+}
+
+/* Wait (without the GIL) up to timeout_ms for op ``id`` to complete; true once it has. */
+inline bool BpsWorkerCore::wait_op(int64_t id, int timeout_ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto finished = [this, id] {
+        auto it = ops_.find(id);
+        return it == ops_.end() || it->second->done.load() || stopping_;
+    };
+    auto it = ops_.find(id);
+    if (it != ops_.end()) it->second->waiters++;
+    done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), finished);
+    it = ops_.find(id);
+    if (it == ops_.end()) return true;
+    it->second->waiters--;
+    if (!it->second->done.load()) return false;
+    it->second->lazy = false; /* its caller takes it: not one for the completion thread */
+    return true;
+}
+
+/* Wait (without the GIL) up to timeout_ms for completed ops; move their ids into ``out``. */
+inline void BpsWorkerCore::completions(std::vector<int64_t> *out, int timeout_ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto due = [this] { return !deferred_.empty() && bps_now() >= deferred_.front().first + BPS_LAZY_DELIVERY_S; };
+    double deadline = bps_now() + timeout_ms / 1000.0;
+    while (completed_.empty() && !due() && !stopping_) { /* woken by every completion, lazy ones too */
+        double left = deadline - bps_now();
+        if (!deferred_.empty()) left = std::min(left, deferred_.front().first + BPS_LAZY_DELIVERY_S - bps_now());
+        if (left <= 0) break;
+        done_cv_.wait_for(lock, std::chrono::microseconds((int64_t)(left * 1e6) + 1));
+    }
+    out->assign(completed_.begin(), completed_.end());
+    completed_.clear();
+    /* lazy ops their callers have not taken: the caller that delivers one first wins (Engine._deliver) */
+    while (due() || (stopping_ && !deferred_.empty())) {
+        int64_t id = deferred_.front().second;
+        deferred_.pop_front();
+        auto it = ops_.find(id);
+        if (it == ops_.end() || !it->second->lazy) continue; /* its caller took it meanwhile */
+        out->push_back(id);
+        lazy_late_++;
+    }
+}
+
+/* Lazy ops the completion thread delivered because their caller had not taken them in time. */
+inline uint64_t BpsWorkerCore::lazy_late() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return lazy_late_;
+}
+
+/* Op ``id`` has a listener now (a done callback): its completion goes to the completion thread at
+ * once, including one that already waits in deferred_. */
+inline void BpsWorkerCore::prompt(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ops_.find(id);
+    if (it == ops_.end() || !it->second->lazy) return;
+    it->second->lazy = false;
+    for (auto d = deferred_.begin(); d != deferred_.end(); ++d) {
+        if (d->second != id) continue;
+        deferred_.erase(d);
+        completed_.push_back(id);
+        done_cv_.notify_all();
+        break;
+    }
+}
+
+/* A completed op's result; the op stays until forget(). */
+inline BpsOp *BpsWorkerCore::op(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ops_.find(id);
+    return it == ops_.end() ? nullptr : it->second;
+}
+
+/* Drop a completed op. Returns false (and keeps it) while ZeroMQ still reads its tensor: the
+ * caller keeps the tensor alive and asks again later. */
+inline bool BpsWorkerCore::forget(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ops_.find(id);
+    if (it == ops_.end()) return true;
+    if (!it->second->done.load() || it->second->zero_copy.load() > 0 || it->second->tasks.load() > 0) return false;
+    delete it->second;
+    ops_.erase(it);
+    return true;
+}
+
+inline void BpsWorkerCore::forwarded(std::vector<BpsForward> *out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    out->assign(std::make_move_iterator(forward_.begin()), std::make_move_iterator(forward_.end()));
+    forward_.clear();
+}
+
+inline void BpsWorkerCore::released(std::vector<int64_t> *out) {
+    std::lock_guard<std::mutex> lock(zc_mu_);
+    out->swap(released_);
+}
+
+/* ZeroMQ's I/O thread, or byteps-net once a link wrote it, is done with a zero-copy body. */
+inline void BpsWorkerCore::zc_free(void *, void *hint) {
+    BpsZcHint *h = (BpsZcHint *)hint;
+    if (h->op != nullptr) {
+        h->op->zero_copy.fetch_sub(1);
+    } else {
+        std::lock_guard<std::mutex> lock(h->core->zc_mu_);
+        h->core->released_.push_back(h->token);
+    }
+    delete h;
+}
+
+inline BpsOp *BpsWorkerCore::new_op(int64_t id, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+                                    bool root_self, unsigned char *buf, uint64_t nbytes, uint32_t divisor) {
+    BpsOp *op = new BpsOp();
+    op->divisor = cmd == BPS_CMD_PUSHPULL && bps_divides(dtype) ? divisor : 1;
+    op->id = id;
+    op->cmd = cmd;
+    op->dtype = dtype;
+    op->root = root;
+    op->priority = priority;
+    op->root_self = root_self;
+    op->buf = buf;
+    op->nbytes = nbytes;
+    return op;
+}
+
+inline void BpsWorkerCore::notify_python() {
+    unsigned char x = 'x';
+    ssize_t rc = write(notify_fd_, &x, 1); /* a full pipe means Python is awake anyway */
+    (void)rc;
+}
+
+inline void BpsWorkerCore::set_error(BpsOp *op, int kind, const std::string &text) {
+    if (op->error_kind == BPS_OK) {
+        op->error_kind = kind;
+        op->error = text;
+    }
+}
+
+/* Fail an op now: its partitions still queued are dropped, replies still owed are ignored. */
+inline void BpsWorkerCore::fail(BpsOp *op, int kind, const std::string &text) {
+    set_error(op, kind, text);
+    for (auto it = pending_.begin(); it != pending_.end();) {
+        if (it->second.first == op) {
+            release(op, it->second.second);
+            it = pending_.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    if (op->local) { /* late LOCAL_READYs are then held as early ones; late LOCAL_DONEs go to Python, which drops them */
+        for (auto it = groups_.begin(); it != groups_.end();) it = it->second.op == op ? groups_.erase(it) : std::next(it);
+        for (auto it = awaiting_.begin(); it != awaiting_.end();)
+            it = it->second.op == op ? awaiting_.erase(it) : std::next(it);
+    }
+    complete(op);
+}
+
+inline void BpsWorkerCore::complete(BpsOp *op) {
+    op->parts_left = 0;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!op->done.load()) net_ops_--;
+        op->done.store(true);
+        /* A caller blocked in wait_op() sees the op done under this same mutex and delivers it
+         * itself, so the completion thread is not told about it: the two would only contend for
+         * the GIL over one op. A waiter that timed out first has left (waiters == 0). */
+        if (op->waiters == 0) {
+            if (op->lazy) deferred_.emplace_back(bps_now(), op->id);
+            else completed_.push_back(op->id);
+        }
+    }
+    have_done_ = true;
+}
+
+inline void BpsWorkerCore::flush_completions() {
+    if (!have_done_) return;
+    have_done_ = false;
+    done_cv_.notify_all();
+    uint64_t one = 1;
+    ssize_t rc = write(done_fd_, &one, sizeof one);
+    (void)rc;
+}
+
+inline void BpsWorkerCore::check_timeouts(double now) {
+    std::vector<BpsOp *> late;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto &kv : ops_) {
+            BpsOp *op = kv.second;
+            if (!op->done.load() && !op->direct.load() && now - op->started > timeout_) late.push_back(op);
+        }
+    }
+    for (BpsOp *op : late) {
+        std::set<std::string> names; /* sorted, as core/engine.py's time-out names them */
+        for (auto &kv : op->owed)
+            if (kv.second > 0) names.insert("server " + std::to_string(kv.first));
+        for (auto &kv : op->owed_local)
+            if (kv.second > 0) names.insert("local rank " + std::to_string(kv.first));
+        if (op->local) { /* an owner names the local ranks whose copies it still waits for */
+            for (auto &kv : groups_) {
+                if (kv.second.op != op || kv.second.reducing) continue;
+                for (int r : missing(kv.second)) names.insert("local rank " + std::to_string(r));
+            }
+        }
+        std::string who;
+        for (auto &n : names) {
+            if (!who.empty()) who += ", ";
+            who += n;
+        }
+        if (who.empty()) { /* never sent: say what it is queued behind */
+            bool held = false, stranded = false;
+            {
+                std::lock_guard<std::mutex> lock(mu_);
+                for (BpsOp *h : held_) held |= h == op;
+            }
+            for (auto &q : stranded_) stranded |= q.op == op;
+            if (held) who = "a change of the servers (it was submitted during one, which never completed)";
+            else if (stranded) who = "a lost server's replacement (the change of the servers never completed)";
+            else {
+                std::map<int, std::pair<int, uint64_t>> by_server; /* what holds the credit */
+                std::string first;
+                for (auto &kv : pending_) {
+                    const BpsPart &q = kv.second.first->parts[(size_t)kv.second.second];
+                    by_server[q.server].first++;
+                    by_server[q.server].second += q.length;
+                    if (first.size() < 200)
+                        first += " '" + kv.second.first->name + "' (" + std::to_string(kv.first.first >> 32) + ", " +
+                                 std::to_string(kv.first.first & 0xFFFFFFFF) + ") round " +
+                                 std::to_string(kv.first.second) + " to server " + std::to_string(q.server) + ";";
+                }
+                if (!queue_.empty()) {
+                    const BpsQueued &t = queue_.top();
+                    const BpsPart &q = t.op->parts[(size_t)t.part];
+                    first += " next: '" + t.op->name + "' (" + std::to_string(q.key >> 32) + ", " +
+                             std::to_string(q.key & 0xFFFFFFFF) + ") to server " + std::to_string(q.server);
+                }
+                std::string held_by;
+                for (auto &kv : by_server)
+                    held_by += (held_by.empty() ? "" : ", ") + std::string("server ") + std::to_string(kv.first) +
+                               ": " + std::to_string(kv.second.first) + " partitions, " +
+                               std::to_string(kv.second.second) + " bytes";
+                who = "its turn to be sent (" + std::to_string(credit_.in_flight()) + " bytes in flight, credit " +
+                      std::to_string(credit_.credit()) + ", " + std::to_string(queue_.size()) + " queued; " +
+                      (held_by.empty() ? "no replies owed" : "replies owed by " + held_by) + ";" + first + ")";
+            }
+        }
+        char secs[32];
+        snprintf(secs, sizeof secs, "%.0f", now - op->started);
+        fail(op, BPS_ERR_TIMEOUT, std::string(secs) + "|" + who);
+    }
+}
+
+inline void BpsWorkerCore::part_done(BpsOp *op) {
+    if (op->done.load()) return;
+    if (--op->parts_left <= 0) complete(op);
+}
+
+#endif

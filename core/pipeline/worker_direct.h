@@ -1,0 +1,526 @@
+/* BpsWorkerCore, direct calls: a synchronous call's round trip on the caller's thread. */
+#ifndef BPS_WORKER_DIRECT_H
+#define BPS_WORKER_DIRECT_H
+
+#include "core/pipeline/bps_worker.h"
+
+/* A synchronous call's fast path: the caller's thread sends its op's one partition on the server's
+ * link and reads the reply itself, without the two thread hand-offs of the normal path (wake
+ * byteps-net; byteps-net wakes the caller), when byteps-net has nothing in flight or queued and the
+ * link is idle. Runs without the GIL. If the reply has not come within BPS_DIRECT_WINDOW_S, the
+ * partition is handed to byteps-net as if it had sent it (adopted) and the caller waits as usual.
+ * Messages for others that arrive meanwhile go to byteps-net in order. Returns false (nothing
+ * done) when the fast path does not apply: the caller then submits as usual. */
+inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root,
+                                         int64_t priority, bool root_self, unsigned char *buf, uint64_t nbytes,
+                                         uint32_t divisor) {
+    int server;
+    BpsPart part;
+    std::string name;
+    uint64_t seq;
+    bool local;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        const BpsTable &t = tables_.at((size_t)table);
+        seq = t.count;
+        const std::vector<BpsPart> &parts = t.parts_for(seq);
+        if (parts.size() != 1 || holding_ || commit_in_) return false;
+        local = t.local;
+        part = parts[0];
+        name = t.name;
+    }
+    if (local && part.owner == local_rank_)
+        return submit_owner_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor);
+    if (local)
+        return submit_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor);
+    server = part.server;
+    if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= nservers_.load() || !links_[(size_t)server] ||
+        dead_[(size_t)server].load())
+        return false;
+    /* A UCX endpoint is driven by its thread's UCP worker, which every endpoint shares: the caller
+     * takes the whole worker (ucx_mu_, which byteps-net holds except while it sleeps in poll), then
+     * the link, in the order byteps-net takes them. A TCP link needs only its own lock. */
+    std::unique_lock<std::mutex> ucx_lock(ucx_mu_, std::defer_lock);
+    if (ucx_) ucx_lock.lock();
+    std::unique_lock<std::mutex> link_lock(*link_mu_[(size_t)server]);
+    BpsConn *l = links_[(size_t)server].get();
+    if (l == nullptr || (strcmp(l->kind(), "tcp") != 0 && !ucx_lock.owns_lock())) return false;
+    if (l->dead() || l->wants_write() || l->pending_input()) return false;
+    BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
+    op->name = name;
+    op->parts.push_back(part);
+    op->parts_left = 1;
+    op->started = bps_now();
+    op->direct.store(true);
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        BpsTable &t = tables_.at((size_t)table);
+        /* another thread submitted on this table meanwhile, or the servers are changing: the normal path */
+        if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
+            t.count != seq) {
+            delete op;
+            return false;
+        }
+        op->table = table;
+        op->seq = t.count++;
+        ops_[id] = op;
+    }
+    direct_owned_[(size_t)server].store(true);
+    BpsPart &p = op->parts[0];
+    uint64_t rnd = next_round(p.key);
+    p.rnd = rnd;
+    p.has_rnd = true;
+    bool empty = cmd == BPS_CMD_BROADCAST && !root_self;
+    uint64_t body_len = empty ? 0 : p.length;
+    /* the bytes go inline even to a colocated server: for so few, a descriptor saves nothing */
+    BpsHeader h = bps_header(cmd, node_id_, p.key, rnd, body_len, dtype, root, 0);
+    BpsFrames f;
+    f.copy(&h, sizeof h);
+    f.copy(buf + p.offset, body_len);
+    bool replied = false, strays = false;
+    p.trace_t = bps_span_start(); /* PUSH: until the reply (direct_wait, or byteps-net if it adopts it) */
+    if (l->send(f) == 0) {
+        sent_[(size_t)server] += sizeof h + body_len;
+        replied = direct_wait(op, server, l, rnd, &strays);
+    } else {
+        set_error(op, BPS_ERR_PROTOCOL, "tensor '" + name + "': sending to server " + std::to_string(server) +
+                                            " failed: " + l->error());
+        replied = true;
+    }
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        end_direct(op, replied, rnd, &adopt_in_); /* adopted: as if byteps-net had sent it */
+    }
+    direct_owned_[(size_t)server].store(false);
+    bool more = l->pending_input() || l->dead(); /* UCX: other endpoints' messages came meanwhile */
+    link_lock.unlock();
+    if (ucx_lock.owns_lock()) ucx_lock.unlock();
+    count_direct(replied, strays || more);
+    return true;
+}
+
+/* A direct call's end (mu_ held): its caller delivers it (``replied``), or byteps-net takes it over
+ * through ``adopt``. */
+inline void BpsWorkerCore::end_direct(BpsOp *op, bool replied, uint64_t rnd, std::vector<BpsQueued> *adopt) {
+    op->direct.store(false);
+    if (replied) {
+        op->parts_left = 0;
+        op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
+    } else {
+        adopt->push_back(BpsQueued{op->priority, rnd, op, 0});
+        net_ops_++;
+    }
+}
+
+/* After a direct call let go of its link: byteps-net has work (``more``, or an adopted partition). */
+inline void BpsWorkerCore::count_direct(bool replied, bool more) {
+    if (!replied || more) wake();
+    if (replied) direct_calls_.fetch_add(1);
+    else direct_adopted_.fetch_add(1);
+}
+
+/* A message a direct caller read for someone else, moved out of ``msg`` for byteps-net. */
+inline BpsMessage *BpsWorkerCore::keep_message(BpsMessage &msg) {
+    BpsMessage *keep = new BpsMessage();
+    for (int i = 0; i < msg.count; ++i) msg.take(i, &keep->frames[i]);
+    keep->count = msg.count;
+    keep->truncated = msg.truncated;
+    msg.count = 0;
+    return keep;
+}
+
+/* A direct caller's sleep on its link until input (or room to write) or ``deadline``; false once
+ * the deadline has passed. Before ``spin_until`` it only yields its core and returns, so that the
+ * caller polls the link again. */
+inline bool BpsWorkerCore::wait_link(BpsConn *l, double deadline, double spin_until) {
+    if (l->wants_write()) l->flush();
+    double now = bps_now(), left = deadline - now;
+    if (left <= 0) return false;
+    if (now < spin_until) {
+        sched_yield();
+        return true;
+    }
+    if (l->arm_to_sleep()) return true; /* input came while arming (UCX's wake-up fd, a ring's bell) */
+    struct pollfd pfd = {l->fd(), (short)(POLLIN | (l->poll_for_write() ? POLLOUT : 0)), 0};
+    struct timespec ts = {0, (long)(left * 1e9)};
+    ppoll(&pfd, 1, &ts, nullptr);
+    return true;
+}
+
+/* A direct local call's op (either side of the local reduce), registered with its round taken, or
+ * NULL when byteps-net is busy, join() handed the local reduce to Python, the servers are changing or
+ * another thread submitted on the table meanwhile. ``awaits_done``: a non-owner, whose LOCAL_DONE
+ * byteps-net keeps if it reaches the ROUTER (local_direct_ids_). */
+inline BpsOp *BpsWorkerCore::begin_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part,
+                                                const std::string &name, uint8_t cmd, uint8_t dtype, uint32_t root,
+                                                int64_t priority, unsigned char *buf, uint64_t nbytes, uint32_t divisor,
+                                                bool awaits_done) {
+    BpsOp *op = new_op(id, cmd, dtype, root, priority, false, buf, nbytes, divisor);
+    op->name = name;
+    op->local = true;
+    op->parts.push_back(part);
+    op->parts_left = 1;
+    op->started = bps_now();
+    op->direct.store(true);
+    BpsPart &p = op->parts[0];
+    std::lock_guard<std::mutex> lock(mu_);
+    BpsTable &t = tables_.at((size_t)table);
+    if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
+        python_local_ || t.count != seq) {
+        delete op;
+        return nullptr;
+    }
+    op->table = table;
+    op->seq = t.count++;
+    ops_[id] = op;
+    p.rnd = next_round(p.key);
+    p.has_rnd = true;
+    if (awaits_done) local_direct_ids_.insert(Ident(p.key, p.rnd));
+    return op;
+}
+
+/* submit_direct for a partition of the machine's local reduce that another local rank owns (a
+ * synchronous push_pull of one partition): the caller copies it into its shared region, sends
+ * LOCAL_READY on the link to the owner and reads the owner's LOCAL_DONE itself, sparing the two
+ * hand-offs between the caller and byteps-net. The owner's side is unchanged. Handed to byteps-net
+ * (adopted) after BPS_DIRECT_WINDOW_S, as for a server; byteps-net keeps a LOCAL_DONE that reaches
+ * it meanwhile (early_done_). False: the fast path does not apply. */
+inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part,
+                                               const std::string &name, uint8_t cmd, uint8_t dtype, uint32_t root,
+                                               int64_t priority, unsigned char *buf, uint64_t nbytes,
+                                               uint32_t divisor) {
+    int owner = part.owner;
+    if (cmd != BPS_CMD_PUSHPULL || owner < 0 || owner == local_rank_ || (size_t)owner >= local_links_.size() ||
+        part.staging == nullptr || part.length > BPS_DIRECT_MAX_BYTES || part.offset + part.length > nbytes)
+        return false;
+    std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)owner]);
+    BpsConn *l = live_local_link(owner);
+    if (l == nullptr || strcmp(l->kind(), "ucx") == 0 || l->wants_write() || l->pending_input()) return false;
+    BpsOp *op = begin_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor,
+                                   true);
+    if (op == nullptr) return false;
+    BpsPart &p = op->parts[0];
+    local_direct_owned_[(size_t)owner].store(true);
+    memcpy(p.staging, buf + p.offset, p.length); /* COORDINATE: our copy into our shared region */
+    BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, dtype, (uint32_t)local_rank_,
+                             BPS_FLAG_SHM);
+    BpsFrames f;
+    f.copy(&h, sizeof h);
+    f.copy(&p.desc, sizeof p.desc);
+    bool replied = false, strays = false;
+    BpsPollingLinks polling({l}, direct_spin_s_ > 0); /* a ring: its bell waits until we stop polling */
+    if (l->send(f) == 0) {
+        local_link_sent_.fetch_add(1);
+        local_coordinated_++;
+        replied = local_direct_wait(op, owner, l, &strays);
+    } else {
+        set_error(op, BPS_ERR_PROTOCOL, "tensor '" + name + "': sending to local rank " + std::to_string(owner) +
+                                            " failed: " + l->error());
+        replied = true;
+    }
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        local_direct_ids_.erase(Ident(p.key, p.rnd));
+        end_direct(op, replied, p.rnd, &local_adopt_in_); /* adopted: byteps-net waits for its LOCAL_DONE */
+    }
+    local_direct_owned_[(size_t)owner].store(false);
+    polling.stop(); /* first: what comes after this rings a bell, what came before is pending_input */
+    bool more = l->pending_input() || l->dead();
+    link_lock.unlock();
+    count_direct(replied, strays || more);
+    return true;
+}
+
+/* submit_direct for a partition of the machine's local reduce that this process owns, on a machine
+ * that is the whole job (its sum is the result: no server round trip). The caller takes the other
+ * local ranks' copies itself (those that came first from byteps-net, which holds them in early_,
+ * the rest from their links), sums them with its own into its shared region, sends each LOCAL_DONE
+ * and copies the sum into the tensor: the whole LOCAL_REDUCE / LOCAL_BROADCAST / COPY_OUT of the
+ * partition on its thread, without the two hand-offs to byteps-net and back. A copy still missing
+ * after BPS_DIRECT_WINDOW_S (a late rank, one in join()), a broken link, or a copy that is not
+ * readable hands the partition to byteps-net with the copies taken so far (take_direct), whose
+ * checks, time-outs and error reports then apply. False: the fast path does not apply. */
+inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part,
+                                               const std::string &name, uint8_t cmd, uint8_t dtype, uint32_t root,
+                                               int64_t priority, unsigned char *buf, uint64_t nbytes,
+                                               uint32_t divisor) {
+    if (cmd != BPS_CMD_PUSHPULL || !lone_machine_ || local_size_ < 2 || local_size_ > 64 ||
+        (size_t)local_size_ != local_links_.size() || part.staging == nullptr ||
+        part.length > BPS_DIRECT_MAX_BYTES || part.offset + part.length > nbytes || joined_mask_.load() != 0)
+        return false;
+    /* every other local rank's link, or nothing: a direct caller of this process may hold one */
+    std::vector<std::unique_lock<std::recursive_mutex>> link_locks;
+    std::vector<int> peers;
+    for (int r = 0; r < local_size_; ++r) {
+        if (r == local_rank_) continue;
+        std::unique_lock<std::recursive_mutex> lk(*local_link_mu_[(size_t)r], std::try_to_lock);
+        BpsConn *l = lk ? live_local_link(r) : nullptr;
+        if (l == nullptr || strcmp(l->kind(), "ucx") == 0 || l->wants_write()) return false;
+        link_locks.push_back(std::move(lk));
+        peers.push_back(r);
+    }
+    BpsOp *op = begin_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor,
+                                   false);
+    if (op == nullptr) return false;
+    BpsPart &p = op->parts[0];
+    Ident me(p.key, p.rnd);
+    for (int r : peers) local_direct_owned_[(size_t)r].store(true);
+    std::vector<std::vector<std::string>> copies; /* [identity, header, body] of each LOCAL_READY */
+    {
+        std::lock_guard<std::mutex> lock(early_mu_); /* the copies that reached byteps-net first */
+        auto e = early_.find(me);
+        if (e != early_.end()) {
+            copies = std::move(e->second);
+            early_.erase(e);
+        }
+    }
+    bool strays = false;
+    bool all_in = owner_direct_wait(p, peers, &copies, &strays);
+    bool replied = false;
+    if (all_in) {
+        Group g;
+        g.op = op;
+        g.part = 0;
+        for (auto &frames : copies) add_copy(g, frames[1], frames[2]);
+        std::vector<const void *> srcs{buf + p.offset};
+        srcs.insert(srcs.end(), g.copies.begin(), g.copies.end());
+        BpsStageTask sum{priority, 0, BPS_TASK_SUM, op, 0, p.staging, std::move(srcs), p.length, dtype, 0};
+        /* an unreadable copy, or a failed sum: byteps-net reports it as usual */
+        if (g.error.empty() && g.count == (int)peers.size() && bps_run_task(sum, 1) == 0) {
+            local_reduced_++;
+            BpsHeader h = bps_header(BPS_CMD_LOCAL_DONE, node_id_, p.key, p.rnd, p.length, BPS_NO_DTYPE,
+                                     (uint32_t)local_rank_, BPS_FLAG_SHM);
+            for (int r : peers) send_local(r, &h, &p.desc, BPS_DESCRIPTOR_SIZE); /* LOCAL_BROADCAST */
+            BpsStageTask out{priority, 0, BPS_TASK_COPY_OUT, op, 0, buf + p.offset, {p.staging}, p.length, dtype, 0};
+            bps_run_task(out, 1);
+            owner_direct_++;
+            replied = true;
+        }
+    }
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        op->direct.store(false);
+        if (replied) {
+            op->parts_left = 0;
+            op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
+        } else {
+            owner_adopt_in_.push_back(std::make_pair(op, std::move(copies)));
+            net_ops_++;
+        }
+    }
+    bool more = false;
+    for (int r : peers) {
+        local_direct_owned_[(size_t)r].store(false);
+        BpsConn *l = local_links_[(size_t)r].get();
+        more |= l->pending_input() || l->dead();
+    }
+    link_locks.clear();
+    count_direct(replied, strays || more);
+    return true;
+}
+
+/* The direct owner's wait for the other local ranks' LOCAL_READYs of partition ``p`` on their links
+ * (their locks held), added to ``copies``: true once every one is in, false when the window passed or
+ * a link broke. Messages for others go to byteps-net in order, as in local_direct_wait. */
+inline bool BpsWorkerCore::owner_direct_wait(const BpsPart &p, const std::vector<int> &peers,
+                                             std::vector<std::vector<std::string>> *copies, bool *strays) {
+    double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
+    std::vector<struct pollfd> pfds(peers.size());
+    std::vector<BpsConn *> links;
+    for (int r : peers) links.push_back(local_links_[(size_t)r].get());
+    BpsPollingLinks polling(links, direct_spin_s_ > 0); /* until we sleep or return */
+    BpsMessage msg;
+    for (;;) {
+        for (size_t k = 0; k < peers.size(); ++k) {
+            int r = peers[k];
+            BpsConn *l = local_links_[(size_t)r].get();
+            while (copies->size() < peers.size() && l->recv(&msg, &local_link_ident_[(size_t)r]) > 0) {
+                local_link_received_.fetch_add(1);
+                BpsHeader h;
+                if (!local_header(msg, &h) || h.cmd != BPS_CMD_LOCAL_READY || h.key != p.key || h.round != p.rnd) {
+                    stray_local(msg, strays);
+                    continue;
+                }
+                std::vector<std::string> frames;
+                for (int i = 0; i < 3; ++i) frames.emplace_back((const char *)msg.data(i), msg.size(i));
+                copies->push_back(std::move(frames));
+            }
+            if (l->dead()) return false;
+        }
+        if (copies->size() >= peers.size()) return true;
+        double now = bps_now(), left = deadline - now;
+        if (left <= 0) return false;
+        if (now < spin_until) {
+            sched_yield();
+            continue;
+        }
+        bool came = false;
+        for (size_t k = 0; k < peers.size(); ++k) {
+            BpsConn *l = local_links_[(size_t)peers[k]].get();
+            if (l->wants_write()) l->flush();
+            came |= l->arm_to_sleep(); /* a ring's bytes that came without a bell */
+            pfds[k] = pollfd{l->fd(), (short)(POLLIN | (l->poll_for_write() ? POLLOUT : 0)), 0};
+        }
+        if (came) continue;
+        struct timespec ts = {0, (long)(left * 1e9)};
+        ppoll(pfds.data(), pfds.size(), &ts, nullptr);
+    }
+}
+
+/* The direct local caller's wait for the owner's LOCAL_DONE (or ERROR) of its partition on link ``l``
+ * (its lock held): true once the result is in the tensor (or the op failed), false when the window
+ * passed or the link broke. */
+inline bool BpsWorkerCore::local_direct_wait(BpsOp *op, int owner, BpsConn *l, bool *strays) {
+    BpsPart &p = op->parts[0];
+    double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
+    BpsMessage msg;
+    for (;;) {
+        while (l->recv(&msg, &local_link_ident_[(size_t)owner]) > 0) { /* [identity, header, body] */
+            local_link_received_.fetch_add(1);
+            BpsHeader h;
+            if (!local_header(msg, &h) || h.key != p.key || h.round != p.rnd ||
+                (h.cmd != BPS_CMD_LOCAL_DONE && h.cmd != BPS_CMD_ERROR)) {
+                stray_local(msg, strays);
+                continue;
+            }
+            if (h.cmd == BPS_CMD_ERROR) {
+                set_error(op, BPS_ERR_SERVER, std::string((const char *)msg.data(2), msg.size(2)));
+                return true;
+            }
+            unsigned char *src;
+            uint64_t len;
+            std::string err;
+            int rc = view_shared(msg.data(2), msg.size(2), &src, &len, &err);
+            if (rc != 0 || len != p.length) {
+                if (err.empty())
+                    err = "copy_into: dst has " + std::to_string(p.length) + " bytes and src has " +
+                          std::to_string(len) + " bytes";
+                set_error(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': local result unreadable: " + err);
+                return true;
+            }
+            bps_result_into(op, op->buf + p.offset, src, p.length, false); /* COPY_OUT */
+            return true;
+        }
+        if (l->dead()) return false; /* byteps-net adopts it; its DEALER carries what follows */
+        if (!wait_link(l, deadline, spin_until)) return false;
+    }
+}
+
+/* The direct caller's wait for the reply of (its key, ``rnd``) on link ``l`` (its lock held):
+ * true once the reply was taken into the op, false when the window passed. */
+inline bool BpsWorkerCore::direct_wait(BpsOp *op, int server, BpsConn *l, uint64_t rnd, bool *strays) {
+    BpsPart &p = op->parts[0];
+    double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
+    BpsMessage msg;
+    for (;;) {
+        while (l->recv(&msg) > 0) {
+            BpsHeader h;
+            bool mine = msg.count >= 1 && bps_parse_header(msg.data(0), msg.size(0), &h) && h.key == p.key &&
+                        h.round == rnd;
+            if (!mine) { /* someone else's: byteps-net handles it, in arrival order */
+                BpsMessage *keep = keep_message(msg);
+                std::lock_guard<std::mutex> lock(mu_);
+                strays_in_.push_back(std::make_pair(server, keep));
+                *strays = true;
+                continue;
+            }
+            received_[(size_t)server] += msg.size(0) + (msg.count > 1 ? msg.size(1) : 0);
+            uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
+            bps_span_to(BPS_STAGE_PUSH, p.trace_t, t_reply, p.key, rnd, p.length, server, op->priority);
+            if (h.cmd == BPS_CMD_REPLY) {
+                receive(op, p, server, h, &msg);
+                bps_span(BPS_STAGE_PULL, t_reply, p.key, rnd, p.length, server, op->priority);
+            } else if (h.cmd == BPS_CMD_ERROR) {
+                set_error(op, BPS_ERR_SERVER, msg.count > 1 ? std::string((const char *)msg.data(1), msg.size(1)) : "{}");
+            } else {
+                set_error(op, BPS_ERR_PROTOCOL,
+                          "unexpected command " + std::to_string(h.cmd) + " from server " + std::to_string(server));
+            }
+            return true;
+        }
+        if (l->dead()) return false; /* byteps-net adopts it; the scheduler reports the lost server */
+        if (!wait_link(l, deadline, spin_until)) return false;
+    }
+}
+
+/* Partitions direct callers handed over (their replies may be next on the link), and messages
+ * they read for others. Called before any link is read, and again for a reply nobody expects. */
+inline void BpsWorkerCore::take_direct() {
+    std::vector<BpsQueued> adopt, local_adopt;
+    std::vector<std::pair<int, BpsMessage *>> strays;
+    std::vector<BpsMessage *> local_strays;
+    std::vector<std::pair<BpsOp *, std::vector<std::vector<std::string>>>> owner_adopt;
+    bool abort;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        adopt.swap(adopt_in_);
+        strays.swap(strays_in_);
+        local_adopt.swap(local_adopt_in_);
+        local_strays.swap(local_strays_in_);
+        owner_adopt.swap(owner_adopt_in_);
+        abort = abort_;
+    }
+    for (auto &a : owner_adopt) { /* LOCAL_REDUCE here, with the copies its caller took */
+        BpsOp *op = a.first;
+        if (abort) {
+            fail(op, BPS_ERR_ABORT, "");
+            continue;
+        }
+        Ident id(op->parts[0].key, op->parts[0].rnd);
+        Group &g = groups_[id];
+        g.op = op;
+        g.part = 0;
+        for (auto &frames : a.second) add_copy(g, frames[1], frames[2]);
+        take_early(g, id);
+        maybe_reduce(id);
+    }
+    for (auto &a : local_adopt) { /* its LOCAL_READY is out: wait for the owner's LOCAL_DONE here */
+        BpsPart &p = a.op->parts[(size_t)a.part];
+        Ident id(p.key, a.seq);
+        awaiting_[id] = Await{a.op, a.part, p.owner};
+        a.op->owed_local[p.owner]++;
+        if (abort) {
+            fail(a.op, BPS_ERR_ABORT, "");
+            continue;
+        }
+        auto e = early_done_.find(id);
+        if (e != early_done_.end()) { /* it reached the ROUTER while the caller held it */
+            std::pair<BpsMessage *, bool> m = e->second;
+            early_done_.erase(e);
+            on_local(m.first, m.second);
+            delete m.first;
+        }
+    }
+    for (BpsMessage *m : local_strays) {
+        on_local(m, true);
+        delete m;
+    }
+    for (auto &a : adopt) {
+        BpsPart &p = a.op->parts[(size_t)a.part];
+        if (dead_[(size_t)p.server].load() && !abort) { /* elastic: its server went while the caller waited */
+            a.seq = p.qseq = seq_++;
+            if (awaiting_commit()) stranded_.push_back(a);
+            else push(a.op, a.part); /* to the replacement, in its round, past the credit (see commit) */
+            continue;
+        }
+        pending_[std::make_pair(p.key, a.seq)] = std::make_pair(a.op, a.part);
+        a.op->owed[p.server]++;
+        credit_.take(urgency(a.op, a.part), (int64_t)p.length);
+        if (abort) fail(a.op, BPS_ERR_ABORT, "");
+    }
+    for (auto &m : strays) {
+        on_message(m.first, m.second);
+        delete m.second;
+    }
+}
+
+/* A direct local caller holds partition ``id`` (waits for it, or has handed it over unseen). */
+inline bool BpsWorkerCore::held_direct(const Ident &id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (local_direct_ids_.count(id)) return true;
+    for (auto &a : local_adopt_in_)
+        if (Ident(a.op->parts[(size_t)a.part].key, a.seq) == id) return true;
+    return false;
+}
+
+#endif

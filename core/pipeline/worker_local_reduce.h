@@ -1,0 +1,474 @@
+/* BpsWorkerCore, the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread.
+ *
+ * One partition, in the order it happens (core/local.py); every step runs on byteps-net except the sums
+ * and big copies, which run on the stage thread and come back through take_stage_done(). */
+#ifndef BPS_WORKER_LOCAL_REDUCE_H
+#define BPS_WORKER_LOCAL_REDUCE_H
+
+#include "core/pipeline/bps_worker.h"
+
+/* A local link's message [identity, header, body] with a readable header (into ``h``). */
+inline bool BpsWorkerCore::local_header(BpsMessage &msg, BpsHeader *h) {
+    return msg.count == 3 && !msg.truncated && bps_parse_header(msg.data(1), msg.size(1), h);
+}
+
+/* A local message a direct caller read for someone else: byteps-net handles it, in arrival order. */
+inline void BpsWorkerCore::stray_local(BpsMessage &msg, bool *strays) {
+    BpsMessage *keep = keep_message(msg);
+    std::lock_guard<std::mutex> lock(mu_);
+    local_strays_in_.push_back(keep);
+    *strays = true;
+}
+
+/* The machine's local reduce (before start()): our ROUTER, a DEALER per other local rank (NULL for
+ * ourselves), authenticated by Python; ``open`` when the job has no secret (every peer admitted). */
+inline void BpsWorkerCore::add_local(void *router, std::vector<void *> peers, int local_rank, bool open) {
+    router_ = router;
+    peers_ = std::move(peers);
+    local_rank_ = local_rank;
+    local_size_ = (int)peers_.size();
+    local_links_.resize(peers_.size());
+    local_link_ident_.resize(peers_.size());
+    for (size_t r = 0; r < peers_.size(); ++r) local_link_mu_.emplace_back(new std::recursive_mutex());
+    local_direct_owned_.resize(peers_.size());
+    auth_open_ = open;
+    stage_ = new BpsStageThread(nthreads_, wake_fd_);
+}
+
+/* A direct link to local rank ``r`` (before start(), after add_local()): a connected socket whose
+ * one-time token was checked (core/engine.py _open_local_links). ``ident`` is r's DEALER identity
+ * toward our ROUTER: its messages on the link are taken as from that identity. This thread owns
+ * and closes the fd; the DEALER stays the fallback. ``ring_fd`` >= 0: the pair's shared-memory
+ * rings (BPS_RING_REGION bytes; BpsShmLink carries the bytes, the socket only bells), ``low``: we are
+ * the lower local rank. The caller keeps ``ring_fd`` (a mapping outlives it). "" or why the ring
+ * could not be mapped: the socket is then closed, so that the peer's end of the link dies too and
+ * both sides use the DEALER. */
+inline std::string BpsWorkerCore::add_local_link(int r, int fd, const std::string &ident, int ring_fd, bool low) {
+    if (ring_fd >= 0) {
+        void *region = mmap(nullptr, BPS_RING_REGION, PROT_READ | PROT_WRITE, MAP_SHARED, ring_fd, 0);
+        if (region == MAP_FAILED) {
+            std::string why = std::string("mmap: ") + strerror(errno);
+            ::close(fd);
+            return why;
+        }
+        local_links_.at((size_t)r).reset(new BpsShmLink(fd, region, low));
+    } else {
+        local_links_.at((size_t)r).reset(new BpsLink(fd));
+    }
+    local_link_ident_.at((size_t)r) = ident;
+    return "";
+}
+
+/* Local ranks whose link runs over shared-memory rings (tests check the path really ran). */
+inline int BpsWorkerCore::local_rings_up() const {
+    int n = 0;
+    for (auto &l : local_links_) n += l && !l->dead() && strcmp(l->kind(), "shm") == 0;
+    return n;
+}
+
+/* Local ranks reached over a working link, and messages sent / received on local links (tests
+ * check the path really ran). */
+inline int BpsWorkerCore::local_links_up() const {
+    int n = 0;
+    for (auto &l : local_links_) n += l && !l->dead();
+    return n;
+}
+
+/* A peer that passed Python's handshake on our ROUTER (core/auth.py Gate). */
+inline void BpsWorkerCore::allow_local(const std::string &identity) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        allow_in_.push_back(identity);
+    }
+    wake();
+}
+
+/* join(): local ranks (bit n: local rank n) that joined; owners stop waiting for their copies. */
+inline void BpsWorkerCore::set_local_joined(uint64_t mask) {
+    joined_mask_.store(mask);
+    recheck_.store(true);
+    wake();
+}
+
+/* From now on Python runs the local reduce of this process (join()): LOCAL_READYs nobody here
+ * waits for, and those held for ops not started yet, go to Python; submit() refuses local ops. */
+inline void BpsWorkerCore::local_python() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        python_local_ = true;
+    }
+    wake();
+}
+
+/* Python owns partition (key, round) (a compressed op, ...): its LOCAL_READYs, held or still to
+ * come (``count`` of them), are forwarded to Python. */
+inline void BpsWorkerCore::local_claim(uint64_t key, uint64_t rnd, int count) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        claims_in_.push_back(std::make_pair(std::make_pair(key, rnd), count));
+    }
+    wake();
+}
+
+/* Local messages this thread does not own: [identity, header, body] each. */
+inline void BpsWorkerCore::forwarded_local(std::vector<std::vector<std::string>> *out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    out->swap(forward_local_);
+}
+
+/* Every local rank of the op takes the partition's round now (both paths count rounds here). */
+inline void BpsWorkerCore::local_start(BpsOp *op, int i) {
+    BpsPart &p = op->parts[i];
+    p.rnd = next_round(p.key);
+    Ident id(p.key, p.rnd);
+    if (op->done.load()) return;
+    if (p.owner == local_rank_) { /* LOCAL_REDUCE: the copies that came before the op are taken now */
+        Group &g = groups_[id];
+        g.op = op;
+        g.part = i;
+        take_early(g, id);
+        maybe_reduce(id);
+        return;
+    }
+    /* COORDINATE: our copy into our shared region, then LOCAL_READY to the owner */
+    op->owed_local[p.owner]++;
+    awaiting_[id] = Await{op, i, p.owner};
+    stage_or_inline(BPS_TASK_COPY_IN, op, i, p.staging, {op->buf + p.offset});
+}
+
+/* The copies of partition ``id`` that came before its op (early_), into its group. */
+inline void BpsWorkerCore::take_early(Group &g, const Ident &id) {
+    std::vector<std::vector<std::string>> held;
+    {
+        std::lock_guard<std::mutex> lock(early_mu_);
+        auto e = early_.find(id);
+        if (e == early_.end()) return;
+        held = std::move(e->second);
+        early_.erase(e);
+    }
+    for (auto &frames : held) add_copy(g, frames[1], frames[2]);
+}
+
+/* Run a copy or sum inline (small) or on the stage thread (>= 256 KB); then after_task(). */
+inline void BpsWorkerCore::stage_or_inline(int kind, BpsOp *op, int i, void *dst, std::vector<const void *> srcs) {
+    BpsStageTask t{op->priority, 0, kind, op, i, dst, std::move(srcs), op->parts[i].length, op->dtype, 0};
+    if (t.nbytes >= BPS_STAGE_THREAD_MIN_BYTES) {
+        op->tasks++;
+        if (kind == BPS_TASK_SUM) local_threaded_++;
+        stage_->submit(std::move(t));
+        return;
+    }
+    t.rc = bps_run_task(t, 1);
+    after_task(t);
+}
+
+inline void BpsWorkerCore::take_stage_done() {
+    if (stage_ == nullptr) return;
+    std::vector<BpsStageTask> done;
+    stage_->done(&done);
+    for (BpsStageTask &t : done) {
+        t.op->tasks--;
+        after_task(t);
+    }
+}
+
+inline void BpsWorkerCore::after_task(BpsStageTask &t) {
+    BpsOp *op = t.op;
+    if (op->done.load()) return; /* failed meanwhile (time-out, abort) */
+    BpsPart &p = op->parts[t.part];
+    if (t.kind == BPS_TASK_COPY_IN) {
+        BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, op->dtype,
+                                 (uint32_t)local_rank_, BPS_FLAG_SHM);
+        if (send_local(p.owner, &h, &p.desc, sizeof p.desc) != 0) {
+            fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': sending to local rank " +
+                                           std::to_string(p.owner) + " failed: " + strerror(errno));
+            return;
+        }
+        local_coordinated_++;
+    } else if (t.kind == BPS_TASK_SUM) {
+        if (t.rc != 0) {
+            groups_.erase(Ident(p.key, p.rnd));
+            local_failed(op, t.part, BPS_ERR_PROTOCOL,
+                         "tensor '" + op->name + "': local reduce failed: unknown dtype code " +
+                             std::to_string(op->dtype));
+            return;
+        }
+        local_reduced_++;
+        if (lone_machine_ && op->cmd == BPS_CMD_PUSHPULL) { /* the machine's sum is the job's */
+            groups_.erase(Ident(p.key, p.rnd));
+            local_broadcast(op, t.part, &p.desc, "");
+            stage_or_inline(BPS_TASK_COPY_OUT, op, t.part, op->buf + p.offset, {p.staging});
+            return;
+        }
+        p.trace_t = bps_span_start(); /* its QUEUE wait starts now */
+        /* PUSH of the machine's sum: queued by priority within the credit like any partition */
+        op->parts[(size_t)t.part].qseq = seq_;
+        queue_.push(BpsQueued{op->priority, seq_++, op, t.part, p.key});
+    } else { /* COPY_OUT: the result is in the tensor */
+        part_done(op);
+    }
+}
+
+/* A LOCAL_READY's copy: a view of the sender's shared region (its descriptor is checked). */
+inline void BpsWorkerCore::add_copy(Group &g, const std::string &header, const std::string &body) {
+    BpsHeader h;
+    memcpy(&h, header.data(), sizeof h);
+    BpsPart &p = g.op->parts[g.part];
+    unsigned char *src;
+    uint64_t len;
+    std::string err;
+    g.count++;
+    if (h.arg < 64) g.ranks |= 1ull << h.arg;
+    if (view_shared(body.data(), body.size(), &src, &len, &err) != 0) {
+        if (g.error.empty()) g.error = err;
+    } else if (len != p.length) {
+        if (g.error.empty())
+            g.error = "local rank " + std::to_string(h.arg) + " sent " + std::to_string(len) +
+                      " bytes for a partition of " + std::to_string(p.length);
+    } else {
+        g.copies.push_back(src);
+    }
+}
+
+inline int BpsWorkerCore::expected_copies() const {
+    uint64_t joined = joined_mask_.load() & ~(1ull << local_rank_);
+    return local_size_ - 1 - __builtin_popcountll(joined);
+}
+
+inline std::vector<int> BpsWorkerCore::missing(const Group &g) const {
+    std::vector<int> out;
+    uint64_t joined = joined_mask_.load();
+    for (int r = 0; r < local_size_; ++r)
+        if (r != local_rank_ && !(joined >> r & 1) && !(g.ranks >> r & 1)) out.push_back(r);
+    return out;
+}
+
+/* LOCAL_REDUCE once every local rank's copy is in (those in join() send none). */
+inline void BpsWorkerCore::maybe_reduce(const Ident &id) {
+    auto it = groups_.find(id);
+    if (it == groups_.end()) return;
+    Group &g = it->second;
+    if (g.reducing || g.count < expected_copies()) return;
+    g.reducing = true;
+    BpsOp *op = g.op;
+    BpsPart &p = op->parts[g.part];
+    if (!g.error.empty()) {
+        int part = g.part;
+        std::string text = "tensor '" + op->name + "': a local rank's shared copy: " + g.error;
+        groups_.erase(it);
+        local_failed(op, part, BPS_ERR_PROTOCOL, text);
+        return;
+    }
+    std::vector<const void *> srcs{op->buf + p.offset};
+    srcs.insert(srcs.end(), g.copies.begin(), g.copies.end());
+    stage_or_inline(BPS_TASK_SUM, op, g.part, p.staging, std::move(srcs));
+}
+
+/* PULL of an owner's partition: the machine's result, then LOCAL_BROADCAST. */
+inline void BpsWorkerCore::local_pulled(BpsOp *op, int i, int server, const BpsHeader &h, BpsMessage *m) {
+    BpsPart &p = op->parts[i];
+    groups_.erase(Ident(p.key, p.rnd));
+    std::string who = "tensor '" + op->name + "': server " + std::to_string(server);
+    if (h.cmd == BPS_CMD_ERROR) {
+        std::string body = m->count > 1 ? std::string((const char *)m->data(1), m->size(1)) : "{}";
+        std::string msg = bps_json_error_field(body);
+        set_error(op, BPS_ERR_SERVER, body);
+        /* the others get what Python's owner sends: str(TensorMismatchError(...)) */
+        local_broadcast(op, i, nullptr, "{\"error\":\"push_pull of tensor '" + bps_json_escape(op->name) +
+                                            "' failed: " + (msg.empty() ? "unknown error" : msg) + "\"}");
+        part_done(op);
+        return;
+    }
+    std::string err;
+    const unsigned char *src = nullptr;
+    const void *desc = &p.desc;
+    if (h.cmd != BPS_CMD_REPLY) {
+        err = "unexpected command " + std::to_string(h.cmd) + " from server " + std::to_string(server);
+    } else if (m->count < 2) {
+        err = who + " replied without a body";
+    } else if (h.flags & BPS_FLAG_COMPRESSED) {
+        err = who + " replied compressed to an uncompressed push";
+    } else if (h.flags & BPS_FLAG_SHM) { /* the others copy from the server's store directly */
+        unsigned char *view;
+        uint64_t len;
+        if (view_shared(m->data(1), m->size(1), &view, &len, &err) == 0 && len != p.length)
+            err = who + " replied " + std::to_string(len) + " bytes for a partition of " + std::to_string(p.length);
+        src = view;
+        desc = m->data(1);
+    } else if (m->size(1) != p.length) {
+        err = who + " replied " + std::to_string(m->size(1)) + " bytes for a partition of " +
+              std::to_string(p.length);
+    } else { /* over TCP: into our shared region, which the others read */
+        memcpy(p.staging, m->data(1), p.length);
+        src = p.staging;
+    }
+    if (!err.empty()) {
+        local_failed(op, i, BPS_ERR_PROTOCOL, err);
+        return;
+    }
+    retain(p, h.round, op->dtype, src, p.length);
+    local_broadcast(op, i, desc, "");
+    stage_or_inline(BPS_TASK_COPY_OUT, op, i, op->buf + p.offset, {src});
+}
+
+/* A partition of an owner failed: the op fails, and the others are told (ERROR), as in Python. */
+inline void BpsWorkerCore::local_failed(BpsOp *op, int i, int kind, const std::string &text) {
+    set_error(op, kind, text);
+    local_broadcast(op, i, nullptr, bps_json_error(text));
+    part_done(op);
+}
+
+/* LOCAL_BROADCAST: LOCAL_DONE with the result's descriptor, or ERROR with ``error_body``, to every
+ * other local rank (those in join() too, as Python does: they drop it). */
+inline void BpsWorkerCore::local_broadcast(BpsOp *op, int i, const void *desc, const std::string &error_body) {
+    BpsPart &p = op->parts[i];
+    BpsHeader h = desc ? bps_header(BPS_CMD_LOCAL_DONE, node_id_, p.key, p.rnd, p.length, BPS_NO_DTYPE,
+                                    (uint32_t)local_rank_, BPS_FLAG_SHM)
+                       : bps_header(BPS_CMD_ERROR, node_id_, p.key, p.rnd, error_body.size(), BPS_NO_DTYPE,
+                                    (uint32_t)local_rank_, 0);
+    for (int r = 0; r < local_size_; ++r) {
+        if (r == local_rank_) continue;
+        if (desc)
+            send_local(r, &h, desc, BPS_DESCRIPTOR_SIZE);
+        else
+            send_local(r, &h, error_body.data(), error_body.size());
+    }
+}
+
+/* Local rank ``r``'s direct link while it works, else NULL (its DEALER then). */
+inline BpsConn *BpsWorkerCore::live_local_link(int r) {
+    if (r < 0 || (size_t)r >= local_links_.size()) return nullptr;
+    BpsConn *l = local_links_[(size_t)r].get();
+    return l != nullptr && !l->dead() ? l : nullptr;
+}
+
+inline int BpsWorkerCore::send_local(int r, const BpsHeader *h, const void *body, size_t n) {
+    std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)r]); /* a direct caller may hold it briefly */
+    BpsConn *l = live_local_link(r);
+    if (l != nullptr) {
+        BpsFrames f;
+        f.copy(h, sizeof *h);
+        f.copy(body, n);
+        if (l->send(f) == 0) {
+            local_link_sent_.fetch_add(1);
+            return 0;
+        }
+        /* it broke just now: the DEALER takes this one */
+    }
+    void *sock = peers_[r];
+    int rc = bps_send_copy(sock, h, sizeof *h, true);
+    if (rc == 0) rc = bps_send_copy(sock, body, n, false);
+    return rc;
+}
+
+/* A message on our local ROUTER, or on a local link (``linked``: authenticated by its token, the
+ * identity frame put there by us): [identity, header, body]. */
+inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
+    BpsHeader h;
+    if (m->count != 3 || m->truncated) {
+        forward_local(m);
+        return;
+    }
+    std::string ident((const char *)m->data(0), m->size(0));
+    if ((!auth_open_ && !linked && allowed_.count(ident) == 0) || !bps_parse_header(m->data(1), m->size(1), &h)) {
+        forward_local(m); /* handshakes, strangers, malformed: Python answers, refuses or logs */
+        return;
+    }
+    Ident id(h.key, h.round);
+    if (h.cmd == BPS_CMD_LOCAL_READY) {
+        std::string header((const char *)m->data(1), m->size(1)), body((const char *)m->data(2), m->size(2));
+        auto g = groups_.find(id);
+        if (g != groups_.end()) {
+            add_copy(g->second, header, body);
+            maybe_reduce(id);
+            return;
+        }
+        auto c = claimed_.find(id);
+        if (c != claimed_.end() || python_local_mode_) {
+            if (c != claimed_.end() && --c->second <= 0) claimed_.erase(c);
+            forward_local(m);
+            return;
+        }
+        std::lock_guard<std::mutex> lock(early_mu_);
+        early_[id].push_back({ident, header, body}); /* before our op: held until it starts (or its direct owner takes it) */
+        return;
+    }
+    auto a = awaiting_.find(id);
+    if ((h.cmd == BPS_CMD_LOCAL_DONE || h.cmd == BPS_CMD_ERROR) && a == awaiting_.end() && held_direct(id)) {
+        BpsMessage *keep = new BpsMessage(); /* a direct caller's, come by the ROUTER: kept for its hand-over */
+        for (int i = 0; i < m->count; ++i) m->take(i, &keep->frames[i]);
+        keep->count = m->count;
+        m->count = 0;
+        delete early_done_[id].first; /* (none: one reply per partition) */
+        early_done_[id] = std::make_pair(keep, linked);
+        take_direct();
+        return;
+    }
+    if ((h.cmd != BPS_CMD_LOCAL_DONE && h.cmd != BPS_CMD_ERROR) || a == awaiting_.end()) {
+        forward_local(m); /* Python's partition, or an op that failed already */
+        return;
+    }
+    Await w = a->second;
+    awaiting_.erase(a);
+    BpsOp *op = w.op;
+    BpsPart &p = op->parts[w.part];
+    op->owed_local[w.owner]--;
+    if (h.cmd == BPS_CMD_ERROR) {
+        set_error(op, BPS_ERR_SERVER, std::string((const char *)m->data(2), m->size(2)));
+        part_done(op);
+        return;
+    }
+    unsigned char *src;
+    uint64_t len;
+    std::string err;
+    if (view_shared(m->data(2), m->size(2), &src, &len, &err) != 0 || len != p.length) {
+        if (err.empty())
+            err = "copy_into: dst has " + std::to_string(p.length) + " bytes and src has " + std::to_string(len) +
+                  " bytes";
+        set_error(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': local result unreadable: " + err);
+        part_done(op);
+        return;
+    }
+    stage_or_inline(BPS_TASK_COPY_OUT, op, w.part, op->buf + p.offset, {src});
+}
+
+/* A peer's shared memory named by a descriptor (BpsPeerMaps::view), from any thread. */
+inline int BpsWorkerCore::view_shared(const void *body, size_t n, unsigned char **ptr, uint64_t *len,
+                                      std::string *err) {
+    std::lock_guard<std::mutex> lock(maps_mu_);
+    return maps_.view(body, n, ptr, len, err);
+}
+
+/* Python took partition ``id`` (claim): the copies we hold for it, and ``count`` more, are its. */
+inline void BpsWorkerCore::local_claimed(const Ident &id, int count) {
+    std::vector<std::vector<std::string>> held;
+    {
+        std::lock_guard<std::mutex> lock(early_mu_);
+        auto e = early_.find(id);
+        if (e != early_.end()) {
+            held = std::move(e->second);
+            early_.erase(e);
+        }
+    }
+    for (auto &frames : held) {
+        forward_local(frames);
+        count--;
+    }
+    if (count > 0) claimed_[id] = count;
+}
+
+inline void BpsWorkerCore::forward_local(BpsMessage *m) {
+    std::vector<std::string> frames;
+    for (int i = 0; i < m->count; ++i) frames.emplace_back((const char *)m->data(i), m->size(i));
+    forward_local(frames);
+}
+
+inline void BpsWorkerCore::forward_local(const std::vector<std::string> &frames) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        forward_local_.push_back(frames);
+    }
+    notify_python();
+}
+
+#endif

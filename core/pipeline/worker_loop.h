@@ -1,0 +1,429 @@
+/* BpsWorkerCore, the network thread byteps-net: start, submit, its loop and inbox, PULL. */
+#ifndef BPS_WORKER_LOOP_H
+#define BPS_WORKER_LOOP_H
+
+#include "core/pipeline/bps_worker.h"
+
+inline BpsWorkerCore::BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
+    : node_id_(node_id), credit_(credit), timeout_(timeout), nthreads_(nthreads), notify_fd_(notify_fd) {
+    wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    done_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    /* Per-server state is sized once: a server that joins mid-job (elastic) never moves what other
+     * threads (direct callers, stats) are reading. */
+    socks_.reserve(BPS_MAX_SERVERS);
+    links_.resize(BPS_MAX_SERVERS);
+    for (int i = 0; i < BPS_MAX_SERVERS; ++i) link_mu_.emplace_back(new std::mutex());
+    direct_owned_.resize(BPS_MAX_SERVERS);
+    sent_.resize(BPS_MAX_SERVERS);
+    received_.resize(BPS_MAX_SERVERS);
+    dead_.resize(BPS_MAX_SERVERS);
+    colocated_.resize(BPS_MAX_SERVERS);
+    reported_.resize(BPS_MAX_SERVERS, false);
+}
+
+inline BpsWorkerCore::~BpsWorkerCore() {
+    stop();
+    if (stage_ != nullptr) delete stage_;
+    for (auto &kv : ops_) delete kv.second;
+    ::close(wake_fd_);
+    ::close(done_fd_);
+}
+
+inline void BpsWorkerCore::start() {
+    std::lock_guard<std::mutex> lock(mu_); /* the full barrier that hands the sockets over */
+    if (stage_ != nullptr) stage_->start();
+    thread_ = std::thread([this] { run(); });
+}
+
+inline void BpsWorkerCore::stop() {
+    if (!thread_.joinable()) return;
+    stopping_ = true;
+    wake();
+    thread_.join();
+    if (stage_ != nullptr) stage_->stop();
+}
+
+/* Register a tensor's partition table once (per tensor, not per call); returns its id. */
+inline int64_t BpsWorkerCore::add_table(const std::string &name, std::vector<BpsPart> parts) {
+    std::lock_guard<std::mutex> lock(mu_);
+    bool local = !parts.empty() && parts[0].owner >= 0;
+    replay_reroutes(parts); /* a tensor first used after servers were lost: as if it had been there */
+    tables_.push_back(BpsTable{name, std::move(parts), local});
+    return (int64_t)tables_.size() - 1;
+}
+
+/* Start a push_pull/broadcast of ``buf`` over a registered table: the per-call path. False (and
+ * nothing started) for a local-reduce table once Python runs the local reduce (local_python()). */
+inline bool BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root,
+                                        int64_t priority, bool root_self, unsigned char *buf, uint64_t nbytes,
+                                        bool lazy, uint32_t divisor) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (python_local_ && tables_.at((size_t)table).local) return false;
+    }
+    BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
+    op->lazy = lazy;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
+        op->name = t.name;
+        op->local = t.local;
+        /* checked again under the same lock as the inbox: local_python() cannot slip in between */
+        if (python_local_ && op->local) {
+            delete op;
+            return false;
+        }
+        op->table = table;
+        op->seq = t.count++;
+        if (holding_) { /* the servers are changing: which partitions it uses is known at commit() */
+            op->started = bps_now();
+            ops_[op->id] = op;
+            net_ops_++;
+            held_.push_back(op);
+            return true;
+        }
+        op->parts = t.parts_for(op->seq);
+        submit_locked(op);
+    }
+    wake();
+    return true;
+}
+
+/* Take an op (ownership passes here); it completes through completions(). */
+inline void BpsWorkerCore::submit(BpsOp *op) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        submit_locked(op);
+    }
+    wake();
+}
+
+inline void BpsWorkerCore::submit_locked(BpsOp *op) {
+    op->started = bps_now();
+    op->parts_left = (int)op->parts.size();
+    ops_[op->id] = op;
+    net_ops_++;
+    for (size_t i = 0; i < op->parts.size(); ++i) {
+        inbox_.push_back(BpsQueued{op->priority, 0, op, (int)i});
+    }
+}
+
+/* Round of the next push of a wire key (Python's own partitions count here too). */
+inline uint64_t BpsWorkerCore::next_round(uint64_t key) {
+    std::lock_guard<std::mutex> lock(rounds_mu_);
+    return rounds_[key]++;
+}
+
+inline void BpsWorkerCore::reset_rounds() {
+    std::lock_guard<std::mutex> lock(rounds_mu_);
+    rounds_.clear();
+}
+
+inline void BpsWorkerCore::wake() {
+    uint64_t one = 1;
+    ssize_t rc = write(wake_fd_, &one, sizeof one);
+    (void)rc;
+}
+
+inline void BpsWorkerCore::run() {
+    prctl(PR_SET_NAME, "byteps-net", 0, 0, 0);
+    size_t nsocks = 0, wake_at = 0, router_at = 0, links_at = 0, local_at = 0;
+    std::vector<bps_zmq_pollitem> items;
+    BpsMessage msg;
+    double next_check = 0;
+    while (!stopping_) {
+        /* UCX links: their UCP worker is this thread's except while it sleeps in poll, when a direct
+         * caller may take it (submit_direct) */
+        std::unique_lock<std::mutex> ucx_lock(ucx_mu_, std::defer_lock);
+        if (ucx_) ucx_lock.lock();
+        if (nsocks != socks_.size()) { /* at start, and when a server joined (elastic: take_inbox) */
+            nsocks = socks_.size();
+            wake_at = nsocks, router_at = nsocks + 1, links_at = nsocks + 2;
+            local_at = links_at + nsocks;
+            items.assign(local_at + local_links_.size(), bps_zmq_pollitem{nullptr, -1, 0, 0});
+            for (size_t i = 0; i < nsocks; ++i) items[i] = bps_zmq_pollitem{socks_[i], 0, BPS_ZMQ_POLLIN, 0};
+            items[wake_at] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
+            /* the local ROUTER, if any (a NULL socket with fd -1 is never ready) */
+            items[router_at] = bps_zmq_pollitem{router_, -1, (short)(router_ ? BPS_ZMQ_POLLIN : 0), 0};
+        }
+        bool buffered = false;
+        for (size_t i = 0; i < nsocks; ++i) { /* a dead link, or one a direct caller holds: not polled */
+            BpsConn *l = direct_owned_[i].load() ? nullptr : live_link((int)i);
+            short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->poll_for_write() ? BPS_ZMQ_POLLOUT : 0));
+            items[links_at + i] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
+            buffered |= l != nullptr && l->pending_input(); /* whole messages in hand: no sleep */
+        }
+        for (size_t r = 0; r < local_links_.size(); ++r) {
+            BpsConn *l = local_direct_owned_[r].load() ? nullptr : live_local_link((int)r);
+            short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->poll_for_write() ? BPS_ZMQ_POLLOUT : 0));
+            items[local_at + r] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
+            buffered |= l != nullptr && l->pending_input();
+        }
+        if (ucx_lock.owns_lock()) ucx_lock.unlock();
+        int rc = bps_zmq.poll(items.data(), (int)items.size(), buffered ? 0 : 100);
+        if (ucx_) ucx_lock.lock();
+        if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
+        if (items[wake_at].revents) {
+            uint64_t n;
+            ssize_t got = read(wake_fd_, &n, sizeof n);
+            (void)got;
+        }
+        take_inbox();
+        take_direct();
+        take_stage_done();
+        if (nsocks != socks_.size()) continue; /* a server joined: poll it too before reading */
+        if (router_ != nullptr && items[router_at].revents) {
+            for (int k = 0; k < 256; ++k) {
+                int got = bps_recv_message(router_, &msg);
+                if (got <= 0) break;
+                on_local(&msg);
+            }
+        }
+        for (size_t r = 0; r < local_links_.size(); ++r) {
+            short ev = items[local_at + r].revents;
+            BpsConn *l = live_local_link((int)r);
+            if (l == nullptr || (!ev && !l->pending_input())) continue;
+            std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[r], std::try_to_lock);
+            if (!link_lock) continue; /* a direct caller reads it now */
+            take_direct();            /* what it handed over comes before what we read next */
+            if (ev & BPS_ZMQ_POLLOUT) l->flush();
+            for (int k = 0; k < 256 && !l->dead(); ++k) {
+                if (l->recv(&msg, &local_link_ident_[r]) <= 0) break; /* [identity, header, body], as on the ROUTER */
+                local_link_received_.fetch_add(1);
+                on_local(&msg, true);
+            }
+            /* a link that broke (its peer went): live_local_link() is NULL now, its DEALER carries what follows */
+        }
+        for (size_t i = 0; i < nsocks; ++i) {
+            if (!items[i].revents) continue;
+            for (int k = 0; k < 256; ++k) { /* drain, bounded so the others get a turn */
+                int got = bps_recv_message(socks_[i], &msg);
+                if (got <= 0) break;
+                on_message((int)i, &msg);
+            }
+        }
+        for (size_t i = 0; i < nsocks; ++i) {
+            short ev = items[links_at + i].revents;
+            BpsConn *l = live_link((int)i);
+            if (l == nullptr || (!ev && !l->pending_input())) continue;
+            std::unique_lock<std::mutex> link_lock(*link_mu_[i], std::try_to_lock);
+            if (!link_lock) continue; /* a direct caller reads it now */
+            take_direct();            /* what it handed over comes before what we read next */
+            if (ev & BPS_ZMQ_POLLOUT) l->flush();
+            for (int k = 0; k < 256 && !l->dead(); ++k) {
+                if (l->recv(&msg) <= 0) break;
+                on_message((int)i, &msg);
+            }
+        }
+        for (size_t i = 0; i < nsocks; ++i) { /* links that broke here or under a direct caller */
+            BpsConn *l = links_[i].get();
+            if (l == nullptr || !l->dead() || reported_[i]) continue;
+            reported_[i] = true; /* the server went (or closed it): Python tells the scheduler (elastic) */
+            {
+                std::lock_guard<std::mutex> lock(mu_);
+                lost_.push_back((int)i);
+            }
+            notify_python();
+        }
+        send_ready();
+        double now = bps_now();
+        if (now >= next_check) {
+            check_timeouts(now);
+            next_check = now + 0.1;
+        }
+        flush_completions();
+    }
+}
+
+inline void BpsWorkerCore::take_inbox() {
+    std::vector<BpsQueued> in;
+    std::vector<std::unique_ptr<BpsRawSend>> raw;
+    std::vector<std::string> allow;
+    std::vector<std::pair<std::pair<uint64_t, uint64_t>, int>> claims;
+    std::vector<std::pair<void *, int>> joined;
+    bool abort, python_local, dead_now, commit_now;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        in.swap(inbox_);
+        raw.swap(raw_);
+        allow.swap(allow_in_);
+        claims.swap(claims_in_);
+        joined.swap(new_servers_);
+        abort = abort_;
+        python_local = python_local_;
+        dead_now = dead_in_;
+        commit_now = commit_in_;
+        dead_in_ = commit_in_ = false;
+        if (commit_now) {
+            alive_net_ = alive_;
+            commits_net_ = commits_;
+        }
+    }
+    for (auto &a : allow) allowed_.insert(a);
+    for (auto &j : joined) { /* elastic: a server joined; it is polled from the next turn on */
+        size_t i = socks_.size();
+        if (j.second >= 0) links_[i].reset(new BpsLink(j.second));
+        socks_.push_back(j.first);
+        nservers_.store((int)socks_.size());
+    }
+    if (dead_now) strand_dead();
+    if (commit_now) { /* results first, then stranded partitions go to their replacements, in their rounds */
+        send_results();
+        std::vector<BpsQueued> back;
+        back.swap(stranded_);
+        /* Sent at once, past the credit, in their first order: each had been let through the credit
+         * before, so what each worker has in flight becomes again what it had before the loss (a
+         * prefix of the order every worker sends in). Queued behind partitions sent after them, they
+         * could wait for those while other workers' copies of those wait for them. */
+        std::sort(back.begin(), back.end(), [](const BpsQueued &a, const BpsQueued &b) {
+            return a.priority != b.priority ? a.priority > b.priority : a.seq < b.seq;
+        });
+        for (auto &q : back)
+            if (!q.op->done.load()) push(q.op, q.part); /* to the replacement, in its round */
+    }
+    for (auto &m : raw) send_raw_now(m.get());
+    for (auto &q : in) {
+        if (q.op->local) {
+            local_start(q.op, q.part); /* before any message of this turn: it may be for this op */
+            continue;
+        }
+        q.seq = seq_++;
+        q.op->parts[(size_t)q.part].qseq = q.seq;
+        q.tie = q.op->parts[(size_t)q.part].key;
+        queue_.push(q);
+    }
+    for (auto &c : claims) local_claimed(c.first, c.second);
+    if (python_local && !python_local_mode_) { /* join(): what we held goes to Python now */
+        python_local_mode_ = true;
+        std::map<Ident, std::vector<std::vector<std::string>>> held;
+        {
+            std::lock_guard<std::mutex> lock(early_mu_);
+            held.swap(early_);
+        }
+        for (auto &kv : held)
+            for (auto &frames : kv.second) forward_local(frames);
+    }
+    if (recheck_.exchange(false)) {
+        std::vector<std::pair<uint64_t, uint64_t>> ids;
+        for (auto &kv : groups_) ids.push_back(kv.first);
+        for (auto &id : ids) maybe_reduce(id);
+    }
+    if (abort) {
+        while (!queue_.empty()) queue_.pop();
+        std::vector<BpsOp *> all;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            for (auto &kv : ops_) all.push_back(kv.second);
+        }
+        for (BpsOp *op : all) { /* a direct caller's op fails when it is handed over (take_direct) */
+            if (!op->done.load() && !op->direct.load()) fail(op, BPS_ERR_ABORT, "");
+        }
+        pending_.clear();
+        stranded_.clear();
+        credit_.clear();
+        groups_.clear();
+        awaiting_.clear();
+        {
+            std::lock_guard<std::mutex> lock(early_mu_);
+            early_.clear();
+        }
+        claimed_.clear();
+    }
+}
+
+inline void BpsWorkerCore::forward(int server, BpsMessage *m) {
+    BpsForward f;
+    f.server = server;
+    for (int i = 0; i < m->count; ++i) f.frames.emplace_back((const char *)m->data(i), m->size(i));
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        forward_.push_back(std::move(f));
+    }
+    notify_python();
+}
+
+/* PULL: a message from server ``server``. */
+inline void BpsWorkerCore::on_message(int server, BpsMessage *m) {
+    BpsHeader h;
+    if (m->count < 1 || !bps_parse_header(m->data(0), m->size(0), &h)) {
+        forward(server, m); /* Python logs malformed replies */
+        return;
+    }
+    auto it = pending_.find(std::make_pair(h.key, h.round));
+    if (it == pending_.end()) {
+        take_direct(); /* a partition a direct caller handed over just now? */
+        it = pending_.find(std::make_pair(h.key, h.round));
+    }
+    if (it == pending_.end() || it->second.first->parts[(size_t)it->second.second].server != server) {
+        forward(server, m); /* Python's partition, an op that failed already, or a lost server's late reply */
+        return;
+    }
+    BpsOp *op = it->second.first;
+    int index = it->second.second;
+    pending_.erase(it);
+    release(op, index);
+    BpsPart &p = op->parts[index];
+    uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
+    bps_span_to(BPS_STAGE_PUSH, p.trace_t, t_reply, p.key, h.round, p.length, server, op->priority);
+    op->owed[server]--;
+    received_[server] += m->size(0) + (m->count > 1 ? m->size(1) : 0);
+    if (op->done.load()) return;
+    if (op->local) {
+        local_pulled(op, index, server, h, m);
+        return;
+    }
+    if (h.cmd == BPS_CMD_REPLY) {
+        receive(op, p, server, h, m);
+        bps_span(BPS_STAGE_PULL, t_reply, p.key, h.round, p.length, server, op->priority);
+    } else if (h.cmd == BPS_CMD_ERROR) {
+        std::string body = m->count > 1 ? std::string((const char *)m->data(1), m->size(1)) : "{}";
+        set_error(op, BPS_ERR_SERVER, body);
+    } else {
+        set_error(op, BPS_ERR_PROTOCOL, "unexpected command " + std::to_string(h.cmd) + " from server " +
+                                            std::to_string(server));
+    }
+    if (--op->parts_left == 0) complete(op);
+}
+
+inline void BpsWorkerCore::receive(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m) {
+    uint64_t expect = op->root_self ? 0 : p.length;
+    unsigned char *dst = op->buf + p.offset;
+    std::string who = "tensor '" + op->name + "': server " + std::to_string(server);
+    if (m->count < 2) {
+        set_error(op, BPS_ERR_PROTOCOL, who + " replied without a body");
+        return;
+    }
+    if (h.flags & BPS_FLAG_COMPRESSED) {
+        set_error(op, BPS_ERR_PROTOCOL, who + " replied compressed to an uncompressed push");
+        return;
+    }
+    if (h.flags & BPS_FLAG_SHM) {
+        unsigned char *src;
+        uint64_t len;
+        std::string err;
+        if (view_shared(m->data(1), m->size(1), &src, &len, &err) != 0) {
+            set_error(op, BPS_ERR_PROTOCOL, err);
+            return;
+        }
+        if (len != expect) {
+            set_error(op, BPS_ERR_PROTOCOL, who + " replied " + std::to_string(len) + " bytes for a partition of " +
+                                                std::to_string(expect));
+            return;
+        }
+        retain(p, h.round, op->dtype, src, p.length); /* the sum, not an average */
+        /* a lone pushing machine gets its own region back: the sum is what the tensor holds */
+        if (op->divisor > 1 || !(p.staging != nullptr && src == p.staging)) bps_result_into(op, dst, src, len, true);
+        return;
+    }
+    size_t got = m->size(1);
+    if (got != expect) {
+        set_error(op, BPS_ERR_PROTOCOL, who + " replied " + std::to_string(got) + " bytes for a partition of " +
+                                            std::to_string(expect));
+        return;
+    }
+    /* the sum, not an average; a broadcast's root: its own data, the result */
+    retain(p, h.round, op->dtype, got ? m->data(1) : dst, p.length);
+    if (got) bps_result_into(op, dst, m->data(1), got, false);
+}
+
+#endif

@@ -1,0 +1,146 @@
+/* BpsWorkerCore, the send queue: priority within the byte credit, PUSH, Python's raw sends. */
+#ifndef BPS_WORKER_SEND_QUEUE_H
+#define BPS_WORKER_SEND_QUEUE_H
+
+#include "core/pipeline/bps_worker.h"
+
+/* times the send queue's head went past a stalled credit, and the first such tensor's name */
+inline uint64_t BpsWorkerCore::credit_stalls(std::string *first) {
+    std::lock_guard<std::mutex> lock(mu_);
+    *first = first_stall_;
+    return credit_stalls_.load();
+}
+
+inline void BpsWorkerCore::send_raw(BpsRawSend *m) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        raw_.emplace_back(m);
+    }
+    wake();
+}
+
+inline void BpsWorkerCore::send_raw_now(BpsRawSend *m) {
+    BpsFrames f;
+    f.copy(m->header.data(), m->header.size());
+    if (m->zc_data != nullptr)
+        f.zero_copy(m->zc_data, m->zc_len, &BpsWorkerCore::zc_free, new BpsZcHint{this, nullptr, m->token});
+    else
+        f.copy(m->body.data(), m->body.size());
+    if (m->server >= 0) {
+        send_server(m->server, f);
+    } else if (m->server == BPS_TO_ROUTER) {
+        bps_zmq_send_frames(router_, f, &m->ident);
+    } else {
+        int r = -2 - m->server; /* the same path as ours, so that one peer's messages stay in order */
+        std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)r]);
+        BpsConn *l = live_local_link(r);
+        if (l == nullptr) {
+            bps_zmq_send_frames(peers_[(size_t)r], f);
+        } else if (l->send(f) == 0) {
+            local_link_sent_.fetch_add(1);
+        } else if (m->zc_data == nullptr) { /* it broke just now: the DEALER takes a copied body */
+            BpsFrames again;
+            again.copy(m->header.data(), m->header.size());
+            again.copy(m->body.data(), m->body.size());
+            bps_zmq_send_frames(peers_[(size_t)r], again);
+        }
+    }
+    /* Python counts its own messages (Engine.bytes_sent); a failed send released the body */
+}
+
+/* the credit counts bytes in flight at least as urgent: (priority, wire key), one order on every
+ * worker (core/pipeline/bps_queue.h says why) */
+inline BpsUrgency BpsWorkerCore::urgency(const BpsOp *op, int part) {
+    return BpsUrgency{op->priority, op->parts[(size_t)part].key};
+}
+
+inline bool BpsWorkerCore::fits(const BpsQueued &q) const {
+    return credit_.fits(BpsUrgency{q.priority, q.tie}, (int64_t)q.op->parts[q.part].length);
+}
+
+inline void BpsWorkerCore::send_ready() {
+    if (queue_.empty()) return;
+    bool stalled = false;
+    if (!fits(queue_.top())) { /* a credit with no progress for a second: workers disagree on urgency */
+        if (!credit_.stalled(BPS_CREDIT_STALL_MS)) return;
+        stalled = true;
+        if (credit_stalls_.fetch_add(1) == 0) { /* Python logs the first (Engine._note_stall) */
+            std::lock_guard<std::mutex> lock(mu_);
+            first_stall_ = queue_.top().op->name;
+        }
+    }
+    cork_links(true); /* a burst of pushes leaves in as few writes as the sockets take */
+    while (!queue_.empty() && (stalled || fits(queue_.top()))) {
+        BpsQueued q = queue_.top();
+        queue_.pop();
+        BpsOp *op = q.op;
+        if (op->done.load()) continue;
+        push(op, q.part);
+        stalled = false; /* one past the credit per stall */
+    }
+    cork_links(false);
+}
+
+/* STAGE (colocated) and PUSH of one partition. */
+inline void BpsWorkerCore::push(BpsOp *op, int index) {
+    BpsPart &p = op->parts[index];
+    if (dead_[(size_t)p.server].load()) { /* elastic: its server is gone */
+        if (awaiting_commit()) { /* its replacement is known at commit() */
+            stranded_.push_back(BpsQueued{op->priority, p.qseq, op, index});
+            return;
+        }
+        move_part(p, bps_replacement(alive_net_, p.key));
+        if (p.server < 0) { /* cannot happen: the scheduler never removes the last server */
+            fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': no server left to take over a lost one");
+            return;
+        }
+    }
+    /* a local owner pushes the machine's sum from its shared region, in the round it took at start; a
+     * partition pushed again (its server was lost) keeps its round */
+    uint64_t rnd = op->local || p.has_rnd ? p.rnd : next_round(p.key);
+    p.rnd = rnd;
+    p.has_rnd = true;
+    bool empty = op->cmd == BPS_CMD_BROADCAST && !op->root_self;
+    uint8_t flags = 0;
+    const unsigned char *data = op->local ? p.staging : op->buf + p.offset;
+    bps_span(BPS_STAGE_QUEUE, p.trace_t ? p.trace_t : (uint64_t)(op->started * 1e9), p.key, rnd, p.length,
+             p.server, op->priority);
+    if (op->local) {
+        if (p.colocated) flags = BPS_FLAG_SHM;
+    } else if (p.staging != nullptr && !empty) {
+        uint64_t t_stage = bps_span_start();
+        bps_copy_stream(p.staging, data, p.length); /* the server reads it on another core */
+        bps_span(BPS_STAGE_STAGE, t_stage, p.key, rnd, p.length, p.server, op->priority);
+        flags = BPS_FLAG_SHM;
+    }
+    p.trace_t = bps_span_start(); /* PUSH: until the reply arrives (on_message) */
+    uint64_t body_len = empty ? 0 : (flags ? BPS_DESCRIPTOR_SIZE : p.length);
+    BpsHeader h = bps_header(op->cmd, node_id_, p.key, rnd, flags ? p.length : body_len, op->dtype,
+                             op->root, flags);
+    BpsFrames f;
+    f.copy(&h, sizeof h);
+    if (flags) {
+        f.copy(&p.desc, sizeof p.desc);
+    } else if (body_len < 65536) {
+        f.copy(data, body_len);
+    } else { /* zero-copy from the tensor: the transport reads it while it is on the wire */
+        op->zero_copy.fetch_add(1);
+        f.zero_copy((void *)data, body_len, &BpsWorkerCore::zc_free, new BpsZcHint{this, op, -1});
+    }
+    int rc = send_server(p.server, f);
+    if (rc != 0) {
+        fail(op, BPS_ERR_PROTOCOL, std::string("tensor '") + op->name + "': sending to server " +
+                                       std::to_string(p.server) + " failed: " + strerror(errno));
+        return;
+    }
+    sent_[p.server] += sizeof h + body_len;
+    pending_[std::make_pair(p.key, rnd)] = std::make_pair(op, index);
+    op->owed[p.server]++;
+    credit_.take(urgency(op, index), (int64_t)p.length);
+}
+
+inline void BpsWorkerCore::release(BpsOp *op, int index) {
+    credit_.release(urgency(op, index), (int64_t)op->parts[index].length);
+}
+
+#endif

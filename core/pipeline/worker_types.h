@@ -1,0 +1,217 @@
+/* The worker core's records: an op and its partitions, a tensor's partition table, what waits in the
+ * send queue, and what goes to and comes from Python; the limits every part of the core shares. */
+#ifndef BPS_WORKER_TYPES_H
+#define BPS_WORKER_TYPES_H
+
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include <atomic>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/kernels/bps_reduce.h"
+#include "core/transport/bps_wire.h"
+
+enum BpsErrorKind {
+    BPS_OK = 0,
+    BPS_ERR_SERVER = 1,    /* the server answered ERROR: detail is its JSON body */
+    BPS_ERR_PROTOCOL = 2,  /* a reply that does not fit the partition */
+    BPS_ERR_TIMEOUT = 3,   /* BYTEPS_TIMEOUT */
+    BPS_ERR_ABORT = 4,     /* the engine failed (peer lost, ...): Python's failure stands */
+};
+
+/* Partitions at least this large are summed / copied on the stage thread, smaller ones inline (the
+ * hand-off costs more than the work): core/engine.py STAGE_THREAD_MIN_BYTES. */
+static const uint64_t BPS_STAGE_THREAD_MIN_BYTES = 256 << 10;
+
+/* A synchronous call of one partition up to this size may run its round trip on the caller's thread
+ * (submit_direct); the hand-offs it saves matter only while the bytes take less time than they. */
+static const uint64_t BPS_DIRECT_MAX_BYTES = 64 << 10;
+/* How long a direct caller waits for its reply before byteps-net takes the partition over: short, so
+ * that other threads' messages to that server are never held back for long. */
+static const double BPS_DIRECT_WINDOW_S = 0.005;
+
+/* A lazy op's completion (submit_table) waits this long for its caller to take it (synchronize() on
+ * the caller's thread; poll() only reads the flag) before the completion thread delivers it: a
+ * completion thread that takes the GIL for ops nobody listens to yet takes it from a training thread
+ * that runs Python (bench/bench_gil.py). An op gets a listener (a done callback) through prompt(). */
+static const double BPS_LAZY_DELIVERY_S = 0.05;
+
+static inline double bps_now() {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* One partition of an op: where its bytes are, where they go, and (colocated) its staging region. */
+struct BpsPart {
+    uint64_t key;          /* wire key: tensor key << 32 | index */
+    uint64_t offset, length;
+    int32_t server;
+    unsigned char *staging; /* shared region for a colocated server (local reduce: always), or NULL */
+    BpsDescriptor desc;     /* its descriptor (length filled in) */
+    int32_t owner = -1;     /* local reduce: the local rank that sums and pushes it; -1: none */
+    bool colocated = false; /* local reduce: the owner pushes a descriptor of ``staging`` */
+    uint64_t rnd = 0;       /* its round: taken when the op starts (local reduce) or at its first push */
+    bool has_rnd = false;   /* rnd is set: a push to a lost server's replacement keeps it (elastic servers) */
+    uint64_t trace_t = 0;   /* timeline: when its current stage began (0: not traced) */
+    uint64_t qseq = 0;      /* its place in the send queue: a lost server's partitions go back in it */
+};
+
+struct BpsOp {
+    int64_t id;
+    std::string name;
+    uint8_t cmd, dtype;
+    uint32_t root;
+    int64_t priority;
+    bool root_self;         /* a broadcast whose root is this rank: nothing comes back */
+    unsigned char *buf;
+    uint64_t nbytes;
+    std::vector<BpsPart> parts;
+    int parts_left = 0;
+    double started = 0;
+    int error_kind = BPS_OK;
+    std::string error;
+    std::map<int, int> owed; /* server -> replies still owed */
+    std::map<int, int> owed_local; /* local rank -> LOCAL_DONEs still owed by that owner */
+    bool local = false;     /* a push_pull through the machine's local reduce */
+    std::atomic<int> tasks{0}; /* stage-thread tasks still reading or writing its memory */
+    std::atomic<int> zero_copy{0}; /* bodies ZeroMQ still reads from the tensor */
+    std::atomic<bool> done{false};
+    std::atomic<bool> direct{false}; /* its caller runs it (submit_direct): byteps-net leaves it alone */
+    int waiters = 0;        /* callers blocked in wait_op(): the first to wake delivers the op */
+    bool lazy = false;      /* (under mu_) its completion waits in deferred_ for its caller (BPS_LAZY_DELIVERY_S) */
+    int64_t table = -1;     /* the table it was submitted on, and its sequence number there: which */
+    uint64_t seq = 0;       /* membership's partitions it uses (elastic servers, BpsTable::parts_for) */
+    uint32_t divisor = 1;   /* an averaged float push_pull: each partition's sum is divided by this on its
+                             * way into the tensor (bps_result_into), so the average costs no pass of its own */
+};
+
+/* A partition's sum into the tensor at ``dst``: copied, or divided by the op's divisor on the way (an
+ * average). ``stream``: a copy of 1 MB or more uses non-temporal stores (bps_copy_streamed). */
+static inline void bps_result_into(const BpsOp *op, void *dst, const void *src, size_t nbytes, bool stream,
+                                   int nthreads = 1) {
+    if (op->divisor > 1)
+        bps_divide_copy(dst, src, nbytes / (size_t)bps_itemsize(op->dtype), op->dtype, op->divisor);
+    else if (stream)
+        bps_copy_streamed(dst, src, nbytes, nthreads);
+    else
+        memcpy(dst, src, nbytes);
+}
+
+/* A tensor's partitions, registered once (BpsWorkerCore::add_table) and copied into each op.
+ *
+ * Elastic servers (docs/elastic.md): each change of the server set appends the partitions of the new
+ * membership, to be used from op number ``from`` on; every worker gets the same cut from the
+ * scheduler, so the n-th op of a tensor uses the same partitions (and servers) on every worker. */
+struct BpsTable {
+    std::string name;
+    std::vector<BpsPart> parts;
+    bool local = false;     /* partitions have owners: the local reduce */
+    uint64_t count = 0;     /* ops submitted on it so far */
+    std::vector<std::pair<uint64_t, std::vector<BpsPart>>> later; /* (from op number, partitions) */
+
+    const std::vector<BpsPart> &parts_for(uint64_t seq) const {
+        const std::vector<BpsPart> *use = &parts;
+        for (auto &seg : later)
+            if (seq >= seg.first) use = &seg.second;
+        return *use;
+    }
+};
+
+/* Elastic servers: the server that takes over a lost server's partition, the same on every worker
+ * (``alive``: the servers of the new membership, in the scheduler's order). */
+static inline int bps_replacement(const std::vector<int> &alive, uint64_t key) {
+    uint64_t x = key + 0x9E3779B97F4A7C15ull; /* splitmix64 */
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return alive.empty() ? -1 : alive[(size_t)(x % alive.size())];
+}
+
+/* Elastic servers: a key's latest result and the server it came from (BpsWorkerCore::retain). */
+struct BpsRetained {
+    uint64_t round = 0;
+    int server = -1;
+    uint8_t dtype = 0;
+    std::string data;
+};
+
+/* Servers a worker can have over a job's life (elastic servers join and leave). */
+static const int BPS_MAX_SERVERS = 256;
+
+/* The JSON body of an ERROR for the other local ranks: {"error": text} (core/wire.py encode). */
+static inline std::string bps_json_escape(const std::string &text) {
+    std::string out;
+    for (unsigned char c : text) {
+        if (c == '"' || c == '\\') {
+            out += '\\';
+            out += (char)c;
+        } else if (c < 0x20) {
+            char buf[8];
+            snprintf(buf, sizeof buf, "\\u%04x", c);
+            out += buf;
+        } else {
+            out += (char)c;
+        }
+    }
+    return out;
+}
+
+static inline std::string bps_json_error(const std::string &text) {
+    return "{\"error\":\"" + bps_json_escape(text) + "\"}";
+}
+
+/* The "error" string of a server's JSON ERROR body, still JSON-escaped ("" if there is none). */
+static inline std::string bps_json_error_field(const std::string &body) {
+    size_t at = body.find("\"error\"");
+    if (at == std::string::npos) return "";
+    at = body.find('"', body.find(':', at) + 1);
+    if (at == std::string::npos) return "";
+    size_t end = at + 1;
+    while (end < body.size() && body[end] != '"') end += body[end] == '\\' ? 2 : 1;
+    return end < body.size() ? body.substr(at + 1, end - at - 1) : "";
+}
+
+struct BpsQueued {
+    int64_t priority;
+    uint64_t seq;
+    BpsOp *op;
+    int part;
+    uint64_t tie = 0; /* in the send queue: the partition's wire key (core/pipeline/bps_queue.h says why) */
+};
+
+
+/* A message Python queued for a server (slow paths): copied header and body, or a zero-copy body
+ * that Python keeps alive until its token shows up in released(). */
+struct BpsRawSend {
+    int server;             /* >= 0: a server; BPS_TO_ROUTER: our local ROUTER (to ``ident``); <= -2: local rank -2-n */
+    std::string ident;
+    std::string header;
+    std::string body;
+    void *zc_data = nullptr;
+    size_t zc_len = 0;
+    int64_t token = -1;
+};
+
+/* A message this thread does not own, for Python: the server it came from and its frames. */
+struct BpsForward {
+    int server;
+    std::vector<std::string> frames;
+};
+
+static const int BPS_TO_ROUTER = -1;
+
+class BpsWorkerCore;
+
+struct BpsZcHint {
+    BpsWorkerCore *core;
+    BpsOp *op;        /* a native op's body, or NULL */
+    int64_t token;    /* a raw send's token, or -1 */
+};
+
+#endif

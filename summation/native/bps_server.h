@@ -1,0 +1,547 @@
+/* The Summation Service server's native data plane: receive, check, sum and reply without the GIL.
+ *
+ * summation/server.py (Python) keeps what is per job or rare: the control plane, the authentication
+ * handshake (core/auth.py), PROBE echoes, compressed and asynchronous keys, and malformed messages.
+ * After the first address book it hands the data ROUTER socket to BpsServerCore, whose thread
+ * "byteps-serve" owns it from then on. BpsServerCore composes the parts, each in its own header:
+ *
+ *     server_links.h    BpsServerLinks: the ROUTER, workers' direct links and their accept loop
+ *     sync_rounds.h     BpsSyncRounds: a plain push, from its checks to the round's replies
+ *     elastic_rounds.h  BpsElasticRounds: keys taken over from a lost server (BYTEPS_ELASTIC)
+ *     handover.h        BpsHandover: a key's state when it becomes Python's
+ *     round.h           BpsRound, and BpsRounds: the store of rounds (keys, stores, sum threads)
+ *     store.h           BpsStoreAllocator: the memory stores are cut from
+ *     sum_pool.h        BpsSumPool: the sum threads (BYTEPS_SERVER_ENGINE_THREAD)
+ *     replies.h         BpsBook (the address book) and BpsServerReplies (REPLY, ERROR)
+ *     server_texts.h    constants, and the texts Python's server writes
+ *
+ * This file: what Python calls (commands through an inbox, from any thread), the thread's loop, and
+ * who handles each message. Everything but plain pushes goes to Python unchanged, in arrival order,
+ * through forwarded() and a notify eventfd: handshakes, messages of identities not admitted yet
+ * (after an AUTH, an identity's later messages wait here until Python says whether it passed:
+ * admit()), PROBE, ASYNC_PUSHPULL, pushes marked FLAG_PYTHON or FLAG_COMPRESSED, and anything
+ * malformed. A key is handled by one side only: the first message Python must handle for a key makes
+ * it Python's; if this thread already had state for it, that state goes along (a BpsHandover: round,
+ * arrivals so far, the partial sum), so a round that mixes compressed and plain pushes still fails
+ * with Python's "compression differs". Python's own replies go out through send() on this thread (it
+ * alone touches the socket).
+ */
+#ifndef BPS_SERVER_H
+#define BPS_SERVER_H
+
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/transport/bps_link.h"
+#include "core/kernels/bps_reduce.h"
+#include "core/pipeline/bps_trace.h"
+#include "core/transport/bps_ucx.h"
+#include "core/transport/bps_wire.h"
+#include "core/transport/bps_zmq.h"
+#include "summation/native/elastic_rounds.h"
+#include "summation/native/handover.h"
+#include "summation/native/replies.h"
+#include "summation/native/round.h"
+#include "summation/native/server_links.h"
+#include "summation/native/sync_rounds.h"
+
+/* A message for Python: its frames (moved, no copy), whether Python must answer admit() for its
+ * identity afterwards, and the key's state when this message hands the key over. */
+struct BpsServerForward {
+    BpsMessage *msg = nullptr;
+    bool auth = false;
+    BpsHandover *handover = nullptr;
+
+    ~BpsServerForward() {
+        delete msg;
+        delete handover;
+    }
+};
+
+/* A message Python sends through this thread: copied frames, the last one zero-copy with a token
+ * Python keeps its buffer alive for until released() returns it. */
+struct BpsServerSend {
+    std::vector<std::string> frames;
+    void *zc_data = nullptr;
+    size_t zc_len = 0;
+    int64_t token = -1;
+};
+
+class BpsServerCore;
+
+struct BpsServerZcHint {
+    BpsServerCore *core;
+    int64_t token;
+};
+
+class BpsServerCore {
+  public:
+    BpsServerCore(void *sock, bool auth_on, bool shared_stores, int sum_threads, int kernel_threads)
+        : sock_(sock), auth_on_(auth_on), rounds_(shared_stores, sum_threads, kernel_threads),
+          links_(sock, book_.node_id, logger()), replies_(links_, book_, rounds_.alloc()),
+          sync_(rounds_, book_, replies_, logger()), elastic_(rounds_, book_, replies_, logger()) {
+        wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        notify_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    }
+
+    /* BYTEPS_ELASTIC (docs/elastic.md): a key's first push sets its round (before start()). */
+    void set_adopt_rounds(bool on) {
+        adopt_rounds_ = on;
+        sync_.set_elastic(on ? &elastic_ : nullptr);
+    }
+
+    ~BpsServerCore() {
+        stop();
+        links_.close(rounds_.alloc()); /* before the stores: a queued zero-copy reply releases its arena */
+        rounds_.clear();
+        for (auto &kv : parked_) {
+            for (BpsMessage *m : kv.second) delete m;
+        }
+        parked_.clear();
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            for (BpsServerForward *f : forward_) delete f;
+            forward_.clear();
+        }
+        ::close(wake_fd_);
+        ::close(notify_fd_);
+    }
+
+    /* Python's side (any thread, short locks) ------------------------------------------------ */
+
+    void start() {
+        std::lock_guard<std::mutex> lock(mu_); /* the full barrier that hands the socket over */
+        rounds_.start_sums(wake_fd_);
+        thread_ = std::thread([this] { run(); });
+    }
+
+    void stop() {
+        if (!thread_.joinable()) return;
+        stopping_ = true;
+        wake();
+        thread_.join();
+    }
+
+    /* A listening TCP socket for workers' direct links (before start()); this thread owns and closes it. */
+    void set_listener(int fd) { links_.set_listener(fd); }
+
+    /* Listen for workers' UCX endpoints on ``host`` (before start()): the port, or -1 with ``why``. */
+    int ucx_listen(const std::string &host, std::string *why) { return links_.ucx_listen(host, why, rounds_.alloc()); }
+
+    /* Python gave ``ident`` (authenticated) this one-time token for a direct link. */
+    void expect_link(const std::string &ident, const std::string &token) {
+        Command c(Command::LINK);
+        c.ident = ident;
+        c.token = token;
+        post(std::move(c));
+    }
+
+    uint64_t links_accepted() const { return links_.accepted(); }
+
+    /* An eventfd that is readable while forwarded messages, log lines or released tokens wait. */
+    int notify_fd() const { return notify_fd_; }
+
+    /* The address book: who pushes, and the ranks error messages name. num_workers < 0: no book
+     * (after LEAVE): data goes to Python, which says "data arrived before the address book". */
+    void set_book(int64_t num_workers, int64_t pushers, uint32_t node_id, const std::vector<uint32_t> &nodes,
+                  const std::vector<int64_t> &ranks) {
+        Command c(Command::BOOK);
+        c.a = num_workers;
+        c.b = pushers;
+        c.node = node_id;
+        c.nodes = nodes;
+        c.ranks = ranks;
+        post(std::move(c));
+    }
+
+    /* join(): ``done`` restarts every key (a sync point); else ranks in join() and machines still pushing. */
+    void set_join(bool done, const std::vector<int64_t> &joined, int64_t active_pushers) {
+        Command c(Command::JOIN);
+        c.a = done;
+        c.b = active_pushers;
+        c.ranks = joined;
+        post(std::move(c));
+    }
+
+    /* LEAVE: every key restarts at round 0; stores and peers' mappings are dropped. */
+    void reset() { post(Command(Command::RESET)); }
+
+    /* Python's verdict on an identity after a forwarded message marked ``auth``. */
+    void admit(const std::string &ident, bool ok) {
+        Command c(Command::ADMIT);
+        c.ident = ident;
+        c.a = ok;
+        post(std::move(c));
+    }
+
+    void send(BpsServerSend *m) {
+        Command c(Command::SEND);
+        c.send = m;
+        post(std::move(c));
+    }
+
+    void forwarded(std::vector<BpsServerForward *> *out) {
+        std::lock_guard<std::mutex> lock(mu_);
+        out->swap(forward_);
+    }
+
+    void logs(std::vector<std::string> *out) {
+        std::lock_guard<std::mutex> lock(mu_);
+        out->swap(logs_);
+    }
+
+    void released(std::vector<int64_t> *out) {
+        std::lock_guard<std::mutex> lock(zc_mu_);
+        out->swap(released_);
+    }
+
+    /* counters (tests and logs prove the native path ran) */
+    uint64_t pushes() const { return sync_.pushes(); }
+    uint64_t rounds() const { return sync_.completed(); }
+    uint64_t forwards() const { return forwards_.load(); }
+
+    static void raw_released(void *, void *hint) {
+        BpsServerZcHint *h = (BpsServerZcHint *)hint;
+        {
+            std::lock_guard<std::mutex> lock(h->core->zc_mu_);
+            h->core->released_.push_back(h->token);
+        }
+        h->core->notify();
+        delete h;
+    }
+
+  private:
+    struct Command {
+        enum Kind { BOOK, JOIN, RESET, ADMIT, SEND, LINK } kind;
+        int64_t a = 0, b = 0;
+        uint32_t node = 0;
+        std::vector<uint32_t> nodes;
+        std::vector<int64_t> ranks;
+        std::string ident, token;
+        BpsServerSend *send = nullptr;
+        explicit Command(Kind k) : kind(k) {}
+    };
+
+    void post(Command &&c) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            inbox_.push_back(std::move(c));
+            inbox_ready_.store(true, std::memory_order_release);
+        }
+        wake();
+    }
+
+    void wake() {
+        uint64_t one = 1;
+        ssize_t rc = write(wake_fd_, &one, sizeof one);
+        (void)rc;
+    }
+
+    void notify() {
+        uint64_t one = 1;
+        ssize_t rc = write(notify_fd_, &one, sizeof one);
+        (void)rc;
+    }
+
+    /* The parts' warnings go to Python with this thread's own (logs()). */
+    BpsServerLog logger() {
+        return [this](const std::string &line) { log(line); };
+    }
+
+    void log(const std::string &line) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            logs_.push_back(line);
+        }
+        notify_pending_ = true;
+    }
+
+    /* ---------------------------------------------------------------- the thread */
+
+    void run() {
+        prctl(PR_SET_NAME, "byteps-serve", 0, 0, 0);
+        std::vector<bps_zmq_pollitem> items;
+        BpsMessage msg;
+        double next_check = 0;
+        while (!stopping_) {
+            /* ROUTER, wake-up, then the links' (listener, UCX wake-up, one item per link) */
+            const size_t conns_at = BpsServerLinks::CONNS_AT;
+            items.assign(conns_at, bps_zmq_pollitem{nullptr, -1, 0, 0});
+            items[0] = bps_zmq_pollitem{sock_, 0, BPS_ZMQ_POLLIN, 0};
+            items[1] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
+            bool buffered = links_.poll_items(items);
+            int rc = bps_zmq.poll(items.data(), (int)items.size(), buffered ? 0 : 100);
+            if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
+            if (items[1].revents) {
+                uint64_t n;
+                ssize_t got = read(wake_fd_, &n, sizeof n);
+                (void)got;
+            }
+            take_inbox();
+            links_.cork(true); /* this turn's replies leave in as few writes as possible */
+            sync_.take_sums();
+            if (items[0].revents) {
+                for (int k = 0; k < 256 && !stopping_; ++k) { /* a burst, then the inbox and sums again */
+                    /* a command Python posted before this message arrived is applied first: Python acknowledges
+                     * a join()'s end to the scheduler right after posting it, and workers then push at once */
+                    if (inbox_ready_.load(std::memory_order_acquire)) take_inbox();
+                    int got = links_.recv_message(&msg);
+                    if (got <= 0) break;
+                    on_message(&msg);
+                    msg.clear();
+                    if (k % 32 == 31) sync_.take_sums();
+                }
+            }
+            auto &conns = links_.conns();
+            size_t nconns = items.size() - conns_at; /* links accepted below wait for the next turn */
+            for (size_t i = 0; i < nconns && !stopping_; ++i) {
+                if (items[conns_at + i].revents || conns[i]->pending_input())
+                    serve_link(conns[i].get(), items[conns_at + i].revents, &msg);
+            }
+            links_.cork(false);
+            links_.after_turn(items[2].revents != 0);
+            if (notify_pending_) {
+                notify_pending_ = false;
+                notify();
+            }
+            double now = bps_server_now();
+            if (now >= next_check) { /* walks every key: not once per message */
+                sync_.warn_stalls(now);
+                rounds_.alloc().collect();
+                next_check = now + 1.0;
+            }
+        }
+    }
+
+    /* ---------------------------------------------------------------- a direct link's messages */
+
+    void serve_link(BpsConn *c, short revents, BpsMessage *msg) {
+        if (revents & BPS_ZMQ_POLLOUT) c->flush();
+        for (int k = 0; k < 256 && !c->dead() && !stopping_; ++k) {
+            if (c->ident.empty()) { /* the first message must present a token */
+                if (c->recv(msg) <= 0) return;
+                links_.hello(c, msg);
+                if (c->ident.empty()) return; /* refused: it goes after this turn */
+            } else {
+                if (inbox_ready_.load(std::memory_order_acquire)) take_inbox(); /* as for the ROUTER's messages */
+                if (c->recv(msg, &c->ident) <= 0) return;
+                on_message(msg);
+            }
+            msg->clear();
+            if (k % 32 == 31) sync_.take_sums();
+        }
+    }
+
+    void take_inbox() {
+        std::vector<Command> in;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            in.swap(inbox_);
+            inbox_ready_.store(false, std::memory_order_relaxed);
+        }
+        for (Command &c : in) {
+            switch (c.kind) {
+                case Command::BOOK:
+                    book_.have = c.a >= 0;
+                    book_.num_workers = c.a;
+                    book_.pushers = c.b;
+                    book_.node_id = c.node;
+                    book_.ranks.clear();
+                    for (size_t i = 0; i < c.nodes.size() && i < c.ranks.size(); ++i)
+                        book_.ranks[c.nodes[i]] = c.ranks[i];
+                    break;
+                case Command::JOIN:
+                    if (c.a != 0) { /* everyone joined: a sync point, every key restarts at round 0 */
+                        book_.joined.clear();
+                        reset_keys();
+                    } else {
+                        book_.joined = c.ranks;
+                        book_.active_pushers = c.b;
+                        sync_.on_join();
+                    }
+                    break;
+                case Command::RESET:
+                    reset_keys();
+                    break;
+                case Command::ADMIT:
+                    on_admit(c.ident, c.a != 0);
+                    break;
+                case Command::SEND:
+                    send_frames(c.send);
+                    delete c.send;
+                    break;
+                case Command::LINK:
+                    links_.expect(c.ident, c.token);
+                    break;
+            }
+        }
+    }
+
+    /* ---------------------------------------------------------------- who handles a message */
+
+    void on_message(BpsMessage *m) {
+        if (m->count < 1) return;
+        std::string ident((const char *)m->data(0), m->size(0));
+        if (auth_on_) {
+            auto parked = parked_.find(ident);
+            if (parked != parked_.end()) { /* Python has not decided on this identity's AUTH yet */
+                park(parked->second, m);
+                return;
+            }
+        }
+        BpsHeader h;
+        bool parsed = m->count >= 2 && bps_parse_header(m->data(1), m->size(1), &h);
+        if (parsed && h.cmd == BPS_CMD_AUTH && h.length <= BPS_MAX_CONTROL_BODY && auth_on_) {
+            parked_[ident]; /* hold what follows until admit() */
+            forward(m, true);
+            return;
+        }
+        if (!parsed || h.cmd == BPS_CMD_HELLO || h.cmd == BPS_CMD_AUTH ||
+            (auth_on_ && admitted_.find(ident) == admitted_.end())) {
+            forward(m); /* handshakes, malformed, strangers: Python answers, ignores or logs */
+            return;
+        }
+        if (h.cmd == BPS_CMD_RESULT && adopt_rounds_ && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY &&
+            python_keys_.find(h.key) == python_keys_.end()) {
+            elastic_.on_result(h, m);
+            return;
+        }
+        bool data = h.cmd == BPS_CMD_PUSHPULL || h.cmd == BPS_CMD_BROADCAST || h.cmd == BPS_CMD_ASYNC_PUSHPULL;
+        bool valid = data && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY;
+        bool native = valid && h.cmd != BPS_CMD_ASYNC_PUSHPULL &&
+                      !(h.flags & (BPS_SERVER_FLAG_PYTHON | BPS_FLAG_COMPRESSED)) &&
+                      python_keys_.find(h.key) == python_keys_.end();
+        if (!native) {
+            BpsHandover *handover = nullptr;
+            if (valid && python_keys_.insert(h.key).second) handover = hand_over(h.key);
+            forward(m, false, handover);
+            return;
+        }
+        sync_.on_push(ident, h, m);
+    }
+
+    void forward(BpsMessage *m, bool auth = false, BpsHandover *handover = nullptr) {
+        BpsServerForward *f = new BpsServerForward();
+        f->msg = new BpsMessage();
+        for (int i = 0; i < m->count; ++i) m->take(i, &f->msg->frames[i]);
+        f->msg->count = m->count;
+        m->count = 0; /* moved out: nothing left to close */
+        f->auth = auth;
+        f->handover = handover;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            forward_.push_back(f);
+        }
+        forwards_.fetch_add(1);
+        notify_pending_ = true;
+    }
+
+    void park(std::deque<BpsMessage *> &queue, BpsMessage *m) {
+        if (queue.size() >= BPS_MAX_PARKED) {
+            if (queue.size() == BPS_MAX_PARKED) log("dropped messages from a peer whose authentication is still open");
+            return;
+        }
+        BpsMessage *held = new BpsMessage();
+        for (int i = 0; i < m->count; ++i) m->take(i, &held->frames[i]);
+        held->count = m->count;
+        m->count = 0;
+        queue.push_back(held);
+    }
+
+    /* Python checked an AUTH of ``ident``: admit it or not, then handle what it sent meanwhile, in order. */
+    void on_admit(const std::string &ident, bool ok) {
+        if (ok) admitted_.insert(ident);
+        auto it = parked_.find(ident);
+        if (it == parked_.end()) return;
+        std::deque<BpsMessage *> queue;
+        queue.swap(it->second);
+        parked_.erase(it);
+        while (!queue.empty()) {
+            BpsMessage *m = queue.front();
+            queue.pop_front();
+            on_message(m); /* another AUTH parks the rest again */
+            delete m;
+            auto again = parked_.find(ident);
+            if (again != parked_.end()) {
+                for (BpsMessage *rest : queue) again->second.push_back(rest);
+                return;
+            }
+        }
+    }
+
+    /* Python's message [identity, frames...]: every frame copied but a zero-copy last one. */
+    void send_frames(BpsServerSend *m) {
+        size_t n = m->frames.size();
+        bool zc = m->zc_data != nullptr;
+        BpsFrames f;
+        for (size_t i = 1; i < n && f.n < BPS_LINK_MAX_FRAMES - 1; ++i) f.copy(m->frames[i].data(), m->frames[i].size());
+        if (zc) f.zero_copy(m->zc_data, m->zc_len, &BpsServerCore::raw_released, new BpsServerZcHint{this, m->token});
+        if (n == 0) { /* nobody to send to: Python may drop its buffer now */
+            f.release_from(0);
+            return;
+        }
+        links_.send_to(m->frames[0], f);
+    }
+
+    /* LEAVE, or everyone joined: every key restarts at round 0 (its next message may be native again). */
+    void reset_keys() {
+        rounds_.reset();
+        python_keys_.clear();
+    }
+
+    /* Python must handle a message of ``key`` from now on: the key's state, for Python to go on from. */
+    BpsHandover *hand_over(uint64_t key) {
+        BpsRound *st = rounds_.find(key);
+        if (st == nullptr) return nullptr;
+        if (rounds_.pool() && st->pending) {
+            rounds_.pool()->wait_idle(); /* rare (a round mixing compressed and plain pushes): let its sums finish */
+            sync_.take_sums();
+        }
+        BpsHandover *o = bps_handover_of(*st);
+        rounds_.erase(key); /* its stores stay in the arena until a reset: replies may still read them */
+        return o;
+    }
+
+    void *sock_; /* the data ROUTER (polled here; links_ reads and writes it) */
+    bool auth_on_;
+    int wake_fd_, notify_fd_;
+    std::thread thread_;
+    std::atomic<bool> stopping_{false};
+
+    std::mutex mu_; /* guards what Python touches: the inbox and the queues below */
+    std::vector<Command> inbox_;
+    std::atomic<bool> inbox_ready_{false}; /* inbox_ is not empty (read without the lock per message) */
+    std::vector<BpsServerForward *> forward_;
+    std::vector<std::string> logs_;
+
+    std::mutex zc_mu_;
+    std::vector<int64_t> released_;
+
+    std::atomic<uint64_t> forwards_{0};
+    bool adopt_rounds_ = false;
+
+    /* serve-thread state */
+    bool notify_pending_ = false;
+    BpsBook book_;
+    std::set<std::string> admitted_;
+    std::map<std::string, std::deque<BpsMessage *>> parked_;
+    std::set<uint64_t> python_keys_; /* keys handed over: Python's from then on, until a reset */
+    BpsRounds rounds_;
+    BpsServerLinks links_;
+    BpsServerReplies replies_;
+    BpsSyncRounds sync_;
+    BpsElasticRounds elastic_;
+};
+
+#endif

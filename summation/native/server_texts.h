@@ -1,0 +1,106 @@
+/* The server's constants (each names its Python twin) and the texts it writes as summation/server.py
+ * does: ranks, keys and the JSON body of an ERROR, byte for byte. */
+#ifndef BPS_SERVER_TEXTS_H
+#define BPS_SERVER_TEXTS_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <time.h>
+
+#include <string>
+#include <vector>
+
+#include "core/transport/bps_zmq.h"
+
+
+enum {
+    BPS_SERVER_FLAG_PYTHON = 4,          /* core/wire.py FLAG_PYTHON: the whole op is Python's */
+    BPS_SERVER_CMD_PROBE = 27,
+    BPS_SERVER_CMD_LINK = 28,            /* core/wire.py Cmd.LINK: a direct link's token, and its answer */
+    BPS_SERVER_NO_DTYPE = 255,
+};
+static const uint64_t BPS_MAX_BODY = 1ull << 33;          /* core/wire.py MAX_BODY */
+static const uint64_t BPS_MAX_CONTROL_BODY = 16ull << 20; /* core/wire.py MAX_CONTROL_BODY */
+static const size_t BPS_COPY_BELOW = 65536;               /* core/transport.py COPY_BELOW */
+static const double BPS_STALL_WARNING_S = 60.0;           /* summation/server.py STALL_WARNING_S */
+static const uint64_t BPS_ARENA_BYTES = 64ull << 20;      /* core/shm.py ARENA_BYTES */
+static const uint64_t BPS_HUGEPAGE_BYTES = 2ull << 20;
+static const size_t BPS_MAX_PARKED = 1 << 16;             /* messages held per identity awaiting Python's AUTH verdict */
+
+static inline double bps_server_now() {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* Python's time.monotonic() */
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* A frame handed to Python (summation/_server_core.pyx wraps it without a copy). */
+static inline void *bps_frame_data(bps_zmq_msg *m) { return bps_zmq.msg_data(m); }
+static inline size_t bps_frame_size(bps_zmq_msg *m) { return bps_zmq.msg_size(m); }
+static inline void bps_frame_close(bps_zmq_msg *m) { bps_zmq.msg_close(m); }
+
+
+/* A rank as the Python server names it: the rank from the address book, or "node <id>" for a
+ * sender the book does not know (encoded as -(id + 1)). */
+static inline std::string bps_rank_str(int64_t rank) {
+    return rank >= 0 ? std::to_string(rank) : "node " + std::to_string(-(rank + 1));
+}
+
+/* repr() of a list of such ranks, as in the stall warning: [0, 'node 5'] */
+static inline std::string bps_rank_list(const std::vector<int64_t> &ranks) {
+    std::string s = "[";
+    for (size_t i = 0; i < ranks.size(); ++i) {
+        if (i) s += ", ";
+        s += ranks[i] >= 0 ? bps_rank_str(ranks[i]) : "'" + bps_rank_str(ranks[i]) + "'";
+    }
+    return s + "]";
+}
+
+/* f"key {wire.split_key(key)}" */
+static inline std::string bps_key_name(uint64_t key) {
+    return "key (" + std::to_string(key >> 32) + ", " + std::to_string(key & 0xFFFFFFFFull) + ")";
+}
+
+/* json.dumps({"error": text}, separators=(",", ":")) (ensure_ascii; invalid UTF-8 as surrogateescape) */
+static inline std::string bps_error_json(const std::string &text) {
+    std::string out = "{\"error\":\"";
+    char buf[16];
+    auto esc = [&](unsigned cp) {
+        snprintf(buf, sizeof buf, "\\u%04x", cp);
+        out += buf;
+    };
+    const unsigned char *p = (const unsigned char *)text.data();
+    size_t n = text.size();
+    for (size_t i = 0; i < n;) {
+        unsigned c = p[i];
+        if (c == '"') { out += "\\\""; ++i; continue; }
+        if (c == '\\') { out += "\\\\"; ++i; continue; }
+        if (c == '\n') { out += "\\n"; ++i; continue; }
+        if (c == '\r') { out += "\\r"; ++i; continue; }
+        if (c == '\t') { out += "\\t"; ++i; continue; }
+        if (c == '\b') { out += "\\b"; ++i; continue; }
+        if (c == '\f') { out += "\\f"; ++i; continue; }
+        if (c >= 0x20 && c < 0x7f) { out += (char)c; ++i; continue; }
+        if (c < 0x80) { esc(c); ++i; continue; }
+        int extra = c >= 0xf0 && c < 0xf5 ? 3 : c >= 0xe0 ? 2 : c >= 0xc2 && c < 0xe0 ? 1 : -1;
+        unsigned cp = extra == 3 ? c & 7 : extra == 2 ? c & 15 : c & 31;
+        bool ok = extra > 0 && i + (size_t)extra < n;
+        for (int k = 1; ok && k <= extra; ++k) {
+            if ((p[i + k] & 0xc0) != 0x80) ok = false;
+            else cp = (cp << 6) | (p[i + k] & 0x3f);
+        }
+        if (ok && ((extra == 2 && (cp < 0x800 || (cp >= 0xd800 && cp < 0xe000))) ||
+                   (extra == 3 && (cp < 0x10000 || cp > 0x10ffff))))
+            ok = false;
+        if (!ok) { esc(0xdc00 + c); ++i; continue; } /* os.fsdecode's surrogateescape */
+        if (cp >= 0x10000) {
+            cp -= 0x10000;
+            esc(0xd800 + (cp >> 10));
+            esc(0xdc00 + (cp & 0x3ff));
+        } else {
+            esc(cp);
+        }
+        i += extra + 1;
+    }
+    return out + "\"}";
+}
+#endif
