@@ -43,7 +43,7 @@ test-all: setup
 	$(PY) -m pytest -q -m "slow or not slow"
 
 # The push_pull, bad-input, fault and link tests again with every direct link over UCX's tcp transport
-# (issue 16: UCX passes what the TCP links pass); about 5 minutes
+# (UCX must pass what the TCP links pass); about 5 minutes
 .PHONY: test-ucx
 test-ucx: setup
 	BYTEPS_TRANSPORT=ucx UCX_TLS=tcp $(PY) -m pytest -q tests/test_push_pull.py tests/test_bad_input.py \

@@ -1,4 +1,4 @@
-"""Progress without the GIL (issue 15): does communication advance while the training thread runs Python?
+"""Progress without the GIL: does communication advance while the training thread runs Python?
 
 What it measures
 ----------------
@@ -22,7 +22,7 @@ peer (the counterpart of the byteps server).
 --local-size N``), which reduce locally through shared memory before the server; local rank 0 is the
 measured process (its training thread on the training core), the others start the same operations
 and wait for each, staying on the communication core (as gloo's peer does). Their sums then go
-through the machine's local reduce (core/local.py; in the native core since issue 15, or in Python
+through the machine's local reduce (core/local.py; in the native core, or in Python
 with ``--env BYTEPS_NATIVE_LOCAL=0``).
 
 Cases: one 64 MB float32 tensor (``64MB``), and 256 tensors of 64 KB (``256x64KB``). Each timed run

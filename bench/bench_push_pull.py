@@ -333,7 +333,7 @@ def main():
         # stages (and STAGE inline at this size), a local-reduce owner's byteps-reduce thread its
         # LOCAL_REDUCE, the server's main thread receives, sums and replies to every worker's push.
         # BYTEPS_NATIVE=1: the worker's partitions run on byteps-net (core/bps_worker.h) and the server's
-        # on its native thread; 0: the Python engine thread and server loop, as before (issue 15).
+        # on its native thread; 0: the Python engine thread and server loop, as before the native core.
         rows = ["| layout | engine | wall us / partition | worker: byteps-net | worker: Python engine + completion | "
                 "reduce thread | worker zmq I/O | server (all but zmq I/O) | server zmq I/O |",
                 "|---|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -1,4 +1,4 @@
-"""push_pull against torch.distributed gloo, measured the way users run them (issue 14, item 1).
+"""push_pull against torch.distributed gloo, measured the way users run them.
 
 What it measures
 ----------------

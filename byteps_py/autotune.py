@@ -34,7 +34,7 @@ The model (every constant is a module attribute, so tests and benchmarks can var
 * **Pipeline fill and drain: an upper bound.** A server answers a piece only when every machine
   has pushed it, so each step pays a fill and a drain of about ``FILL_DRAIN`` partitions' time on
   the wire (fitted to the measurements: 1.07x t_opt at 512 KB, 1.15x at 1 MB and 1.36x at 4 MB
-  for 46.8 MB per step at 200 Mbit/s, and 1.13x at 4 MB for 96 MiB at 1 Gbit/s (issue 14): the
+  for 46.8 MB per step at 200 Mbit/s, and 1.13x at 4 MB for 96 MiB at 1 Gbit/s: the
   excess is about 3.4 P / M whatever the rate). For that to stay under ``OVERHEAD`` of a step
   that pushes M bytes, and for a partition to hold the wire at most ``GRANULARITY_S`` (an urgent
   tensor waits behind the credit's partitions; priority scheduling needs them short)::
@@ -78,7 +78,7 @@ import typing
 
 #: CPU a worker spends per partition piece with the Python engine (seconds; docs/benchmarks.md)
 PIECE_COST_PYTHON = 30e-6
-#: the same with the native core (issue 15's target)
+#: the same with the native core (its target)
 PIECE_COST_NATIVE = 5e-6
 #: fixed costs, and fill and drain, may each take at most this fraction of the time
 OVERHEAD = 0.05
