@@ -49,10 +49,13 @@ test-ucx: setup
 	BYTEPS_TRANSPORT=ucx UCX_TLS=tcp $(PY) -m pytest -q tests/test_push_pull.py tests/test_bad_input.py \
 		tests/test_faults.py tests/test_links.py tests/test_ucx.py
 
+# push_pull against gloo as users run it: one machine, and (as root) hosts in network namespaces
 bench: setup
 	$(PY) -m pip install -q matplotlib tqdm
 	$(PY) bench/bench_sum.py --threads 1
 	$(PY) bench/bench_push_pull.py --plot docs/img/push_pull_vs_gloo.png
+	if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_users.py --layouts local,hosts --procs 2,3; \
+	else echo "not root: the hosts layout (network namespaces) is left out"; $(PY) bench/bench_users.py --layouts local; fi
 
 # 10,000 training steps; every process's memory, fds and throughput must stay flat (docs/benchmarks.md)
 .PHONY: soak bench-cluster

@@ -37,8 +37,34 @@ def test_bench_users_tiny(tmp_path):
     assert all(q["rtt_s"] > 0 for q in doc["latency"])
     # the round trip beside each repetition's blocks, and byteps' time over it
     assert all(q["rtt_beside_s"] > 0 and q["byteps_over_rtt_beside"] > 0 for q in doc["latency"])
+    # and the round trip of two fresh processes the driver started (raw_exchange.py)
+    assert all(q["fresh_rtt_s"] > 0 and q["byteps_over_fresh_rtt"] > 0 for q in doc["latency"])
+    assert all(r["workers_cpu_per_call"] > 0 for r in doc["results"] if r["impl"] in ("byteps", "gloo"))
     assert not doc.get("errors")
     assert "| local | 2 | 4KB | inplace | fixed |" in out
+
+
+@pytest.mark.timeout(240)
+def test_bench_users_hosts_tiny(tmp_path):
+    """The hosts layout: 2 hosts (network namespaces), unshaped; the namespaces are gone afterwards."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import netns
+
+    why = netns.available()
+    if why:
+        pytest.skip(why)
+    doc, out = _run(["bench/bench_users.py", "--quick", "--layouts", "hosts", "--host-rates", "0", "--procs", "2",
+                     "--sizes", "4KB,1MB", "--patterns", "inplace", "--names", "fixed", "--repeat", "1"],
+                    tmp_path / "hosts.json", 210)
+    assert {r["layout"] for r in doc["results"]} == {"hosts"}
+    assert {(r["size"], r["impl"]) for r in doc["results"]} == {(s, i) for s in ("4KB", "1MB")
+                                                                for i in ("byteps", "gloo", "rtt")}
+    assert all(q["fresh_rtt_s"] > 0 and q["rtt_s"] > 0 for q in doc["latency"])
+    assert {"worker", "server", "scheduler"} <= set(doc["cpu_by_role"]["hosts,2"])
+    assert not doc.get("errors")
+    assert "| hosts | 2 | 1MB | inplace | fixed |" in out
+    assert not [ns for ns in netns._namespaces() if ns.startswith(f"{netns.BASE}")
+                and not netns._pid_alive(int(ns[len(netns.BASE):].split("-")[0]))]
 
 
 @pytest.mark.slow  # about 20-25 s (two jobs with pinned cores); the users' test above takes about 13 s
