@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 TENSORFLOW ?= tensorflow-cpu==2.21.0
 UCX ?= libucx-cu12>=1.15
 
-.PHONY: setup train test test-all test-ucx bench clean
+.PHONY: setup train test test-all test-ucx bench figures clean
 
 setup: $(VENV)/.byteps-installed
 
@@ -56,6 +56,12 @@ bench: setup
 	$(PY) bench/bench_push_pull.py --plot docs/img/push_pull_vs_gloo.png
 	if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_users.py --layouts local,hosts --procs 2,3; \
 	else echo "not root: the hosts layout (network namespaces) is left out"; $(PY) bench/bench_users.py --layouts local; fi
+
+# every figure README's performance tables quote, 3 runs each, printed as those tables (as root: with the
+# hosts layout and the emulated cluster; about an hour on a quiet 2-core machine: measure on an idle one)
+figures: setup
+	$(PY) -m pip install -q tqdm
+	$(PY) bench/figures.py
 
 # 10,000 training steps; every process's memory, fds and throughput must stay flat (docs/benchmarks.md)
 .PHONY: soak bench-cluster
