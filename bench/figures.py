@@ -53,6 +53,10 @@ TRAIN = [
 ]
 
 
+TRAIN_HEADER = "| training step, bps.DistributedOptimizer / DDP over gloo, samples/s | ratio | runs |"
+CLUSTER_HEADER = "| emulated cluster at default settings: step time / t_opt (Eq. 6) | k = 0 .. n | worst | runs |"
+
+
 def describe(layout, procs):
     """README's wording for a bench_users layout label."""
     if layout == "local":
@@ -159,7 +163,7 @@ def latency_table(got, runs, size="4KB"):
 
 
 def train(args, log, tmp):
-    lines = ["| training step, bps.DistributedOptimizer / DDP over gloo, samples/s | ratio | runs |", "|---|---:|---|"]
+    lines = [TRAIN_HEADER, "|---|---:|---|"]
     for name, root, extra in TRAIN:
         if root and os.geteuid() != 0:
             print(f"left out (needs root): training, {name}", file=sys.stderr)
@@ -190,8 +194,7 @@ def cluster(args, log, tmp):
             if res["system"] == "default":
                 per.setdefault((res["n"], res["rate_mbit"], res["model_bytes"]), {}).setdefault(res["k"], []).append(
                     res["vs_t_opt"])
-    lines = ["| emulated cluster at default settings: step time / t_opt (Eq. 6) | k = 0 .. n | worst | runs |",
-             "|---|---|---:|---|"]
+    lines = [CLUSTER_HEADER, "|---|---|---:|---|"]
     for (n, rate, model), by_k in per.items():
         cells = ", ".join(f"{k}: {span(v, '{:.3f}', '')}" for k, v in sorted(by_k.items()))
         worst = max(max(v) for v in by_k.values())

@@ -83,3 +83,24 @@ def test_bench_gil_quick(tmp_path):
         comm = doc["meta"]["args"]["comm_core"]
         assert all(t["cpus"] == [comm] for t in info["threads_end"] if t["tid"] != info["training_tid"]), system
     assert "| byteps | 64MB |" in out
+
+
+def test_figures_print_readme_tables():
+    """bench/figures.py prints README's performance tables: the same headers, cells as min-max over runs."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import figures
+
+    got = {("local", 2): {"ratios": [{"pattern": p, "size": s, "ratio": r} for p in figures.PATTERNS
+                                     for s, r in (("16MB", 1.5), ("64MB", 2.25), ("4KB", 9.0))],
+                          "latency": [{"size": "4KB", "pattern": "inplace", "byteps_s": t, "gloo_s": 1e-3,
+                                       "fresh_rtt_s": 2e-5, "byteps_over_fresh_rtt": t / 2e-5,
+                                       "byteps_over_rtt_beside": 1.0} for t in (3e-5, 4e-5)]}}
+    goodput = figures.goodput_table(got, 3, figures.LARGE).splitlines()
+    latency = figures.latency_table(got, 1).splitlines()
+    assert goodput[2] == "| one machine, 2 worker processes | 1.50-2.25x | 1.50-2.25x | 1.50-2.25x | 3 runs |"
+    assert latency[2] == "| one machine, 2 worker processes | 30-40 | 1000 | 20 | 1.50-2.00x | 1.00x | measured once |"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    for header in (goodput[0], latency[0], figures.TRAIN_HEADER, figures.CLUSTER_HEADER):
+        assert header in readme, header
+    assert figures.span([]) == "—"
