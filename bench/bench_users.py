@@ -103,10 +103,7 @@ import argparse
 import datetime
 import json
 import os
-import re
 import resource
-import secrets
-import shutil
 import socket
 import statistics
 import subprocess
@@ -114,13 +111,15 @@ import sys
 import tempfile
 import time
 
+from users_common import LATENCY_SIZES, SIZES, device
+from users_report import NOTES, collectives_tables, summarize_collectives
+from users_rtt import fresh_rtt, fresh_rtt_of, raw_rtt, round_trips, rtt_connection, zmq_rtt
+from users_train import summarize_train, train_table, train_worker
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 LAYOUTS = ("local", "machines", "hosts")
-SIZES = {"4KB": 4 << 10, "64KB": 64 << 10, "1MB": 1 << 20, "16MB": 16 << 20, "64MB": 64 << 20,
-         "256MB": 256 << 20}
-LATENCY_SIZES = ("4KB", "64KB", "1MB")
 PATTERNS = ("inplace", "fresh", "outofplace", "batched")
 BATCH = 20  #: operations per "batched async" block
 BATCH_MAX = 1 << 20  #: batched async only up to this size
@@ -165,14 +164,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def spread(values):
-    """(median, min, max) of a non-empty list, else (None, None, None)."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None, None
-    return statistics.median(values), min(values), max(values)
 
 
 def git_commit():
@@ -280,109 +271,6 @@ def calls_for(nbytes):
     if nbytes < (256 << 20):
         return 3
     return 2
-
-
-def rtt_connection(dist, rank, host, port):
-    """A TCP connection (TCP_NODELAY) between ranks 0 and 1 for raw round trips; None on other ranks."""
-    conn = srv = None
-    if rank == 0:
-        srv = socket.socket()
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind((host, port))
-        srv.listen(1)
-    dist.barrier()
-    if rank == 1:
-        conn = socket.create_connection((host, port), timeout=60)
-    elif rank == 0:
-        srv.settimeout(60)
-        conn, _ = srv.accept()
-        srv.close()
-    if conn is not None:
-        conn.settimeout(60)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return conn
-
-
-def round_trips(conn, rank, nbytes, count, warm=10):
-    """``count`` round trips of ``nbytes`` on ``conn`` (rank 0 sends, rank 1 echoes), after ``warm``
-    untimed ones; rank 0 returns their times in seconds, rank 1 an empty list."""
-    view = memoryview(bytearray(nbytes))
-    times = []
-    for i in range(count + warm):
-        if rank == 0:
-            t0 = time.perf_counter()
-            conn.sendall(view)
-            _recv_exact(conn, view)
-            if i >= warm:
-                times.append(time.perf_counter() - t0)
-        else:
-            _recv_exact(conn, view)
-            conn.sendall(view)
-    return times
-
-
-def raw_rtt(dist, conn, rank, labels, count):
-    """Loopback TCP round trip times (seconds) of each size between ranks 0 and 1; {} on other ranks."""
-    out = {}
-    if conn is not None:
-        for label in labels:
-            times = round_trips(conn, rank, SIZES[label], count)
-            if rank == 0:
-                out[label] = times
-    dist.barrier()
-    return out
-
-
-def zmq_rtt(dist, rank, host, labels, count):
-    """Median ZeroMQ round trip (seconds) of each size between ranks 0 and 1 over loopback TCP: rank 0's
-    DEALER sends ``[40-byte header, N bytes]``, rank 1's ROUTER echoes it (pyzmq, one message in
-    flight): the carrier of byteps' data messages before its direct TCP links (and with
-    BYTEPS_DIRECT_TCP=0); {} on other ranks."""
-    import zmq
-
-    ctx = zmq.Context()
-    sock = None
-    box = [None]
-    if rank == 1:  # on its own host's address (hosts layout: another namespace than rank 0's)
-        mine = os.environ.get("DMLC_NODE_HOST") or host
-        sock = ctx.socket(zmq.ROUTER)
-        box[0] = (mine, sock.bind_to_random_port(f"tcp://{mine}"))
-    ports = [None] * dist.get_world_size()
-    dist.all_gather_object(ports, box[0])
-    if rank == 0:
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(f"tcp://{ports[1][0]}:{ports[1][1]}")
-    out = {}
-    if sock is not None:
-        sock.setsockopt(zmq.RCVTIMEO, 60000)
-        header = bytes(40)
-        for label in labels:
-            body = bytes(SIZES[label])
-            times = []
-            for i in range(count + 10):
-                if rank == 0:
-                    t0 = time.perf_counter()
-                    sock.send_multipart([header, body], copy=False)
-                    sock.recv_multipart(copy=False)
-                    if i >= 10:
-                        times.append(time.perf_counter() - t0)
-                else:
-                    sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
-            if rank == 0:
-                out[label] = times
-        sock.close(linger=1000)  # linger=0 could drop rank 1's last echo, leaving rank 0 waiting for it
-    ctx.term()
-    dist.barrier()
-    return out
-
-
-def _recv_exact(conn, view):
-    got, n = 0, len(view)
-    while got < n:
-        k = conn.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("raw TCP peer closed the connection")
-        got += k
 
 
 class Collectives:
@@ -587,16 +475,6 @@ class Collectives:
                 "memory_events": self.memory_events}
 
 
-def device(args, torch):
-    """The torch device of this worker's tensors (``--device``): a CUDA worker takes GPU local_rank
-    modulo the GPUs there are, so processes share a GPU when there are fewer GPUs than processes."""
-    if args.device == "cpu":
-        return torch.device("cpu")
-    import byteps.torch as bps
-
-    return torch.device("cuda", bps.local_rank() % torch.cuda.device_count())
-
-
 def worker_main(args):
     import torch
     import torch.distributed as dist
@@ -643,86 +521,6 @@ def worker_main(args):
 
 
 # =================================================================================== worker: training step
-
-def make_model(torch, width, hidden, layers, seed):
-    torch.manual_seed(seed)
-    mods, d = [], width
-    for _ in range(layers - 1):
-        mods += [torch.nn.Linear(d, hidden), torch.nn.ReLU()]
-        d = hidden
-    mods.append(torch.nn.Linear(d, width))
-    return torch.nn.Sequential(*mods)
-
-
-def train_worker(args, bps, dist, torch):
-    import copy
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    rank, size = bps.rank(), bps.size()
-    dev = device(args, torch)
-    model_b = make_model(torch, args.width, args.hidden, args.layers, args.seed).to(dev)
-    model_d = copy.deepcopy(model_b)
-    device_ids = [dev.index] if dev.type == "cuda" else None
-    if args.bps_api == "ddp-hook":  # DDP whose buckets byteps averages
-        net_b = DistributedDataParallel(model_b, device_ids=device_ids)
-        net_b.register_comm_hook(state="bench", hook=bps.ddp_comm_hook)
-        opt_b = torch.optim.SGD(net_b.parameters(), lr=args.lr)
-    else:
-        net_b = model_b
-        opt_b = bps.DistributedOptimizer(torch.optim.SGD(model_b.parameters(), lr=args.lr),
-                                         named_parameters=model_b.named_parameters())
-        bps.broadcast_parameters(model_b.state_dict(), root_rank=0)
-        bps.broadcast_optimizer_state(opt_b, root_rank=0)
-    ddp = DistributedDataParallel(model_d, device_ids=device_ids)
-    opt_d = torch.optim.SGD(ddp.parameters(), lr=args.lr)
-    warm, steps = 1, args.steps
-    total = (warm + args.repeat) * steps
-    data = []
-    for i in range(total):  # the same batch for both systems at step i on this rank
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + i * 1009 + rank)
-        x = torch.randn(args.batch, args.width, generator=g)
-        data.append((x.to(dev), torch.tanh(x.roll(1, dims=1)).to(dev)))
-
-    def step_bps(i):
-        x, y = data[i]
-        opt_b.zero_grad()  # default: set_to_none=True, fresh gradients every step
-        loss = torch.nn.functional.mse_loss(net_b(x), y)
-        loss.backward()
-        opt_b.step()
-        return loss.item()
-
-    def step_ddp(i):
-        x, y = data[i]
-        opt_d.zero_grad()
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        opt_d.step()
-        return loss.item()
-
-    systems = [("byteps", step_bps), ("ddp", step_ddp)]
-    losses = {"byteps": [], "ddp": []}
-    times = {"byteps": {}, "ddp": {}}
-    done = {"byteps": 0, "ddp": 0}
-    for rep in range(warm + args.repeat):
-        for name, fn in systems[rep % 2:] + systems[:rep % 2]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):  # loss.item() waits for the step's GPU work, as a training loop's logging does
-                losses[name].append(fn(done[name]))
-                done[name] += 1
-            elapsed = time.perf_counter() - t0
-            if rep >= warm:
-                times[name][rep - warm] = elapsed
-        if rank == 0:
-            print(f"BENCH-PROGRESS train rep {rep}", flush=True)
-    rel = [abs(a - b) / max(abs(a), abs(b), 1e-12) for a, b in zip(losses["byteps"], losses["ddp"])]
-    pdiff = max(float((pb.detach() - pd.detach()).abs().max())
-                for pb, pd in zip(model_b.parameters(), model_d.parameters()))
-    params = sum(p.numel() for p in model_b.parameters())
-    return {"times": times, "losses": losses, "loss_max_rel_diff": max(rel), "param_max_abs_diff": pdiff,
-            "params": params, "param_bytes": 4 * params}
-
 
 # =================================================================================== driver: one job
 
@@ -774,217 +572,9 @@ def worker_args(args):
 
 # =================================================================================== driver: collectives
 
-def summarize_collectives(layout, procs, job):
-    """Rows of the results (one per size/pattern/impl/names), ratios and latency, from a job's ranks."""
-    ranks = job["ranks"]
-    rtt = ranks[0].get("rtt", {})
-    zrtt = ranks[0].get("zmq_rtt", {})
-    fresh = job.get("fresh_rtt", {})
-    keys = list(ranks[0]["blocks"])
-    rows = {}
-    for key in keys:
-        label, pattern, impl, names = key.split("|")
-        reps = sorted({int(r) for rk in ranks for r in rk["blocks"].get(key, {})})
-        rep_medians, extra = {}, {}
-        for r in reps:
-            per_rank = [rk["blocks"][key][str(r)] for rk in ranks if str(r) in rk["blocks"].get(key, {})]
-            rep_medians[r] = max(s["median_s"] for s in per_rank)  # the slowest rank
-            for field in ("worker_faults_per_call", "worker_rss_growth_per_call"):
-                vals = [s[field] for s in per_rank if field in s]
-                if vals:
-                    extra.setdefault(field, []).append(max(vals))
-            cpu = [s["worker_cpu_per_call"] for s in per_rank if "worker_cpu_per_call" in s]
-            if len(cpu) == len(per_rank):  # every worker's CPU, all ranks together
-                extra.setdefault("workers_cpu_per_call", []).append(sum(cpu))
-            for field in ("server_faults_per_call", "server_rss_growth_per_call", "server_rss", "server_cpu_per_call"):
-                vals = [s[field] for s in per_rank if field in s]
-                if vals:
-                    extra.setdefault(field, []).append(vals[0])
-        med, lo, hi = spread(list(rep_medians.values()))
-        row = {"layout": layout, "procs": procs, "size": label, "bytes": SIZES[label], "pattern": pattern,
-               "impl": impl, "names": names or None, "rep_medians_s": rep_medians, "median_s": med,
-               "min_s": lo, "max_s": hi, "reps": len(rep_medians),
-               "goodput_GBps": SIZES[label] / med / 1e9 if med else None}
-        for field, vals in extra.items():
-            row[field] = statistics.median(vals)
-        if field_max := extra.get("server_rss"):
-            row["server_rss_max"] = max(field_max)
-        rows[(label, pattern, impl, names)] = row
-    ratios, latency = [], []
-    for (label, pattern, impl, names), row in rows.items():
-        if impl != "byteps":
-            continue
-        gloo = rows.get((label, pattern, "gloo", ""))
-        if gloo is None:
-            continue
-        per_rep = [gloo["rep_medians_s"][r] / row["rep_medians_s"][r] for r in row["rep_medians_s"]
-                   if r in gloo["rep_medians_s"]]
-        med, lo, hi = spread(per_rep)
-        ratios.append({"layout": layout, "procs": procs, "size": label, "pattern": pattern, "names": names,
-                       "ratio": med, "ratio_min": lo, "ratio_max": hi, "reps": len(per_rep),
-                       "byteps_s": row["median_s"], "gloo_s": gloo["median_s"]})
-        if label in rtt and pattern != "batched":
-            entry = {"layout": layout, "procs": procs, "size": label, "pattern": pattern, "names": names,
-                     "byteps_s": row["median_s"], "gloo_s": gloo["median_s"], "rtt_s": rtt[label],
-                     "zmq_rtt_s": zrtt.get(label), "fresh_rtt_s": fresh.get(label),
-                     "byteps_over_fresh_rtt": row["median_s"] / fresh[label] if label in fresh else None,
-                     "byteps_over_rtt": row["median_s"] / rtt[label] if row["median_s"] else None,
-                     "gloo_over_rtt": gloo["median_s"] / rtt[label]}
-            beside = rows.get((label, pattern, "rtt", ""))
-            if beside is not None:  # per repetition: byteps' block over the round-trip block beside it
-                paired = [row["rep_medians_s"][r] / beside["rep_medians_s"][r] for r in row["rep_medians_s"]
-                          if r in beside["rep_medians_s"]]
-                if paired:
-                    med, lo, hi = spread(paired)
-                    entry.update(rtt_beside_s=beside["median_s"], byteps_over_rtt_beside=med,
-                                 byteps_over_rtt_beside_min=lo, byteps_over_rtt_beside_max=hi)
-            latency.append(entry)
-    return list(rows.values()), ratios, latency
-
-
-def _ms(x):
-    return "—" if x is None else f"{x * 1e3:.3f}"
-
-
-def _us(x):
-    return "—" if x is None else f"{x * 1e6:.0f}"
-
-
-def _f(x, fmt=".2f"):
-    return "—" if x is None else format(x, fmt)
-
-
-def cpu_per_gb(b, g):
-    """CPU seconds per GB of tensor reduced: byteps' workers (all ranks), its servers (all), gloo's workers."""
-    def per_gb(row, field):
-        v = row.get(field)
-        return "—" if v is None else f"{v / (row['bytes'] / 1e9):.2f}"
-    return f"{per_gb(b, 'workers_cpu_per_call')}, {per_gb(b, 'server_cpu_per_call')}; {per_gb(g, 'workers_cpu_per_call')}"
-
-
-def collectives_tables(rows, ratios, latency):
-    by = {(r["layout"], r["procs"], r["size"], r["pattern"], r["impl"], r["names"] or ""): r for r in rows}
-    out = ["| layout | procs | size | pattern | byteps names | byteps ms [min-max] | gloo ms [min-max] | "
-           "byteps GB/s | gloo GB/s | byteps / gloo [min-max] | reps | worker faults/call | server faults/call | "
-           "MB kept per call (workers, servers) | CPU s per GB: byteps workers, servers; gloo |",
-           "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for q in ratios:
-        b = by[(q["layout"], q["procs"], q["size"], q["pattern"], "byteps", q["names"])]
-        g = by[(q["layout"], q["procs"], q["size"], q["pattern"], "gloo", "")]
-        kept = "—"
-        if "worker_rss_growth_per_call" in b:
-            kept = (f"{b['worker_rss_growth_per_call'] / 2**20:.1f}, "
-                    f"{b.get('server_rss_growth_per_call', 0) / 2**20:.1f}")
-        pat = "batched async" if q["pattern"] == "batched" else q["pattern"]
-        out.append(f"| {q['layout']} | {q['procs']} | {q['size']} | {pat} | {q['names']} | "
-                   f"{_ms(b['median_s'])} [{_ms(b['min_s'])}-{_ms(b['max_s'])}] | "
-                   f"{_ms(g['median_s'])} [{_ms(g['min_s'])}-{_ms(g['max_s'])}] | "
-                   f"{_f(b['goodput_GBps'], '.3f')} | {_f(g['goodput_GBps'], '.3f')} | "
-                   f"{_f(q['ratio'])} [{_f(q['ratio_min'])}-{_f(q['ratio_max'])}] | {q['reps']} | "
-                   f"{_f(b.get('worker_faults_per_call'), '.0f')} | {_f(b.get('server_faults_per_call'), '.0f')} | "
-                   f"{kept} | {cpu_per_gb(b, g)} |")
-    lat = ["| layout | procs | size | pattern | byteps names | byteps us | gloo us | raw TCP RTT us | ZeroMQ RTT us | "
-           "byteps / RTT | gloo / RTT | RTT beside us | byteps / RTT beside [min-max] | fresh-process RTT us | "
-           "byteps / fresh RTT |",
-           "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for q in latency:
-        beside = "—"
-        if q.get("byteps_over_rtt_beside") is not None:
-            beside = (f"{_f(q['byteps_over_rtt_beside'])} [{_f(q['byteps_over_rtt_beside_min'])}-"
-                      f"{_f(q['byteps_over_rtt_beside_max'])}]")
-        lat.append(f"| {q['layout']} | {q['procs']} | {q['size']} | {q['pattern']} | {q['names']} | "
-                   f"{_us(q['byteps_s'])} | {_us(q['gloo_s'])} | {_us(q['rtt_s'])} | {_us(q.get('zmq_rtt_s'))} | "
-                   f"{_f(q['byteps_over_rtt'])} | {_f(q['gloo_over_rtt'])} | {_us(q.get('rtt_beside_s'))} | "
-                   f"{beside} | {_us(q.get('fresh_rtt_s'))} | {_f(q.get('byteps_over_fresh_rtt'))} |")
-    return "\n".join(out), "\n".join(lat)
-
-
-NOTES = """\
-Notes: synchronous calls (each waits for its result), sums (average=False) unless --average, medians over repetitions of
-the slowest rank's per-block median, [min-max] = spread of the repetitions' medians. byteps / gloo = gloo
-time / byteps time per repetition (> 1: byteps faster). gloo `outofplace` is `out = t.clone();
-dist.all_reduce(out)` (gloo has no out-of-place all_reduce; the clone is timed). `fresh` allocates and
-fills a new tensor before each timed call. byteps names `auto` = no name= argument (as scripts call it;
-byteps picks the names); `fixed` = one name= per size and pattern. `batched async` = 20 operations started, then
-all awaited (gloo async_op=True), time per operation. Faults/MB kept: byteps blocks only (workers:
-slowest rank; servers: total). CPU s per GB: CPU seconds (every thread, user + system) per GB of tensor,
-over the timed calls: workers summed over ranks (byteps' threads and gloo's included), servers summed
-over the job's servers. Latency: "byteps / RTT" = byteps' median over the round trip measured before
-and after the collectives; "byteps / RTT beside" = per repetition, byteps' block over the raw round-trip block
-taken in turn with it on the same connection, median [min-max]; "fresh-process RTT" = the same size's round
-trip between two fresh processes bound to no CPU (bench/raw_exchange.py --clients 1, started by the driver
-before and after the job, mean of the two; between the hosts of ranks 0 and 1 in the hosts layout): the round
-trip a user would measure."""
-
-
 # =================================================================================== driver: training
 
-def summarize_train(layout, procs, job, args):
-    ranks = job["ranks"]
-    size = job["size"]
-    res = {}
-    for system in ("byteps", "ddp"):
-        reps = sorted({int(r) for rk in ranks for r in rk["times"][system]})
-        block = {r: max(rk["times"][system][str(r)] for rk in ranks) for r in reps}
-        res[system] = {r: args.steps * args.batch * size / t for r, t in block.items()}
-    per_rep = [res["byteps"][r] / res["ddp"][r] for r in res["byteps"] if r in res["ddp"]]
-    rel = max(rk["loss_max_rel_diff"] for rk in ranks)
-    pdiff = max(rk["param_max_abs_diff"] for rk in ranks)
-    b, d, q = spread(list(res["byteps"].values())), spread(list(res["ddp"].values())), spread(per_rep)
-    tuned = [rk.get("tuning") or {} for rk in ranks]
-    if len({t.get("partition_bytes") for t in tuned}) > 1:
-        raise SystemExit(f"{layout}: workers used different partition sizes: {tuned}")
-    if tuned[0]:
-        print(f"{layout}: {tuned[0]['text']}; credits by rank {[t['credit'] for t in tuned]}", file=sys.stderr)
-    return {"partition_bytes": tuned[0].get("partition_bytes"), "partition_source": tuned[0].get("source"),
-            "credits": [t.get("credit") for t in tuned], "tuning": tuned, "layout": layout, "procs": procs, "model_bytes": ranks[0]["param_bytes"], "batch": args.batch,
-            "steps_per_block": args.steps, "byteps_samples_s": b[0], "byteps_min": b[1], "byteps_max": b[2],
-            "ddp_samples_s": d[0], "ddp_min": d[1], "ddp_max": d[2], "ratio": q[0], "ratio_min": q[1],
-            "ratio_max": q[2], "per_rep_samples_s": res, "loss_max_rel_diff": rel, "param_max_abs_diff": pdiff,
-            "losses_equal": rel <= args.loss_rtol, "losses_rank0": ranks[0]["losses"]}
-
-
-def train_table(rows):
-    out = ["| layout | procs | model MB | batch/proc | partition (credit) | byteps samples/s [min-max] | "
-           "DDP-gloo samples/s [min-max] | byteps / DDP [min-max] | loss max rel. diff | losses equal | "
-           "params max abs diff |",
-           "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|"]
-    for r in rows:
-        part = "—"
-        if r.get("partition_bytes"):
-            size = r["partition_bytes"]
-            part = (f"{size >> 10} KiB" if size % 1024 == 0 else f"{size} B") + \
-                f" {r['partition_source']} ({'/'.join(str(c) for c in sorted(set(r['credits'])))})"
-        out.append(f"| {r['layout']} | {r['procs']} | {r['model_bytes'] / 1e6:.1f} | {r['batch']} | {part} | "
-                   f"{_f(r['byteps_samples_s'], '.1f')} [{_f(r['byteps_min'], '.1f')}-{_f(r['byteps_max'], '.1f')}] | "
-                   f"{_f(r['ddp_samples_s'], '.1f')} [{_f(r['ddp_min'], '.1f')}-{_f(r['ddp_max'], '.1f')}] | "
-                   f"{_f(r['ratio'])} [{_f(r['ratio_min'])}-{_f(r['ratio_max'])}] | {r['loss_max_rel_diff']:.2e} | "
-                   f"{'yes' if r['losses_equal'] else 'NO'} | {r['param_max_abs_diff']:.2e} |")
-    return "\n".join(out)
-
-
 # =================================================================================== driver: hosts
-
-def fresh_rtt(labels, calls=1000, server_prefix=(), bind="127.0.0.1", client_netns=None):
-    """Median raw TCP round trip (seconds) of each size between two fresh processes bound to no CPU
-    (bench/raw_exchange.py, started by this driver): the round trip a user would measure."""
-    out = {}
-    for label in labels:
-        cmd = [*server_prefix, sys.executable, os.path.join(HERE, "raw_exchange.py"), "--clients", "1", "--size",
-               str(SIZES[label]), "--calls", str(calls), "--bind", bind]
-        res = subprocess.run(cmd + (["--client-netns", client_netns] if client_netns else []), capture_output=True,
-                             text=True, timeout=300)
-        found = re.search(r"reply ([0-9.]+) us", res.stdout)
-        if not found:
-            raise SystemExit(f"raw_exchange.py failed ({res.returncode}): {res.stdout}{res.stderr}")
-        out[label] = float(found.group(1)) * 1e-6
-    return out
-
-
-def fresh_rtt_of(before, after):
-    """{size: mean of the round trips measured before and after a job}."""
-    return {label: (before[label] + after[label]) / 2 for label in before if label in after}
-
 
 def run_hosts(n, k, rate_mbit, args, mode):
     """One job on ``n`` worker hosts (one worker and one colocated server each) and ``k`` server hosts,
