@@ -58,7 +58,7 @@ bench: setup
 	else echo "not root: the hosts layout (network namespaces) is left out"; $(PY) bench/bench_users.py --layouts local; fi
 
 # every figure README's performance tables quote, 3 runs each, printed as those tables (as root: with the
-# hosts layout and the emulated cluster; about an hour on a quiet 2-core machine: measure on an idle one)
+# hosts layout and the emulated cluster; an hour or more: measure on an idle machine)
 figures: setup
 	$(PY) -m pip install -q tqdm
 	$(PY) bench/figures.py

@@ -749,6 +749,7 @@ def main():
             doc.setdefault("memory_events", []).extend(dict(e, layout=layout, procs=procs) for e in mem)
             if job.get("cpu_by_role"):
                 doc.setdefault("cpu_by_role", {})[f"{layout},{procs}"] = job["cpu_by_role"]
+                doc.setdefault("namespaces_left", {})[f"{layout},{procs}"] = job["namespaces_left"]
         doc.update(results=rows, ratios=ratios, latency=latency, child=children)
         main_t, lat_t = collectives_tables(rows, ratios, latency)
         where = "" if args.device == "cpu" else f", CUDA tensors ({children[next(iter(children))].get('gpu')})"

@@ -21,8 +21,8 @@ goodput, over the sizes from 16 MB and both naming modes too). A cell from one r
   cluster shapes (root).
 
 Needs root for the hosts layout and the emulated cluster; without it those rows are left out and
-the output says so. The whole set takes about an hour on a quiet 2-core machine; measure on a machine
-nothing else is using, and quote the machine line printed with the tables.
+the output says so. The whole set takes an hour or more (an estimate: it has not run in full yet);
+measure on a machine nothing else is using, and quote the machine line printed with the tables.
 """
 import argparse
 import datetime

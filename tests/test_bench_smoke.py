@@ -63,8 +63,7 @@ def test_bench_users_hosts_tiny(tmp_path):
     assert {"worker", "server", "scheduler"} <= set(doc["cpu_by_role"]["hosts,2"])
     assert not doc.get("errors")
     assert "| hosts | 2 | 1MB | inplace | fixed |" in out
-    assert not [ns for ns in netns._namespaces() if ns.startswith(f"{netns.BASE}")
-                and not netns._pid_alive(int(ns[len(netns.BASE):].split("-")[0]))]
+    assert doc["namespaces_left"] == {"hosts,2": []}  # the job's network namespaces, after it closed
 
 
 @pytest.mark.slow  # about 20-25 s (two jobs with pinned cores); the users' test above takes about 13 s
