@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 TENSORFLOW ?= tensorflow-cpu==2.21.0
 UCX ?= libucx-cu12>=1.15
 
-.PHONY: setup train test test-all test-ucx bench clean
+.PHONY: setup train test test-all test-ucx bench figures clean
 
 setup: $(VENV)/.byteps-installed
 
@@ -43,16 +43,25 @@ test-all: setup
 	$(PY) -m pytest -q -m "slow or not slow"
 
 # The push_pull, bad-input, fault and link tests again with every direct link over UCX's tcp transport
-# (issue 16: UCX passes what the TCP links pass); about 5 minutes
+# (UCX must pass what the TCP links pass); about 5 minutes
 .PHONY: test-ucx
 test-ucx: setup
 	BYTEPS_TRANSPORT=ucx UCX_TLS=tcp $(PY) -m pytest -q tests/test_push_pull.py tests/test_bad_input.py \
 		tests/test_faults.py tests/test_links.py tests/test_ucx.py
 
+# push_pull against gloo as users run it: one machine, and (as root) hosts in network namespaces
 bench: setup
 	$(PY) -m pip install -q matplotlib tqdm
 	$(PY) bench/bench_sum.py --threads 1
 	$(PY) bench/bench_push_pull.py --plot docs/img/push_pull_vs_gloo.png
+	if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_users.py --layouts local,hosts --procs 2,3; \
+	else echo "not root: the hosts layout (network namespaces) is left out"; $(PY) bench/bench_users.py --layouts local; fi
+
+# every figure README's performance tables quote, 3 runs each, printed as those tables (as root: with the
+# hosts layout and the emulated cluster; an hour or more: measure on an idle machine)
+figures: setup
+	$(PY) -m pip install -q tqdm
+	$(PY) bench/figures.py
 
 # 10,000 training steps; every process's memory, fds and throughput must stay flat (docs/benchmarks.md)
 .PHONY: soak bench-cluster

@@ -1,4 +1,4 @@
-"""Progress without the GIL (issue 15): does communication advance while the training thread runs Python?
+"""Progress without the GIL: does communication advance while the training thread runs Python?
 
 What it measures
 ----------------

@@ -1,4 +1,4 @@
-"""push_pull against torch.distributed gloo, measured the way users run them (issue 14, item 1).
+"""push_pull against torch.distributed gloo, measured the way users run them.
 
 What it measures
 ----------------
@@ -33,7 +33,7 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
   as a gloo user or DDP averages); goodput = tensor bytes / time per call;
   "byteps / gloo" = gloo's time / byteps' time in the same repetition (> 1: byteps is faster);
 * synchronous latency at 4 KB, 64 KB and 1 MB next to a **raw TCP round trip** of the same size,
-  measured in the same job between worker ranks 0 and 1 over loopback (plain ``socket``,
+  measured in the same job between worker ranks 0 and 1 (over loopback; between hosts in ``hosts``) (plain ``socket``,
   TCP_NODELAY, rank 0 sends N bytes, rank 1 echoes N bytes; median of ``--rtts`` round trips,
   measured before and after the collectives), and a **ZeroMQ round trip** of the same size
   (DEALER -> ROUTER echo through pyzmq, one message in flight): the carrier byteps used before
@@ -41,7 +41,10 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
   and, since the machine's round trip drifts during a job (17-67 us on the 2-core VM), a **round
   trip beside each block**: in every repetition a block of as many raw round trips as a byteps
   block has calls, on the same connection, takes its turn with the byteps and gloo blocks, and
-  "byteps / RTT beside" is byteps' block over that one, per repetition, median [min-max];
+  "byteps / RTT beside" is byteps' block over that one, per repetition, median [min-max]; and, since
+  those are measured by the job's own processes (whose training threads may be bound to CPUs), the
+  round trip **between two fresh processes bound to nothing** (bench/raw_exchange.py, started by
+  the driver before and after the job), the one a user measuring a round trip would get;
 * per byteps block: minor page faults per call in the worker (``getrusage``, around each call)
   and in the servers (/proc), and memory each call left behind (RSS growth per call, workers and
   servers). If the job's processes would hold more than ``--mem-budget`` or the machine's available
@@ -52,10 +55,18 @@ spread (min-max of the repetitions' medians). Every result is checked (sum of ``
 * ``--device cuda``: every tensor (and with ``--train`` the model) on the GPU of local rank r mod the
   GPUs there are, gloo working on the same CUDA tensors; each call is timed until
   ``torch.cuda.synchronize()`` returns;
-* layouts (as bench/bench_push_pull.py): ``local`` = one worker machine with N processes
-  (``bpslaunch --local --workers 1 --local-size N``); ``machines`` = N single-process worker
-  machines (``bpslaunch --local --workers N``); ``--servers`` servers if given, else bpslaunch's
-  default (one per worker machine: 1 in ``local``, N in ``machines``).
+* layouts: ``local`` = one worker machine with N processes (``bpslaunch --local --workers 1
+  --local-size N``); ``hosts`` = N hosts, each a Linux network namespace with one worker process and
+  one colocated server (k = 0), started by ``bpslaunch`` in role mode (bench/users_hosts.py), so that
+  every byte between workers and servers of different hosts crosses a TCP stack, unshaped and at
+  each rate of ``--host-rates`` (tc tbf; needs root; the namespaces are always removed); these two
+  are what users run. ``machines`` = N single-process "machines" that are processes of this host
+  (``bpslaunch --local --workers N``): every worker reaches every server through **shared memory**
+  while gloo goes through loopback TCP, so it is a test layout, not a figure between machines.
+  ``--servers`` servers if given, else bpslaunch's default (one per worker machine);
+* CPU: per block, the CPU seconds (user + system, every thread) of each worker process over the
+  timed calls and of the servers, printed as CPU seconds per GB of tensor reduced; in the hosts
+  layout also the whole job's CPU seconds by role (worker, server, scheduler, launcher);
 
 Training step (``--train``): an MLP of large Linear layers (default 4 layers, 1024-2560-2560-2560-
 1024, 73.7 MB of float32 parameters; batch 32 per process) trained with ``bps.DistributedOptimizer``
@@ -76,6 +87,7 @@ Commands
     .venv/bin/python bench/bench_users.py                       # both layouts, 2 and 4 processes, 4KB-64MB
     .venv/bin/python bench/bench_users.py --sizes 4KB,64KB,1MB,16MB,64MB,256MB --repeat 7
     .venv/bin/python bench/bench_users.py --quick               # smoke run (3 sizes, 2 repetitions)
+    sudo .venv/bin/python bench/bench_users.py --layouts hosts --procs 2,3   # between hosts, unshaped and 1 Gbit/s
     .venv/bin/python bench/bench_users.py --layouts local --procs 2 --sizes 4KB,1MB --patterns inplace \\
         --names fixed --repeat 1 --quick                         # the tiny config of tests/test_bench_smoke.py
     .venv/bin/python bench/bench_users.py --env BYTEPS_SPIN_US=0 # an A/B with a variable set: printed as such
@@ -92,8 +104,6 @@ import datetime
 import json
 import os
 import resource
-import secrets
-import shutil
 import socket
 import statistics
 import subprocess
@@ -101,12 +111,15 @@ import sys
 import tempfile
 import time
 
+from users_common import LATENCY_SIZES, SIZES, device
+from users_report import NOTES, collectives_tables, summarize_collectives
+from users_rtt import fresh_rtt, fresh_rtt_of, raw_rtt, round_trips, rtt_connection, zmq_rtt
+from users_train import summarize_train, train_table, train_worker
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-SIZES = {"4KB": 4 << 10, "64KB": 64 << 10, "1MB": 1 << 20, "16MB": 16 << 20, "64MB": 64 << 20,
-         "256MB": 256 << 20}
-LATENCY_SIZES = ("4KB", "64KB", "1MB")
+LAYOUTS = ("local", "machines", "hosts")
 PATTERNS = ("inplace", "fresh", "outofplace", "batched")
 BATCH = 20  #: operations per "batched async" block
 BATCH_MAX = 1 << 20  #: batched async only up to this size
@@ -153,14 +166,6 @@ def free_port():
         return s.getsockname()[1]
 
 
-def spread(values):
-    """(median, min, max) of a non-empty list, else (None, None, None)."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None, None
-    return statistics.median(values), min(values), max(values)
-
-
 def git_commit():
     try:
         return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -193,7 +198,7 @@ def child_env_info():
 
 
 def _proc_stat(pid):
-    """(minor faults, RSS bytes) of a process, from /proc; None if it is gone."""
+    """(minor faults, RSS bytes, CPU seconds) of a process, from /proc; None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -201,12 +206,20 @@ def _proc_stat(pid):
             rss_pages = int(f.read().split()[1])
     except OSError:
         return None
-    return int(fields[7]), rss_pages * os.sysconf("SC_PAGE_SIZE")
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return int(fields[7]), rss_pages * os.sysconf("SC_PAGE_SIZE"), cpu
 
 
 def _server_pids():
-    """The byteps servers started by this worker's bpslaunch (its siblings)."""
+    """The byteps servers of the job: on hosts, every host's (users_hosts.py names them), else those
+    started by this worker's bpslaunch (its siblings)."""
     import psutil
+
+    import users_hosts
+
+    on_hosts = users_hosts.server_pids()
+    if on_hosts is not None:
+        return on_hosts
 
     try:
         return [p.pid for p in psutil.Process(os.getppid()).children()
@@ -216,11 +229,11 @@ def _server_pids():
 
 
 def _servers_stat(pids):
-    """(total minor faults, total RSS) of the servers, or None."""
+    """(total minor faults, total RSS, total CPU seconds) of the servers, or None."""
     stats = [s for s in (_proc_stat(p) for p in pids) if s is not None]
     if not stats:
         return None
-    return sum(s[0] for s in stats), sum(s[1] for s in stats)
+    return tuple(sum(column) for column in zip(*stats))
 
 
 def _job_rss():
@@ -258,107 +271,6 @@ def calls_for(nbytes):
     if nbytes < (256 << 20):
         return 3
     return 2
-
-
-def rtt_connection(dist, rank, host, port):
-    """A TCP connection (TCP_NODELAY) between ranks 0 and 1 for raw round trips; None on other ranks."""
-    conn = srv = None
-    if rank == 0:
-        srv = socket.socket()
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind((host, port))
-        srv.listen(1)
-    dist.barrier()
-    if rank == 1:
-        conn = socket.create_connection((host, port), timeout=60)
-    elif rank == 0:
-        srv.settimeout(60)
-        conn, _ = srv.accept()
-        srv.close()
-    if conn is not None:
-        conn.settimeout(60)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return conn
-
-
-def round_trips(conn, rank, nbytes, count, warm=10):
-    """``count`` round trips of ``nbytes`` on ``conn`` (rank 0 sends, rank 1 echoes), after ``warm``
-    untimed ones; rank 0 returns their times in seconds, rank 1 an empty list."""
-    view = memoryview(bytearray(nbytes))
-    times = []
-    for i in range(count + warm):
-        if rank == 0:
-            t0 = time.perf_counter()
-            conn.sendall(view)
-            _recv_exact(conn, view)
-            if i >= warm:
-                times.append(time.perf_counter() - t0)
-        else:
-            _recv_exact(conn, view)
-            conn.sendall(view)
-    return times
-
-
-def raw_rtt(dist, conn, rank, labels, count):
-    """Loopback TCP round trip times (seconds) of each size between ranks 0 and 1; {} on other ranks."""
-    out = {}
-    if conn is not None:
-        for label in labels:
-            times = round_trips(conn, rank, SIZES[label], count)
-            if rank == 0:
-                out[label] = times
-    dist.barrier()
-    return out
-
-
-def zmq_rtt(dist, rank, host, labels, count):
-    """Median ZeroMQ round trip (seconds) of each size between ranks 0 and 1 over loopback TCP: rank 0's
-    DEALER sends ``[40-byte header, N bytes]``, rank 1's ROUTER echoes it (pyzmq, one message in
-    flight): the carrier of byteps' data messages before its direct TCP links; {} on other ranks."""
-    import zmq
-
-    ctx = zmq.Context()
-    sock = None
-    box = [None]
-    if rank == 1:
-        sock = ctx.socket(zmq.ROUTER)
-        box[0] = sock.bind_to_random_port(f"tcp://{host}")
-    ports = [None] * dist.get_world_size()
-    dist.all_gather_object(ports, box[0])
-    if rank == 0:
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(f"tcp://{host}:{ports[1]}")
-    out = {}
-    if sock is not None:
-        sock.setsockopt(zmq.RCVTIMEO, 60000)
-        header = bytes(40)
-        for label in labels:
-            body = bytes(SIZES[label])
-            times = []
-            for i in range(count + 10):
-                if rank == 0:
-                    t0 = time.perf_counter()
-                    sock.send_multipart([header, body], copy=False)
-                    sock.recv_multipart(copy=False)
-                    if i >= 10:
-                        times.append(time.perf_counter() - t0)
-                else:
-                    sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
-            if rank == 0:
-                out[label] = times
-        sock.close(linger=1000)  # linger=0 could drop rank 1's last echo, leaving rank 0 waiting for it
-    ctx.term()
-    dist.barrier()
-    return out
-
-
-def _recv_exact(conn, view):
-    got, n = 0, len(view)
-    while got < n:
-        k = conn.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("raw TCP peer closed the connection")
-        got += k
 
 
 class Collectives:
@@ -405,7 +317,7 @@ class Collectives:
         n = SIZES[label] // 4
         calls = self.args.calls or calls_for(SIZES[label])
         name = f"users.{pattern}.{label}" if names == "fixed" else None
-        times, faults = [], 0
+        times, faults, cpu = [], 0, 0.0
         for i in range(calls + (1 if warm_call else 0)):
             if i == (1 if warm_call else 0):  # after the untimed call: memory it set up is not "kept"
                 srv0 = _servers_stat(self.servers) if impl == "byteps" else None
@@ -416,26 +328,30 @@ class Collectives:
                 t = base
             t.fill_(self.rank + 1)
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            c0 = time.process_time()  # every thread of this process: byteps' and gloo's included
             t0 = time.perf_counter()
             out = self._call(impl, pattern, t, name)
             if self.device.type == "cuda":  # the result is usable once the GPU's queued work is done
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - t0
+            c1 = time.process_time()
             f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             self._check(f"{impl} {pattern} {label}", out, t, pattern)
             if warm_call and i == 0:
                 continue
             times.append(elapsed)
             faults += f1 - f0
+            cpu += c1 - c0
             del out
         rss1 = _self_rss()
         srv1 = _servers_stat(self.servers) if impl == "byteps" else None
         stats = {"median_s": statistics.median(times), "calls": calls, "worker_faults_per_call": faults / calls,
-                 "worker_rss_growth_per_call": (rss1 - rss0) / calls}
+                 "worker_rss_growth_per_call": (rss1 - rss0) / calls, "worker_cpu_per_call": cpu / calls}
         if srv0 and srv1:
             stats["server_faults_per_call"] = (srv1[0] - srv0[0]) / calls
             stats["server_rss_growth_per_call"] = (srv1[1] - srv0[1]) / calls
             stats["server_rss"] = srv1[1]
+            stats["server_cpu_per_call"] = (srv1[2] - srv0[2]) / calls
         return stats
 
     def rtt_block(self, label):
@@ -559,16 +475,6 @@ class Collectives:
                 "memory_events": self.memory_events}
 
 
-def device(args, torch):
-    """The torch device of this worker's tensors (``--device``): a CUDA worker takes GPU local_rank
-    modulo the GPUs there are, so processes share a GPU when there are fewer GPUs than processes."""
-    if args.device == "cpu":
-        return torch.device("cpu")
-    import byteps.torch as bps
-
-    return torch.device("cuda", bps.local_rank() % torch.cuda.device_count())
-
-
 def worker_main(args):
     import torch
     import torch.distributed as dist
@@ -616,86 +522,6 @@ def worker_main(args):
 
 # =================================================================================== worker: training step
 
-def make_model(torch, width, hidden, layers, seed):
-    torch.manual_seed(seed)
-    mods, d = [], width
-    for _ in range(layers - 1):
-        mods += [torch.nn.Linear(d, hidden), torch.nn.ReLU()]
-        d = hidden
-    mods.append(torch.nn.Linear(d, width))
-    return torch.nn.Sequential(*mods)
-
-
-def train_worker(args, bps, dist, torch):
-    import copy
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    rank, size = bps.rank(), bps.size()
-    dev = device(args, torch)
-    model_b = make_model(torch, args.width, args.hidden, args.layers, args.seed).to(dev)
-    model_d = copy.deepcopy(model_b)
-    device_ids = [dev.index] if dev.type == "cuda" else None
-    if args.bps_api == "ddp-hook":  # DDP whose buckets byteps averages
-        net_b = DistributedDataParallel(model_b, device_ids=device_ids)
-        net_b.register_comm_hook(state="bench", hook=bps.ddp_comm_hook)
-        opt_b = torch.optim.SGD(net_b.parameters(), lr=args.lr)
-    else:
-        net_b = model_b
-        opt_b = bps.DistributedOptimizer(torch.optim.SGD(model_b.parameters(), lr=args.lr),
-                                         named_parameters=model_b.named_parameters())
-        bps.broadcast_parameters(model_b.state_dict(), root_rank=0)
-        bps.broadcast_optimizer_state(opt_b, root_rank=0)
-    ddp = DistributedDataParallel(model_d, device_ids=device_ids)
-    opt_d = torch.optim.SGD(ddp.parameters(), lr=args.lr)
-    warm, steps = 1, args.steps
-    total = (warm + args.repeat) * steps
-    data = []
-    for i in range(total):  # the same batch for both systems at step i on this rank
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + i * 1009 + rank)
-        x = torch.randn(args.batch, args.width, generator=g)
-        data.append((x.to(dev), torch.tanh(x.roll(1, dims=1)).to(dev)))
-
-    def step_bps(i):
-        x, y = data[i]
-        opt_b.zero_grad()  # default: set_to_none=True, fresh gradients every step
-        loss = torch.nn.functional.mse_loss(net_b(x), y)
-        loss.backward()
-        opt_b.step()
-        return loss.item()
-
-    def step_ddp(i):
-        x, y = data[i]
-        opt_d.zero_grad()
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        opt_d.step()
-        return loss.item()
-
-    systems = [("byteps", step_bps), ("ddp", step_ddp)]
-    losses = {"byteps": [], "ddp": []}
-    times = {"byteps": {}, "ddp": {}}
-    done = {"byteps": 0, "ddp": 0}
-    for rep in range(warm + args.repeat):
-        for name, fn in systems[rep % 2:] + systems[:rep % 2]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):  # loss.item() waits for the step's GPU work, as a training loop's logging does
-                losses[name].append(fn(done[name]))
-                done[name] += 1
-            elapsed = time.perf_counter() - t0
-            if rep >= warm:
-                times[name][rep - warm] = elapsed
-        if rank == 0:
-            print(f"BENCH-PROGRESS train rep {rep}", flush=True)
-    rel = [abs(a - b) / max(abs(a), abs(b), 1e-12) for a, b in zip(losses["byteps"], losses["ddp"])]
-    pdiff = max(float((pb.detach() - pd.detach()).abs().max())
-                for pb, pd in zip(model_b.parameters(), model_d.parameters()))
-    params = sum(p.numel() for p in model_b.parameters())
-    return {"times": times, "losses": losses, "loss_max_rel_diff": max(rel), "param_max_abs_diff": pdiff,
-            "params": params, "param_bytes": 4 * params}
-
-
 # =================================================================================== driver: one job
 
 def run_job(layout, procs, args, mode):
@@ -709,6 +535,8 @@ def run_job(layout, procs, args, mode):
            sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode, "--out", out,
            "--master", "127.0.0.1", "--gloo-port", str(free_port()), "--rtt-port", str(free_port()),
            *worker_args(args)]
+    labels = latency_labels(args, procs) if mode == "collectives" else []
+    before = fresh_rtt(labels)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail = []
     for line in proc.stdout:
@@ -722,7 +550,13 @@ def run_job(layout, procs, args, mode):
         res = json.load(f)
     os.unlink(out)
     res["log_tail"] = [line.rstrip() for line in tail if line.strip()][-10:]
+    res["fresh_rtt"] = fresh_rtt_of(before, fresh_rtt(labels))
     return res
+
+
+def latency_labels(args, procs):
+    """The sizes whose latency is compared with round trips (none in a one-process job)."""
+    return [s for s in args.sizes.split(",") if s in LATENCY_SIZES] if procs > 1 else []
 
 
 def worker_args(args):
@@ -738,246 +572,58 @@ def worker_args(args):
 
 # =================================================================================== driver: collectives
 
-def summarize_collectives(layout, procs, job):
-    """Rows of the results (one per size/pattern/impl/names), ratios and latency, from a job's ranks."""
-    ranks = job["ranks"]
-    rtt = ranks[0].get("rtt", {})
-    zrtt = ranks[0].get("zmq_rtt", {})
-    keys = list(ranks[0]["blocks"])
-    rows = {}
-    for key in keys:
-        label, pattern, impl, names = key.split("|")
-        reps = sorted({int(r) for rk in ranks for r in rk["blocks"].get(key, {})})
-        rep_medians, extra = {}, {}
-        for r in reps:
-            per_rank = [rk["blocks"][key][str(r)] for rk in ranks if str(r) in rk["blocks"].get(key, {})]
-            rep_medians[r] = max(s["median_s"] for s in per_rank)  # the slowest rank
-            for field in ("worker_faults_per_call", "worker_rss_growth_per_call"):
-                vals = [s[field] for s in per_rank if field in s]
-                if vals:
-                    extra.setdefault(field, []).append(max(vals))
-            for field in ("server_faults_per_call", "server_rss_growth_per_call", "server_rss"):
-                vals = [s[field] for s in per_rank if field in s]
-                if vals:
-                    extra.setdefault(field, []).append(vals[0])
-        med, lo, hi = spread(list(rep_medians.values()))
-        row = {"layout": layout, "procs": procs, "size": label, "bytes": SIZES[label], "pattern": pattern,
-               "impl": impl, "names": names or None, "rep_medians_s": rep_medians, "median_s": med,
-               "min_s": lo, "max_s": hi, "reps": len(rep_medians),
-               "goodput_GBps": SIZES[label] / med / 1e9 if med else None}
-        for field, vals in extra.items():
-            row[field] = statistics.median(vals)
-        if field_max := extra.get("server_rss"):
-            row["server_rss_max"] = max(field_max)
-        rows[(label, pattern, impl, names)] = row
-    ratios, latency = [], []
-    for (label, pattern, impl, names), row in rows.items():
-        if impl != "byteps":
-            continue
-        gloo = rows.get((label, pattern, "gloo", ""))
-        if gloo is None:
-            continue
-        per_rep = [gloo["rep_medians_s"][r] / row["rep_medians_s"][r] for r in row["rep_medians_s"]
-                   if r in gloo["rep_medians_s"]]
-        med, lo, hi = spread(per_rep)
-        ratios.append({"layout": layout, "procs": procs, "size": label, "pattern": pattern, "names": names,
-                       "ratio": med, "ratio_min": lo, "ratio_max": hi, "reps": len(per_rep),
-                       "byteps_s": row["median_s"], "gloo_s": gloo["median_s"]})
-        if label in rtt and pattern != "batched":
-            entry = {"layout": layout, "procs": procs, "size": label, "pattern": pattern, "names": names,
-                     "byteps_s": row["median_s"], "gloo_s": gloo["median_s"], "rtt_s": rtt[label],
-                     "zmq_rtt_s": zrtt.get(label),
-                     "byteps_over_rtt": row["median_s"] / rtt[label] if row["median_s"] else None,
-                     "gloo_over_rtt": gloo["median_s"] / rtt[label]}
-            beside = rows.get((label, pattern, "rtt", ""))
-            if beside is not None:  # per repetition: byteps' block over the round-trip block beside it
-                paired = [row["rep_medians_s"][r] / beside["rep_medians_s"][r] for r in row["rep_medians_s"]
-                          if r in beside["rep_medians_s"]]
-                if paired:
-                    med, lo, hi = spread(paired)
-                    entry.update(rtt_beside_s=beside["median_s"], byteps_over_rtt_beside=med,
-                                 byteps_over_rtt_beside_min=lo, byteps_over_rtt_beside_max=hi)
-            latency.append(entry)
-    return list(rows.values()), ratios, latency
-
-
-def _ms(x):
-    return "—" if x is None else f"{x * 1e3:.3f}"
-
-
-def _us(x):
-    return "—" if x is None else f"{x * 1e6:.0f}"
-
-
-def _f(x, fmt=".2f"):
-    return "—" if x is None else format(x, fmt)
-
-
-def collectives_tables(rows, ratios, latency):
-    by = {(r["layout"], r["procs"], r["size"], r["pattern"], r["impl"], r["names"] or ""): r for r in rows}
-    out = ["| layout | procs | size | pattern | byteps names | byteps ms [min-max] | gloo ms [min-max] | "
-           "byteps GB/s | gloo GB/s | byteps / gloo [min-max] | reps | worker faults/call | server faults/call | "
-           "MB kept per call (workers, servers) |",
-           "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for q in ratios:
-        b = by[(q["layout"], q["procs"], q["size"], q["pattern"], "byteps", q["names"])]
-        g = by[(q["layout"], q["procs"], q["size"], q["pattern"], "gloo", "")]
-        kept = "—"
-        if "worker_rss_growth_per_call" in b:
-            kept = (f"{b['worker_rss_growth_per_call'] / 2**20:.1f}, "
-                    f"{b.get('server_rss_growth_per_call', 0) / 2**20:.1f}")
-        pat = "batched async" if q["pattern"] == "batched" else q["pattern"]
-        out.append(f"| {q['layout']} | {q['procs']} | {q['size']} | {pat} | {q['names']} | "
-                   f"{_ms(b['median_s'])} [{_ms(b['min_s'])}-{_ms(b['max_s'])}] | "
-                   f"{_ms(g['median_s'])} [{_ms(g['min_s'])}-{_ms(g['max_s'])}] | "
-                   f"{_f(b['goodput_GBps'], '.3f')} | {_f(g['goodput_GBps'], '.3f')} | "
-                   f"{_f(q['ratio'])} [{_f(q['ratio_min'])}-{_f(q['ratio_max'])}] | {q['reps']} | "
-                   f"{_f(b.get('worker_faults_per_call'), '.0f')} | {_f(b.get('server_faults_per_call'), '.0f')} | "
-                   f"{kept} |")
-    lat = ["| layout | procs | size | pattern | byteps names | byteps us | gloo us | raw TCP RTT us | ZeroMQ RTT us | "
-           "byteps / RTT | gloo / RTT | RTT beside us | byteps / RTT beside [min-max] |",
-           "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for q in latency:
-        beside = "—"
-        if q.get("byteps_over_rtt_beside") is not None:
-            beside = (f"{_f(q['byteps_over_rtt_beside'])} [{_f(q['byteps_over_rtt_beside_min'])}-"
-                      f"{_f(q['byteps_over_rtt_beside_max'])}]")
-        lat.append(f"| {q['layout']} | {q['procs']} | {q['size']} | {q['pattern']} | {q['names']} | "
-                   f"{_us(q['byteps_s'])} | {_us(q['gloo_s'])} | {_us(q['rtt_s'])} | {_us(q.get('zmq_rtt_s'))} | "
-                   f"{_f(q['byteps_over_rtt'])} | {_f(q['gloo_over_rtt'])} | {_us(q.get('rtt_beside_s'))} | "
-                   f"{beside} |")
-    return "\n".join(out), "\n".join(lat)
-
-
-NOTES = """\
-Notes: synchronous calls (each waits for its result), sums (average=False) unless --average, medians over repetitions of
-the slowest rank's per-block median, [min-max] = spread of the repetitions' medians. byteps / gloo = gloo
-time / byteps time per repetition (> 1: byteps faster). gloo `outofplace` is `out = t.clone();
-dist.all_reduce(out)` (gloo has no out-of-place all_reduce; the clone is timed). `fresh` allocates and
-fills a new tensor before each timed call. byteps names `auto` = no name= argument (as scripts call it;
-byteps picks the names); `fixed` = one name= per size and pattern. `batched async` = 20 operations started, then
-all awaited (gloo async_op=True), time per operation. Faults/MB kept: byteps blocks only (workers:
-slowest rank; servers: total). Latency: "byteps / RTT" = byteps' median over the round trip measured before
-and after the collectives; "byteps / RTT beside" = per repetition, byteps' block over the raw round-trip block
-taken in turn with it on the same connection, median [min-max]."""
-
-
 # =================================================================================== driver: training
 
-def summarize_train(layout, procs, job, args):
-    ranks = job["ranks"]
-    size = job["size"]
-    res = {}
-    for system in ("byteps", "ddp"):
-        reps = sorted({int(r) for rk in ranks for r in rk["times"][system]})
-        block = {r: max(rk["times"][system][str(r)] for rk in ranks) for r in reps}
-        res[system] = {r: args.steps * args.batch * size / t for r, t in block.items()}
-    per_rep = [res["byteps"][r] / res["ddp"][r] for r in res["byteps"] if r in res["ddp"]]
-    rel = max(rk["loss_max_rel_diff"] for rk in ranks)
-    pdiff = max(rk["param_max_abs_diff"] for rk in ranks)
-    b, d, q = spread(list(res["byteps"].values())), spread(list(res["ddp"].values())), spread(per_rep)
-    tuned = [rk.get("tuning") or {} for rk in ranks]
-    if len({t.get("partition_bytes") for t in tuned}) > 1:
-        raise SystemExit(f"{layout}: workers used different partition sizes: {tuned}")
-    if tuned[0]:
-        print(f"{layout}: {tuned[0]['text']}; credits by rank {[t['credit'] for t in tuned]}", file=sys.stderr)
-    return {"partition_bytes": tuned[0].get("partition_bytes"), "partition_source": tuned[0].get("source"),
-            "credits": [t.get("credit") for t in tuned], "tuning": tuned, "layout": layout, "procs": procs, "model_bytes": ranks[0]["param_bytes"], "batch": args.batch,
-            "steps_per_block": args.steps, "byteps_samples_s": b[0], "byteps_min": b[1], "byteps_max": b[2],
-            "ddp_samples_s": d[0], "ddp_min": d[1], "ddp_max": d[2], "ratio": q[0], "ratio_min": q[1],
-            "ratio_max": q[2], "per_rep_samples_s": res, "loss_max_rel_diff": rel, "param_max_abs_diff": pdiff,
-            "losses_equal": rel <= args.loss_rtol, "losses_rank0": ranks[0]["losses"]}
+# =================================================================================== driver: hosts
 
-
-def train_table(rows):
-    out = ["| layout | procs | model MB | batch/proc | partition (credit) | byteps samples/s [min-max] | "
-           "DDP-gloo samples/s [min-max] | byteps / DDP [min-max] | loss max rel. diff | losses equal | "
-           "params max abs diff |",
-           "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|"]
-    for r in rows:
-        part = "—"
-        if r.get("partition_bytes"):
-            size = r["partition_bytes"]
-            part = (f"{size >> 10} KiB" if size % 1024 == 0 else f"{size} B") + \
-                f" {r['partition_source']} ({'/'.join(str(c) for c in sorted(set(r['credits'])))})"
-        out.append(f"| {r['layout']} | {r['procs']} | {r['model_bytes'] / 1e6:.1f} | {r['batch']} | {part} | "
-                   f"{_f(r['byteps_samples_s'], '.1f')} [{_f(r['byteps_min'], '.1f')}-{_f(r['byteps_max'], '.1f')}] | "
-                   f"{_f(r['ddp_samples_s'], '.1f')} [{_f(r['ddp_min'], '.1f')}-{_f(r['ddp_max'], '.1f')}] | "
-                   f"{_f(r['ratio'])} [{_f(r['ratio_min'])}-{_f(r['ratio_max'])}] | {r['loss_max_rel_diff']:.2e} | "
-                   f"{'yes' if r['losses_equal'] else 'NO'} | {r['param_max_abs_diff']:.2e} |")
-    return "\n".join(out)
-
-
-# =================================================================================== driver: emulated cluster
-
-SCHED_PORT = 9000  #: fixed ports are fine inside our own namespaces
-GLOO_PORT = 29500
-
-
-def run_cluster(args):
-    """The training-step comparison on n worker hosts + k server hosts (network namespaces)."""
-    sys.path.insert(0, HERE)
+def run_hosts(n, k, rate_mbit, args, mode):
+    """One job on ``n`` worker hosts (one worker and one colocated server each) and ``k`` server hosts,
+    network namespaces whose links are unshaped (rate 0) or limited to ``rate_mbit`` (users_hosts.py)."""
     import netns
+    import users_hosts
 
     why = netns.available()
     if why:
-        print(f"emulated cluster unavailable: {why}", file=sys.stderr)
-        return None
-    n, k = args.n, args.k
-    workers = [f"w{i}" for i in range(n)]
-    extras = [f"x{j}" for j in range(k)]
-    rundir = tempfile.mkdtemp(prefix="bench-users-cluster-")
-    out = os.path.join(rundir, "result.json")
+        raise SystemExit(f"the hosts layout needs network namespaces: {why}")
     env, _ = clean_env(parse_env(args.env), quiet=True)
-    with netns.Network(workers + extras + ["sched"], rate_mbit=args.rate_mbit) as net:
-        base = dict(env, DMLC_NUM_WORKER=str(n), DMLC_NUM_SERVER=str(n + k), DMLC_PS_ROOT_URI=net.addr["sched"],
-                    DMLC_PS_ROOT_PORT=str(SCHED_PORT), BYTEPS_JOB_SECRET=secrets.token_hex(16),
-                    GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1")
-        procs, logs = [], []
 
-        def start(host, tag, role, argv, extra=None):
-            log = open(os.path.join(rundir, f"{tag}.log"), "wb")
-            logs.append((tag, log.name))
-            e = dict(base, DMLC_ROLE=role, DMLC_NODE_HOST=net.addr[host], **(extra or {}))
-            procs.append((tag, net.popen(host, [*bpslaunch_argv(), *argv], env=e, stdout=log,
-                                         stderr=subprocess.STDOUT)))
-            log.close()
+    def argv(out, master):
+        return ["--worker", "--mode", mode, "--out", out, "--master", master, "--gloo-port",
+                str(users_hosts.GLOO_PORT), "--rtt-port", str(users_hosts.RTT_PORT), *worker_args(args)]
 
-        start("sched", "scheduler", "scheduler", [])
-        for i, h in enumerate(workers + extras):
-            start(h, f"server{i}", "server", [])
-        wargv = ["--", sys.executable, os.path.abspath(__file__), "--worker", "--mode", "train", "--out", out,
-                 "--master", net.addr["w0"], "--gloo-port", str(GLOO_PORT), "--rtt-port", "0", *worker_args(args)]
-        for i, h in enumerate(workers):
-            start(h, f"worker{i}", "worker", wargv, {"DMLC_WORKER_ID": str(i)})
+    def between_w0_w1(net):  # the fresh-process round trip between the hosts of ranks 0 and 1
+        return fresh_rtt(latency_labels(args, n), server_prefix=("ip", "netns", "exec", net.ns["w0"]),
+                         bind=net.addr["w0"], client_netns=net.ns["w1"])
 
-        def tails():
-            text = []
-            for tag, path in logs:
-                with open(path, errors="replace") as f:
-                    text.append(f"----- {tag}\n{f.read()[-1500:]}")
-            return "\n".join(text)
+    res, cpu, left = users_hosts.run(os.path.abspath(__file__), argv, env, n, k, rate_mbit, args.job_timeout,
+                                     bpslaunch_argv(), around=between_w0_w1 if mode == "collectives" else None)
+    if res["around"]:
+        res["fresh_rtt"] = fresh_rtt_of(*res["around"])
+    if left:
+        print(f"WARNING: namespaces left behind: {left}", file=sys.stderr)
+    res["cpu_by_role"], res["namespaces_left"] = cpu, left
+    print(f"  CPU seconds by role over the whole job: "
+          f"{', '.join(f'{r} {v:.1f}' for r, v in sorted(cpu.items()))}", file=sys.stderr)
+    return res
 
-        deadline = time.monotonic() + args.job_timeout
-        wprocs = [(t, p) for t, p in procs if t.startswith("worker")]
-        while any(p.poll() is None for _, p in wprocs):
-            bad = [(t, p.returncode) for t, p in procs if p.poll() not in (None, 0)]
-            if bad:
-                raise SystemExit(f"cluster job failed: {bad}\n{tails()}")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"cluster job did not finish within {args.job_timeout} s\n{tails()}")
-            time.sleep(0.2)
-        if not os.path.exists(out):
-            raise SystemExit(f"cluster job wrote no result\n{tails()}")
-        for _, p in procs:  # servers and scheduler end once every worker has left; else close() kills them
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                pass
-    with open(out) as f:
-        res = json.load(f)
-    shutil.rmtree(rundir, ignore_errors=True)
-    return res, net.exists()  # our namespaces still there after close(): should be none
+
+def hosts_label(rate_mbit):
+    return f"hosts {rate_mbit:g}Mbit" if rate_mbit else "hosts"
+
+
+def each_job(layouts, counts, args, mode):
+    """(layout label, processes, job result) of every job of the run: every process count, every layout,
+    and in the hosts layout every rate of ``--host-rates``."""
+    for procs in counts:
+        for layout in layouts:
+            if layout != "hosts":
+                print(f"job: {mode}, layout {layout}, {procs} processes", file=sys.stderr, flush=True)
+                yield layout, procs, run_job(layout, procs, args, mode)
+                continue
+            for rate in (float(r) for r in args.host_rates.split(",")):
+                print(f"job: {mode}, {procs} hosts, {f'{rate:g} Mbit/s' if rate else 'unshaped'}", file=sys.stderr,
+                      flush=True)
+                yield hosts_label(rate), procs, run_hosts(procs, 0, rate, args, mode)
 
 
 # =================================================================================== main
@@ -990,7 +636,10 @@ def main():
     ap.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rtt-port", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--layouts", default="local,machines", help="local and/or machines (default both)")
+    ap.add_argument("--layouts", default="local,machines",
+                    help="local, machines and/or hosts (default local,machines; hosts needs root)")
+    ap.add_argument("--host-rates", default="0,1000",
+                    help="hosts layout: each host's link rate(s), Mbit/s, 0 = unshaped (default 0,1000)")
     ap.add_argument("--procs", default="2,4", help="worker process counts (default 2,4)")
     ap.add_argument("--servers", type=int, default=None,
                     help="servers per job (default: bpslaunch's, one per worker machine)")
@@ -1066,8 +715,10 @@ def main():
             ap.error(f"unknown naming {nm!r}; choose fixed and/or auto")
     layouts = args.layouts.split(",")
     for lay in layouts:
-        if lay not in ("local", "machines"):
-            ap.error(f"unknown layout {lay!r}")
+        if lay not in LAYOUTS:
+            ap.error(f"unknown layout {lay!r}; choose from {','.join(LAYOUTS)}")
+    if args.device == "cuda" and ("hosts" in layouts or args.cluster):
+        ap.error("--device cuda runs on one machine (not with the hosts layout or --cluster)")
     counts = [int(p) for p in args.procs.split(",")]
 
     _, stripped = clean_env()
@@ -1075,8 +726,6 @@ def main():
     if explicit_env:
         print(f"NOT the default environment: every job gets {explicit_env}", file=sys.stderr)
     mode = "cluster" if args.cluster else "train" if args.train else "collectives"
-    if args.device == "cuda" and mode == "cluster":
-        ap.error("--device cuda runs on one machine (not with --cluster)")
     if args.device == "cuda":
         import torch
 
@@ -1088,19 +737,19 @@ def main():
     doc = {"meta": meta}
     if mode == "collectives":
         rows, ratios, latency, children = [], [], [], {}
-        for procs in counts:
-            for layout in layouts:
-                print(f"job: layout {layout}, {procs} processes", file=sys.stderr, flush=True)
-                job = run_job(layout, procs, args, "collectives")
-                r, q, lat = summarize_collectives(layout, procs, job)
-                rows += r
-                ratios += q
-                latency += lat
-                children[f"{layout},{procs}"] = job["child"]
-                errs = [e for rk in job["ranks"] for e in rk["errors"]]
-                mem = [e for rk in job["ranks"] for e in rk["memory_events"]]
-                doc.setdefault("errors", []).extend(errs)
-                doc.setdefault("memory_events", []).extend(dict(e, layout=layout, procs=procs) for e in mem)
+        for layout, procs, job in each_job(layouts, counts, args, mode):
+            r, q, lat = summarize_collectives(layout, procs, job)
+            rows += r
+            ratios += q
+            latency += lat
+            children[f"{layout},{procs}"] = job["child"]
+            errs = [e for rk in job["ranks"] for e in rk["errors"]]
+            mem = [e for rk in job["ranks"] for e in rk["memory_events"]]
+            doc.setdefault("errors", []).extend(errs)
+            doc.setdefault("memory_events", []).extend(dict(e, layout=layout, procs=procs) for e in mem)
+            if job.get("cpu_by_role"):
+                doc.setdefault("cpu_by_role", {})[f"{layout},{procs}"] = job["cpu_by_role"]
+                doc.setdefault("namespaces_left", {})[f"{layout},{procs}"] = job["namespaces_left"]
         doc.update(results=rows, ratios=ratios, latency=latency, child=children)
         main_t, lat_t = collectives_tables(rows, ratios, latency)
         where = "" if args.device == "cpu" else f", CUDA tensors ({children[next(iter(children))].get('gpu')})"
@@ -1108,7 +757,7 @@ def main():
         print(f"## push_pull vs gloo all_reduce, synchronous calls, {what}, default environment{where}\n")
         print(main_t)
         print()
-        print("## Synchronous latency of one call vs a raw TCP round trip (same job)\n")
+        print("## Synchronous latency of one call vs a raw TCP round trip (in the job, and between two fresh processes)\n")
         print(lat_t)
         print()
         print(NOTES)
@@ -1120,24 +769,16 @@ def main():
     else:
         rows, children = [], {}
         if mode == "train":
-            for procs in counts:
-                for layout in layouts:
-                    print(f"job: training, layout {layout}, {procs} processes", file=sys.stderr, flush=True)
-                    job = run_job(layout, procs, args, "train")
-                    rows.append(summarize_train(layout, procs, job, args))
-                    children[f"{layout},{procs}"] = job["child"]
+            for layout, procs, job in each_job(layouts, counts, args, mode):
+                rows.append(summarize_train(layout, procs, job, args))
+                children[f"{layout},{procs}"] = job["child"]
         else:
             print(f"job: training on an emulated cluster, n={args.n} worker hosts, k={args.k} server hosts, "
                   f"{args.rate_mbit:g} Mbit/s", file=sys.stderr, flush=True)
-            got = run_cluster(args)
-            if got is None:
-                return 2
-            job, left = got
+            job = run_hosts(args.n, args.k, args.rate_mbit, args, "train")
             rows.append(summarize_train(f"cluster n={args.n} k={args.k} {args.rate_mbit:g}Mbit", args.n, job, args))
             children["cluster"] = job["child"]
-            meta["namespaces_left"] = left
-            if left:
-                print(f"WARNING: namespaces left behind: {left}", file=sys.stderr)
+            meta["namespaces_left"] = job["namespaces_left"]
         doc.update(results=rows, child=children)
         where = "" if args.device == "cpu" else ", model on the GPU"
         api = "DDP with bps.ddp_comm_hook" if args.bps_api == "ddp-hook" else "bps.DistributedOptimizer"

@@ -4,6 +4,8 @@ the BytePS paper's Fig. 12, on n + k hosts built as network namespaces (bench/ne
     .venv/bin/python bench/emulated_cluster.py                  # n=4 workers, k=0..4, 200 Mbit/s, ResNet-18 sizes
     .venv/bin/python bench/emulated_cluster.py --quick          # n=2, k=0..2, 4 MB: a smoke run (bench/results/)
     .venv/bin/python bench/emulated_cluster.py --ks 2 --systems balanced,hash --reps 5
+    .venv/bin/python bench/emulated_cluster.py --shapes 3x1000x96MiB,2x200x46.8MB,4x500x30000001 --systems default
+                                           # the defaults against t_opt for every k = 0..n, on three cluster shapes
 
 Partition size and credit are not set: the workers probe their links at init() and agree on them
 (byteps/autotune.py), as a user's job does; each job prints the choice and the table's "partition
@@ -14,6 +16,9 @@ both ends of its veth). Worker machine i runs one worker process and one colocat
 machine j runs one standalone server; the scheduler has a host of its own. For every k it measures
 on the same emulated network:
 
+* ``default``: byteps as a user's job runs it, no placement, fusion or partition variable set:
+  gradients sent as ``DistributedOptimizer`` sends them by default (fused only where
+  ``BYTEPS_FUSION``'s default says so; today every tensor is its own push_pull);
 * ``balanced``: byteps, BYTEPS_PLACEMENT=balanced, gradients fused into balanced fusion buffers
   (byteps/fusion.py), each cut over all n + k servers in the Eq. 1-2 proportions;
 * ``hash``: byteps, BYTEPS_PLACEMENT=hash, every tensor push_pulled on its own, partitions hashed
@@ -32,6 +37,11 @@ cores, over the timed steps.
 
 Writes a markdown table to stdout and docs/img/emulated_cluster.md, the plot to
 docs/img/emulated_cluster.png and everything to bench/results/emulated_cluster.json.
+
+``--shapes NxRATExMODEL,...`` (n worker hosts, Mbit/s, model bytes with an optional unit: 96MiB,
+46.8MB, 30000001) runs every k = 0..n on each cluster shape in turn (its own network) and prints,
+per system, time / t_opt for every k and whether all are within ``--target`` (default 1.05); the
+JSON goes to bench/results/emulated_cluster_shapes.json and no docs file is written.
 """
 import argparse
 import json
@@ -49,10 +59,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+DEFAULT_OUT = os.path.join(ROOT, "bench", "results", "emulated_cluster.json")
 SCHED_PORT = 9000  #: fixed ports are fine: every address lives in our own namespaces
 GLOO_PORT = 29500
 BUCKET_BYTES = 25 << 20  #: DDP's default bucket size, for the gloo baseline
-SYSTEMS = ("balanced", "hash", "plain-ps", "gloo")
+SYSTEMS = ("default", "balanced", "hash", "plain-ps", "gloo")
+BYTEPS_SYSTEMS = ("default", "balanced", "hash")  #: byteps with servers on every host (vs t_opt)
 
 
 def resnet18_layers():
@@ -146,7 +158,9 @@ def worker(args):
         bps.init()
         assert bps.rank() == rank and bps.size() == n, (bps.rank(), bps.size())
         barrier = bps.barrier
-        fusion = FusedPushPull("grads") if args.fuse else None
+        # "default" fuses exactly when DistributedOptimizer would (BYTEPS_FUSION, default off)
+        fuse = args.fuse or (args.system == "default" and common.config().fusion)
+        fusion = FusedPushPull("grads") if fuse else None
         views = [t.view(torch.uint8).numpy() for t in tensors]
 
         def step():
@@ -240,9 +254,11 @@ def run_job(net, system, n, k, args):
                 DMLC_NUM_WORKER=str(n), DMLC_PS_ROOT_URI=net.addr["sched"], DMLC_PS_ROOT_PORT=str(SCHED_PORT),
                 GLOO_SOCKET_IFNAME="eth0")
     base.pop("DMLC_ROLE", None)
+    if system == "default":  # what a user's job gets: no byteps variable beyond the job's layout
+        base.pop("BYTEPS_PLACEMENT", None)
     # by default the workers choose partition size and credit from the link they probe at start
     # (byteps/autotune.py); --partition-bytes / --credit force them, and the table says so
-    for var in ("BYTEPS_PARTITION_BYTES", "BYTEPS_SCHEDULING_CREDIT"):
+    for var in ("BYTEPS_PARTITION_BYTES", "BYTEPS_SCHEDULING_CREDIT", "BYTEPS_FUSION"):
         base.pop(var, None)
     if getattr(args, "partition_bytes", None):
         base["BYTEPS_PARTITION_BYTES"] = str(args.partition_bytes)
@@ -379,7 +395,7 @@ def evaluate(results, rate_bytes):
         if r["placed_bytes"]:
             r["bytes_vs_placed"] = max(max(abs(tx / r["placed_bytes"][h] - 1), abs(rx / r["placed_bytes"][h] - 1))
                                        for h, (tx, rx) in r["bytes_per_step"].items() if r["placed_bytes"].get(h))
-        if r["system"] in ("balanced", "hash"):
+        if r["system"] in BYTEPS_SYSTEMS:
             r["speedup_vs_gloo"] = gloo["time_s"] / r["time_s"] if gloo else None
             r["speedup_vs_ps"] = ps[k]["time_s"] / r["time_s"] if k in ps else None
     return results
@@ -431,11 +447,12 @@ def plot(results, path, n, rate_mbit, model_bytes):
     rate = rate_mbit * 1e6 / 8
     ax.plot(fine, [placement.times(n, x, model_bytes, rate)[0] if x <= n else None for x in fine], "k--",
             label="t_opt (Eq. 6)")
-    styles = {"balanced": "-o", "hash": "-s", "plain-ps": "-^"}
+    styles = {"default": "-D", "balanced": "-o", "hash": "-s", "plain-ps": "-^"}
     for system, style in styles.items():
         pts = sorted((r["k"], r["time_s"]) for r in results if r["system"] == system)
         if pts:
-            ax.plot(*zip(*pts), style, label={"balanced": "byteps, balanced + fusion",
+            ax.plot(*zip(*pts), style, label={"default": "byteps, default settings",
+                                              "balanced": "byteps, balanced + fusion",
                                               "hash": "byteps, hash (paper)",
                                               "plain-ps": "plain PS (servers on the k extra machines)"}[system])
     gloo = [r for r in results if r["system"] == "gloo"]
@@ -464,7 +481,7 @@ def main():
     ap.add_argument("--ks", default="0,1,2,3,4", help="extra machine counts (default 0,1,2,3,4)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     ap.add_argument("--rate-mbit", type=float, default=200, help="per-host link rate B, Mbit/s (default 200)")
-    ap.add_argument("--model-bytes", type=int, default=0,
+    ap.add_argument("--model-bytes", type=parse_bytes, default=0,
                     help="scale ResNet-18's layer sizes to this many bytes (default: as is, 46.8 MB)")
     ap.add_argument("--reps", type=int, default=3, help="timed steps per result (median; default 3)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2; fusion's first step "
@@ -477,7 +494,9 @@ def main():
     ap.add_argument("--timeout", type=float, default=180, help="BYTEPS_TIMEOUT and per-job limit, s")
     ap.add_argument("--trace", action="store_true", help="sample link counters every 0.1 s into the JSON")
     ap.add_argument("--quick", action="store_true", help="n=2, k=0..2, 4 MB model, 1 step: a smoke run")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "emulated_cluster.json"))
+    ap.add_argument("--shapes", help="NxRATExMODEL,...: every k = 0..n on each cluster shape (see above)")
+    ap.add_argument("--target", type=float, default=1.05, help="--shapes: largest time / t_opt (default 1.05)")
+    ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "emulated_cluster.png"))
     ap.add_argument("--table", default=os.path.join(ROOT, "docs", "img", "emulated_cluster.md"))
     args = ap.parse_args()
@@ -495,36 +514,12 @@ def main():
     if why:
         print(f"emulated cluster unavailable: {why}", file=sys.stderr)
         return 2
-    n, ks = args.n, [int(k) for k in args.ks.split(",")]
     systems = args.systems.split(",")
-    jobs = [("gloo", 0)] if "gloo" in systems else []
-    jobs += [(s, k) for k in ks for s in ("balanced", "hash", "plain-ps") if s in systems and not (s == "plain-ps"
-                                                                                                   and k == 0)]
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    hosts = [f"w{i}" for i in range(n)] + [f"x{j}" for j in range(max(ks))] + ["sched"]
-    results = []
+    if args.shapes:
+        return run_shapes(args, systems)
+    n, ks = args.n, [int(k) for k in args.ks.split(",")]
     started = time.time()
-    with netns.Network(hosts, rate_mbit=args.rate_mbit) as net:
-        bar = tqdm(total=len(jobs), desc="emulated cluster") if tqdm else None
-        for system, k in jobs:
-            if bar:
-                bar.set_postfix_str(f"{system} k={k}")
-            results.append(run_job(net, system, n, k, args))
-            if bar:
-                bar.update(1)
-            else:
-                print(f"done: {system} k={k}: {results[-1]['time_s']:.3f} s", file=sys.stderr)
-        if bar:
-            bar.close()
-    if "gloo" in systems:  # gloo uses only the worker machines: the same result for every k
-        g = results[0]
-        for k in ks[1:]:
-            results.append(dict(g, k=k, measured_at_k=0))
-    rate = args.rate_mbit * 1e6 / 8
-    evaluate(results, rate)
+    results = run_shape(n, ks, args.rate_mbit, args.model_bytes, systems, args)
     text = table(results)
     print(text)
     model = results[0]["model_bytes"]
@@ -539,8 +534,89 @@ def main():
     with open(args.table, "w") as f:
         f.write(text + "\n")
     plot(results, args.plot, n, args.rate_mbit, model)
-    print(f"\n{len(jobs)} jobs in {meta['wall_s']:.0f} s; results {args.out}, plot {args.plot}")
+    print(f"\n{len(results)} results in {meta['wall_s']:.0f} s; results {args.out}, plot {args.plot}")
     return 0
+
+
+def run_shape(n, ks, rate_mbit, model_bytes, systems, args):
+    """Every (system, k) job on one network of n worker hosts, max(ks) extra hosts and a scheduler
+    host at ``rate_mbit``; the evaluated results (gloo's, measured once, repeated for every k)."""
+    import netns
+
+    args.model_bytes = model_bytes  # the jobs' workers read it from args
+    jobs = [("gloo", 0)] if "gloo" in systems else []
+    jobs += [(s, k) for k in ks for s in SYSTEMS[:-1] if s in systems and not (s == "plain-ps" and k == 0)]
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    hosts = [f"w{i}" for i in range(n)] + [f"x{j}" for j in range(max(ks))] + ["sched"]
+    results = []
+    with netns.Network(hosts, rate_mbit=rate_mbit) as net:
+        bar = tqdm(total=len(jobs), desc=f"emulated cluster n={n} {rate_mbit:g} Mbit/s") if tqdm else None
+        for system, k in jobs:
+            if bar:
+                bar.set_postfix_str(f"{system} k={k}")
+            results.append(run_job(net, system, n, k, args))
+            if bar:
+                bar.update(1)
+            else:
+                print(f"done: {system} k={k}: {results[-1]['time_s']:.3f} s", file=sys.stderr)
+        if bar:
+            bar.close()
+    if "gloo" in systems:  # gloo uses only the worker machines: the same result for every k
+        g = results[0]
+        for k in ks[1:]:
+            results.append(dict(g, k=k, measured_at_k=0))
+    return evaluate(results, rate_mbit * 1e6 / 8)
+
+
+def parse_bytes(text):
+    """'96MiB', '46.8MB', '4KB' or a plain count of bytes, as an int."""
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit):
+            return int(float(t[:-len(unit)]) * scale)
+    return int(t)
+
+
+def parse_shapes(text):
+    """'3x1000x96MiB,2x200x46.8MB' -> [(n, rate_mbit, model_bytes), ...]."""
+    shapes = []
+    for spec in text.split(","):
+        parts = spec.strip().lower().split("x", 2)
+        if len(parts) != 3:
+            raise SystemExit(f"--shapes wants NxRATExMODEL (e.g. 3x1000x96MiB), got {spec!r}")
+        shapes.append((int(parts[0]), float(parts[1]), parse_bytes(parts[2])))
+    return shapes
+
+
+def run_shapes(args, systems):
+    """--shapes: every k = 0..n on each cluster shape; time / t_opt per system and k, against --target."""
+    started, everything, lines = time.time(), [], []
+    for n, rate, model in parse_shapes(args.shapes):
+        results = run_shape(n, list(range(n + 1)), rate, model, systems, args)
+        everything += [dict(r, rate_mbit=rate) for r in results]
+        print(f"\n### n = {n}, {rate:g} Mbit/s, {model} bytes\n\n{table(results)}", flush=True)
+        for system in (s for s in BYTEPS_SYSTEMS if s in systems):
+            got = sorted((r["k"], r["vs_t_opt"]) for r in results if r["system"] == system)
+            ok = all(v <= args.target for _, v in got)
+            lines.append(f"| {n} | {rate:g} | {model} | {system} | " + ", ".join(f"{k}: {v:.3f}" for k, v in got)
+                         + f" | {'yes' if ok else 'NO'} |")
+    print(f"\n## time / t_opt for every k (target {args.target:g})\n")
+    print("| n | Mbit/s | model bytes | system | k: time / t_opt | all within target |\n|---:|---:|---:|---|---|---|")
+    print("\n".join(lines))
+    out = os.path.join(ROOT, "bench", "results", "emulated_cluster_shapes.json") if args.out == DEFAULT_OUT \
+        else args.out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"meta": {"shapes": args.shapes, "target": args.target, "reps": args.reps, "warmup": args.warmup,
+                            "command": " ".join(sys.argv), "wall_s": time.time() - started,
+                            "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+                   "results": everything}, f, indent=1)
+    print(f"\nJSON: {out}")
+    return 0 if all(line.endswith("| yes |") for line in lines) else 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ BYTEPS_SPIN_US).
     python bench/raw_exchange.py --clients 1
     python bench/raw_exchange.py --clients 1 --poll
     python bench/raw_exchange.py --clients 2 --busy-us 15
+
+bench_users.py quotes ``--clients 1`` beside its latency figures as the round trip a user would
+measure: two fresh processes, bound to no CPU. Between hosts (network namespaces) the client runs
+in another namespace (``--client-netns``) and reaches the server at its address (``--bind``).
 """
 import argparse
 import os
@@ -51,8 +55,8 @@ def serve(listener, clients, size, calls, poll):
             _whole(c.send, reply)
 
 
-def client(port, size, calls, busy_s, warmup, poll):
-    sock = socket.create_connection(("127.0.0.1", port))
+def client(addr, port, size, calls, busy_s, warmup, poll):
+    sock = socket.create_connection((addr, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setblocking(not poll)
     msg, buf, times = b"c" * size, bytearray(size), []
@@ -74,17 +78,21 @@ def main():
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--busy-us", type=float, default=0.0, help="each client spins this long before a call")
     ap.add_argument("--poll", action="store_true", help="read with non-blocking sockets in a loop: nobody sleeps")
+    ap.add_argument("--bind", default="127.0.0.1", help="the server's address (default 127.0.0.1)")
+    ap.add_argument("--client-netns", help="start the clients in this network namespace (ip netns exec)")
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "client":
-        client(args.port, args.size, args.calls, args.busy_us * 1e-6, args.calls // 10, args.poll)
+        client(args.bind, args.port, args.size, args.calls, args.busy_us * 1e-6, args.calls // 10, args.poll)
         return
     listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    listener.bind((args.bind, 0))
     listener.listen()
     port = listener.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, __file__, "--role", "client", "--port", str(port), "--size",
+    netns = ["ip", "netns", "exec", args.client_netns] if args.client_netns else []
+    procs = [subprocess.Popen([*netns, sys.executable, __file__, "--role", "client", "--bind", args.bind,
+                               "--port", str(port), "--size",
                                str(args.size), "--calls", str(args.calls), "--busy-us", str(args.busy_us)]
                               + (["--poll"] if args.poll else []),
                               stdout=subprocess.PIPE, text=True) for _ in range(args.clients)]

@@ -34,15 +34,15 @@ The model (every constant is a module attribute, so tests and benchmarks can var
 * **Pipeline fill and drain: an upper bound.** A server answers a piece only when every machine
   has pushed it, so each step pays a fill and a drain of about ``FILL_DRAIN`` partitions' time on
   the wire (fitted to the measurements: 1.07x t_opt at 512 KB, 1.15x at 1 MB and 1.36x at 4 MB
-  for 46.8 MB per step at 200 Mbit/s, and 1.13x at 4 MB for 96 MiB at 1 Gbit/s (issue 14): the
+  for 46.8 MB per step at 200 Mbit/s, and 1.13x at 4 MB for 96 MiB at 1 Gbit/s: the
   excess is about 3.4 P / M whatever the rate). For that to stay under ``OVERHEAD`` of a step
   that pushes M bytes, and for a partition to hold the wire at most ``GRANULARITY_S`` (an urgent
   tensor waits behind the credit's partitions; priority scheduling needs them short)::
 
       P_max = min(OVERHEAD * M / FILL_DRAIN, GRANULARITY_S * B_eff)
 
-  M is ``model_bytes`` when the caller knows it, else ``DEFAULT_MODEL_BYTES`` (256 MB, which
-  gives BytePS's 4 MB partitions on fast links).
+  M is ``model_bytes`` when the caller knows it, else ``DEFAULT_MODEL_BYTES`` (about 285 MB: the
+  model whose fill-and-drain bound is BytePS's 4 MB partitions, which fast links then get).
 * **Cut bound: balance.** ``balanced`` placement cuts a partition over the servers only when its
   smallest piece (the server with the smallest share) is at least ``MIN_PIECE`` (16 KB,
   byteps/placement.py); a smaller partition goes whole to one hashed server and the k/n balance
@@ -51,7 +51,11 @@ The model (every constant is a module attribute, so tests and benchmarks can var
   the colocated servers' share is 1/22 and min_cut 352 KB): 256 KB partitions went whole and took
   2.21x t_opt (bytes 16% off Eq. 1-2), like ``hash``; 512 KB ones are cut.
 * **The choice.** ``P = max(P_min, P_max)``: the largest partition the upper bound allows, or the
-  fixed-cost bound when it is larger (throughput first). Rounded to the nearest power of two in
+  fixed-cost bound when it is larger (throughput first). The upper bound is rounded down to a
+  power of two at most ``OVERHEAD`` above it (the nearest one could exceed it by up to 41%: at 1 Gbit/s, n = 3, the 10 ms bound of
+  1.9 MB became 2 MB partitions, and 96 MiB steps took 1.16-1.20x t_opt against 1.11-1.15x with 1 MB
+  in three alternating pairs on the emulated cluster, docs/benchmarks.md); the fixed-cost bound is
+  rounded to the nearest power of two. Both stay in
   ``[MIN_PARTITION, MAX_PARTITION]``, so workers whose measurements differ a little still tend to
   agree (the engine must use one value for the whole job).
 * **Credit.** One partition's round trip is about ``rtt + 2P/B``; to keep the link busy the window
@@ -78,16 +82,17 @@ import typing
 
 #: CPU a worker spends per partition piece with the Python engine (seconds; docs/benchmarks.md)
 PIECE_COST_PYTHON = 30e-6
-#: the same with the native core (issue 15's target)
+#: the same with the native core (its target)
 PIECE_COST_NATIVE = 5e-6
 #: fixed costs, and fill and drain, may each take at most this fraction of the time
 OVERHEAD = 0.05
-#: partitions' wire time a step pays to fill and drain the pipeline (fitted; see above)
-FILL_DRAIN = 3.4
 #: longest time one partition should hold the wire (seconds)
 GRANULARITY_S = 0.010
-#: bytes a step pushes, when the caller cannot say
-DEFAULT_MODEL_BYTES = 256 << 20
+#: partitions' wire time a step pays to fill and drain the pipeline (fitted; see above)
+FILL_DRAIN = 3.4
+#: bytes a step pushes, when the caller cannot say: the model whose fill-and-drain bound is BytePS's
+#: 4 MB partitions (about 285 MB)
+DEFAULT_MODEL_BYTES = int((4 << 20) * FILL_DRAIN / OVERHEAD)
 MIN_CREDIT = 4
 MAX_CREDIT = 64
 MIN_PARTITION = 64 << 10
@@ -166,7 +171,10 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
         target, bound = p_min, "the fixed-cost bound (it exceeds the upper bound)"
     else:
         target, bound = p_max, "the upper bound"
-    partition = _pow2(target, MIN_PARTITION, MAX_PARTITION)
+    if p_min <= p_max:  # a bound not to exceed: the largest power of two at most OVERHEAD above it
+        partition = _pow2(2 ** math.floor(math.log2(max(target * (1 + OVERHEAD), 1))), MIN_PARTITION, MAX_PARTITION)
+    else:
+        partition = _pow2(target, MIN_PARTITION, MAX_PARTITION)
     cut = min_cut_bytes if placement == "balanced" else 0
     if partition < cut:  # the power of two at or above the cut bound
         partition = _pow2(2 ** math.ceil(math.log2(cut)), MIN_PARTITION, MAX_PARTITION)

@@ -1,4 +1,4 @@
-"""Call patterns of training scripts (issue 14): unnamed synchronous calls, out-of-place results,
+"""Call patterns of training scripts: unnamed synchronous calls, out-of-place results,
 fresh tensors. Checks that a warm loop reuses its key and its memory and that results stay right."""
 import resource
 

@@ -55,6 +55,20 @@ def test_smaller_steps_get_smaller_partitions():
     assert autotune.FILL_DRAIN * part / (96 << 20) <= autotune.OVERHEAD * math.sqrt(2)  # within the rounding
 
 
+def test_upper_bound_is_not_exceeded_by_rounding():
+    """The upper bound rounds down to a power of two: at 1 Gbit/s with a third of the bytes local (n = 3,
+    k = 0), the 10 ms bound is 1.875 MB; the nearest power of two, 2 MB, measured slower on the emulated
+    cluster (96 MiB steps) than 1 MB."""
+    b_eff = autotune.effective_bandwidth(GBIT, 1 / 3)
+    part = choose(GBIT, 200e-6, 3, 1 / 3, piece_cost_s=autotune.PIECE_COST_NATIVE)[0]
+    assert part == 1 << 20 and part <= autotune.GRANULARITY_S * b_eff < 2 << 20
+    for m in (8 << 20, 96 << 20, 512 << 20, 4 << 30):  # never over the fill-and-drain bound when it binds
+        p = choose(25 * GBIT, 50e-6, 4, piece_cost_s=autotune.PIECE_COST_NATIVE, model_bytes=m)[0]
+        p_min = 4 * autotune.PIECE_COST_NATIVE * 25 * GBIT / autotune.OVERHEAD
+        if autotune.OVERHEAD * m / autotune.FILL_DRAIN >= p_min:
+            assert autotune.FILL_DRAIN * p / m <= autotune.OVERHEAD, (m, p)
+
+
 def test_fixed_cost_bound():
     """Each piece's fixed cost stays a small part of the partition's wire time: more servers (more
     pieces per partition) or a costlier engine never get smaller partitions."""

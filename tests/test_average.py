@@ -1,4 +1,4 @@
-"""Averages (issue 14, users' default: ``push_pull(t)`` and Horovod's ``allreduce(t)`` average): the native
+"""Averages (users' default: ``push_pull(t)`` and Horovod's ``allreduce(t)`` average): the native
 core divides each partition's sum as it copies it into the tensor (bps_divide_copy), with no pass of its
 own. Results must be bit-identical to the sum divided by torch's ``div_`` (floor division for
 integers), with 3 workers so that the division rounds, over servers and through a machine's local

@@ -1,4 +1,4 @@
-"""No import cycles between byteps's own modules (issue 15, "No import cycles").
+"""No import cycles between byteps's own modules.
 
 Dependencies point one way: plugins -> byteps (common, config) -> core -> ...; launcher -> launch_env
 -> config. This test reads every module's imports with ``ast`` (no module is imported, so it runs

@@ -1,4 +1,4 @@
-"""examples/kubernetes/ (issue 18): every object loads into the Kubernetes API models, and the pods'
+"""examples/kubernetes/: every object loads into the Kubernetes API models, and the pods'
 environments make a consistent byteps job through ``bpslaunch --k8s`` (byteps/cluster_env.py).
 
 No cluster is needed: the ``kubernetes`` client's models deserialize each manifest offline (with

@@ -1,5 +1,5 @@
 """Elastic Summation Service on an emulated cluster (bench/netns.py: one network namespace per host,
-each host's link rate-limited with tc), as issue 19 asks: a server SIGKILLed mid-training, an extra
+each host's link rate-limited with tc), as elastic training must survive: a server SIGKILLed mid-training, an extra
 CPU server host started mid-training, and (``-m slow``) 20 kills at random moments. Every step's sums
 and the final parameters are checked exactly against a locally computed run
 (tests/scenarios_elastic.py). Skipped, with the reason, where root or namespaces are unavailable."""

@@ -1,4 +1,4 @@
-"""byteps.ray on a real local multi-node Ray cluster (ray.cluster_utils.Cluster, issue 18).
+"""byteps.ray on a real local multi-node Ray cluster (ray.cluster_utils.Cluster).
 
 One cluster per module: a head node standing in for a CPU-only machine (no ``gpu_node`` resource) and
 two nodes standing in for GPU machines (``gpu_node: 1``). The workers ask for ``gpu_node``, so they land

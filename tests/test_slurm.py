@@ -1,4 +1,4 @@
-"""bpslaunch --slurm (issue 18): the SLURM_* -> DMLC_* contract, then a real Slurm when one can start.
+"""bpslaunch --slurm: the SLURM_* -> DMLC_* contract, then a real Slurm when one can start.
 
 The contract tests feed byteps.cluster_env recorded task environments (the first ones were printed by
 srun on the one-machine Slurm below). The real tests start a slurmctld and three slurmd (Slurm's
