@@ -26,15 +26,10 @@ from libcpp.vector cimport vector
 
 from byteps.core import _transport
 
+from byteps.core.native_runtime cimport (bps_cpu_init, bps_ucx_buffers_mapped, bps_ucx_built, bps_ucx_load,
+                                        bps_ucx_registered_transfers, bps_ucx_version, bps_ucx_why, bps_zmq_load)
+
 cdef extern from "core/pipeline/bps_worker.h" nogil:
-    int bps_zmq_load(const char *path)
-    int bps_ucx_load(const char *path)
-    cbool bps_ucx_built()
-    string bps_ucx_why()
-    string bps_ucx_version()
-    uint64_t bps_ucx_buffers_mapped()
-    uint64_t bps_ucx_registered_transfers()
-    void bps_cpu_init()
     const int BPS_TO_ROUTER
     const size_t BPS_RING_REGION
 

@@ -25,15 +25,10 @@ from libcpp.vector cimport vector
 
 from byteps.core import _transport
 
+from byteps.core.native_runtime cimport (bps_cpu_init, bps_ucx_buffers_mapped, bps_ucx_built, bps_ucx_load,
+                                        bps_ucx_registered_transfers, bps_ucx_version, bps_ucx_why, bps_zmq_load)
+
 cdef extern from "summation/native/bps_server.h" nogil:
-    int bps_zmq_load(const char *path)
-    int bps_ucx_load(const char *path)
-    cbool bps_ucx_built()
-    string bps_ucx_why()
-    string bps_ucx_version()
-    uint64_t bps_ucx_buffers_mapped()
-    uint64_t bps_ucx_registered_transfers()
-    void bps_cpu_init()
 
     cdef struct bps_zmq_msg:
         void *p[8]
