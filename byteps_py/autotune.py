@@ -82,7 +82,7 @@ import typing
 
 #: CPU a worker spends per partition piece with the Python engine (seconds; docs/benchmarks.md)
 PIECE_COST_PYTHON = 30e-6
-#: the same with the native core (its target)
+#: the same with the native core
 PIECE_COST_NATIVE = 5e-6
 #: fixed costs, and fill and drain, may each take at most this fraction of the time
 OVERHEAD = 0.05

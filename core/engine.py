@@ -854,7 +854,8 @@ class Engine:
         if not both_set and (self.local is None or self.cfg.local_rank == 0):
             measurement = autotune.test_link(env) or self._probe(
                 autotune.probe_target(self.book["servers"], weights, me, self.rank))
-        # the per-partition cost of a machine's local reduce was fitted on its Python path (byteps/autotune.py)
+        # a machine that reduces locally keeps the Python engine's per-piece cost in the model, as it had before
+        # its local reduce moved into the native core (not re-measured since; byteps/autotune.py)
         mine = autotune.propose(measurement, shape, self.cfg.placement,
                                 autotune.PIECE_COST_NATIVE if self.local is None else autotune.PIECE_COST_PYTHON,
                                 self.cfg.worker_id, env)
