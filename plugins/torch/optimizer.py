@@ -15,8 +15,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op=0,
                  gradient_predivide_factor=1.0, sparse_as_dense=False, fusion=False, pset=None, member=True):
         super(self.__class__, self).__init__(params)
-        # Horovod: on a rank outside the optimizer's process set, step() is the wrapped optimizer's alone
-        self._communicates = common.size() > 1 and member
         self._compression = compression
         self._pset = pset  # None, or a process set's (id, ranks): gradients are averaged over its members
         self.op = op
@@ -50,6 +48,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._warned = False
         self._hooks = []
+        # Horovod: on a rank outside the optimizer's process set, step() is the wrapped optimizer's alone
+        self._communicates = common.size() > 1 and member
         self._fused = None
         if fusion and self._communicates:
             from byteps.fusion import FusedPushPull

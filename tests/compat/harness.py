@@ -71,7 +71,9 @@ def horovodrun_env(rank, size, local_size, port):
             "HOROVOD_LOCAL_SIZE": str(local_size), "HOROVOD_CROSS_RANK": str(rank // local_size),
             "HOROVOD_CROSS_SIZE": str(size // local_size), "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
             "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port), "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-            "HOROVOD_HOSTNAME": "127.0.0.1"}
+            "HOROVOD_HOSTNAME": "127.0.0.1",
+            # several "machines": byteps asks where global rank 0 starts its scheduler (docs/launchers.md)
+            **({"BYTEPS_SCHEDULER_URI": f"127.0.0.1:{port + 1}"} if size > local_size else {})}
 
 
 class RankResult:
@@ -142,7 +144,7 @@ def run_suite(name, outdir, size=2, local_size=2, timeout=900, pinned=None):
     """Horovod's ``test_<name>.py`` on ``size`` ranks: one :class:`RankResult` per rank."""
     pinned = pinned or compat_dir()[0]
     test_file = os.path.join(pinned, SUITES[name])
-    argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=", "-o",
+    argv = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=", "-o",
             f"timeout={TEST_TIMEOUT_S}", "--rootdir", os.path.dirname(test_file),
             "--junitxml", os.path.join(outdir, "rank{rank}.xml"), test_file]
     codes = run_ranks(argv, outdir, size, local_size, pinned, timeout)
