@@ -17,7 +17,13 @@ TORCH = {
     # test -> reason, for each test that skips on every rank
     "skipped": {
         "TorchTests::test_gpu_required": _GPU,
+        "TorchTests::test_broadcast_state_gpu": "marked skip in Horovod's file (unittest.skip)",
+        "TorchTests::test_timeline_api": "marked skip in Horovod's file (pytest.mark.skip)",
+        "TorchTests::test_delta_optimizer": "Horovod skips it without MPI (Adasum needs MPI); byteps has no Adasum",
+        "TorchTests::test_horovod_allreduce_cpu_gpu_error": _GPU,
+        "TorchTests::test_horovod_allreduce_multi_gpu": _GPU,
+        "TorchTests::test_horovod_alltoall_splits_on_gpu": _GPU,
+        "TorchTests::test_horovod_grouped_allreduce_cpu_gpu_error": _GPU,
         "TorchTests::test_horovod_sync_batch_norm": _GPU,
         "TorchTests::test_model_parallelism": _GPU,
     },
-}
