@@ -175,7 +175,10 @@ def tf_api(out, args):
     res["bad.graph"] = _err(lambda: tf.function(lambda t: bps.push_pull(t, name="badc"))(
         tf.constant([1 + 2j], dtype=tf.complex64)))
     res["bad.unnamed"] = _err(lambda: bps.push_pull(tf.constant([True])))
-    res["bad.broadcast"] = _err(lambda: bps.broadcast(tf.constant([1], dtype=tf.uint16), 0, name="badbc"))
+    for dtype, root_value in (("bool", [[1, 0, 1]]), ("int16", [[-5, 0, 7]]), ("uint16", [[65531, 0, 7]])):
+        mine = root_value if r == 0 else [[0, 1, 0]]
+        value = tf.cast(tf.constant(mine, dtype=tf.int64), getattr(tf, dtype))
+        res[f"bc.moved.{dtype}"] = _as_list(tf.cast(bps.broadcast(value, 0, name=f"bc.moved.{dtype}"), tf.int64))
     res["after_bad"] = _as_list(bps.push_pull(tf.constant([float(r)]), op=bps.Sum, name="after_bad"))
 
     # ---------------------------------------------------------------- DistributedGradientTape

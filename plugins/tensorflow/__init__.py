@@ -12,12 +12,12 @@ from byteps import common
 from byteps.common import (barrier, init, is_initialized, local_rank, local_size, mark_step, rank, shutdown, size)
 
 from . import callbacks, distribute
-from .collectives import (allgather, alltoall, grouped_allgather, grouped_reducescatter, reducescatter)
+from .collectives import (allgather, allreduce, alltoall, grouped_allgather, grouped_allreduce, grouped_reducescatter,
+                          push_pull, reducescatter)
 from .compression import Compression
 from .functions import (allgather_object, broadcast_, broadcast_global_variables, broadcast_object, broadcast_object_fn,
                         broadcast_variables)
-from .ops import (Adasum, Average, Max, Min, Product, Sum, allreduce, broadcast, broadcast_group, grouped_allreduce,
-                  push_pull, push_pull_group)
+from .ops import Adasum, Average, Max, Min, Product, Sum, broadcast, broadcast_group, push_pull_group
 from .optimizer import DistributedGradientTape, DistributedOptimizer
 
 

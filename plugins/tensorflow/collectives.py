@@ -1,4 +1,8 @@
-"""Horovod's other TensorFlow collectives, over the Summation Service as byteps.torch builds them.
+"""Horovod's TensorFlow collectives (``allreduce`` and the rest), over the Summation Service as
+byteps.torch builds them; ops.py holds the transfer they share.
+
+* ``allreduce`` / ``push_pull`` / ``grouped_allreduce``: Average and Sum through ops.py's push_pull
+  (differentiable: the gradient is reduced with the same op and factors).
 
 * ``allgather`` / ``grouped_allgather``: every rank's dim-0 size travels in one int64 push_pull (each
   rank fills its own slot), then each rank's rows in a broadcast from that rank: bytes are copied,
@@ -20,16 +24,10 @@ import numpy as np
 import tensorflow as tf
 
 from byteps import common
-from byteps.core import dtypes
 
-from .ops import (Average, Min, Product, Sum, _divide, _reduce_group, _scale, as_tf_error, dtype_code, graph_name,
-                  in_program_order, wire_shape)
-
-
-def check_global_set(process_set):
-    """TensorFlow's process sets are not supported: only None / the global set (id 0) is accepted."""
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("byteps.tensorflow supports the global process set only")
+from .compression import Compression
+from .ops import (Average, Max, Min, Product, Sum, _display_name, _divide, _reduce_group, _resolve_op, _scale,
+                  as_tf_error, check_global_set, dtype_code, graph_call, graph_name, wire_shape)
 
 
 # --------------------------------------------------------------------------------- numpy level
@@ -85,13 +83,13 @@ def _alltoall_np(arr, splits, name):
     arr = np.ascontiguousarray(arr)
     if splits is None:
         if arr.ndim == 0 or arr.shape[0] % n:
-            raise tf.errors.InvalidArgumentError(None, None, f"alltoall {name!r}: dim 0 ({arr.shape[:1]}) must be "
-                                                 f"divisible by the number of ranks ({n}) when no splits are given")
+            raise ValueError(f"alltoall {name!r}: dim 0 ({arr.shape[:1]}) must be divisible by the number of ranks "
+                             f"({n}) when no splits are given")
         splits = np.full(n, arr.shape[0] // n, dtype=np.int64)
     splits = np.asarray(splits, dtype=np.int64).reshape(-1)
     if splits.size != n or (splits < 0).any() or splits.sum() != (arr.shape[0] if arr.ndim else 1):
-        raise tf.errors.InvalidArgumentError(None, None, f"alltoall {name!r}: splits {splits.tolist()} must have "
-                                             f"{n} non-negative entries summing to dim 0 ({arr.shape[:1]})")
+        raise ValueError(f"alltoall {name!r}: splits {splits.tolist()} must have {n} non-negative entries summing "
+                         f"to dim 0 ({arr.shape[:1]})")
     table, _ = gather_np(splits.reshape(1, n), f"{name}.splits")  # table[src][dst]: rows src sends to dst
     rows, _ = gather_np(arr, f"{name}.data")
     starts = np.concatenate([[0], np.cumsum(table.sum(1))])
@@ -104,25 +102,29 @@ def _alltoall_np(arr, splits, name):
 
 # ------------------------------------------------------------------------------ TensorFlow level
 
-def _run(fn, inputs, out_dtypes, op_name):
+def _run(fn, inputs, out_dtypes, op_name, what):
     """``fn(*numpy inputs) -> numpy outputs`` now (eager) or as one tf.py_function (graph)."""
-    if tf.executing_eagerly():
-        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(fn(*[t.numpy() for t in inputs]), out_dtypes)]
-    return in_program_order(lambda: tf.py_function(lambda *xs: [np.asarray(o) for o in fn(*[x.numpy() for x in xs])],
-                                                   inp=list(inputs), Tout=list(out_dtypes), name=op_name))
+    if tf.executing_eagerly():  # bad arguments: InvalidArgumentError, as a py_function makes of a ValueError
+        try:
+            outs = fn(*[t.numpy() for t in inputs])
+        except ValueError as e:
+            raise tf.errors.InvalidArgumentError(None, None, str(e)) from e
+        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, out_dtypes)]
+    return graph_call(lambda *xs: [np.asarray(o) for o in fn(*[x.numpy() for x in xs])], inputs, out_dtypes, op_name,
+                      what)
 
 
 def _named(prefix, name):
-    """(graph-time name or None, run-time namer): eager unnamed calls are numbered as they run."""
+    """(run-time namer, what to call the tensor in an error): eager unnamed calls are numbered as they run."""
     fixed = graph_name(prefix, name)
-    return lambda: fixed if fixed is not None else common.auto_name(prefix)
+    return (lambda: fixed if fixed is not None else common.auto_name(prefix)), repr(fixed or prefix)
 
 
 def _allgather_raw(tensor, name=None):
     tensor = tf.convert_to_tensor(tensor)
     dtype_code(tensor.dtype, name or "allgather", move=True)
-    namer = _named("tf.allgather", name)
-    out, = _run(lambda x: [gather_np(x, namer())[0]], [tensor], [tensor.dtype], "BytePSAllgather")
+    namer, what = _named("tf.allgather", name)
+    out, = _run(lambda x: [gather_np(x, namer())[0]], [tensor], [tensor.dtype], "BytePSAllgather", what)
     if tensor.shape.rank is not None:
         out.set_shape([None] + tensor.shape.as_list()[1:] if tensor.shape.rank else [None])
     return out
@@ -139,8 +141,6 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=None):
     @tf.custom_gradient
     def _ag(x):
         def grad(dy):
-            from .ops import allreduce
-
             reduced = allreduce(tf.convert_to_tensor(dy), op=Average, name=None if name is None else f"{name}.grad")
             counts = _allgather_raw(tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1]),
                                     None if name is None else f"{name}.grad.counts")
@@ -164,8 +164,8 @@ def gather_reduce(tensor, op, name, prescale_factor=1.0, postscale_factor=1.0):
     """allreduce with Min, Max or Product (not differentiable, as in Horovod)."""
     tensor = _scale(tf.convert_to_tensor(tensor), prescale_factor)
     dtype_code(tensor.dtype, name or "allreduce")
-    namer = _named(f"tf.{op.lower()}", name)
-    out, = _run(lambda x: [_gather_reduce_np(x, op, namer())], [tensor], [tensor.dtype], f"BytePS{op}")
+    namer, what = _named(f"tf.{op.lower()}", name)
+    out, = _run(lambda x: [_gather_reduce_np(x, op, namer())], [tensor], [tensor.dtype], f"BytePS{op}", what)
     out.set_shape(tensor.shape)
     return _scale(out, postscale_factor)
 
@@ -184,10 +184,10 @@ def allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_factor
 
 
 def _alltoall_raw(tensor, splits, name):
-    namer = _named("tf.alltoall", name)
+    namer, what = _named("tf.alltoall", name)
     inputs = [tensor] if splits is None else [tensor, tf.cast(splits, tf.int64)]
     out, received = _run(lambda x, s=None: _alltoall_np(x, s, namer()), inputs, [tensor.dtype, tf.int32],
-                         "BytePSAlltoall")
+                         "BytePSAlltoall", what)
     if tensor.shape.rank:
         out.set_shape([None] + tensor.shape.as_list()[1:])
     received.set_shape([common.size()])
@@ -237,8 +237,6 @@ def grouped_reducescatter(tensors, device_dense="", compression=None, op=Average
                           prescale_factor=1.0, postscale_factor=1.0):
     """Reduce every tensor (one group) and keep this rank's block of each. Differentiable for floats:
     the gradient is the allgathered upstream gradient (times ``size`` for Sum, as Horovod)."""
-    from .compression import Compression
-
     check_global_set(process_set)
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for t in tensors:
@@ -271,3 +269,83 @@ def reducescatter(tensor, device_dense="", compression=None, op=Average, name=No
     """Reduce ``tensor`` over all ranks (Average or Sum) and keep this rank's block of dim 0."""
     return grouped_reducescatter([tensor], device_dense, compression, op, name, process_set, prescale_factor,
                                  postscale_factor)[0]
+
+
+# ------------------------------------------------------------------------------- allreduce
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, device_dense="", device_sparse="", process_set=None, ignore_name_scope=False):
+    """Sum or average ``tensor`` over all workers; returns a new tensor (Horovod's name and arguments).
+
+    Args:
+        tensor: a tf.Tensor (or anything convertible: variables, numpy arrays).
+        average: deprecated; ``True`` means ``op=Average``, ``False`` ``op=Sum``.
+        name: the same on every worker. Unnamed calls get ``tf.push_pull.noname.<n>``, numbered in
+            call order (inside tf.function: at each execution), so they never collide; name
+            tensors that are push_pulled repeatedly, or every call declares a new tensor.
+        compression: ``Compression.none`` or ``Compression.fp16`` (on the tensor), or a wire compressor
+            (``Compression.onebit(error_feedback=True)``, ``.topk``, ...; docs/compression.md).
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor, postscale_factor: multiply before the sum / after the average.
+        device_dense, device_sparse, ignore_name_scope: Horovod's, accepted; process_set: only the
+            global one (TensorFlow process sets are not supported).
+
+    A ``tf.IndexedSlices`` is allgathered (values and indices), as Horovod does: Sum or Average only.
+    Differentiable: the gradient is push_pulled with the same op and factors.
+    """
+    check_global_set(process_set)
+    op = _resolve_op(average, op)
+    if isinstance(tensor, tf.IndexedSlices):
+        return allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor)
+    if op in (Min, Max, Product):
+        return gather_reduce(tensor, op, name, prescale_factor, postscale_factor)
+    tensor = tf.convert_to_tensor(tensor)
+    dtype_code(tensor.dtype, _display_name(tensor, name))
+
+    def reduce(x, nm):
+        return _reduce_group([x], [nm], op, prescale_factor, postscale_factor, compression)[0]
+
+    if not tensor.dtype.is_floating:
+        return reduce(tensor, name)
+
+    @tf.custom_gradient
+    def _pp(x):
+        def grad(dy):
+            return reduce(tf.convert_to_tensor(dy), None if name is None else f"{name}.grad")
+
+        return reduce(x, name), grad
+
+    return _pp(tensor)
+
+
+def push_pull(tensor, average=None, name=None, compression=Compression.none, op=None):
+    """BytePS's name for :func:`allreduce` (default op: Average)."""
+    return allreduce(tensor, average=average, name=name, compression=compression, op=op)
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=None, name=None):
+    """allreduce several tensors as one group (submitted together); Horovod's arguments. Min/Max/Product
+    and IndexedSlices go one by one. Differentiable: the gradients are reduced as one group too."""
+    check_global_set(process_set)
+    op = _resolve_op(average, op)
+    tensors = list(tensors)
+    names = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+    if op in (Min, Max, Product) or any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        return [allreduce(t, op=op, name=nm, compression=compression, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor) for t, nm in zip(tensors, names)]
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+
+    def reduce(xs, nms):
+        return _reduce_group(xs, nms, op, prescale_factor, postscale_factor, compression, prefix="tf.grouped_allreduce")
+
+    if not all(t.dtype.is_floating for t in tensors):
+        return reduce(tensors, names)
+
+    @tf.custom_gradient
+    def _group(*xs):
+        def grad(*dys):
+            return reduce([tf.convert_to_tensor(d) for d in dys], [None if n is None else f"{n}.grad" for n in names])
+
+        return reduce(list(xs), names), grad
+
+    return _group(*tensors)

@@ -18,16 +18,19 @@ integer averages and integer scaling truncated toward zero and float16 scaled in
 rounding), the pre/post scale factors.
 
 Unnamed operations built into a graph (``tf.function``, TF1 graphs) are named when the graph is built,
-from the graph's unique op names, as Horovod names them: the same on every worker however the
-runtime orders independent ops. Unnamed eager calls are numbered in call order. Workers that
+numbered in build order, as Horovod names them by their op names: the same on every worker however
+the runtime orders independent ops. Unnamed eager calls are numbered in call order. Workers that
 disagree on a tensor get ``tf.errors.FailedPreconditionError`` naming it, as with Horovod.
 """
+import weakref
+
 import numpy as np
 import tensorflow as tf
 
 from byteps import common
 from byteps.core import dtypes
 from byteps.errors import TensorMismatchError
+from byteps.log import logger
 
 from .compression import Compression, wire_codec
 
@@ -73,12 +76,27 @@ def wire_shape(arr):
     return tuple(arr.shape)
 
 
+_GRAPHS = weakref.WeakKeyDictionary()  # graph -> its byteps bookkeeping (graphs take no attributes)
+
+
+def _graph_state():
+    graph = tf.compat.v1.get_default_graph()
+    state = _GRAPHS.get(graph)
+    if state is None:
+        state = _GRAPHS[graph] = {"unnamed": {}, "last_op": None}
+    return state
+
+
 def graph_name(prefix, name):
     """``name``, or for an unnamed op built into a graph its graph-unique name (the same on every worker
     building the same graph); None for an eager call (numbered when it runs)."""
     if name is not None or tf.executing_eagerly():
         return name
-    return tf.compat.v1.get_default_graph().unique_name(f"{prefix}.noname", mark_as_used=True)
+    # numbered per graph in build order, whatever the name scope (tf.custom_gradient opens one only
+    # on the ranks whose tensor is differentiable)
+    counts = _graph_state()["unnamed"]
+    counts[prefix] = counts.get(prefix, -1) + 1
+    return f"{prefix}.noname.graph{counts[prefix]}"
 
 
 def in_program_order(make):
@@ -87,18 +105,46 @@ def in_program_order(make):
     has joined it, and a session runs independent ops in any order, on several threads: unordered,
     two workers could each wait in an op the other has not started. ``tf.function`` needs nothing:
     its automatic control dependencies run stateful ops in program order."""
-    graph = tf.compat.v1.get_default_graph()
     if tf.inside_function():
         return make()
-    last = getattr(graph, "_byteps_last_op", None)
+    state = _graph_state()
+    last = state["last_op"]
     try:
         with tf.control_dependencies([last] if last is not None else []):
             outs = make()
     except ValueError:  # the previous op sits in another control-flow context: no edge can reach it
         outs = make()
     if outs:
-        graph._byteps_last_op = outs[0].op
+        state["last_op"] = outs[0].op
     return outs
+
+
+def graph_call(fn, inputs, out_dtypes, op_name, what):
+    """``fn(*eager tensors) -> outputs`` as one tf.py_function of the graph being built, in program order.
+
+    A py_function turns every Python exception into UnknownError, so a mismatch (workers disagree on
+    ``what``) is handed out as a flag instead, and a conditional read of a variable that does not
+    exist raises Horovod's FailedPreconditionError, its message naming ``what``; the ranks' shapes
+    are in the worker's log."""
+    def body(*xs):
+        try:
+            return [*fn(*xs), True]
+        except (TensorMismatchError, tf.errors.FailedPreconditionError) as e:
+            logger.error("%s", e)
+            return [tf.zeros([0], d) for d in out_dtypes] + [False]
+
+    *outs, ok = in_program_order(lambda: tf.py_function(body, inp=list(inputs), Tout=[*out_dtypes, tf.bool],
+                                                        name=op_name))
+
+    def fail():
+        reason = (f"byteps: the workers disagree on {what} (shape, dtype or root rank; the worker log names each "
+                  "rank's)")
+        handle = tf.raw_ops.VarHandleOp(dtype=tf.bool, shape=[], shared_name=reason, container="byteps")
+        return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.bool)
+
+    check = tf.cond(ok, lambda: tf.constant(True), fail)
+    with tf.control_dependencies([check]):
+        return [tf.identity(o) for o in outs]
 
 
 def as_tf_error(error):
@@ -127,6 +173,12 @@ def _resolve_op(average, op):
     if op not in (Average, Sum, Min, Max, Product):
         raise ValueError(f"byteps: unsupported op {op!r}; supported: Average, Sum, Min, Max, Product")
     return op
+
+
+def check_global_set(process_set):
+    """TensorFlow's process sets are not supported: only None / the global set (id 0) is accepted."""
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise NotImplementedError("byteps.tensorflow supports the global process set only")
 
 
 def _check_not_xla():
@@ -188,8 +240,8 @@ def _transfer(tensors, names, root, prefix, op_name, asynchronous=False, codec=N
     def body(*values):
         return _run_eager(values, names, root, prefix, asynchronous, codec, average_by)
 
-    outs = in_program_order(lambda: tf.py_function(body, inp=list(tensors), Tout=[t.dtype for t in tensors],
-                                                   name=op_name))
+    outs = graph_call(body, tensors, [t.dtype for t in tensors], op_name,
+                      "tensors " + ", ".join(repr(n if n is not None else prefix) for n in names))
     for o, t in zip(outs, tensors):
         o.set_shape(t.shape)
     return list(outs)
@@ -256,58 +308,6 @@ def push_pull_group(tensors, names=None, op=Average, compression=Compression.non
                          prefix)
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, device_dense="", device_sparse="", process_set=None, ignore_name_scope=False):
-    """Sum or average ``tensor`` over all workers; returns a new tensor (Horovod's name and arguments).
-
-    Args:
-        tensor: a tf.Tensor (or anything convertible: variables, numpy arrays).
-        average: deprecated; ``True`` means ``op=Average``, ``False`` ``op=Sum``.
-        name: the same on every worker. Unnamed calls get ``tf.push_pull.noname.<n>``, numbered in
-            call order (inside tf.function: at each execution), so they never collide; name
-            tensors that are push_pulled repeatedly, or every call declares a new tensor.
-        compression: ``Compression.none`` or ``Compression.fp16`` (on the tensor), or a wire compressor
-            (``Compression.onebit(error_feedback=True)``, ``.topk``, ...; docs/compression.md).
-        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-        prescale_factor, postscale_factor: multiply before the sum / after the average.
-        device_dense, device_sparse, ignore_name_scope: Horovod's, accepted; process_set: only the
-            global one (TensorFlow process sets are not supported).
-
-    A ``tf.IndexedSlices`` is allgathered (values and indices), as Horovod does: Sum or Average only.
-    Differentiable: the gradient is push_pulled with the same op and factors.
-    """
-    from . import collectives
-
-    collectives.check_global_set(process_set)
-    op = _resolve_op(average, op)
-    if isinstance(tensor, tf.IndexedSlices):
-        return collectives.allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor)
-    if op in (Min, Max, Product):
-        return collectives.gather_reduce(tensor, op, name, prescale_factor, postscale_factor)
-    tensor = tf.convert_to_tensor(tensor)
-    dtype_code(tensor.dtype, _display_name(tensor, name))
-
-    def reduce(x, nm):
-        return _reduce_group([x], [nm], op, prescale_factor, postscale_factor, compression)[0]
-
-    if not tensor.dtype.is_floating:
-        return reduce(tensor, name)
-
-    @tf.custom_gradient
-    def _pp(x):
-        def grad(dy):
-            return reduce(tf.convert_to_tensor(dy), None if name is None else f"{name}.grad")
-
-        return reduce(x, name), grad
-
-    return _pp(tensor)
-
-
-def push_pull(tensor, average=None, name=None, compression=Compression.none, op=None):
-    """BytePS's name for :func:`allreduce` (default op: Average)."""
-    return allreduce(tensor, average=average, name=name, compression=compression, op=op)
-
-
 def broadcast_group(tensors, root_rank, names=None, prefix="tf.broadcast"):
     """Broadcast several tensors from ``root_rank`` at once; returns new tensors (not differentiable)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
@@ -326,9 +326,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     moves, bool, int16 and uint16 included. The gradient (as in Horovod) is the average of the incoming
     gradients on the root and zero elsewhere. ``ignore_name_scope``, ``process_set`` (the global one): Horovod's.
     """
-    from . import collectives
-
-    collectives.check_global_set(process_set)
+    check_global_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
     dtype_code(tensor.dtype, _display_name(tensor, name), move=True)
     if not tensor.dtype.is_floating:
@@ -345,33 +343,3 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
 
     return _bc(tensor)
 
-
-def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=None, name=None):
-    """allreduce several tensors as one group (submitted together); Horovod's arguments. Min/Max/Product
-    and IndexedSlices go one by one. Differentiable: the gradients are reduced as one group too."""
-    from . import collectives
-
-    collectives.check_global_set(process_set)
-    op = _resolve_op(average, op)
-    tensors = list(tensors)
-    names = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
-    if op in (Min, Max, Product) or any(isinstance(t, tf.IndexedSlices) for t in tensors):
-        return [allreduce(t, op=op, name=nm, compression=compression, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor) for t, nm in zip(tensors, names)]
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-
-    def reduce(xs, nms):
-        return _reduce_group(xs, nms, op, prescale_factor, postscale_factor, compression, prefix="tf.grouped_allreduce")
-
-    if not all(t.dtype.is_floating for t in tensors):
-        return reduce(tensors, names)
-
-    @tf.custom_gradient
-    def _group(*xs):
-        def grad(*dys):
-            return reduce([tf.convert_to_tensor(d) for d in dys], [None if n is None else f"{n}.grad" for n in names])
-
-        return reduce(list(xs), names), grad
-
-    return _group(*tensors)
