@@ -83,7 +83,7 @@ def _graph_state():
     graph = tf.compat.v1.get_default_graph()
     state = _GRAPHS.get(graph)
     if state is None:
-        state = _GRAPHS[graph] = {"unnamed": {}, "last_op": None}
+        state = _GRAPHS[graph] = {"unnamed": {}, "last_op": None, "ran": False}
     return state
 
 
@@ -99,42 +99,42 @@ def graph_name(prefix, name):
     return f"{prefix}.noname.graph{counts[prefix]}"
 
 
-def in_program_order(make):
-    """Build a byteps op with ``make()`` (returns its output tensors) so that it runs after the byteps op
-    built before it in the same TF1 graph. Each op blocks a thread of the runtime until every worker
-    has joined it, and a session runs independent ops in any order, on several threads: unordered,
-    two workers could each wait in an op the other has not started. ``tf.function`` needs nothing:
-    its automatic control dependencies run stateful ops in program order."""
-    if tf.inside_function():
-        return make()
-    state = _graph_state()
-    last = state["last_op"]
-    try:
-        with tf.control_dependencies([last] if last is not None else []):
-            outs = make()
-    except ValueError:  # the previous op sits in another control-flow context: no edge can reach it
-        outs = make()
-    if outs:
-        state["last_op"] = outs[0].op
-    return outs
-
-
 def graph_call(fn, inputs, out_dtypes, op_name, what):
-    """``fn(*eager tensors) -> outputs`` as one tf.py_function of the graph being built, in program order.
+    """``fn(*eager tensors) -> outputs`` as one tf.py_function of the graph being built.
 
-    A py_function turns every Python exception into UnknownError, so a mismatch (workers disagree on
-    ``what``) is handed out as a flag instead, and a conditional read of a variable that does not
-    exist raises Horovod's FailedPreconditionError, its message naming ``what``; the ranks' shapes
-    are in the worker's log."""
+    Order: each op blocks a runtime thread until every worker has joined it, and a TF1 session runs
+    independent ops in any order on a few threads; unordered, two workers could each wait in an op
+    the other has not started. So in a TF1 graph an op built after another, with no run in between,
+    runs after it (a control edge; an op built after a run starts a new chain, so that a loop of
+    build-and-run does not re-run every earlier op). ``tf.function`` needs nothing: its automatic
+    control dependencies run stateful ops in program order.
+
+    Errors: a py_function turns every Python exception into UnknownError, so a mismatch (workers
+    disagree on ``what``) comes back as a flag, and a conditional read of a variable that does not
+    exist raises Horovod's FailedPreconditionError, its message naming ``what``; the ranks' shapes are
+    in the worker's log."""
+    state = None if tf.inside_function() else _graph_state()
+
     def body(*xs):
+        if state is not None:
+            state["ran"] = True
         try:
             return [*fn(*xs), True]
         except (TensorMismatchError, tf.errors.FailedPreconditionError) as e:
             logger.error("%s", e)
             return [tf.zeros([0], d) for d in out_dtypes] + [False]
 
-    *outs, ok = in_program_order(lambda: tf.py_function(body, inp=list(inputs), Tout=[*out_dtypes, tf.bool],
-                                                        name=op_name))
+    def make():
+        return tf.py_function(body, inp=list(inputs), Tout=[*out_dtypes, tf.bool], name=op_name)
+
+    last = None if state is None or state["ran"] else state["last_op"]
+    try:
+        with tf.control_dependencies([last] if last is not None else []):
+            *outs, ok = make()
+    except ValueError:  # the previous op sits in another control-flow context: no edge can reach it
+        *outs, ok = make()
+    if state is not None:
+        state["last_op"], state["ran"] = ok.op, False
 
     def fail():
         reason = (f"byteps: the workers disagree on {what} (shape, dtype or root rank; the worker log names each "
