@@ -27,3 +27,4 @@ TORCH = {
         "TorchTests::test_horovod_sync_batch_norm": _GPU,
         "TorchTests::test_model_parallelism": _GPU,
     },
+}
