@@ -6,9 +6,17 @@ custom training loops, ``DistributedOptimizer`` for Keras 3 optimizers (``model.
 Keras callbacks in :mod:`byteps.tensorflow.callbacks`. Everything works in eager mode and inside
 ``tf.function`` (not under XLA: ``jit_compile=False``).
 """
-import tensorflow as tf
+import os
 
-from byteps import common
+# A TF1 session runs independent ops on a pool of TF_NUM_INTEROP_THREADS threads (default: one per core),
+# and each byteps op holds its thread until every worker has joined it: a run of more unordered byteps
+# ops than threads could leave two workers each waiting in an op the other has not started. Read when
+# the first session starts; a value the user set is kept.
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "64")
+
+import tensorflow as tf  # noqa: E402
+
+from byteps import common  # noqa: E402
 from byteps.common import (barrier, init, is_initialized, local_rank, local_size, mark_step, rank, shutdown, size)
 
 from . import callbacks, distribute
