@@ -212,6 +212,11 @@ def tf_api(out, args):
         return bps.DistributedGradientTape(t, op=bps.Sum).gradient(lv, [w1, w2])
 
     res["tape.graph_sum"] = [_as_list(g) for g in graph_tape()]
+    with tf.GradientTape() as t2:  # Horovod's model parallelism: w2's gradient stays local, divided by size
+        lv = loss_fn()
+    dt = bps.DistributedGradientTape(t2)
+    dt.register_local_source(w2)
+    res["tape.local_source"] = [_as_list(g) for g in dt.gradient(lv, [w1, w2])]
 
     # ---------------------------------------------------------------- DistributedOptimizer: apply_gradients
     v = keras.Variable(np.zeros(5), dtype="float64")

@@ -194,6 +194,8 @@ def test_distributed_gradient_tape_averages(tfjob):
             np.testing.assert_allclose(v["tape.with"][i], mean[i], rtol=1e-12, atol=1e-15)
             np.testing.assert_allclose(v["tape.graph_sum"][i], ssum[i], rtol=1e-12, atol=1e-15)
         np.testing.assert_allclose(v["tape.sum"][0], mean[0], rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(v["tape.local_source"][0], mean[0], rtol=1e-12, atol=1e-15)
+        np.testing.assert_array_equal(v["tape.local_source"][1], locals_[r][1] / N)  # register_local_source
         assert not np.allclose(locals_[0][0], locals_[1][0]), "the ranks' local gradients should differ"
 
 

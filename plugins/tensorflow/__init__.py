@@ -26,7 +26,7 @@ from .compression import Compression
 from .functions import (allgather_object, broadcast_, broadcast_global_variables, broadcast_object, broadcast_object_fn,
                         broadcast_variables)
 from .ops import Adasum, Average, Max, Min, Product, Sum, broadcast, broadcast_group, push_pull_group
-from .optimizer import DistributedGradientTape, DistributedOptimizer
+from .optimizer import DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape
 
 
 def _executing_eagerly():
@@ -96,5 +96,5 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            # Horovod
            "Min", "Max", "Product", "Adasum", "grouped_allreduce", "allgather", "grouped_allgather", "alltoall",
            "reducescatter", "grouped_reducescatter", "broadcast_", "broadcast_global_variables",
-           "broadcast_object_fn", "join", "rank_op", "size_op", "local_rank_op", "local_size_op", "mpi_built",
+           "broadcast_object_fn", "join", "PartialDistributedGradientTape", "rank_op", "size_op", "local_rank_op", "local_size_op", "mpi_built",
            "gloo_built", "nccl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_enabled", "gloo_enabled"]
