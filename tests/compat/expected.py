@@ -29,6 +29,7 @@ TORCH = {
     },
 }
 
+# Not yet in the CI jobs (test_horovod_suites.JOBS): its failures are still to be listed from a complete run.
 # test_tensorflow.py runs every test in graph and in eager mode as unittest subtests: a subtest that fails
 # is listed as "test[graph_mode]" / "test[eager_mode]"; GPU-only tests skip inside their subtests (their
 # test line reads PASSED), so the skip list names only what pytest itself skips.
