@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 TENSORFLOW ?= tensorflow-cpu==2.21.0
 UCX ?= libucx-cu12>=1.15
 
-.PHONY: setup train test test-all test-ucx bench figures clean
+.PHONY: setup train test test-all test-ucx test-compat bench figures clean
 
 setup: $(VENV)/.byteps-installed
 
@@ -26,6 +26,12 @@ train: setup
 
 test: setup mxnet-env
 	$(PY) -m pytest -q
+
+# Horovod's own test files and BytePS's examples, unmodified, on byteps (docs/compat.md): about 15 minutes
+# on 2 cores, so not in `make test`; CI runs both. The pinned files come from ../shared/compat or
+# $BYTEPS_COMPAT_DIR (the tests skip, saying so, without them).
+test-compat: setup
+	$(PY) -m pytest -q -m compat tests/compat
 
 # MXNet 1.9.1 imports only with numpy <= 1.23.5, so it gets its own venv, .venv-mxnet (docs/mxnet.md).
 # Idempotent: returns at once when up to date; rebuilds byteps there when its sources changed.

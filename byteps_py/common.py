@@ -12,7 +12,7 @@ import time
 from . import config as bps_config, timeline
 from .core import _reduce, dtypes
 from .core.ops import Cmd, Op
-from .errors import BytePSTimeoutError, NotInitializedError
+from .errors import BytePSError, BytePSTimeoutError, NotInitializedError
 from .log import logger, setup as setup_logging
 
 _lock = threading.RLock()
@@ -33,7 +33,9 @@ class _Job:
         self.inflight_lock = threading.Lock()
         self.noname = itertools.count()
         self.scoped_noname = {}   # process set id -> its own count of unnamed calls (auto_name)
-        self.barriers = itertools.count()
+        # one barrier at a time per process, all named alike: a rank whose last barrier failed meets the
+        # others' next one (a number per call would put the ranks out of step for good)
+        self.barrier_lock = threading.Lock()
         # BYTEPS_COMPRESSOR & co. are read at init() like every other variable (not per call: seven
         # environment look-ups cost more than the rest of a small push_pull's submission)
         from . import compression
@@ -386,12 +388,22 @@ def barrier():
     job = _require()
     if job.engine is None:
         return
-    name = f"barrier.{next(job.barriers)}"
-    released = job.engine.request("barrier", name)
-    if not released.wait(job.cfg.timeout):
-        raise BytePSTimeoutError(f"barrier() waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the other workers")
+    name = "barrier"
+    with job.barrier_lock:
+        released = job.engine.request("barrier", name)
+        if not released.wait(job.cfg.timeout):
+            raise BytePSTimeoutError(f"barrier() waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the other workers")
+        _raise_barrier_failure(job, name)
+
+
+def _raise_barrier_failure(job, name):
+    """After barrier ``name`` was released: the job's failure, or the scheduler's reason for failing it."""
     if job.engine.failure is not None:
         raise job.engine.failure
+    reason = job.engine.barrier_errors.pop(name, None)
+    if reason is not None:
+        job.engine.barrier_values.pop(name, None)
+        raise BytePSError(f"{name}: {reason}")
 
 
 def exchange(name, value):
@@ -403,8 +415,7 @@ def exchange(name, value):
     released = job.engine.request("barrier", name, value)
     if not released.wait(job.cfg.timeout + 5):
         raise BytePSTimeoutError(f"{name}: waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the other workers")
-    if job.engine.failure is not None:
-        raise job.engine.failure
+    _raise_barrier_failure(job, name)
     values = job.engine.barrier_values.pop(name, None)
     if values is None:
         raise BytePSTimeoutError(f"{name}: the scheduler released the barrier without the workers' values")

@@ -122,6 +122,7 @@ class Engine:
         self._keys = {}             # (name, spec) -> tensor key
         self._requests = {}         # ("barrier"|"leave", name) -> event set on release
         self.barrier_values = {}    # barrier name -> {rank: value} of a barrier whose members sent values
+        self.barrier_errors = {}    # barrier name -> the scheduler's reason for failing it
         self._left = False
         self.servers = []
         # bytes (header + body frames) sent to / received from each server index on the data sockets
@@ -1097,6 +1098,8 @@ class Engine:
         elif cmd == Cmd.BARRIER and body.get("name") == autotune.AGREE_BARRIER:
             self._agreed = body
         elif cmd == Cmd.BARRIER:
+            if "error" in body:  # the scheduler gave up on it (members stalled in different collectives)
+                self.barrier_errors[body.get("name")] = body["error"]
             if "values" in body:
                 self.barrier_values[body.get("name")] = {int(r): v for r, v in body["values"].items()}
             ev = self._requests.pop(("barrier", body.get("name")), None)

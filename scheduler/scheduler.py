@@ -37,9 +37,12 @@ from byteps.errors import BytePSError, ConfigError, ProtocolError
 from byteps.log import logger
 from byteps.timeline.trace import Collector
 
+from . import stalls
+
 Cmd = wire.Cmd
 SCHEDULER_ID = 0xFFFFFFFE
-SERVER_ID_BASE = 1 << 20  # server i has node id SERVER_ID_BASE + i; worker node id == rank
+SERVER_ID_BASE = 1 << 20
+STALL_GRACE_S = 3.0  # how long workers stand blocked in different collectives before they are failed  # server i has node id SERVER_ID_BASE + i; worker node id == rank
 
 
 class JobFailed(BytePSError):
@@ -74,6 +77,7 @@ class Scheduler:
         # name -> (since, {rank: value}) of barriers whose members send a value (byteps/autotune.py's
         # partition-size agreement): the release hands every member all of them
         self.barrier_values = {}
+        self.stall = None         # (signature, since) of waits that cannot end (stalls.py), while they stand
         self.declares = {}        # (name, spec json) ... see _on_declare
         self.set_declares = {}    # (name, seq, set id) -> declarations of a process set's tensor (_on_set_declare)
         self.keys = {}            # (name, spec) -> tensor key, stable for the whole job
@@ -464,6 +468,40 @@ class Scheduler:
             self.idle_since = time.monotonic()
             self.phase_start = self.idle_since
 
+    def _check_stalls(self, now):
+        """Fail every pending barrier and declaration once the workers have stood blocked in different
+        collectives for STALL_GRACE_S (stalls.py), so that no rank waits out BYTEPS_TIMEOUT for a partner
+        that skipped the call."""
+        if not (self.running and self.barriers):
+            self.stall = None
+            return
+        rank_of = {i: info.get("rank") for i, info in self.workers.items()}
+        msg = stalls.find_deadlock(self._active_workers(), rank_of, self.barriers, self.declares, self.set_declares)
+        if msg is None:
+            self.stall = None
+            return
+        sig = stalls.signature(self.barriers, self.declares, self.set_declares)
+        if self.stall is None or self.stall[0] != sig:
+            self.stall = (sig, now)
+            return
+        if now - self.stall[1] < min(STALL_GRACE_S, self.cfg.timeout):
+            return
+        logger.warning("%s", msg)
+        self.stall = None
+        for name, group in self.barriers.items():
+            for ident in group:
+                self._send(ident, Cmd.BARRIER, {"name": name, "error": msg})
+        self.barriers.clear()
+        self.barrier_values.clear()
+        for (name, seq), pending in self.declares.items():
+            for ident in pending["specs"]:
+                self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": msg}, arg=1)
+        self.declares.clear()
+        for (name, seq, set_id), pending in self.set_declares.items():
+            for ident in pending["specs"]:
+                self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "set_id": set_id, "error": msg}, arg=1)
+        self.set_declares.clear()
+
     def _on_exit(self, body):
         self.exited.add((body.get("worker_id"), body.get("local_rank")))
 
@@ -498,6 +536,7 @@ class Scheduler:
         if not self.running and self.idle_since is None and now - self.phase_start > self.cfg.timeout:
             self._fail(f"startup timed out after {self.cfg.timeout:g} s (BYTEPS_TIMEOUT); never registered: "
                        + ", ".join(self._missing()))
+        self._check_stalls(now)
         for name, (since, values) in list(self.barrier_values.items()):
             if now - since > self.cfg.timeout:  # the members wait a little longer: they get this error
                 lacking = sorted(self.workers[i]["rank"] for i in self._active_workers()

@@ -159,6 +159,38 @@ def poll_race(out, args):
 
 
 @scenario
+def stalled_collectives(out, args):
+    """One rank skips a collective the other makes, as a failing test does (rank 0 allreduces a tensor
+    rank 1 never does; rank 1 goes on to a barrier, then both to a process-set check and a barrier):
+    every rank gets an error within seconds, not after BYTEPS_TIMEOUT, and then the ranks are in step."""
+    r = bps.rank()
+    got = {}
+    t0 = time.monotonic()
+    try:
+        if r == 0:
+            bps.allreduce(torch.ones(3), name="only_rank0")
+        else:
+            bps.barrier()
+        got["first"] = "no error"
+    except Exception as e:
+        got["first"] = f"{type(e).__name__}: {e}"
+    got["first_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    try:  # rank 0 checks a process set while rank 1 waits in a barrier: stalled, both fail
+        if r == 0:
+            bps.add_process_set([0])
+        else:
+            bps.barrier()
+        got["second"] = "no error"
+    except Exception as e:
+        got["second"] = f"{type(e).__name__}: {e}"
+    got["second_s"] = time.monotonic() - t0
+    bps.barrier()  # the barriers are in step again
+    got["after"] = bps.allreduce(torch.full((2,), float(r + 1)), op=bps.Sum).tolist()
+    return got
+
+
+@scenario
 def join(out, args):
     """Horovod's join: rank r runs r + 1 steps of an averaged allreduce, then joins; joined ranks add
     zeros. The last rank also tries a broadcast while the others have joined (it must fail), and

@@ -131,3 +131,25 @@ def tf_mirrored(out, args):
         res["ref_weights"] = [w.tolist() for w in ref.get_weights()]
         res["ref_loss"] = rh.history["loss"]
     return res
+
+
+@scenario
+def keras_lazy_model(out, args):
+    """A Sequential without an input shape (Horovod's and BytePS's MNIST examples): Keras 3 builds it at the
+    first batch, so BroadcastGlobalVariablesCallback acts at the end of that batch (as Horovod's)."""
+    _tf()
+    import keras
+
+    import byteps.tensorflow.keras as hvd
+
+    r, n = hvd.rank(), hvd.size()
+    x, y = _fit_data(PER_WORKER, STEPS, n)
+    rows = fit_rows(r, n)
+    keras.utils.set_random_seed(4000 + r)  # different initial weights on every worker
+    model = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=BASE_LR, momentum=0.5)),
+                  loss="mse", jit_compile=False)
+    hist = model.fit(x[rows], y[rows], batch_size=PER_WORKER, epochs=1, shuffle=False, verbose=0,
+                     callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    return {"weights": [w.tolist() for w in model.get_weights()], "loss": hist.history["loss"],
+            "optimizer_variables": len(model.optimizer.variables)}

@@ -175,7 +175,10 @@ def tf_api(out, args):
     res["bad.graph"] = _err(lambda: tf.function(lambda t: bps.push_pull(t, name="badc"))(
         tf.constant([1 + 2j], dtype=tf.complex64)))
     res["bad.unnamed"] = _err(lambda: bps.push_pull(tf.constant([True])))
-    res["bad.broadcast"] = _err(lambda: bps.broadcast(tf.constant([1], dtype=tf.uint16), 0, name="badbc"))
+    for dtype, root_value in (("bool", [[1, 0, 1]]), ("int16", [[-5, 0, 7]]), ("uint16", [[65531, 0, 7]])):
+        mine = root_value if r == 0 else [[0, 1, 0]]
+        value = tf.cast(tf.constant(mine, dtype=tf.int64), getattr(tf, dtype))
+        res[f"bc.moved.{dtype}"] = _as_list(tf.cast(bps.broadcast(value, 0, name=f"bc.moved.{dtype}"), tf.int64))
     res["after_bad"] = _as_list(bps.push_pull(tf.constant([float(r)]), op=bps.Sum, name="after_bad"))
 
     # ---------------------------------------------------------------- DistributedGradientTape
@@ -209,6 +212,11 @@ def tf_api(out, args):
         return bps.DistributedGradientTape(t, op=bps.Sum).gradient(lv, [w1, w2])
 
     res["tape.graph_sum"] = [_as_list(g) for g in graph_tape()]
+    with tf.GradientTape() as t2:  # Horovod's model parallelism: w2's gradient stays local, divided by size
+        lv = loss_fn()
+    dt = bps.DistributedGradientTape(t2)
+    dt.register_local_source(w2)
+    res["tape.local_source"] = [_as_list(g) for g in dt.gradient(lv, [w1, w2])]
 
     # ---------------------------------------------------------------- DistributedOptimizer: apply_gradients
     v = keras.Variable(np.zeros(5), dtype="float64")

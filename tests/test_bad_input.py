@@ -24,6 +24,26 @@ def test_mismatch_raises_on_every_rank_and_job_survives(cluster, kind):
         assert res[rank]["value"]["after"] == [3.0] * 5, res[rank]
 
 
+@pytest.mark.timeout(90)
+def test_ranks_stalled_in_different_collectives_fail_fast(cluster):
+    """A rank that skipped a collective (a barrier meets an allreduce, then a process-set check): the
+    scheduler fails both within its 3 s grace, far below BYTEPS_TIMEOUT (30 s here), naming who waits
+    where; afterwards barriers and unnamed ops are in step again."""
+    c = cluster(2, 1)
+    c.run_workers("stalled_collectives")
+    codes, scodes, sched = c.wait_all(80)
+    assert codes == [0, 0] and sched == 0, c.all_logs()
+    res = c.results()
+    for rank in (0, 1):
+        v = res[rank]["value"]
+        for step in ("first", "second"):
+            assert "wait in different collectives" in v[step], (rank, step, v[step])
+            assert v[f"{step}_s"] < 20, (rank, step, v[f"{step}_s"])
+        assert "rank 1 in barrier 'barrier'" in v["first"] and "'allreduce.only_rank0'" in v["first"], v["first"]
+        assert "process_set.add_process_set" in v["second"], v["second"]
+        assert v["after"] == [3.0, 3.0], v
+
+
 @pytest.mark.timeout(60)
 def test_two_jobs_on_one_host_do_not_collide(cluster):
     specs = [{"name": "same", "shape": [50], "dtype": "int64"}]

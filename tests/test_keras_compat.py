@@ -122,3 +122,14 @@ def test_mirrored_strategy_fit_matches_single_process(tmp_path):
         np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
     # the logged loss is each worker's own (Keras' metrics), like any fit without MetricAverageCallback
     np.testing.assert_allclose(np.mean([v["loss"] for v in vals], axis=0), vals[0]["ref_loss"], rtol=1e-10)
+
+
+@TIMEOUT
+def test_broadcast_callback_with_a_lazily_built_model(tmp_path):
+    """Workers start from different weights of a model Keras builds at the first batch: fit runs, and the
+    broadcast at the end of that batch leaves every worker with the same weights and optimizer state."""
+    run = Run(tmp_path, "keras_lazy_model", N, 1, timeout=240)
+    vals = run.values()
+    assert all(v["optimizer_variables"] > 0 for v in vals)
+    for w0, w1 in zip(vals[0]["weights"], vals[1]["weights"]):
+        assert np.array_equal(np.asarray(w0), np.asarray(w1)), "the workers' weights differ after fit"

@@ -6,15 +6,95 @@ custom training loops, ``DistributedOptimizer`` for Keras 3 optimizers (``model.
 Keras callbacks in :mod:`byteps.tensorflow.callbacks`. Everything works in eager mode and inside
 ``tf.function`` (not under XLA: ``jit_compile=False``).
 """
+import os
+
+# A TF1 session runs independent ops on a pool of TF_NUM_INTEROP_THREADS threads (default: one per core),
+# and each byteps op holds its thread until every worker has joined it: a run of more unordered byteps
+# ops than threads could leave two workers each waiting in an op the other has not started. Read when
+# the first session starts; a value the user set is kept.
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "64")
+
+import tensorflow as tf  # noqa: E402
+
+from byteps import common  # noqa: E402
 from byteps.common import (barrier, init, is_initialized, local_rank, local_size, mark_step, rank, shutdown, size)
 
 from . import callbacks, distribute
+from .collectives import (allgather, allreduce, alltoall, grouped_allgather, grouped_allreduce, grouped_reducescatter,
+                          push_pull, reducescatter)
 from .compression import Compression
-from .functions import allgather_object, broadcast_object, broadcast_variables
-from .ops import Average, Sum, allreduce, broadcast, broadcast_group, push_pull, push_pull_group
-from .optimizer import DistributedGradientTape, DistributedOptimizer
+from .functions import (allgather_object, broadcast_, broadcast_global_variables, broadcast_object, broadcast_object_fn,
+                        broadcast_variables)
+from .ops import Adasum, Average, Max, Min, Product, Sum, broadcast, broadcast_group, push_pull_group
+from .optimizer import DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape
+
+
+def _executing_eagerly():
+    """Horovod's helper: True in eager mode."""
+    return tf.executing_eagerly()
+
+
+def join():
+    """Horovod's join(): this rank has no more data; returns the last rank to join (see byteps.common.join)."""
+    return common.join()
+
+
+def rank_op(name=None):
+    """This process's rank, as a tensor (Horovod's op)."""
+    return tf.constant(common.rank(), dtype=tf.int32, name=name)
+
+
+def size_op(process_set_id=0, name=None):
+    return tf.constant(common.size(), dtype=tf.int32, name=name)
+
+
+def local_rank_op(name=None):
+    return tf.constant(common.local_rank(), dtype=tf.int32, name=name)
+
+
+def local_size_op(name=None):
+    return tf.constant(common.local_size(), dtype=tf.int32, name=name)
+
+
+def mpi_built():
+    """Build queries (Horovod's): byteps has no MPI, Gloo, NCCL or oneCCL controller; it needs none."""
+    return False
+
+
+def gloo_built():
+    return False
+
+
+def nccl_built():
+    return 0
+
+
+def ccl_built():
+    return False
+
+
+def cuda_built():
+    """False: byteps has no GPU kernels; GPU tensors are staged through host memory."""
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def mpi_enabled():
+    return False
+
+
+def gloo_enabled():
+    return False
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "barrier", "mark_step",
            "Average", "Sum", "push_pull", "allreduce", "push_pull_group", "broadcast", "broadcast_group",
            "broadcast_variables", "broadcast_object", "allgather_object", "Compression",
-           "DistributedGradientTape", "DistributedOptimizer", "callbacks", "distribute"]
+           "DistributedGradientTape", "DistributedOptimizer", "callbacks", "distribute",
+           # Horovod
+           "Min", "Max", "Product", "Adasum", "grouped_allreduce", "allgather", "grouped_allgather", "alltoall",
+           "reducescatter", "grouped_reducescatter", "broadcast_", "broadcast_global_variables",
+           "broadcast_object_fn", "join", "PartialDistributedGradientTape", "rank_op", "size_op", "local_rank_op", "local_size_op", "mpi_built",
+           "gloo_built", "nccl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_enabled", "gloo_enabled"]

@@ -14,11 +14,13 @@ __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "Learnin
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """At the start of training, overwrite the model's weights and the optimizer's variables with
-    ``root_rank``'s, so that every worker starts from the same state.
+    """Overwrite the model's weights and the optimizer's variables with ``root_rank``'s, so that every
+    worker trains from the same state.
 
-    Keras 3 optimizers create their variables lazily; this callback builds the optimizer first
-    (``optimizer.build(model.trainable_variables)``) so that its state is broadcast too. Runs once
+    A model that is built when training begins is broadcast then (its Keras 3 optimizer is built
+    first, ``optimizer.build(model.trainable_variables)``, so that its state goes too). A model that
+    Keras builds lazily (a ``Sequential`` without an input shape) has no weights yet: it is broadcast
+    at the end of the first batch, as Horovod does, when the model and the optimizer exist. Runs once
     (the first ``fit``), unless :attr:`broadcast_done` is reset.
     """
 
@@ -32,9 +34,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def _shared(self, variables):
         return [v for v in variables if id(v) not in self.local_variables]
 
-    def on_train_begin(self, logs=None):
-        if self.broadcast_done:
-            return
+    def _broadcast(self):
         model = self.model
         broadcast_variables(self._shared(model.weights), self.root_rank, prefix="BroadcastGlobalVariables.model.")
         opt = getattr(model, "optimizer", None)
@@ -44,6 +44,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             broadcast_variables(self._shared(opt.variables), self.root_rank,
                                 prefix="BroadcastGlobalVariables.optimizer.")
         self.broadcast_done = True
+
+    def on_train_begin(self, logs=None):
+        if not self.broadcast_done and self.model.built and self.model.weights:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.broadcast_done:
+            self._broadcast()
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -23,6 +23,10 @@ def broadcast_variables(variables, root_rank, prefix="BroadcastVariables."):
     variables = list(variables)
     if not variables:
         return None
+    if not tf.executing_eagerly() and not tf.inside_function():  # a TF1 graph: the assignments, as one op
+        values = broadcast_group([tf.convert_to_tensor(v) for v in variables], root_rank,
+                                 [f"{prefix}{i}" for i in range(len(variables))])
+        return tf.group(*[tf.compat.v1.assign(v, x) for v, x in zip(variables, values)])
     values = [tf.convert_to_tensor(v) for v in variables]
     names = [f"{prefix}{i}" for i in range(len(variables))]
     outs = broadcast_group(values, root_rank, names)
@@ -73,3 +77,38 @@ def allgather_object(obj, name=None):
     base = name or f"tf.allgather_object.{_object_counter[0]}"
     _object_counter[0] += 1
     return [broadcast_object(obj, root, name=f"{base}.{root}") for root in range(common.size())]
+
+
+def broadcast_(variables, root_rank, name=None, process_set=None):
+    """Horovod's in-place broadcast: assign root_rank's values to ``variables``; returns them."""
+    from .collectives import check_global_set
+
+    check_global_set(process_set)
+    variables = list(variables)
+    prefix = f"{name or 'broadcast_'}."
+    values = broadcast_group([tf.convert_to_tensor(v) for v in variables], root_rank,
+                             [f"{prefix}{i}" for i in range(len(variables))])
+    assigned = [v.assign(x) for v, x in zip(variables, values)]
+    return variables if tf.executing_eagerly() else assigned  # in a graph: the assignments' new values
+
+
+def broadcast_global_variables(root_rank):
+    """TF1 graphs: broadcast every global variable from ``root_rank`` (Horovod's). Eager mode has no global
+    variables: RuntimeError, as Horovod (use broadcast_variables(model.variables, root_rank))."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. "
+                           "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    variables = tf.compat.v1.global_variables()
+    if not variables:
+        return tf.no_op()
+    values = broadcast_group([tf.convert_to_tensor(v) for v in variables], root_rank,
+                             [f"BroadcastGlobalVariables.{i}" for i in range(len(variables))])
+    return tf.group(*[tf.compat.v1.assign(v, x) for v, x in zip(variables, values)])
+
+
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=None):
+    """Horovod's: a function ``fn(obj)`` that returns root_rank's ``obj`` (``session`` is not needed)."""
+    from .collectives import check_global_set
+
+    check_global_set(process_set)
+    return lambda obj: broadcast_object(obj, root_rank, name=name)

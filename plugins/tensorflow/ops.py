@@ -14,37 +14,144 @@ CPU-only machines by default; set ``model.compile(..., jit_compile=False)`` on G
 A floating-point tensor's average (without tensor compression) is divided by :func:`size` as the sum
 is copied in, bit for bit as TensorFlow divides (common.submit's ``average_by``); the rest is applied
 with TensorFlow ops outside the transfer: the average of a compressed tensor after decompressing it,
-integer averages by floor division (as in ``byteps.torch``), the pre/post scale factors, and integer
-scaling rounds down.
+integer averages and integer scaling truncated toward zero and float16 scaled in float32 (Horovod's
+rounding), the pre/post scale factors.
+
+Unnamed operations built into a graph (``tf.function``, TF1 graphs) are named when the graph is built,
+numbered in build order, as Horovod names them by their op names: the same on every worker however
+the runtime orders independent ops. Unnamed eager calls are numbered in call order. Workers that
+disagree on a tensor get ``tf.errors.FailedPreconditionError`` naming it, as with Horovod.
 """
+import weakref
+
 import numpy as np
 import tensorflow as tf
 
 from byteps import common
 from byteps.core import dtypes
+from byteps.errors import TensorMismatchError
+from byteps.log import logger
 
 from .compression import Compression, wire_codec
 
-__all__ = ["Average", "Sum", "push_pull", "allreduce", "broadcast", "push_pull_group", "broadcast_group",
+__all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "push_pull", "allreduce", "broadcast", "push_pull_group", "broadcast_group",
            "dtype_code"]
 
 #: reduction ops (Horovod's names; BytePS used the same strings)
 Average = "Average"
 Sum = "Sum"
+Min = "Min"
+Max = "Max"
+Product = "Product"
+Adasum = "Adasum"
 
 _TF_DTYPES = {tf.float32: dtypes.FLOAT32, tf.float64: dtypes.FLOAT64, tf.float16: dtypes.FLOAT16,
               tf.bfloat16: dtypes.BFLOAT16, tf.int32: dtypes.INT32, tf.int64: dtypes.INT64,
               tf.uint8: dtypes.UINT8, tf.int8: dtypes.INT8}
 
 
-def dtype_code(dtype, name):
-    """The wire dtype code of a tf dtype; TypeError naming the tensor if it is unsupported."""
+#: dtypes that operations which only copy bytes (broadcast, allgather, alltoall) move as uint8
+_MOVE_ONLY = {tf.bool: 1, tf.int16: 2, tf.uint16: 2}
+
+
+def dtype_code(dtype, name, move=False):
+    """The wire dtype code of a tf dtype (``move``: the operation only copies bytes, so bool, int16 and
+    uint16 go as uint8); TypeError naming the tensor if it is unsupported."""
     try:
-        return _TF_DTYPES[tf.as_dtype(dtype)]
+        dtype = tf.as_dtype(dtype)
+        if move and dtype in _MOVE_ONLY:
+            return dtypes.UINT8
+        return _TF_DTYPES[dtype]
     except (KeyError, TypeError):
         supported = ", ".join(d.name for d in _TF_DTYPES)
+        moved = ", ".join(d.name for d in _MOVE_ONLY)
         raise TypeError(f"byteps: tensor {name!r} has unsupported dtype {getattr(dtype, 'name', dtype)}; "
-                        f"supported: {supported}") from None
+                        f"supported: {supported} (and {moved} for broadcast, allgather and alltoall)") from None
+
+
+def wire_shape(arr):
+    """The shape declared for numpy array ``arr``: a move-only dtype's element bytes become a last dimension."""
+    if arr.dtype in (np.int16, np.uint16):
+        return (*arr.shape, arr.dtype.itemsize)
+    return tuple(arr.shape)
+
+
+_GRAPHS = weakref.WeakKeyDictionary()  # graph -> its byteps bookkeeping (graphs take no attributes)
+
+
+def _graph_state():
+    graph = tf.compat.v1.get_default_graph()
+    state = _GRAPHS.get(graph)
+    if state is None:
+        state = _GRAPHS[graph] = {"unnamed": {}, "last_op": None, "ran": False}
+    return state
+
+
+def graph_name(prefix, name):
+    """``name``, or for an unnamed op built into a graph its graph-unique name (the same on every worker
+    building the same graph); None for an eager call (numbered when it runs)."""
+    if name is not None or tf.executing_eagerly():
+        return name
+    # numbered per graph in build order, whatever the name scope (tf.custom_gradient opens one only
+    # on the ranks whose tensor is differentiable)
+    counts = _graph_state()["unnamed"]
+    counts[prefix] = counts.get(prefix, -1) + 1
+    return f"{prefix}.noname.graph{counts[prefix]}"
+
+
+def graph_call(fn, inputs, out_dtypes, op_name, what):
+    """``fn(*eager tensors) -> outputs`` as one tf.py_function of the graph being built.
+
+    Order: each op blocks a runtime thread until every worker has joined it, and a TF1 session runs
+    independent ops in any order on a few threads; unordered, two workers could each wait in an op
+    the other has not started. So in a TF1 graph an op built after another, with no run in between,
+    runs after it (a control edge; an op built after a run starts a new chain, so that a loop of
+    build-and-run does not re-run every earlier op). ``tf.function`` needs nothing: its automatic
+    control dependencies run stateful ops in program order.
+
+    Errors: a py_function turns every Python exception into UnknownError, so a mismatch (workers
+    disagree on ``what``) comes back as a flag, and a conditional read of a variable that does not
+    exist raises Horovod's FailedPreconditionError, its message naming ``what``; the ranks' shapes are
+    in the worker's log."""
+    state = None if tf.inside_function() else _graph_state()
+
+    def body(*xs):
+        if state is not None:
+            state["ran"] = True
+        try:
+            return [*fn(*xs), True]
+        except (TensorMismatchError, tf.errors.FailedPreconditionError) as e:
+            logger.error("%s", e)
+            return [tf.zeros([0], d) for d in out_dtypes] + [False]
+
+    def make():
+        return tf.py_function(body, inp=list(inputs), Tout=[*out_dtypes, tf.bool], name=op_name)
+
+    last = None if state is None or state["ran"] else state["last_op"]
+    try:
+        with tf.control_dependencies([last] if last is not None else []):
+            *outs, ok = make()
+    except ValueError:  # the previous op sits in another control-flow context: no edge can reach it
+        *outs, ok = make()
+    if state is not None:
+        state["last_op"], state["ran"] = ok.op, False
+
+    def fail():
+        reason = (f"byteps: the workers disagree on {what} (shape, dtype or root rank; the worker log names each "
+                  "rank's)")
+        handle = tf.raw_ops.VarHandleOp(dtype=tf.bool, shape=[], shared_name=reason, container="byteps")
+        return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.bool)
+
+    check = tf.cond(ok, lambda: tf.constant(True), fail)
+    with tf.control_dependencies([check]):
+        return [tf.identity(o) for o in outs]
+
+
+def as_tf_error(error):
+    """Horovod's error class for workers that disagree on a tensor: tf.errors.FailedPreconditionError."""
+    if isinstance(error, TensorMismatchError):
+        return tf.errors.FailedPreconditionError(None, None, str(error))
+    return error
 
 
 def _display_name(tensor, name):
@@ -61,9 +168,17 @@ def _resolve_op(average, op):
         raise ValueError("byteps: pass either average= (deprecated) or op=, not both")
     if op is None:
         op = Sum if average is False else Average
-    if op not in (Average, Sum):
-        raise ValueError(f"byteps: unsupported op {op!r}; supported: {Average!r}, {Sum!r}")
+    if op == Adasum:
+        raise NotImplementedError("byteps does not implement Adasum; use op=Average or Sum")
+    if op not in (Average, Sum, Min, Max, Product):
+        raise ValueError(f"byteps: unsupported op {op!r}; supported: Average, Sum, Min, Max, Product")
     return op
+
+
+def check_global_set(process_set):
+    """TensorFlow's process sets are not supported: only None / the global set (id 0) is accepted."""
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise NotImplementedError("byteps.tensorflow supports the global process set only")
 
 
 def _check_not_xla():
@@ -81,9 +196,9 @@ def _submit(value, name, root, asynchronous=False, codec=None, average_by=1):
     """Start one operation on an eager tensor; synchronize() returns the result as a numpy array.
     ``average_by``: a float tensor's sum is divided by it as it is copied in (common.submit)."""
     arr = np.array(value.numpy() if hasattr(value, "numpy") else value, copy=True, order="C")
-    code = dtype_code(value.dtype, name)
+    code = dtype_code(value.dtype, name, move=root is not None)
     buf = arr.reshape(-1).view(np.uint8)
-    return common.submit(name, buf, code, tuple(arr.shape), broadcast_root=root, finalize=lambda: arr,
+    return common.submit(name, buf, code, wire_shape(arr), broadcast_root=root, finalize=lambda: arr,
                          asynchronous=asynchronous, compression=codec,
                          average_by=average_by if code in dtypes.FLOATING else 1)
 
@@ -92,7 +207,7 @@ def _run_eager(values, names, root, prefix, asynchronous=False, codec=None, aver
     """Submit every tensor, then wait for all of them; returns eager tensors in the same order."""
     names = [n if n is not None else common.auto_name(prefix) for n in names]
     for v, n in zip(values, names):  # refuse bad dtypes before anything is in flight
-        dtype_code(v.dtype, n)
+        dtype_code(v.dtype, n, move=root is not None)
     handles, error = [], None
     try:
         for v, n in zip(values, names):
@@ -106,7 +221,7 @@ def _run_eager(values, names, root, prefix, asynchronous=False, codec=None, aver
         except BaseException as e:
             error = error or e
     if error is not None:
-        raise error
+        raise as_tf_error(error)
     return [tf.convert_to_tensor(r, dtype=v.dtype) for r, v in zip(results, values)]
 
 
@@ -118,14 +233,15 @@ def _transfer(tensors, names, root, prefix, op_name, asynchronous=False, codec=N
     if tf.executing_eagerly():
         return _run_eager(tensors, names, root, prefix, asynchronous, codec, average_by)
     for t, n in zip(tensors, names):  # fail at trace time, naming the tensor
-        dtype_code(t.dtype, _display_name(t, n))
+        dtype_code(t.dtype, _display_name(t, n), move=root is not None)
     _check_not_xla()
-    names = list(names)
+    names = [graph_name(prefix, n) for n in names]
 
     def body(*values):
         return _run_eager(values, names, root, prefix, asynchronous, codec, average_by)
 
-    outs = tf.py_function(body, inp=list(tensors), Tout=[t.dtype for t in tensors], name=op_name)
+    outs = graph_call(body, tensors, [t.dtype for t in tensors], op_name,
+                      "tensors " + ", ".join(repr(n if n is not None else prefix) for n in names))
     for o, t in zip(outs, tensors):
         o.set_shape(t.shape)
     return list(outs)
@@ -135,12 +251,14 @@ def _transfer(tensors, names, root, prefix, op_name, asynchronous=False, codec=N
 
 
 def _scale(tensor, factor):
+    """Horovod's scaling: float16 in float32, integers in float64 truncated toward zero."""
     if factor == 1:
         return tensor
+    if tensor.dtype == tf.float16:
+        return tf.cast(tf.cast(tensor, tf.float32) * float(factor), tf.float16)
     if tensor.dtype.is_floating:
         return tensor * tf.cast(factor, tensor.dtype)
-    # integers: scale in float64 and round down
-    return tf.cast(tf.math.floor(tf.cast(tensor, tf.float64) * float(factor)), tensor.dtype)
+    return tf.cast(tf.cast(tensor, tf.float64) * float(factor), tensor.dtype)  # the cast truncates
 
 
 def _divide(tensor, n):
@@ -148,7 +266,7 @@ def _divide(tensor, n):
         return tensor
     if tensor.dtype.is_floating:
         return tensor / tf.cast(n, tensor.dtype)
-    return tf.math.floordiv(tensor, tf.cast(n, tensor.dtype))
+    return tf.truncatediv(tensor, tf.cast(n, tensor.dtype))  # toward zero, as Horovod
 
 
 def _reduce_group(tensors, names, op, prescale, postscale, compression, prefix="tf.push_pull"):
@@ -190,77 +308,38 @@ def push_pull_group(tensors, names=None, op=Average, compression=Compression.non
                          prefix)
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0):
-    """Sum or average ``tensor`` over all workers; returns a new tensor (Horovod's name and arguments).
-
-    Args:
-        tensor: a tf.Tensor (or anything convertible: variables, numpy arrays).
-        average: deprecated; ``True`` means ``op=Average``, ``False`` ``op=Sum``.
-        name: the same on every worker. Unnamed calls get ``tf.push_pull.noname.<n>``, numbered in
-            call order (inside tf.function: at each execution), so they never collide; name
-            tensors that are push_pulled repeatedly, or every call declares a new tensor.
-        compression: ``Compression.none`` or ``Compression.fp16`` (on the tensor), or a wire compressor
-            (``Compression.onebit(error_feedback=True)``, ``.topk``, ...; docs/compression.md).
-        op: ``Average`` (default) or ``Sum``.
-        prescale_factor, postscale_factor: multiply before the sum / after the average.
-
-    Differentiable: the gradient is push_pulled with the same op and factors.
-    """
-    op = _resolve_op(average, op)
-    tensor = tf.convert_to_tensor(tensor)
-    dtype_code(tensor.dtype, _display_name(tensor, name))
-
-    def reduce(x, nm):
-        return _reduce_group([x], [nm], op, prescale_factor, postscale_factor, compression)[0]
-
-    if not tensor.dtype.is_floating:
-        return reduce(tensor, name)
-
-    @tf.custom_gradient
-    def _pp(x):
-        def grad(dy):
-            return reduce(tf.convert_to_tensor(dy), None if name is None else f"{name}.grad")
-
-        return reduce(x, name), grad
-
-    return _pp(tensor)
-
-
-def push_pull(tensor, average=None, name=None, compression=Compression.none, op=None):
-    """BytePS's name for :func:`allreduce` (default op: Average)."""
-    return allreduce(tensor, average=average, name=name, compression=compression, op=op)
-
-
 def broadcast_group(tensors, root_rank, names=None, prefix="tf.broadcast"):
     """Broadcast several tensors from ``root_rank`` at once; returns new tensors (not differentiable)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     names = list(names) if names is not None else [None] * len(tensors)
     for t, n in zip(tensors, names):
-        dtype_code(t.dtype, _display_name(t, n))
+        dtype_code(t.dtype, _display_name(t, n), move=True)
     if not 0 <= root_rank < common.size():
         raise ValueError(f"byteps: root rank {root_rank} is outside 0..{common.size() - 1}")
     return _transfer(tensors, names, root_rank, prefix, "BytePSBroadcast")
 
 
-def broadcast(tensor, root_rank, name=None):
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=None):
     """Return ``root_rank``'s ``tensor`` on every worker, as a new tensor.
 
-    A real broadcast: only the root's bytes travel, so NaN/Inf on other ranks cannot leak. The
-    gradient (as in Horovod) is the sum of the incoming gradients on the root and zero elsewhere.
+    A real broadcast: only the root's bytes travel, so NaN/Inf on other ranks cannot leak; any dtype
+    moves, bool, int16 and uint16 included. The gradient (as in Horovod) is the average of the incoming
+    gradients on the root and zero elsewhere. ``ignore_name_scope``, ``process_set`` (the global one): Horovod's.
     """
+    check_global_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    dtype_code(tensor.dtype, _display_name(tensor, name))
+    dtype_code(tensor.dtype, _display_name(tensor, name), move=True)
     if not tensor.dtype.is_floating:
         return broadcast_group([tensor], root_rank, [name])[0]
 
     @tf.custom_gradient
     def _bc(x):
         def grad(dy):
-            g = _reduce_group([tf.convert_to_tensor(dy)], [None if name is None else f"{name}.grad"], Sum, 1.0,
+            g = _reduce_group([tf.convert_to_tensor(dy)], [None if name is None else f"{name}.grad"], Average, 1.0,
                               1.0, Compression.none)[0]
             return g if common.rank() == root_rank else tf.zeros_like(g)
 
         return broadcast_group([x], root_rank, [name])[0], grad
 
     return _bc(tensor)
+

@@ -6,7 +6,7 @@ from byteps import common
 from .compression import Compression
 from .ops import Average, _resolve_op, _transfer, push_pull_group
 
-__all__ = ["DistributedGradientTape", "DistributedOptimizer"]
+__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer"]
 
 
 def _densify(grad):
@@ -32,19 +32,31 @@ def _reduce_grads(grads, names, op, compression, prescale=1.0, postscale=1.0):
 
 
 class _DistributedGradientTapeMixin:
+    def register_local_source(self, source):
+        """Horovod's: ``source``'s gradient stays this worker's own (model-parallel variables); it is divided
+        by the number of workers when the tape was made with ``scale_local_gradients=True`` (the default)."""
+        self._bps_local.add(id(source))
+
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         if common.size() <= 1:
             return grads
         flat = tf.nest.flatten(grads, expand_composites=False)
+        local = [id(s) in self._bps_local for s in tf.nest.flatten(sources, expand_composites=False)]
+        if len(local) != len(flat):
+            local = [False] * len(flat)
         names = [f"{self._bps_prefix}{i}" for i in range(len(flat))]
-        reduced = _reduce_grads(flat, names, self._bps_op, self._bps_compression)
+        shared = _reduce_grads([None if lo else g for g, lo in zip(flat, local)], names, self._bps_op,
+                               self._bps_compression)
+        reduced = [(g / common.size() if self._bps_scale_local and g is not None else g) if lo else r
+                   for g, r, lo in zip(flat, shared, local)]
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
-                            sparse_as_dense=True, op=Average, name=None):
+                            sparse_as_dense=True, op=Average, name=None, process_set=None, scale_local_gradients=True,
+                            **_horovod_only):
     """Wrap a ``tf.GradientTape`` so that ``gradient()`` returns gradients averaged over all workers.
 
     Use it after recording (``tape = bps.DistributedGradientTape(tape)``) or around a fresh tape
@@ -54,7 +66,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     ``<name or "DistributedGradientTape">.Gradient.<i>``, so every worker must pass the same sources
     in the same order. ``None`` gradients are skipped (they must be None on every worker);
     ``IndexedSlices`` are made dense. ``device_*`` and ``sparse_as_dense`` are accepted for
-    BytePS/Horovod compatibility.
+    BytePS/Horovod compatibility. ``register_local_source(variable)`` keeps a variable's gradient local
+    (Horovod's model parallelism; divided by the number of workers with ``scale_local_gradients``).
 
     Returns an instance of a subclass of the tape's class, sharing its recording.
     """
@@ -66,6 +79,21 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     tape._bps_op = _resolve_op(None, op)
     tape._bps_compression = compression
     tape._bps_prefix = f"{name or 'DistributedGradientTape'}.Gradient."
+    tape._bps_local = set()
+    tape._bps_scale_local = scale_local_gradients
+    return tape
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                                   sparse_as_dense=True, op=Average, local_layers=None, scale_local_gradients=True,
+                                   **_horovod_only):
+    """Horovod's: a DistributedGradientTape whose ``local_layers``' trainable variables keep local gradients."""
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   scale_local_gradients=scale_local_gradients)
+    layers = local_layers if isinstance(local_layers, (list, tuple)) else [local_layers] if local_layers else []
+    for layer in layers:
+        for var in layer.trainable_weights:
+            tape.register_local_source(var)
     return tape
 
 

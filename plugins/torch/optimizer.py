@@ -13,7 +13,7 @@ from .ops import dtype_code, push_pull_async_inplace, synchronize
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op=0,
-                 gradient_predivide_factor=1.0, sparse_as_dense=False, fusion=False, pset=None):
+                 gradient_predivide_factor=1.0, sparse_as_dense=False, fusion=False, pset=None, member=True):
         super(self.__class__, self).__init__(params)
         self._compression = compression
         self._pset = pset  # None, or a process set's (id, ranks): gradients are averaged over its members
@@ -48,13 +48,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._warned = False
         self._hooks = []
+        # Horovod: on a rank outside the optimizer's process set, step() is the wrapped optimizer's alone
+        self._communicates = common.size() > 1 and member
         self._fused = None
-        if fusion and common.size() > 1:
+        if fusion and self._communicates:
             from byteps.fusion import FusedPushPull
             # balanced fusion buffers (byteps/fusion.py): small gradients share buffers in rank 0's
             # first-step order, and every buffer is split over the servers in the k/n proportions
             self._fused = FusedPushPull("DistributedOptimizer.fused")
-        if common.size() > 1:
+        if self._communicates:
             for p in all_params:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -113,7 +115,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self):
         """Wait for every gradient's push_pull; gradients a worker did not compute are sent as zeros."""
-        if common.size() > 1:
+        if self._communicates:
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.requires_grad and p not in self._handles:
@@ -207,7 +209,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         sparse_as_dense: accepted for Horovod compatibility: sparse gradients are always reduced
             densely (Horovod allgathers them unless this is set) and handed back sparse, as Horovod does.
         process_set: Horovod's: gradients are averaged (or summed) over this process set's members
-            only; build the optimizer on its members alone. Not with ``fusion``.
+            only; on the other ranks the optimizer does not communicate (as Horovod's). Not with ``fusion``.
         fusion: send gradients through balanced fusion buffers (byteps/fusion.py, Herring's):
             small gradients share buffers laid out once in rank 0's first-step order, and each
             buffer is split over the servers in the optimal k/n proportions. ``None`` follows
@@ -218,13 +220,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             result is :func:`byteps.torch.async_optimizer.AsyncDistributedOptimizer`: workers push
             parameter deltas and pull the latest parameters, with no barrier (docs/async.md).
     """
-    from .mpi_ops import Adasum, Average, _OP_NAMES, _wire_set
+    from .mpi_ops import Adasum, Average, _OP_NAMES, ProcessSet, _wire_set
 
     if asynchronous or (asynchronous is None and common.is_initialized() and common.config().enable_async):
         from .async_optimizer import AsyncDistributedOptimizer
         return AsyncDistributedOptimizer(optimizer, named_parameters)
 
-    pset = _wire_set(process_set)
+    member = not isinstance(process_set, ProcessSet) or process_set.included()
+    pset = _wire_set(process_set) if member else None
     op = Average if op is None else op
     if op == Adasum:
         raise NotImplementedError("byteps does not implement Adasum; use op=hvd.Average or hvd.Sum")
@@ -252,4 +255,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                              "per-tensor compression; use Compression.none or Compression.fp16")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, sparse_as_dense, bool(fusion), pset)
+               gradient_predivide_factor, sparse_as_dense, bool(fusion), pset, member)

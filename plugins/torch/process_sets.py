@@ -17,7 +17,6 @@ byteps allows adding sets after ``init()`` either way.
 A module of its own below ops.py and mpi_ops.py, so that both resolve ``process_set`` arguments
 without importing each other; mpi_ops.py re-exports these names as Horovod's.
 """
-import itertools
 import threading
 
 from byteps import common
@@ -54,7 +53,6 @@ global_process_set = ProcessSet()
 
 _registered = {}            # id -> ProcessSet added on this rank (the global set is not listed)
 _lock = threading.Lock()
-_calls = itertools.count()  # names of the collective checks, the same sequence on every rank
 
 
 def _register(process_set):
@@ -76,7 +74,8 @@ def _register(process_set):
 
 def _agree(what, value):
     """Check that every rank of the job called ``what`` with the same ``value`` (a collective)."""
-    seen = common.exchange(f"process_set.{next(_calls)}.{what}", value)
+    # named by the call alone (exchanges are sequential): a rank whose last one failed still meets the others'
+    seen = common.exchange(f"process_set.{what}", value)
     if len({repr(v) for v in seen.values()}) > 1:
         detail = "; ".join(f"rank {r}: {v}" for r, v in sorted(seen.items()))
         raise ValueError(f"{what}() must be called by every rank with the same process set: {detail}")

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from byteps.common import barrier, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
-from .. import ops as _ops
+from .. import collectives as _collectives, ops as _ops
 from ..compression import Compression
 from ..functions import allgather_object, broadcast_object, broadcast_variables
 from ..ops import Average, Sum
@@ -76,7 +76,7 @@ def _value(t):
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=Compression.none):
     """Average (or sum) a value over all workers; returns a numpy array (Horovod's keras ``allreduce``)."""
-    return _value(_ops.allreduce(tf.convert_to_tensor(value), average=average, name=name, compression=compression,
+    return _value(_collectives.allreduce(tf.convert_to_tensor(value), average=average, name=name, compression=compression,
                                  op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor))
 
 

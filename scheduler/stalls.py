@@ -1,0 +1,45 @@
+"""Waits that can never end: workers blocked in different collectives.
+
+A worker in a barrier (``barrier()``, a process-set check, ``shutdown``'s agreement) is blocked: it
+makes no other call until the barrier is released. So when every active worker sits in a barrier but
+not all in the same one, or a worker sits in a barrier while a tensor it has not declared waits for
+its declaration, nothing can finish: typically one rank raised an error and skipped the collectives
+the others went on to. Rather than let every rank wait out BYTEPS_TIMEOUT (and every later call
+meet a partner that is still waiting), the scheduler fails all of them with one message naming who
+waits where, once the picture has stood still for a short grace period (another thread of a blocked
+worker may still be about to declare).
+"""
+
+
+def find_deadlock(active, rank_of, barriers, declares, set_declares):
+    """A message describing a wait that cannot end, or None.
+
+    active: identities of the workers still in this epoch; rank_of: identity -> rank;
+    barriers: name -> identities waiting in it; declares: (name, seq) -> {"specs": {identity: ...}};
+    set_declares: (name, seq, set id) -> {"specs": ..., "members": identities}.
+    """
+    active = set(active)
+    blocked = {i: name for name, group in barriers.items() for i in group if i in active}
+    if not blocked:
+        return None
+    stuck = []
+    for (name, _seq), pending in declares.items():
+        lacking = sorted(rank_of[i] for i in active - set(pending["specs"]) if i in blocked)
+        if lacking:
+            stuck.append(f"tensor {name!r} declared by ranks {sorted(rank_of[i] for i in pending['specs'])}")
+    for (name, _seq, set_id), pending in set_declares.items():
+        if any(i in blocked for i in pending["members"] - set(pending["specs"])):
+            stuck.append(f"tensor {name!r} of process set {set_id} declared by ranks "
+                         f"{sorted(rank_of[i] for i in pending['specs'])}")
+    if not stuck and not (active <= set(blocked) and len(set(blocked.values())) > 1):
+        return None
+    where = "; ".join(f"rank {rank_of[i]} in barrier {blocked[i]!r}" for i in sorted(blocked, key=rank_of.get))
+    return ("the workers wait in different collectives and none can finish: " + "; ".join([where, *stuck]) +
+            " (did a rank skip a collective after an error? every rank must make the same calls in the same order)")
+
+
+def signature(barriers, declares, set_declares):
+    """What changes whenever a worker makes progress: the grace period restarts on any change."""
+    return (frozenset((n, frozenset(g)) for n, g in barriers.items()),
+            frozenset((k, frozenset(p["specs"])) for k, p in declares.items()),
+            frozenset((k, frozenset(p["specs"])) for k, p in set_declares.items()))
