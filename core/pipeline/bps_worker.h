@@ -48,7 +48,7 @@
  *
  *     worker_loop.h          byteps-net: start/stop, submit, run(), the inbox, PULL (on_message, receive)
  *     worker_links.h         server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback
- *     worker_send_queue.h    the send queue: priority within the byte credit (bps_queue.h), PUSH, raw sends
+ *     worker_send_queue.h    PUSH from the send queue (BpsSendQueue, send_queue.h), Python's raw sends
  *     worker_completions.h   the op table, errors, lazy delivery, waits and time-outs
  *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread
  *     worker_direct.h        direct calls: submit_direct, submit_local_direct, submit_owner_direct
@@ -90,6 +90,7 @@
 #include "core/transport/bps_ucx.h"
 #include "core/transport/bps_wire.h"
 #include "core/transport/bps_zmq.h"
+#include "core/pipeline/send_queue.h"
 #include "core/pipeline/stage_thread.h"
 #include "core/pipeline/worker_types.h"
 
@@ -124,7 +125,7 @@ class BpsWorkerCore {
     uint64_t bytes_sent(int server) { return server < (int)sent_.size() ? sent_[server].load() : 0; }
     uint64_t bytes_received(int server) { return server < (int)received_.size() ? received_[server].load() : 0; }
 
-    /* the send queue: priority within the byte credit, PUSH, Python's raw sends (worker_send_queue.h) */
+    /* the send queue (BpsSendQueue, send_queue.h): PUSH, Python's raw sends (worker_send_queue.h) */
     uint64_t credit_stalls(std::string *first);
     void send_raw(BpsRawSend *m);
 
@@ -242,10 +243,8 @@ class BpsWorkerCore {
     int send_server(int server, BpsFrames &f);
     void cork_links(bool on);
 
-    /* the send queue: priority within the byte credit, PUSH, Python's raw sends (worker_send_queue.h) */
+    /* the send queue (BpsSendQueue, send_queue.h): PUSH, Python's raw sends (worker_send_queue.h) */
     void send_raw_now(BpsRawSend *m);
-    static BpsUrgency urgency(const BpsOp *op, int part);
-    bool fits(const BpsQueued &q) const;
     void send_ready();
     void push(BpsOp *op, int index);
     void release(BpsOp *op, int index);
@@ -296,7 +295,7 @@ class BpsWorkerCore {
     bool awaiting_commit() const { return commits_net_ < holds_.load(); }
 
     uint32_t node_id_;
-    BpsCredit credit_;  /* network-thread state: bytes in flight by urgency */
+    BpsSendQueue sendq_; /* network-thread state: partitions waiting for the credit, bytes in flight */
     double timeout_;
     int nthreads_;
     int notify_fd_;
@@ -359,7 +358,6 @@ class BpsWorkerCore {
     std::vector<int64_t> released_;
 
     /* network-thread state */
-    std::priority_queue<BpsQueued, std::vector<BpsQueued>, BpsByUrgency<BpsQueued>> queue_;
     uint64_t seq_ = 0;
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsOp *, int>> pending_;
     BpsPeerMaps maps_;
@@ -400,8 +398,7 @@ class BpsWorkerCore {
     std::mutex maps_mu_; /* maps_: byteps-net and direct local callers read results through it */
     std::vector<std::string> local_link_ident_;         /* per local rank: its DEALER identity (frame 0) */
     std::atomic<uint64_t> local_link_sent_{0}, local_link_received_{0};
-    std::atomic<uint64_t> credit_stalls_{0};
-    std::string first_stall_; /* guarded by mu_ */
+    std::string first_stall_; /* the first send queue stall's tensor (guarded by mu_) */
 };
 
 /* The member functions, one header per part (each includes this one) */

@@ -245,8 +245,8 @@ inline void BpsWorkerCore::check_timeouts(double now) {
                                  std::to_string(kv.first.first & 0xFFFFFFFF) + ") round " +
                                  std::to_string(kv.first.second) + " to server " + std::to_string(q.server) + ";";
                 }
-                if (!queue_.empty()) {
-                    const BpsQueued &t = queue_.top();
+                if (!sendq_.empty()) {
+                    const BpsQueued &t = sendq_.top();
                     const BpsPart &q = t.op->parts[(size_t)t.part];
                     first += " next: '" + t.op->name + "' (" + std::to_string(q.key >> 32) + ", " +
                              std::to_string(q.key & 0xFFFFFFFF) + ") to server " + std::to_string(q.server);
@@ -256,8 +256,8 @@ inline void BpsWorkerCore::check_timeouts(double now) {
                     held_by += (held_by.empty() ? "" : ", ") + std::string("server ") + std::to_string(kv.first) +
                                ": " + std::to_string(kv.second.first) + " partitions, " +
                                std::to_string(kv.second.second) + " bytes";
-                who = "its turn to be sent (" + std::to_string(credit_.in_flight()) + " bytes in flight, credit " +
-                      std::to_string(credit_.credit()) + ", " + std::to_string(queue_.size()) + " queued; " +
+                who = "its turn to be sent (" + std::to_string(sendq_.in_flight()) + " bytes in flight, credit " +
+                      std::to_string(sendq_.credit()) + ", " + std::to_string(sendq_.size()) + " queued; " +
                       (held_by.empty() ? "no replies owed" : "replies owed by " + held_by) + ";" + first + ")";
             }
         }

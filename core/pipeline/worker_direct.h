@@ -505,7 +505,7 @@ inline void BpsWorkerCore::take_direct() {
         }
         pending_[std::make_pair(p.key, a.seq)] = std::make_pair(a.op, a.part);
         a.op->owed[p.server]++;
-        credit_.take(urgency(a.op, a.part), (int64_t)p.length);
+        sendq_.take(a.op, a.part);
         if (abort) fail(a.op, BPS_ERR_ABORT, "");
     }
     for (auto &m : strays) {

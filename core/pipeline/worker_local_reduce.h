@@ -203,7 +203,7 @@ inline void BpsWorkerCore::after_task(BpsStageTask &t) {
         p.trace_t = bps_span_start(); /* its QUEUE wait starts now */
         /* PUSH of the machine's sum: queued by priority within the credit like any partition */
         op->parts[(size_t)t.part].qseq = seq_;
-        queue_.push(BpsQueued{op->priority, seq_++, op, t.part, p.key});
+        sendq_.add(BpsQueued{op->priority, seq_++, op, t.part, p.key});
     } else { /* COPY_OUT: the result is in the tensor */
         part_done(op);
     }

@@ -5,7 +5,7 @@
 #include "core/pipeline/bps_worker.h"
 
 inline BpsWorkerCore::BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
-    : node_id_(node_id), credit_(credit), timeout_(timeout), nthreads_(nthreads), notify_fd_(notify_fd) {
+    : node_id_(node_id), sendq_(credit), timeout_(timeout), nthreads_(nthreads), notify_fd_(notify_fd) {
     wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     done_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     /* Per-server state is sized once: a server that joins mid-job (elastic) never moves what other
@@ -290,7 +290,7 @@ inline void BpsWorkerCore::take_inbox() {
         q.seq = seq_++;
         q.op->parts[(size_t)q.part].qseq = q.seq;
         q.tie = q.op->parts[(size_t)q.part].key;
-        queue_.push(q);
+        sendq_.add(q);
     }
     for (auto &c : claims) local_claimed(c.first, c.second);
     if (python_local && !python_local_mode_) { /* join(): what we held goes to Python now */
@@ -309,7 +309,7 @@ inline void BpsWorkerCore::take_inbox() {
         for (auto &id : ids) maybe_reduce(id);
     }
     if (abort) {
-        while (!queue_.empty()) queue_.pop();
+        sendq_.drop_all();
         std::vector<BpsOp *> all;
         {
             std::lock_guard<std::mutex> lock(mu_);
@@ -320,7 +320,7 @@ inline void BpsWorkerCore::take_inbox() {
         }
         pending_.clear();
         stranded_.clear();
-        credit_.clear();
+        sendq_.clear_credit();
         groups_.clear();
         awaiting_.clear();
         {

@@ -1,4 +1,5 @@
-/* BpsWorkerCore, the send queue: priority within the byte credit, PUSH, Python's raw sends. */
+/* BpsWorkerCore, the send queue's user: partitions leave BpsSendQueue (send_queue.h) within the byte
+ * credit and are pushed (STAGE, PUSH); Python's raw sends. */
 #ifndef BPS_WORKER_SEND_QUEUE_H
 #define BPS_WORKER_SEND_QUEUE_H
 
@@ -8,7 +9,7 @@
 inline uint64_t BpsWorkerCore::credit_stalls(std::string *first) {
     std::lock_guard<std::mutex> lock(mu_);
     *first = first_stall_;
-    return credit_stalls_.load();
+    return sendq_.stalls();
 }
 
 inline void BpsWorkerCore::send_raw(BpsRawSend *m) {
@@ -48,31 +49,20 @@ inline void BpsWorkerCore::send_raw_now(BpsRawSend *m) {
     /* Python counts its own messages (Engine.bytes_sent); a failed send released the body */
 }
 
-/* the credit counts bytes in flight at least as urgent: (priority, wire key), one order on every
- * worker (core/pipeline/bps_queue.h says why) */
-inline BpsUrgency BpsWorkerCore::urgency(const BpsOp *op, int part) {
-    return BpsUrgency{op->priority, op->parts[(size_t)part].key};
-}
-
-inline bool BpsWorkerCore::fits(const BpsQueued &q) const {
-    return credit_.fits(BpsUrgency{q.priority, q.tie}, (int64_t)q.op->parts[q.part].length);
-}
-
 inline void BpsWorkerCore::send_ready() {
-    if (queue_.empty()) return;
+    if (sendq_.empty()) return;
     bool stalled = false;
-    if (!fits(queue_.top())) { /* a credit with no progress for a second: workers disagree on urgency */
-        if (!credit_.stalled(BPS_CREDIT_STALL_MS)) return;
+    if (!sendq_.fits(sendq_.top())) { /* a credit with no progress for a second: workers disagree on urgency */
+        if (!sendq_.stalled()) return;
         stalled = true;
-        if (credit_stalls_.fetch_add(1) == 0) { /* Python logs the first (Engine._note_stall) */
+        if (sendq_.count_stall()) { /* Python logs the first (Engine._note_stall) */
             std::lock_guard<std::mutex> lock(mu_);
-            first_stall_ = queue_.top().op->name;
+            first_stall_ = sendq_.top().op->name;
         }
     }
     cork_links(true); /* a burst of pushes leaves in as few writes as the sockets take */
-    while (!queue_.empty() && (stalled || fits(queue_.top()))) {
-        BpsQueued q = queue_.top();
-        queue_.pop();
+    while (!sendq_.empty() && (stalled || sendq_.fits(sendq_.top()))) {
+        BpsQueued q = sendq_.pop();
         BpsOp *op = q.op;
         if (op->done.load()) continue;
         push(op, q.part);
@@ -136,11 +126,11 @@ inline void BpsWorkerCore::push(BpsOp *op, int index) {
     sent_[p.server] += sizeof h + body_len;
     pending_[std::make_pair(p.key, rnd)] = std::make_pair(op, index);
     op->owed[p.server]++;
-    credit_.take(urgency(op, index), (int64_t)p.length);
+    sendq_.take(op, index);
 }
 
 inline void BpsWorkerCore::release(BpsOp *op, int index) {
-    credit_.release(urgency(op, index), (int64_t)op->parts[index].length);
+    sendq_.release(op, index);
 }
 
 #endif
