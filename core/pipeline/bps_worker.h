@@ -26,7 +26,7 @@
  *
  * The local ROUTER (LOCAL_READY / LOCAL_DONE from the others) and DEALERs (to them) are handed over
  * after Python authenticated them; the handshakes of late peers still reach Python (forwarded).
- * Local links (BYTEPS_LOCAL_LINKS=1): a direct TCP link (BpsLink on 127.0.0.1) per other local rank,
+ * Local links: a direct link (BpsLink on 127.0.0.1) per other local rank,
  * opened by Python after that handshake (core/engine.py _open_local_links: a one-time token offered over
  * the authenticated ZeroMQ plane) and handed over with add_local_link. send_local() uses it while it
  * works, else the DEALER; what comes in on it is taken as if it came on the ROUTER from that peer's

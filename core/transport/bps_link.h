@@ -7,8 +7,8 @@
  * So once a worker and a server have authenticated over ZeroMQ, the worker asks the server for a link
  * (Cmd.LINK: the server answers a port and a one-time token), connects a TCP socket, presents the
  * token, and from then on the native threads (byteps-net, byteps-serve) write and read that socket
- * themselves, with no thread in between. ZeroMQ stays for the control plane, for peers without a link
- * (the Python loops, BYTEPS_DIRECT_TCP=0) and as the fallback when a link breaks.
+ * themselves, with no thread in between. ZeroMQ stays for the control plane, for a peer whose link
+ * could not be opened, and as the fallback when a link breaks.
  *
  * Framing on a link (little-endian):
  *
@@ -424,7 +424,7 @@ class BpsLink : public BpsConn {
     uint64_t lens_[BPS_LINK_MAX_FRAMES];
 };
 
-/* Shared-memory local links (BYTEPS_LOCAL_RINGS=1, the default): two worker processes of one machine
+/* Shared-memory local links (wherever the rings can be mapped): two worker processes of one machine
  * write their link's bytes into a ring in shared memory instead of a TCP socket.
  *
  * Why: a small synchronous push_pull of a machine's processes is a few tiny messages (LOCAL_READY,
