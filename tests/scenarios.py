@@ -294,7 +294,10 @@ def main():
         result["value"] = SCENARIOS[name](outdir, args)
     except Exception as e:  # the test reads the error text
         result["error"] = f"{type(e).__name__}: {e}"
-    m = bps.metrics()
+    if bps.is_initialized():
+        m = bps.metrics()
+    elif dataplane:  # the scenario shut byteps down: read the engine it ran on, as it was left
+        m = dict(m, **_job.engine.metrics())
     # ops the native data plane ran whole (core/pipeline/bps_worker.h)
     result["native_ops"] = m["native"]["ops"] if dataplane else None
     # servers reached over a direct TCP link (core/transport/bps_link.h) rather than ZeroMQ

@@ -12,7 +12,7 @@ from .ops import (broadcast_, broadcast_async_, byteps_declare_tensor, byteps_pu
                   push_pull_async, synchronize)
 from .optimizer import DistributedOptimizer, DistributedTrainer
 
-__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "barrier",
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "barrier", "metrics",
            "push_pull", "push_pull_async", "byteps_push_pull", "byteps_declare_tensor", "broadcast_",
            "broadcast_async_", "poll", "synchronize", "broadcast_parameters", "DistributedOptimizer",
            "DistributedTrainer", "Compression"]

@@ -17,7 +17,10 @@ os.environ.setdefault("TF_NUM_INTEROP_THREADS", "64")
 import tensorflow as tf  # noqa: E402
 
 from byteps import common  # noqa: E402
-from byteps.common import (barrier, init, is_initialized, local_rank, local_size, mark_step, rank, shutdown, size)
+from byteps.common import (barrier, init, is_initialized, local_rank, local_size, mark_step, metrics, rank,
+                           shutdown, size)
+from byteps.build_info import (ccl_built, cuda_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,  # noqa: F401
+                               nccl_built, rocm_built)
 
 from . import callbacks, distribute
 from .collectives import (allgather, allreduce, alltoall, grouped_allgather, grouped_allreduce, grouped_reducescatter,
@@ -56,39 +59,6 @@ def local_size_op(name=None):
     return tf.constant(common.local_size(), dtype=tf.int32, name=name)
 
 
-def mpi_built():
-    """Build queries (Horovod's): byteps has no MPI, Gloo, NCCL or oneCCL controller; it needs none."""
-    return False
-
-
-def gloo_built():
-    return False
-
-
-def nccl_built():
-    return 0
-
-
-def ccl_built():
-    return False
-
-
-def cuda_built():
-    """False: byteps has no GPU kernels; GPU tensors are staged through host memory."""
-    return False
-
-
-def rocm_built():
-    return False
-
-
-def mpi_enabled():
-    return False
-
-
-def gloo_enabled():
-    return False
-
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "barrier", "mark_step",
            "Average", "Sum", "push_pull", "allreduce", "push_pull_group", "broadcast", "broadcast_group",
            "broadcast_variables", "broadcast_object", "allgather_object", "Compression",
@@ -97,4 +67,4 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "Min", "Max", "Product", "Adasum", "grouped_allreduce", "allgather", "grouped_allgather", "alltoall",
            "reducescatter", "grouped_reducescatter", "broadcast_", "broadcast_global_variables",
            "broadcast_object_fn", "join", "PartialDistributedGradientTape", "rank_op", "size_op", "local_rank_op", "local_size_op", "mpi_built",
-           "gloo_built", "nccl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_enabled", "gloo_enabled"]
+           "gloo_built", "nccl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_enabled", "gloo_enabled", "metrics"]

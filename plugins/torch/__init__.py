@@ -67,7 +67,7 @@ def shutdown():
 _register_backend()
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-           "cross_size", "is_homogeneous", "barrier", "join",
+           "cross_size", "is_homogeneous", "barrier", "join", "metrics",
            # BytePS
            "push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace", "byteps_push_pull",
            "broadcast_", "broadcast_async_", "poll", "synchronize", "declare", "broadcast_parameters",

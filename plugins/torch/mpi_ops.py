@@ -29,6 +29,8 @@ import torch
 from byteps import common
 from byteps import errors
 from byteps.errors import BytePSError
+from byteps.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,  # noqa: F401
+                               mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 
 from . import completion
 from .compression import Compression, wire_codec
@@ -571,48 +573,6 @@ def cross_size():
 
 def is_homogeneous():
     return True
-
-
-def mpi_threads_supported():
-    return False
-
-
-def mpi_enabled():
-    return False
-
-
-def mpi_built():
-    return False
-
-
-def gloo_enabled():
-    return False
-
-
-def gloo_built():
-    return False
-
-
-def nccl_built():
-    """0: byteps does not use NCCL (Horovod returns the NCCL version here)."""
-    return 0
-
-
-def ddl_built():
-    return False
-
-
-def ccl_built():
-    return False
-
-
-def cuda_built():
-    """False: byteps has no GPU kernels; CUDA tensors are staged through host memory."""
-    return False
-
-
-def rocm_built():
-    return False
 
 
 def start_timeline(file_path, mark_cycles=False):
