@@ -3,6 +3,7 @@ overrides, the probe's arithmetic, and the servers' PROBE echo over an authentic
 import math
 import os
 import sys
+import time
 
 import pytest
 import zmq
@@ -202,7 +203,14 @@ def _knock(sock, secret):
 
 @pytest.mark.timeout(90)
 def test_server_echoes_probe_to_authenticated_peers_only(cluster):
-    c = cluster(1, 1)
+    c = cluster(2, 1)
+    # the server's native core owns its data socket from the address book on: a worker that has
+    # pushed once (and then waits for OUTDIR/go) shows the job has started
+    c.run_workers("wait_then_sum", {"wait": 80})
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(c.tmp, f"progress.{r}")) for r in (0, 1)):
+        assert time.monotonic() < deadline, c.all_logs()
+        time.sleep(0.05)
     port = server_data_port(c.servers[0].pid)
     ctx = zmq.Context()
     try:
@@ -224,6 +232,9 @@ def test_server_echoes_probe_to_authenticated_peers_only(cluster):
         assert stranger.poll(300) == 0, "the server echoed a peer that never authenticated"
     finally:
         ctx.destroy(linger=0)
+        open(os.path.join(c.tmp, "go"), "w").close()
+    codes, _, _ = c.wait_all(60)
+    assert codes == [0, 0], c.all_logs()
     assert "ignored data from an unauthenticated peer" in c.log("server0"), c.log("server0")
 
 
