@@ -165,26 +165,18 @@ def stalled_collectives(out, args):
     every rank gets an error within seconds, not after BYTEPS_TIMEOUT, and then the ranks are in step."""
     r = bps.rank()
     got = {}
-    t0 = time.monotonic()
-    try:
-        if r == 0:
-            bps.allreduce(torch.ones(3), name="only_rank0")
-        else:
-            bps.barrier()
-        got["first"] = "no error"
-    except Exception as e:
-        got["first"] = f"{type(e).__name__}: {e}"
-    got["first_s"] = time.monotonic() - t0
-    t0 = time.monotonic()
-    try:  # rank 0 checks a process set while rank 1 waits in a barrier: stalled, both fail
-        if r == 0:
-            bps.add_process_set([0])
-        else:
-            bps.barrier()
-        got["second"] = "no error"
-    except Exception as e:
-        got["second"] = f"{type(e).__name__}: {e}"
-    got["second_s"] = time.monotonic() - t0
+
+    def timed(key, rank0_call):  # rank 0 makes ``rank0_call`` while rank 1 waits in a barrier
+        t0 = time.monotonic()
+        try:
+            rank0_call() if r == 0 else bps.barrier()
+            got[key] = "no error"
+        except Exception as e:
+            got[key] = f"{type(e).__name__}: {e}"
+        got[key + "_s"] = time.monotonic() - t0
+
+    timed("first", lambda: bps.allreduce(torch.ones(3), name="only_rank0"))
+    timed("second", lambda: bps.add_process_set([0]))  # a process-set check against a barrier: stalled, both fail
     bps.barrier()  # the barriers are in step again
     got["after"] = bps.allreduce(torch.full((2,), float(r + 1)), op=bps.Sum).tolist()
     return got
