@@ -509,15 +509,20 @@ class Engine:
 
     def _native_eligible(self, op):
         """Ops the native thread runs whole: plain push_pulls (through the machine's local reduce when
-        it has several processes) and broadcasts (never reduced locally: core/stages.py). A function of
+        it has several processes), broadcasts (never reduced locally: core/stages.py) and both in a
+        process set (its members push themselves, past the local reduce). A function of
         the op and the job's config only, so every local rank takes the same path for an op; after
         join() a process runs its local reduce in Python (the native side routes each partition's
         LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
         still meet)."""
-        # what stays on this engine's Python partition path: compressed ops, process sets, the topology
-        # executor's ranges (RangeOp) and a process's local reduce after join(); the native core runs none yet
-        if type(op) is not Op or op.codec is not None or op.pset is not None:
+        # what stays on this engine's Python partition path: compressed ops, the topology executor's ranges
+        # (RangeOp) and a process's local reduce after join(); the native core runs none yet. A process
+        # set's op is native: its members push themselves (no local reduce), and the servers know how
+        # many members push its key before any member has the key (scheduler/scheduler.py)
+        if type(op) is not Op or op.codec is not None or (op.pset is not None and self.cfg.elastic):
             return False
+        if op.pset is not None:
+            return op.cmd in (Cmd.PUSHPULL, Cmd.BROADCAST)
         if op.cmd == Cmd.BROADCAST:
             return True
         return op.cmd == Cmd.PUSHPULL and (self.local is None or (self._native_local and not self._local_python))
@@ -532,7 +537,7 @@ class Engine:
         entry = self._native_parts.get(ident)
         if entry is not None:
             return entry
-        spec = _TableSpec(op.name, tkey, op.buf.nbytes, op.dtype, op.cmd, op.root)
+        spec = _TableSpec(op.name, tkey, op.buf.nbytes, op.dtype, op.cmd, op.root, op.pset)
         with self._native_lock:  # the staging allocator is shared with the engine thread
             first, *later = self._memberships
             table = self._native.add_table(op.name, self._table_rows(spec, first))
@@ -548,7 +553,7 @@ class Engine:
     def _table_rows(self, op, membership):
         """The native table rows of a tensor (a _TableSpec) under one server membership (see _native_table)."""
         tkey = op.tkey
-        local = self.local is not None and op.cmd == Cmd.PUSHPULL
+        local = self.local is not None and op.cmd == Cmd.PUSHPULL and op.pset is None
         parts = membership["placement"].partitions(tkey, op.nbytes, dtypes.itemsize(op.dtype))
         ids, members = membership["ids"], membership["members"]
         rows = np.zeros((len(parts), 11), dtype=np.int64)
@@ -592,7 +597,7 @@ class Engine:
             return False
         self.native_submitted += 1
         self.native_averaged += op.divided
-        if self.local is not None and op.cmd == Cmd.PUSHPULL:
+        if self.local is not None and op.cmd == Cmd.PUSHPULL and op.pset is None:
             self.native_local_submitted += 1
         # only now: the native side reads an id it does not hold as "finished and forgotten", so a
         # poll() or synchronize() that saw the id before submit() would finish the op with no data
@@ -1496,9 +1501,8 @@ class Engine:
             flags = wire.FLAG_COMPRESSED
         else:
             body = data
-        if (op.codec is not None and op.cmd == Cmd.PUSHPULL) or op.pset is not None:
-            # the server's Python path takes every push of a compressed op, and of a process set's
-            # (it knows how many members push each of those keys)
+        if op.codec is not None and op.cmd == Cmd.PUSHPULL:
+            # the server's Python path takes every push of a compressed op
             flags |= wire.FLAG_PYTHON
         nbytes = body.nbytes if hasattr(body, "nbytes") else len(body)
         header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,

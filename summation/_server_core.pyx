@@ -7,7 +7,8 @@ hands it the data ROUTER socket; the native thread "byteps-serve" then receives,
 answers every plain push without the GIL. Python is called per job or per event, never per
 partition:
 
-* :meth:`set_book`, :meth:`set_join`, :meth:`reset` pass the address book, join() state and LEAVE on;
+* :meth:`set_book`, :meth:`set_join`, :meth:`set_pushers`, :meth:`reset` pass the address book, join()
+  state, process sets' keys and LEAVE on;
 * :meth:`forwarded` returns the messages Python handles (handshakes, strangers, PROBE, compressed and
   asynchronous keys, malformed messages), each with the key's state when it hands a key over;
   :meth:`admit` answers for an identity after a message marked ``auth``;
@@ -88,6 +89,7 @@ cdef extern from "summation/native/bps_server.h" nogil:
         void set_book(int64_t num_workers, int64_t pushers, uint32_t node_id, const vector[uint32_t] &nodes,
                       const vector[int64_t] &ranks)
         void set_join(cbool done, const vector[int64_t] &joined, int64_t active_pushers)
+        void set_pushers(uint32_t tensor_key, int64_t members)
         void reset()
         void admit(const string &ident, cbool ok)
         void set_listener(int fd)
@@ -285,6 +287,10 @@ cdef class ServerCore:
         for r in joined:
             ranks.push_back(r)
         self.core.set_join(done, ranks, 0 if active_pushers is None else active_pushers)
+
+    def set_pushers(self, uint32_t tensor_key, int64_t members):
+        """A process set's tensor key: its rounds complete with its ``members``' pushes."""
+        self.core.set_pushers(tensor_key, members)
 
     def reset(self):
         self.core.reset()

@@ -31,8 +31,7 @@ Native data plane: once the first address book has arrived, the data socket belo
 "byteps-serve" (summation/native/bps_server.h through summation/_server_core.pyx), which does all of the above
 for plain pushes without the GIL. This loop keeps the control plane and handles what that thread
 forwards: handshakes, strangers, PROBE, LINK, and the rounds the native core does not run yet
-(compressed pushes, process sets' keys, asynchronous training); its replies go out through the
-native thread.
+(compressed pushes, asynchronous training); its replies go out through the native thread.
 """
 import itertools
 import os
@@ -210,6 +209,8 @@ class Server:
             self._on_join(body)
         elif header.cmd == Cmd.DECLARE:  # a process set's key: its members' pushes complete its rounds
             self.set_pushers[int(body["key"])] = int(body["pushers"])
+            if self.core is not None:  # before our answer: no member pushes before every server knows
+                self.core.set_pushers(int(body["key"]), int(body["pushers"]))
             self.control.send(Cmd.DECLARE, {"key": body["key"]})
         elif header.cmd == Cmd.TRACE:  # a worker called start_timeline(): record too
             rec = timeline.start(self.cfg)
@@ -602,8 +603,8 @@ class Server:
         elif not self.gate.check(ident, body.get("mac")):
             logger.warning("refused worker connection %r: authentication failed", ident)
 
-    # The synchronous rounds below serve only the keys the native core forwards: compressed pushes,
-    # process sets' keys (FLAG_PYTHON) and keys handed over mid-round (_take_handover); it runs the rest.
+    # The synchronous rounds below serve only the keys the native core forwards: compressed ops' pushes
+    # (FLAG_PYTHON) and keys handed over mid-round (_take_handover); it runs the rest.
 
     def _check(self, st, h, rank):
         """Why this message cannot join the round, or None (messages are built only on error)."""

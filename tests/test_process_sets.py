@@ -61,6 +61,15 @@ def test_static_sets_sum_their_members_only(vals):
 
 
 @pytest.mark.timeout(240)
+def test_set_ops_run_on_the_native_core(vals):
+    """No partition of a set's op went through the Python engine (byteps.metrics()), on 4x1 and on
+    2x2 machines, where a set's members push past the machine's local reduce."""
+    for r, v in enumerate(vals):
+        assert v["python_partitions"] == 0, (r, v["python_partitions"])
+        assert v["native_ops"] > 20, (r, v["native_ops"])
+
+
+@pytest.mark.timeout(240)
 def test_distributed_optimizer_in_a_set(vals):
     want = (1 - total(B) / len(B)).tolist()  # SGD(lr=1) from ones with the members' averaged gradient
     for r, v in enumerate(vals):

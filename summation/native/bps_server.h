@@ -174,6 +174,15 @@ class BpsServerCore {
         post(std::move(c));
     }
 
+    /* A process set's tensor key: its rounds complete with its ``members``' pushes (posted before any is
+     * sent: the scheduler gives the members the key only once every server has answered). */
+    void set_pushers(uint32_t tensor_key, int64_t members) {
+        Command c(Command::SET_PUSHERS);
+        c.a = tensor_key;
+        c.b = members;
+        post(std::move(c));
+    }
+
     /* LEAVE: every key restarts at round 0; stores and peers' mappings are dropped. */
     void reset() { post(Command(Command::RESET)); }
 
@@ -223,7 +232,7 @@ class BpsServerCore {
 
   private:
     struct Command {
-        enum Kind { BOOK, JOIN, RESET, ADMIT, SEND, LINK } kind;
+        enum Kind { BOOK, JOIN, SET_PUSHERS, RESET, ADMIT, SEND, LINK } kind;
         int64_t a = 0, b = 0;
         uint32_t node = 0;
         std::vector<uint32_t> nodes;
@@ -370,6 +379,9 @@ class BpsServerCore {
                         book_.active_pushers = c.b;
                         sync_.on_join();
                     }
+                    break;
+                case Command::SET_PUSHERS:
+                    book_.set_pushers[(uint32_t)c.a] = c.b;
                     break;
                 case Command::RESET:
                     reset_keys();

@@ -22,15 +22,26 @@ struct BpsBook {
     uint32_t node_id = 0xFFFFFFFFu;
     std::unordered_map<uint32_t, int64_t> ranks;
     std::vector<int64_t> joined; /* ranks in join() */
+    std::unordered_map<uint32_t, int64_t> set_pushers; /* a process set's tensor key -> its members */
+
+    /* How many members push ``key``, if it is a process set's (set_pushers()); else -1. */
+    int64_t set_members(uint64_t key) const {
+        if (set_pushers.empty()) return -1;
+        auto it = set_pushers.find((uint32_t)(key >> 32));
+        return it != set_pushers.end() ? it->second : -1;
+    }
 
     int64_t rank_of(uint32_t sender) const {
         auto it = ranks.find(sender);
         return it != ranks.end() ? it->second : -(int64_t)sender - 1;
     }
 
-    /* Messages that complete a round: one push_pull per machine still pushing; every rank for a broadcast. */
-    int64_t expected(uint8_t cmd) const {
-        if (cmd != BPS_CMD_PUSHPULL) return num_workers;
+    /* Messages that complete a round: a process set's members; one push_pull per machine still pushing;
+     * every rank for a broadcast. A set's rounds never wait for or fail on ranks in join() (the job's). */
+    int64_t expected(const BpsHeader &h) const {
+        int64_t members = set_members(h.key);
+        if (members >= 0) return members;
+        if (h.cmd != BPS_CMD_PUSHPULL) return num_workers;
         return joined.empty() ? pushers : active_pushers;
     }
 };

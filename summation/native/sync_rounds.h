@@ -50,7 +50,7 @@ class BpsSyncRounds {
                                       ": not whole elements of a known dtype");
             return;
         }
-        if (!book_.joined.empty() && h.cmd == BPS_CMD_BROADCAST) { /* as in Horovod: not while ranks have joined */
+        if (!book_.joined.empty() && h.cmd == BPS_CMD_BROADCAST && book_.set_members(h.key) < 0) { /* as in Horovod: not while ranks have joined */
             replies_.reply_error(ident, h, joined_broadcast_error());
             return;
         }
@@ -72,7 +72,7 @@ class BpsSyncRounds {
         st.has_header = true;
         st.header = h;
         bps_span(BPS_STAGE_RECV, t_recv, h.key, h.round, h.length, -1, 0, (int32_t)rank);
-        if ((int64_t)st.senders.size() >= book_.expected(h.cmd)) maybe_complete(st, h);
+        if ((int64_t)st.senders.size() >= book_.expected(h)) maybe_complete(st, h);
     }
 
     void take_sums() {
@@ -98,6 +98,7 @@ class BpsSyncRounds {
             BpsRound &st = *kv.second;
             if (!st.has_header || st.senders.empty()) continue;
             BpsHeader h = st.header;
+            if (book_.set_members(h.key) >= 0) continue; /* join() is the whole job's, not a set's */
             if (h.cmd == BPS_CMD_BROADCAST) { /* pushed before this JOIN: the joined rank never sends its part */
                 if (st.error.empty()) st.error = joined_broadcast_error();
                 maybe_complete(st, h);
@@ -115,7 +116,7 @@ class BpsSyncRounds {
                 snprintf(secs, sizeof secs, "%.0f", now - st.since);
                 log_(bps_key_name(kv.first) + " round " + std::to_string(st.round) +
                      " has waited " + secs + " s: pushes from ranks " + bps_rank_list(st.senders) + " are in, " +
-                     std::to_string(book_.pushers) + " expected");
+                     std::to_string(st.has_header ? book_.expected(st.header) : book_.pushers) + " expected");
                 st.warned = true;
             }
         }
@@ -198,7 +199,7 @@ class BpsSyncRounds {
                 return bps_key_name(h.key) + ": rank " + bps_rank_str(rank) + "'s shared memory: " + err;
             }
             got = len;
-            if (got == h.length && h.cmd == BPS_CMD_PUSHPULL && book_.pushers == 1) {
+            if (got == h.length && h.cmd == BPS_CMD_PUSHPULL && book_.expected(h) == 1) {
                 st.has_echo = true; /* one machine: answer with its own region, no copy */
                 st.echo.assign((const char *)m->data(2), m->size(2));
             } else if (got == h.length && h.cmd == BPS_CMD_BROADCAST) {
