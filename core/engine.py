@@ -509,8 +509,9 @@ class Engine:
 
     def _native_eligible(self, op):
         """Ops the native thread runs whole: plain push_pulls (through the machine's local reduce when
-        it has several processes), broadcasts (never reduced locally: core/stages.py) and both in a
-        process set (its members push themselves, past the local reduce). A function of
+        it has several processes), broadcasts (never reduced locally: core/stages.py), both in a
+        process set (its members push themselves, past the local reduce) and asynchronous push_pulls
+        (a delta each, answered with the server's parameters). A function of
         the op and the job's config only, so every local rank takes the same path for an op; after
         join() a process runs its local reduce in Python (the native side routes each partition's
         LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
@@ -519,10 +520,10 @@ class Engine:
         # (RangeOp) and a process's local reduce after join(); the native core runs none yet. A process
         # set's op is native: its members push themselves (no local reduce), and the servers know how
         # many members push its key before any member has the key (scheduler/scheduler.py)
-        if type(op) is not Op or op.codec is not None or (op.pset is not None and self.cfg.elastic):
+        if type(op) is not Op or op.codec is not None:
             return False
-        if op.pset is not None:
-            return op.cmd in (Cmd.PUSHPULL, Cmd.BROADCAST)
+        if op.pset is not None or op.cmd == Cmd.ASYNC_PUSHPULL:  # never reduced locally
+            return not self.cfg.elastic  # only plain push_pulls and broadcasts move to a new server
         if op.cmd == Cmd.BROADCAST:
             return True
         return op.cmd == Cmd.PUSHPULL and (self.local is None or (self._native_local and not self._local_python))
@@ -1331,7 +1332,7 @@ class Engine:
             return
         if self.cfg.elastic:  # only the native core re-sends a lost server's partitions (docs/elastic.md)
             op.fail(ConfigError(f"tensor {op.name!r}: BYTEPS_ELASTIC=1 supports plain push_pull and broadcast "
-                                "(no compression, process sets, join() or BYTEPS_LOCAL_STRATEGY=topology)"))
+                                "(no compression, process sets, asynchronous training, join() or BYTEPS_LOCAL_STRATEGY=topology)"))
             return
         op.tkey = tkey
         self._queue(op, self.placement.partitions(tkey, op.buf.nbytes, dtypes.itemsize(op.dtype)))

@@ -9,8 +9,8 @@ partition:
 
 * :meth:`set_book`, :meth:`set_join`, :meth:`set_pushers`, :meth:`reset` pass the address book, join()
   state, process sets' keys and LEAVE on;
-* :meth:`forwarded` returns the messages Python handles (handshakes, strangers, PROBE, compressed and
-  asynchronous keys, malformed messages), each with the key's state when it hands a key over;
+* :meth:`forwarded` returns the messages Python handles (handshakes, strangers, PROBE, compressed
+  keys, malformed messages), each with the key's state when it hands a key over;
   :meth:`admit` answers for an identity after a message marked ``auth``;
 * :meth:`send` queues Python's replies on the same socket; :meth:`logs` returns warning lines.
 
@@ -94,6 +94,7 @@ cdef extern from "summation/native/bps_server.h" nogil:
         void admit(const string &ident, cbool ok)
         void set_listener(int fd)
         void set_adopt_rounds(cbool on)
+        void set_async(cbool on)
         int ucx_listen(const string &host, string *why)
         void expect_link(const string &ident, const string &token)
         uint64_t links_accepted()
@@ -229,6 +230,10 @@ cdef class ServerCore:
                 self.core.stop()
             del self.core
             self.core = NULL
+
+    def set_async(self, bint on):
+        """BYTEPS_ENABLE_ASYNC (before start()): serve asynchronous push_pulls (docs/async.md)."""
+        self.core.set_async(on)
 
     def set_adopt_rounds(self, bint on):
         """Elastic servers (before start()): a key's first push sets its round, so a key taken over

@@ -31,7 +31,7 @@ Native data plane: once the first address book has arrived, the data socket belo
 "byteps-serve" (summation/native/bps_server.h through summation/_server_core.pyx), which does all of the above
 for plain pushes without the GIL. This loop keeps the control plane and handles what that thread
 forwards: handshakes, strangers, PROBE, LINK, and the rounds the native core does not run yet
-(compressed pushes, asynchronous training); its replies go out through the native thread.
+(compressed pushes); its replies go out through the native thread.
 """
 import itertools
 import os
@@ -298,6 +298,7 @@ class Server:
         core = _server_core.ServerCore(self.data, self.gate.secret is not None, self.alloc is not None,
                                        self.cfg.server_engine_threads, get_num_threads())
         core.set_adopt_rounds(self.cfg.elastic)
+        core.set_async(self.cfg.enable_async)
         try:  # workers' direct links (core/transport/bps_link.h); ZeroMQ serves them meanwhile
             fd, self.link_port = transport.listen_link(self.cfg.node_host)
             core.set_listener(fd)
@@ -350,7 +351,7 @@ class Server:
                     self.core.admit(frames[0], self.gate.allows(frames[0]))
 
     def _take_handover(self, d):
-        """A key the native thread had state for is Python's from now on (its first compressed, async or
+        """A key the native thread had state for is Python's from now on (its first compressed or
         FLAG_PYTHON message): go on from that state, so a round mixing both kinds fails as it should."""
         st = _Round(d["nbytes"], d["dtype"], self.alloc)
         st.key, st.round = d["key"], d["round"]
@@ -476,13 +477,10 @@ class Server:
             st.key = header.key
             if self.cfg.elastic:  # a key taken over from a lost server goes on in the round it was in
                 st.round = header.round
-        if header.cmd == Cmd.ASYNC_PUSHPULL:
-            if not self.cfg.enable_async:  # the scheduler refuses such jobs; never sum parameters
-                self._discard_rest()
-                self._reply_error(ident, header, "asynchronous push_pull sent to a synchronous server "
-                                                 "(BYTEPS_ENABLE_ASYNC differs)")
-                return True
-            self._on_async(st, header, rank, ident)
+        if header.cmd == Cmd.ASYNC_PUSHPULL:  # the native core serves them all (summation/native/async_rounds.h)
+            self._discard_rest()
+            self._reply_error(ident, header, f"key {wire.split_key(header.key)}: an asynchronous push_pull of a key "
+                                             "this server's Python rounds hold (compressed pushes)")
             return True
         if not st.senders:
             st.since = time.monotonic()
@@ -503,89 +501,6 @@ class Server:
         if len(st.senders) >= self._expected(header):
             self._maybe_complete(st, header)
         return True
-
-    # ---------------------------------------------------------------- asynchronous training
-
-    def _on_async(self, st, h, rank, ident):
-        """BYTEPS_ENABLE_ASYNC: the store holds the parameters, not a round's sum (docs/async.md).
-
-        Round 0 of a key initialises it: every worker sends its parameters, the store takes rank
-        0's (never zeros: the defect of BytePS's async mode), and all get them back. From round 1
-        each push is a delta, applied and answered at once, with no barrier between workers. The
-        reply is a snapshot (a copy): the store changes with the next delta, so a zero-copy or
-        shared-memory reply could be read half-updated.
-        """
-        if st.round == 0:
-            if not st.senders:
-                st.since = time.monotonic()
-            problem = st.error or self._check(st, h, rank)
-            if problem is None:
-                problem = self._take_async(st, h, rank, initial=True)
-            else:
-                self._discard_rest()
-            if problem is not None and st.error is None:
-                st.error = problem
-            st.senders.append(rank)
-            st.waiters.append((ident, 0))
-            if len(st.senders) >= self.num_workers:
-                if st.error is None and 0 not in st.senders:
-                    st.error = f"key {wire.split_key(h.key)}: rank 0 never sent the initial parameters"
-                if st.error is not None:
-                    logger.warning("%s", st.error)
-                    for waiter, _ in st.waiters:
-                        self._reply_error(waiter, h, st.error)
-                    st.reset()  # a failed initialisation may be retried
-                    return
-                snapshot = st.stores[0].tobytes()
-                for waiter, _ in st.waiters:
-                    self._async_reply(waiter, h, st, snapshot)
-                st.round = 1
-                st.reset()
-            return
-        name = f"key {wire.split_key(h.key)}"
-        if h.round == 0:
-            problem = f"{name}: rank {rank} sent its initial parameters twice"
-        elif (h.length, h.dtype) != (st.nbytes, st.dtype):
-            problem = (f"{name}: rank {rank} pushed a delta of {h.length} bytes of {dtypes.name(h.dtype)} but the "
-                       f"parameters are {st.nbytes} bytes of {dtypes.name(st.dtype)}")
-        else:
-            problem = self._take_async(st, h, rank, initial=False)
-        if problem is not None:
-            self._discard_rest()
-            logger.warning("%s", problem)
-            self._reply_error(ident, h, problem)
-            return
-        self._async_reply(ident, h, st, st.stores[0].tobytes())
-
-    def _take_async(self, st, h, rank, initial):
-        """Receive one async message: rank 0's initial parameters are copied into the store, other
-        ranks' are only checked; a delta is added to the store. Returns an error message or None."""
-        if initial and st.first is None:
-            st.first = (rank, h.length, h.dtype)
-        if h.flags & wire.FLAG_SHM:
-            try:
-                src = self.maps.view(self._take())
-            except ProtocolError as e:
-                self._discard_rest()
-                return f"key {wire.split_key(h.key)}: rank {rank}'s shared memory: {e}"
-            data = src
-        else:
-            data = self._take()
-        self._discard_rest()
-        got = memoryview(data).nbytes
-        if got != h.length:
-            return f"key {wire.split_key(h.key)}: rank {rank}'s header says {h.length} bytes but {got} arrived"
-        store = st.stores[0]  # allocated only now that a body of that size has arrived
-        if initial:
-            if rank == 0:
-                copy_into(store, data)
-        else:
-            sum_into(store, data, h.dtype)
-        return None
-
-    def _async_reply(self, ident, h, st, snapshot):
-        self._send([ident, wire.pack(Cmd.REPLY, sender=self.control.node_id, key=h.key, round=h.round,
-                                     length=len(snapshot), dtype=st.dtype), snapshot], copy=False)
 
     def _on_handshake(self, ident, header):
         try:

@@ -120,6 +120,7 @@ SCRIPT = [
     push(B, K(1004, 0), 0, ints(1, 1), flags=wire.FLAG_PYTHON),  # goes to Python mid-round; the sum is exact
     push(A, K(1004, 0), 1, ints(2, 2)),                      # Python's key from now on
     push(B, K(1004, 0), 1, ints(3, 3)),
+    push(A, K(1006, 0), 0, ints(1, 2), cmd=Cmd.ASYNC_PUSHPULL),  # asynchronous, to a synchronous server
 ]
 #: shared-memory descriptors a server cannot use: too short, a pid's fd it may not open, a file that is not
 #: a byteps arena (this process's stdin); the texts are core/shm.py's, computed here
@@ -161,6 +162,7 @@ EXPECTED = [
     *[_err(1003, 0, 0, "non-root rank node 7 sent 8 bytes with a broadcast")] * 2,
     *[_reply(1004, 0, 0, (6, 7))] * 2,
     *[_reply(1004, 0, 1, (5, 5))] * 2,
+    ["ERROR", [1006, 0], 0, "asynchronous push_pull sent to a synchronous server (BYTEPS_ENABLE_ASYNC differs)"],
 ]
 
 

@@ -1,12 +1,14 @@
 /* The Summation Service server's native data plane: receive, check, sum and reply without the GIL.
  *
  * summation/server.py (Python) keeps what is per job or rare: the control plane, the authentication
- * handshake (core/auth.py), PROBE echoes, compressed and asynchronous keys, and malformed messages.
+ * handshake (core/auth.py), PROBE echoes, compressed keys, and malformed messages.
  * After the first address book it hands the data ROUTER socket to BpsServerCore, whose thread
  * "byteps-serve" owns it from then on. BpsServerCore composes the parts, each in its own header:
  *
  *     server_links.h    BpsServerLinks: the ROUTER, workers' direct links and their accept loop
  *     sync_rounds.h     BpsSyncRounds: a plain push, from its checks to the round's replies
+ *     async_rounds.h    BpsAsyncRounds: asynchronous training's parameters and deltas
+ *     round_checks.h    the checks every policy makes of a push (Python's texts)
  *     elastic_rounds.h  BpsElasticRounds: keys taken over from a lost server (BYTEPS_ELASTIC)
  *     handover.h        BpsHandover: a key's state when it becomes Python's
  *     round.h           BpsRound, and BpsRounds: the store of rounds (keys, stores, sum threads)
@@ -19,7 +21,7 @@
  * who handles each message. Everything but plain pushes goes to Python unchanged, in arrival order,
  * through forwarded() and a notify eventfd: handshakes, messages of identities not admitted yet
  * (after an AUTH, an identity's later messages wait here until Python says whether it passed:
- * admit()), PROBE, ASYNC_PUSHPULL, pushes marked FLAG_PYTHON or FLAG_COMPRESSED, and anything
+ * admit()), PROBE, pushes marked FLAG_PYTHON or FLAG_COMPRESSED, and anything
  * malformed. A key is handled by one side only: the first message Python must handle for a key makes
  * it Python's; if this thread already had state for it, that state goes along (a BpsHandover: round,
  * arrivals so far, the partial sum), so a round that mixes compressed and plain pushes still fails
@@ -49,6 +51,7 @@
 #include "core/transport/bps_ucx.h"
 #include "core/transport/bps_wire.h"
 #include "core/transport/bps_zmq.h"
+#include "summation/native/async_rounds.h"
 #include "summation/native/elastic_rounds.h"
 #include "summation/native/handover.h"
 #include "summation/native/replies.h"
@@ -90,10 +93,15 @@ class BpsServerCore {
     BpsServerCore(void *sock, bool auth_on, bool shared_stores, int sum_threads, int kernel_threads)
         : sock_(sock), auth_on_(auth_on), rounds_(shared_stores, sum_threads, kernel_threads),
           links_(sock, book_.node_id, logger()), replies_(links_, book_, rounds_.alloc()),
-          sync_(rounds_, book_, replies_, logger()), elastic_(rounds_, book_, replies_, logger()) {
+          sync_(rounds_, book_, replies_, logger()), async_(rounds_, book_, replies_, logger()),
+          elastic_(rounds_, book_, replies_, logger()) {
         wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
         notify_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     }
+
+    /* BYTEPS_ENABLE_ASYNC (docs/async.md): asynchronous push_pulls are served (before start()); a
+     * synchronous server refuses them rather than sum parameters. */
+    void set_async(bool on) { async_on_ = on; }
 
     /* BYTEPS_ELASTIC (docs/elastic.md): a key's first push sets its round (before start()). */
     void set_adopt_rounds(bool on) {
@@ -216,7 +224,7 @@ class BpsServerCore {
     }
 
     /* counters (tests and logs prove the native path ran) */
-    uint64_t pushes() const { return sync_.pushes(); }
+    uint64_t pushes() const { return sync_.pushes() + async_.pushes(); }
     uint64_t rounds() const { return sync_.completed(); }
     uint64_t forwards() const { return forwards_.load(); }
 
@@ -431,8 +439,7 @@ class BpsServerCore {
         }
         bool data = h.cmd == BPS_CMD_PUSHPULL || h.cmd == BPS_CMD_BROADCAST || h.cmd == BPS_CMD_ASYNC_PUSHPULL;
         bool valid = data && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY;
-        bool native = valid && h.cmd != BPS_CMD_ASYNC_PUSHPULL &&
-                      !(h.flags & (BPS_SERVER_FLAG_PYTHON | BPS_FLAG_COMPRESSED)) &&
+        bool native = valid && !(h.flags & (BPS_SERVER_FLAG_PYTHON | BPS_FLAG_COMPRESSED)) &&
                       python_keys_.find(h.key) == python_keys_.end();
         if (!native) {
             BpsHandover *handover = nullptr;
@@ -440,7 +447,14 @@ class BpsServerCore {
             forward(m, false, handover);
             return;
         }
-        sync_.on_push(ident, h, m);
+        if (h.cmd != BPS_CMD_ASYNC_PUSHPULL) {
+            sync_.on_push(ident, h, m);
+        } else if (async_on_) {
+            async_.on_push(ident, h, m);
+        } else { /* the scheduler refuses such jobs; never sum parameters */
+            replies_.reply_error(ident, h, "asynchronous push_pull sent to a synchronous server "
+                                           "(BYTEPS_ENABLE_ASYNC differs)");
+        }
     }
 
     void forward(BpsMessage *m, bool auth = false, BpsHandover *handover = nullptr) {
@@ -542,6 +556,7 @@ class BpsServerCore {
 
     std::atomic<uint64_t> forwards_{0};
     bool adopt_rounds_ = false;
+    bool async_on_ = false;
 
     /* serve-thread state */
     bool notify_pending_ = false;
@@ -553,6 +568,7 @@ class BpsServerCore {
     BpsServerLinks links_;
     BpsServerReplies replies_;
     BpsSyncRounds sync_;
+    BpsAsyncRounds async_;
     BpsElasticRounds elastic_;
 };
 

@@ -25,6 +25,7 @@
 #include "summation/native/elastic_rounds.h"
 #include "summation/native/replies.h"
 #include "summation/native/round.h"
+#include "summation/native/round_checks.h"
 
 class BpsSyncRounds {
   public:
@@ -41,13 +42,9 @@ class BpsSyncRounds {
         uint64_t t_recv = bps_span_start();
         pushes_.fetch_add(1);
         int64_t rank = book_.rank_of(h.sender);
-        int isz = bps_itemsize(h.dtype);
-        /* before any state exists for the key: an unknown dtype code must not become the key's dtype,
-         * and a length that is not whole elements must not reach the sum kernels */
-        if (isz < 0 || h.length % (uint64_t)isz) {
-            replies_.reply_error(ident, h, bps_key_name(h.key) + ": rank " + bps_rank_str(rank) + " sent " +
-                                      std::to_string(h.length) + " bytes of dtype code " + std::to_string(h.dtype) +
-                                      ": not whole elements of a known dtype");
+        std::string bad = bps_elements_problem(h, rank);
+        if (!bad.empty()) {
+            replies_.reply_error(ident, h, bad);
             return;
         }
         if (!book_.joined.empty() && h.cmd == BPS_CMD_BROADCAST && book_.set_members(h.key) < 0) { /* as in Horovod: not while ranks have joined */
@@ -64,7 +61,7 @@ class BpsSyncRounds {
             return;
         }
         if (st.senders.empty()) st.since = bps_server_now();
-        std::string problem = st.error.empty() ? check(st, h, rank) : st.error;
+        std::string problem = st.error.empty() ? bps_round_problem(st, h, rank) : st.error;
         if (problem.empty()) problem = accept(st, h, rank, ident, m);
         if (!problem.empty() && st.error.empty()) st.error = problem;
         st.senders.push_back(rank);
@@ -123,50 +120,6 @@ class BpsSyncRounds {
     }
 
   private:
-    /* Why this push cannot join the round, or "" (texts as summation/server.py's _check). */
-    std::string check(BpsRound &st, const BpsHeader &h, int64_t rank) {
-        std::string name = bps_key_name(h.key), who = bps_rank_str(rank);
-        if (h.round != st.round) {
-            return name + ": rank " + who + " sent round " + std::to_string(h.round) + " while the server is at round " +
-                   std::to_string(st.round);
-        }
-        if (std::find(st.senders.begin(), st.senders.end(), rank) != st.senders.end()) {
-            return name + ": rank " + who + " sent round " + std::to_string(h.round) + " twice";
-        }
-        if (h.cmd == BPS_CMD_BROADCAST) {
-            if (st.has_root && h.arg != st.root) {
-                return name + ": broadcast root differs across workers: rank " + bps_rank_str(st.first_rank) +
-                       " names root " + std::to_string(st.root) + ", rank " + who + " names root " +
-                       std::to_string(h.arg);
-            }
-            if (!bps_is_rank(rank, h.arg) && h.length != 0) {
-                return name + ": non-root rank " + who + " sent " + std::to_string(h.length) + " bytes with a broadcast";
-            }
-            return "";
-        }
-        std::string first_who;
-        std::string first_len;
-        uint8_t first_dtype;
-        bool same;
-        if (st.has_first) {
-            first_who = bps_rank_str(st.first_rank);
-            first_len = std::to_string(st.first_nbytes);
-            first_dtype = st.first_dtype;
-            same = h.length == st.first_nbytes && h.dtype == st.first_dtype;
-        } else {
-            first_who = "in round " + std::to_string((int64_t)st.round - 1) + ", every rank";
-            first_len = st.nbytes < 0 ? "None" : std::to_string(st.nbytes);
-            first_dtype = st.dtype;
-            same = st.nbytes >= 0 && h.length == (uint64_t)st.nbytes && h.dtype == st.dtype;
-        }
-        if (!same) {
-            return name + ": rank " + who + " pushed " + std::to_string(h.length) + " bytes of " +
-                   bps_dtype_name(h.dtype) + " but rank " + first_who + " pushed " + first_len + " bytes of " +
-                   bps_dtype_name(first_dtype);
-        }
-        return "";
-    }
-
     /* Take the body into the round (summation/server.py's _accept); "" or why it cannot be. */
     std::string accept(BpsRound &st, const BpsHeader &h, int64_t rank, const std::string &ident, BpsMessage *m) {
         if (!st.has_first) {
