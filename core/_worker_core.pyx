@@ -29,6 +29,10 @@ from byteps.core import _transport
 from byteps.core.native_runtime cimport (bps_cpu_init, bps_ucx_buffers_mapped, bps_ucx_built, bps_ucx_load,
                                         bps_ucx_registered_transfers, bps_ucx_version, bps_ucx_why, bps_zmq_load)
 
+cdef extern from "core/pipeline/bps_stages.h":
+    const int BPS_STAGE_COUNT
+
+
 cdef extern from "core/pipeline/bps_worker.h" nogil:
     const int BPS_TO_ROUTER
     const size_t BPS_RING_REGION
@@ -103,6 +107,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         cbool submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                             cbool root_self, unsigned char *buf, uint64_t nbytes, uint32_t divisor)
         uint64_t direct_calls()
+        uint64_t entered(int32_t code)
         uint64_t direct_adopted()
         void add_local(void *router, vector[void *] peers, int local_rank, cbool open)
         void allow_local(const string &identity)
@@ -437,6 +442,11 @@ cdef class WorkerCore:
     def direct_calls(self):
         """Synchronous calls whose round trip ran on the caller's thread."""
         return self.core.direct_calls()
+
+    def stage_entries(self):
+        """{stage code: partitions byteps-net moved into that stage so far} (BpsWorkerCore::advance;
+        a direct call's partition counts only if byteps-net took it over)."""
+        return {code: self.core.entered(code) for code in range(1, BPS_STAGE_COUNT + 1)}
 
     @property
     def direct_adopted(self):

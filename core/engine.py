@@ -736,7 +736,10 @@ class Engine:
                        "direct_calls": self.native_direct_calls, "links_up": self.native_links,
                        "direct_adopted": native.direct_adopted if native is not None else 0,
                        "results_sent": native.results_sent if native is not None else 0,
-                       "local_reduce": self.native_local_stats()},
+                       "local_reduce": self.native_local_stats(),
+                       # partitions byteps-net moved into each stage of their lists (worker_stages.h)
+                       "stages": {Stage(code).label: n for code, n in native.stage_entries().items() if n}
+                       if native is not None else {}},
             # partitions that moved through this Python engine, by their first stage on this process
             "python_partitions": {stage.label: n for stage, n in self.python_partitions.items()},
             "credit_stalls": self.credit_stalls(),

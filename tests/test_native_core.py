@@ -58,6 +58,15 @@ def test_local_reduce_native_is_exact(cluster, m, l):
     # two machines the owners push
     sent = [runs[r]["data_sent"] for r in range(n)]
     assert (sum(sent) == 0) == (m == 1), sent
+    # every partition went through its stage list, one advance() at a time (byteps.metrics()): per machine
+    # one owner (LOCAL_REDUCE, the server round trip unless its machine is the job, LOCAL_BROADCAST) and
+    # l - 1 others (COORDINATE, LOCAL_BROADCAST)
+    st = [runs[r]["stages"] for r in range(n)]
+    reduced = sum(s.get("local_reduce", 0) for s in st)
+    assert reduced > 0 and sum(s.get("coordinate", 0) for s in st) == (l - 1) * reduced, st
+    assert sum(s.get("local_broadcast", 0) for s in st) == l * reduced, st
+    assert sum(s.get("push", 0) for s in st) == sum(s.get("pull", 0) for s in st) == (reduced if m > 1 else 0), st
+    assert not any(s.get("stage") for s in st), st  # the local reduce's sum is in shared memory already
 
 
 @pytest.mark.timeout(120)

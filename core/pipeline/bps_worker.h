@@ -4,7 +4,9 @@
  * authentication, join(), compression, the topology executor.
  * Once a tensor's key is known, a plain push_pull or broadcast is handed over whole with
  * BpsWorkerCore::submit() (on the caller's thread, under a mutex; no Python object crosses). From then
- * on, the network thread ("byteps-net") follows each partition through its stages in one place:
+ * on, the network thread ("byteps-net") moves each partition through its list of stages, built when
+ * its op starts (bps_stage_list(): core/pipeline/bps_stages.h), with one function, advance()
+ * (worker_stages.h):
  *
  *     queued (priority, credit)  ->  [STAGE: copy into shared memory, colocated server]
  *       ->  PUSH (header + body zero-copy from the tensor, or a 32-byte descriptor)
@@ -46,6 +48,7 @@
  * The class is declared here; its member functions live in one header per part, each included at
  * the end of this one:
  *
+ *     worker_stages.h        each partition's stage list, and advance(): the one place it moves on
  *     worker_loop.h          byteps-net: start/stop, submit, run(), the inbox, PULL (on_message, receive)
  *     worker_links.h         server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback
  *     worker_send_queue.h    PUSH from the send queue (BpsSendQueue, send_queue.h), Python's raw sends
@@ -192,6 +195,10 @@ class BpsWorkerCore {
     void set_direct_spin(double seconds) { direct_spin_s_ = seconds > 0 ? seconds : 0; }
     /* Calls that completed on the caller's thread (submit_direct; tests check the path ran). */
     uint64_t direct_calls() const { return direct_calls_.load(); }
+    /* Partitions advance() moved into stage ``code`` (BPS_STAGE_*) so far (byteps.metrics()). */
+    uint64_t entered(int32_t code) const {
+        return code > 0 && code <= BPS_STAGE_COUNT ? entered_[code].load(std::memory_order_relaxed) : 0;
+    }
     /* Direct calls whose reply did not come within the window: byteps-net took them over. */
     uint64_t direct_adopted() const { return direct_adopted_.load(); }
     /* Partitions this process owned and reduced on the caller's thread (submit_owner_direct). */
@@ -238,6 +245,21 @@ class BpsWorkerCore {
     void on_message(int server, BpsMessage *m);
     void receive(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m);
 
+    /* the stages: each partition's list and the one function that moves it on (worker_stages.h) */
+    struct BpsReply { /* the server message on_message() is handling: PULL's input */
+        int server = -1;
+        const BpsHeader *h = nullptr;
+        BpsMessage *m = nullptr;
+    };
+    void plan(BpsOp *op, int i);
+    void start(BpsOp *op, int i);
+    void resume(BpsOp *op, int i, int32_t stage);
+    void advance(BpsOp *op, int i);
+    void queue(BpsOp *op, int i);
+    void pull(BpsOp *op, int i);
+    void take_reply(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m);
+    void local_broadcast_result(BpsOp *op, int i);
+
     /* server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback (worker_links.h) */
     BpsConn *live_link(int server);
     int send_server(int server, BpsFrames &f);
@@ -247,6 +269,7 @@ class BpsWorkerCore {
     void send_raw_now(BpsRawSend *m);
     void send_ready();
     void push(BpsOp *op, int index);
+    void send_push(BpsOp *op, int index);
     void release(BpsOp *op, int index);
 
     /* completions: the op table, errors, lazy delivery, waits, time-outs (worker_completions.h) */
@@ -261,7 +284,8 @@ class BpsWorkerCore {
     void part_done(BpsOp *op);
 
     /* the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread (worker_local_reduce.h) */
-    void local_start(BpsOp *op, int i);
+    void local_reduce(BpsOp *op, int i);
+    void coordinate(BpsOp *op, int i);
     void take_early(Group &g, const Ident &id);
     void stage_or_inline(int kind, BpsOp *op, int i, void *dst, std::vector<const void *> srcs);
     void take_stage_done();
@@ -270,7 +294,7 @@ class BpsWorkerCore {
     int expected_copies() const;
     std::vector<int> missing(const Group &g) const;
     void maybe_reduce(const Ident &id);
-    void local_pulled(BpsOp *op, int i, int server, const BpsHeader &h, BpsMessage *m);
+    void owner_pulled(BpsOp *op, int i, int server, const BpsHeader &h, BpsMessage *m);
     void local_failed(BpsOp *op, int i, int kind, const std::string &text);
     void local_broadcast(BpsOp *op, int i, const void *desc, const std::string &error_body);
     BpsConn *live_local_link(int r);
@@ -296,6 +320,8 @@ class BpsWorkerCore {
 
     uint32_t node_id_;
     BpsSendQueue sendq_; /* network-thread state: partitions waiting for the credit, bytes in flight */
+    BpsReply reply_;     /* network-thread state: the reply on_message() hands to PULL */
+    std::atomic<uint64_t> entered_[BPS_STAGE_COUNT + 1] = {}; /* per stage code: partitions advance() moved in */
     double timeout_;
     int nthreads_;
     int notify_fd_;
@@ -402,6 +428,7 @@ class BpsWorkerCore {
 };
 
 /* The member functions, one header per part (each includes this one) */
+#include "core/pipeline/worker_stages.h"
 #include "core/pipeline/worker_loop.h"
 #include "core/pipeline/worker_links.h"
 #include "core/pipeline/worker_send_queue.h"

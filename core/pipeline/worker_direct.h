@@ -427,15 +427,8 @@ inline bool BpsWorkerCore::direct_wait(BpsOp *op, int server, BpsConn *l, uint64
             received_[(size_t)server] += msg.size(0) + (msg.count > 1 ? msg.size(1) : 0);
             uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
             bps_span_to(BPS_STAGE_PUSH, p.trace_t, t_reply, p.key, rnd, p.length, server, op->priority);
-            if (h.cmd == BPS_CMD_REPLY) {
-                receive(op, p, server, h, &msg);
-                bps_span(BPS_STAGE_PULL, t_reply, p.key, rnd, p.length, server, op->priority);
-            } else if (h.cmd == BPS_CMD_ERROR) {
-                set_error(op, BPS_ERR_SERVER, msg.count > 1 ? std::string((const char *)msg.data(1), msg.size(1)) : "{}");
-            } else {
-                set_error(op, BPS_ERR_PROTOCOL,
-                          "unexpected command " + std::to_string(h.cmd) + " from server " + std::to_string(server));
-            }
+            take_reply(op, p, server, h, &msg); /* PULL */
+            bps_span(BPS_STAGE_PULL, t_reply, p.key, rnd, p.length, server, op->priority);
             return true;
         }
         if (l->dead()) return false; /* byteps-net adopts it; the scheduler reports the lost server */
@@ -466,6 +459,7 @@ inline void BpsWorkerCore::take_direct() {
             fail(op, BPS_ERR_ABORT, "");
             continue;
         }
+        resume(op, 0, BPS_STAGE_LOCAL_REDUCE);
         Ident id(op->parts[0].key, op->parts[0].rnd);
         Group &g = groups_[id];
         g.op = op;
@@ -475,6 +469,7 @@ inline void BpsWorkerCore::take_direct() {
         maybe_reduce(id);
     }
     for (auto &a : local_adopt) { /* its LOCAL_READY is out: wait for the owner's LOCAL_DONE here */
+        resume(a.op, a.part, BPS_STAGE_COORDINATE);
         BpsPart &p = a.op->parts[(size_t)a.part];
         Ident id(p.key, a.seq);
         awaiting_[id] = Await{a.op, a.part, p.owner};
@@ -495,7 +490,8 @@ inline void BpsWorkerCore::take_direct() {
         on_local(m, true);
         delete m;
     }
-    for (auto &a : adopt) {
+    for (auto &a : adopt) { /* its PUSH is out: wait for the reply here */
+        resume(a.op, a.part, BPS_STAGE_PUSH);
         BpsPart &p = a.op->parts[(size_t)a.part];
         if (dead_[(size_t)p.server].load() && !abort) { /* elastic: its server went while the caller waited */
             a.seq = p.qseq = seq_++;

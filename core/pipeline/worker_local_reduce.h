@@ -116,23 +116,24 @@ inline void BpsWorkerCore::forwarded_local(std::vector<std::vector<std::string>>
     out->swap(forward_local_);
 }
 
-/* Every local rank of the op takes the partition's round now (both paths count rounds here). */
-inline void BpsWorkerCore::local_start(BpsOp *op, int i) {
+/* LOCAL_REDUCE (the owner): the copies that came before the op are taken now; the sum starts once
+ * every local rank's copy is in (maybe_reduce). */
+inline void BpsWorkerCore::local_reduce(BpsOp *op, int i) {
     BpsPart &p = op->parts[i];
-    p.rnd = next_round(p.key);
     Ident id(p.key, p.rnd);
-    if (op->done.load()) return;
-    if (p.owner == local_rank_) { /* LOCAL_REDUCE: the copies that came before the op are taken now */
-        Group &g = groups_[id];
-        g.op = op;
-        g.part = i;
-        take_early(g, id);
-        maybe_reduce(id);
-        return;
-    }
-    /* COORDINATE: our copy into our shared region, then LOCAL_READY to the owner */
+    Group &g = groups_[id];
+    g.op = op;
+    g.part = i;
+    take_early(g, id);
+    maybe_reduce(id);
+}
+
+/* COORDINATE (not the owner): our copy into our shared region, then LOCAL_READY to the owner
+ * (after_task); the owner's LOCAL_DONE ends it (on_local). */
+inline void BpsWorkerCore::coordinate(BpsOp *op, int i) {
+    BpsPart &p = op->parts[i];
     op->owed_local[p.owner]++;
-    awaiting_[id] = Await{op, i, p.owner};
+    awaiting_[Ident(p.key, p.rnd)] = Await{op, i, p.owner};
     stage_or_inline(BPS_TASK_COPY_IN, op, i, p.staging, {op->buf + p.offset});
 }
 
@@ -194,18 +195,14 @@ inline void BpsWorkerCore::after_task(BpsStageTask &t) {
             return;
         }
         local_reduced_++;
-        if (lone_machine_ && op->cmd == BPS_CMD_PUSHPULL) { /* the machine's sum is the job's */
-            groups_.erase(Ident(p.key, p.rnd));
-            local_broadcast(op, t.part, &p.desc, "");
-            stage_or_inline(BPS_TASK_COPY_OUT, op, t.part, op->buf + p.offset, {p.staging});
-            return;
-        }
-        p.trace_t = bps_span_start(); /* its QUEUE wait starts now */
-        /* PUSH of the machine's sum: queued by priority within the credit like any partition */
-        op->parts[(size_t)t.part].qseq = seq_;
-        sendq_.add(BpsQueued{op->priority, seq_++, op, t.part, p.key});
+        /* the sum is in our shared region: the machine's result if nothing follows but LOCAL_BROADCAST
+         * (one worker machine), else what PUSH sends (queued within the credit like any partition) */
+        if (lone_machine_) groups_.erase(Ident(p.key, p.rnd));
+        p.result = p.staging;
+        p.result_desc = &p.desc;
+        advance(op, t.part);
     } else { /* COPY_OUT: the result is in the tensor */
-        part_done(op);
+        advance(op, t.part);
     }
 }
 
@@ -264,8 +261,8 @@ inline void BpsWorkerCore::maybe_reduce(const Ident &id) {
     stage_or_inline(BPS_TASK_SUM, op, g.part, p.staging, std::move(srcs));
 }
 
-/* PULL of an owner's partition: the machine's result, then LOCAL_BROADCAST. */
-inline void BpsWorkerCore::local_pulled(BpsOp *op, int i, int server, const BpsHeader &h, BpsMessage *m) {
+/* PULL of an owner's partition: the machine's result, for LOCAL_BROADCAST (or its error, to the others). */
+inline void BpsWorkerCore::owner_pulled(BpsOp *op, int i, int server, const BpsHeader &h, BpsMessage *m) {
     BpsPart &p = op->parts[i];
     groups_.erase(Ident(p.key, p.rnd));
     std::string who = "tensor '" + op->name + "': server " + std::to_string(server);
@@ -307,8 +304,9 @@ inline void BpsWorkerCore::local_pulled(BpsOp *op, int i, int server, const BpsH
         return;
     }
     retain(p, h.round, op->dtype, src, p.length);
-    local_broadcast(op, i, desc, "");
-    stage_or_inline(BPS_TASK_COPY_OUT, op, i, op->buf + p.offset, {src});
+    p.result = src;
+    p.result_desc = desc; /* read by LOCAL_BROADCAST within this call */
+    advance(op, i);
 }
 
 /* A partition of an owner failed: the op fails, and the others are told (ERROR), as in Python. */
@@ -429,7 +427,8 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
         part_done(op);
         return;
     }
-    stage_or_inline(BPS_TASK_COPY_OUT, op, w.part, op->buf + p.offset, {src});
+    p.result = src; /* the owner's region or the server's store */
+    advance(op, w.part); /* COORDINATE ends: LOCAL_BROADCAST */
 }
 
 /* A peer's shared memory named by a descriptor (BpsPeerMaps::view), from any thread. */

@@ -282,16 +282,7 @@ inline void BpsWorkerCore::take_inbox() {
             if (!q.op->done.load()) push(q.op, q.part); /* to the replacement, in its round */
     }
     for (auto &m : raw) send_raw_now(m.get());
-    for (auto &q : in) {
-        if (q.op->local) {
-            local_start(q.op, q.part); /* before any message of this turn: it may be for this op */
-            continue;
-        }
-        q.seq = seq_++;
-        q.op->parts[(size_t)q.part].qseq = q.seq;
-        q.tie = q.op->parts[(size_t)q.part].key;
-        sendq_.add(q);
-    }
+    for (auto &q : in) start(q.op, q.part); /* before any message of this turn: it may be for this op */
     for (auto &c : claims) local_claimed(c.first, c.second);
     if (python_local && !python_local_mode_) { /* join(): what we held goes to Python now */
         python_local_mode_ = true;
@@ -368,21 +359,9 @@ inline void BpsWorkerCore::on_message(int server, BpsMessage *m) {
     op->owed[server]--;
     received_[server] += m->size(0) + (m->count > 1 ? m->size(1) : 0);
     if (op->done.load()) return;
-    if (op->local) {
-        local_pulled(op, index, server, h, m);
-        return;
-    }
-    if (h.cmd == BPS_CMD_REPLY) {
-        receive(op, p, server, h, m);
-        bps_span(BPS_STAGE_PULL, t_reply, p.key, h.round, p.length, server, op->priority);
-    } else if (h.cmd == BPS_CMD_ERROR) {
-        std::string body = m->count > 1 ? std::string((const char *)m->data(1), m->size(1)) : "{}";
-        set_error(op, BPS_ERR_SERVER, body);
-    } else {
-        set_error(op, BPS_ERR_PROTOCOL, "unexpected command " + std::to_string(h.cmd) + " from server " +
-                                            std::to_string(server));
-    }
-    if (--op->parts_left == 0) complete(op);
+    reply_ = BpsReply{server, &h, m}; /* PULL's input, for this call */
+    advance(op, index);               /* PUSH ends: PULL */
+    reply_ = BpsReply{};
 }
 
 inline void BpsWorkerCore::receive(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m) {

@@ -71,7 +71,8 @@ inline void BpsWorkerCore::send_ready() {
     cork_links(false);
 }
 
-/* STAGE (colocated) and PUSH of one partition. */
+/* A partition the credit lets go (or one whose server was lost, again): its round, then STAGE if it
+ * is in that stage (the copy, and advance() into PUSH), else PUSH. */
 inline void BpsWorkerCore::push(BpsOp *op, int index) {
     BpsPart &p = op->parts[index];
     if (dead_[(size_t)p.server].load()) { /* elastic: its server is gone */
@@ -90,19 +91,29 @@ inline void BpsWorkerCore::push(BpsOp *op, int index) {
     uint64_t rnd = op->local || p.has_rnd ? p.rnd : next_round(p.key);
     p.rnd = rnd;
     p.has_rnd = true;
+    bps_span(BPS_STAGE_QUEUE, p.trace_t ? p.trace_t : (uint64_t)(op->started * 1e9), p.key, rnd, p.length,
+             p.server, op->priority);
+    if (p.stage() != BPS_STAGE_STAGE) {
+        send_push(op, index);
+        return;
+    }
+    if (p.staging != nullptr) { /* (a lost server's replacement elsewhere takes the bytes from the tensor) */
+        uint64_t t_stage = bps_span_start();
+        bps_copy_stream(p.staging, op->buf + p.offset, p.length); /* the server reads it on another core */
+        bps_span(BPS_STAGE_STAGE, t_stage, p.key, rnd, p.length, p.server, op->priority);
+    }
+    advance(op, index);
+}
+
+/* PUSH: the partition to its server (a descriptor of our shared region for a colocated one), then
+ * wait for the reply (on_message). */
+inline void BpsWorkerCore::send_push(BpsOp *op, int index) {
+    BpsPart &p = op->parts[index];
+    uint64_t rnd = p.rnd;
     bool empty = op->cmd == BPS_CMD_BROADCAST && !op->root_self;
     uint8_t flags = 0;
     const unsigned char *data = op->local ? p.staging : op->buf + p.offset;
-    bps_span(BPS_STAGE_QUEUE, p.trace_t ? p.trace_t : (uint64_t)(op->started * 1e9), p.key, rnd, p.length,
-             p.server, op->priority);
-    if (op->local) {
-        if (p.colocated) flags = BPS_FLAG_SHM;
-    } else if (p.staging != nullptr && !empty) {
-        uint64_t t_stage = bps_span_start();
-        bps_copy_stream(p.staging, data, p.length); /* the server reads it on another core */
-        bps_span(BPS_STAGE_STAGE, t_stage, p.key, rnd, p.length, p.server, op->priority);
-        flags = BPS_FLAG_SHM;
-    }
+    if (op->local ? p.colocated : p.staging != nullptr && !empty) flags = BPS_FLAG_SHM;
     p.trace_t = bps_span_start(); /* PUSH: until the reply arrives (on_message) */
     uint64_t body_len = empty ? 0 : (flags ? BPS_DESCRIPTOR_SIZE : p.length);
     BpsHeader h = bps_header(op->cmd, node_id_, p.key, rnd, flags ? p.length : body_len, op->dtype,

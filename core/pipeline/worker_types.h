@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/kernels/bps_reduce.h"
+#include "core/pipeline/bps_stages.h"
 #include "core/transport/bps_wire.h"
 
 enum BpsErrorKind {
@@ -60,6 +61,16 @@ struct BpsPart {
     bool has_rnd = false;   /* rnd is set: a push to a lost server's replacement keeps it (elastic servers) */
     uint64_t trace_t = 0;   /* timeline: when its current stage began (0: not traced) */
     uint64_t qseq = 0;      /* its place in the send queue: a lost server's partitions go back in it */
+    /* its stages on this process, in order (bps_stage_list(), set when its op starts: worker_stages.h),
+     * and the one it is in (-1: not started); only advance() moves it on */
+    BpsStageList stages;
+    int32_t at = -1;
+    /* LOCAL_BROADCAST's input, set by the event that ends the stage before it: where the machine's
+     * result is, and (owner) the descriptor its LOCAL_DONE names (read within that event) */
+    const unsigned char *result = nullptr;
+    const void *result_desc = nullptr;
+
+    int32_t stage() const { return at >= 0 && at < stages.n ? stages.stage[at] : 0; }
 };
 
 struct BpsOp {

@@ -1,0 +1,135 @@
+/* BpsWorkerCore, the stages: how a partition moves through the pipeline.
+ *
+ * When its op starts, each partition gets its list of stages (plan(): bps_stage_list(), the rule
+ * ``bpslaunch --stages`` prints) from the op's kind, this process's role for the partition on its
+ * machine (owner or not, local reduce or not) and where its server is. advance() alone moves a
+ * partition on: it leaves the stage it is in and enters the next one of its list, whose work it
+ * starts; after the last one the partition is done. What ends each stage calls advance() again:
+ *
+ *     COORDINATE       our copy is in shared memory, LOCAL_READY sent   ends: the owner's LOCAL_DONE (on_local)
+ *     LOCAL_REDUCE     wait for the machine's copies, sum them          ends: the sum (after_task)
+ *     STAGE            wait for the credit (send queue), copy into shm  ends: the copy (push)
+ *     PUSH             wait for the credit, send to the server          ends: the server's reply (on_message)
+ *     PULL             the reply into the tensor (or our shared region) ends: at once
+ *     LOCAL_BROADCAST  owner: LOCAL_DONE to the others; copy the result into the tensor
+ *                                                                       ends: the copy (after_task)
+ *
+ * A failed partition leaves its list at once (part_done, or fail() for the whole op). A direct call
+ * (worker_direct.h) runs the same stages of its one partition on the caller's thread, and hands the
+ * partition to byteps-net in the stage it had reached when its window passed (resume()).
+ */
+#ifndef BPS_WORKER_STAGES_H
+#define BPS_WORKER_STAGES_H
+
+#include "core/pipeline/bps_worker.h"
+
+static inline int32_t bps_op_kind(uint8_t cmd) {
+    if (cmd == BPS_CMD_BROADCAST) return BPS_OP_BROADCAST;
+    if (cmd == BPS_CMD_ASYNC_PUSHPULL) return BPS_OP_ASYNC_PUSH_PULL;
+    return BPS_OP_PUSH_PULL;
+}
+
+/* Partition ``i``'s stage list on this process; it is in none of them yet. */
+inline void BpsWorkerCore::plan(BpsOp *op, int i) {
+    BpsPart &p = op->parts[(size_t)i];
+    bool local = p.owner >= 0;
+    /* a colocated server reads a plain partition from our staging region (a non-root broadcast has none) */
+    bool colocated = local ? p.colocated : p.staging != nullptr;
+    p.stages = bps_stage_list(bps_op_kind(op->cmd), !local || p.owner == local_rank_, local, colocated,
+                              lone_machine_);
+    p.at = -1;
+}
+
+/* A partition of an op byteps-net starts: its list, its round (a local reduce's ranks all take it
+ * now), then its first stage. */
+inline void BpsWorkerCore::start(BpsOp *op, int i) {
+    plan(op, i);
+    BpsPart &p = op->parts[(size_t)i];
+    if (op->local) p.rnd = next_round(p.key);
+    advance(op, i);
+}
+
+/* A partition a direct caller hands over, in stage ``stage`` of its list (its work under way). */
+inline void BpsWorkerCore::resume(BpsOp *op, int i, int32_t stage) {
+    plan(op, i);
+    BpsPart &p = op->parts[(size_t)i];
+    for (int32_t k = 0; k < p.stages.n; ++k)
+        if (p.stages.stage[k] == stage) p.at = k;
+}
+
+/* The one place a partition moves on: into the next stage of its list, or done after the last. */
+inline void BpsWorkerCore::advance(BpsOp *op, int i) {
+    if (op->done.load()) return; /* failed meanwhile (time-out, abort): fail() completed it */
+    BpsPart &p = op->parts[(size_t)i];
+    int32_t from = p.stage();
+    p.at++;
+    int32_t stage = p.stage();
+    entered_[stage].fetch_add(1, std::memory_order_relaxed); /* [0]: partitions done */
+    switch (stage) {
+        case BPS_STAGE_COORDINATE:
+            coordinate(op, i);
+            return;
+        case BPS_STAGE_LOCAL_REDUCE:
+            local_reduce(op, i);
+            return;
+        case BPS_STAGE_STAGE: /* its copy runs when the credit lets it go (push()) */
+            queue(op, i);
+            return;
+        case BPS_STAGE_PUSH:
+            if (from == BPS_STAGE_STAGE) send_push(op, i); /* through the credit already */
+            else queue(op, i);
+            return;
+        case BPS_STAGE_PULL:
+            pull(op, i);
+            return;
+        case BPS_STAGE_LOCAL_BROADCAST:
+            local_broadcast_result(op, i);
+            return;
+        default:
+            part_done(op);
+    }
+}
+
+/* Wait for the send queue: by priority, within the byte credit (send_ready() calls push()). */
+inline void BpsWorkerCore::queue(BpsOp *op, int i) {
+    BpsPart &p = op->parts[(size_t)i];
+    if (op->local) p.trace_t = bps_span_start(); /* a machine's sum: its QUEUE wait starts now */
+    p.qseq = seq_;
+    sendq_.add(BpsQueued{op->priority, seq_++, op, i, p.key});
+}
+
+/* PULL: the server's answer to partition ``i`` (reply_: the message on_message is handling). */
+inline void BpsWorkerCore::pull(BpsOp *op, int i) {
+    BpsPart &p = op->parts[(size_t)i];
+    const BpsReply &r = reply_;
+    if (op->local) { /* the owner: the machine's result, for LOCAL_BROADCAST */
+        owner_pulled(op, i, r.server, *r.h, r.m);
+        return;
+    }
+    uint64_t t_pull = bps_span_start();
+    take_reply(op, p, r.server, *r.h, r.m);
+    bps_span(BPS_STAGE_PULL, t_pull, p.key, r.h->round, p.length, r.server, op->priority);
+    advance(op, i);
+}
+
+/* A server's REPLY or ERROR to a partition that is not a local reduce's, into the op. */
+inline void BpsWorkerCore::take_reply(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m) {
+    if (h.cmd == BPS_CMD_REPLY) {
+        receive(op, p, server, h, m);
+    } else if (h.cmd == BPS_CMD_ERROR) {
+        set_error(op, BPS_ERR_SERVER, m->count > 1 ? std::string((const char *)m->data(1), m->size(1)) : "{}");
+    } else {
+        set_error(op, BPS_ERR_PROTOCOL,
+                  "unexpected command " + std::to_string(h.cmd) + " from server " + std::to_string(server));
+    }
+}
+
+/* LOCAL_BROADCAST: the owner tells the others where the result is; every rank copies it into its
+ * tensor (on the stage thread when large), which ends the stage (after_task). */
+inline void BpsWorkerCore::local_broadcast_result(BpsOp *op, int i) {
+    BpsPart &p = op->parts[(size_t)i];
+    if (p.owner == local_rank_) local_broadcast(op, i, p.result_desc, "");
+    stage_or_inline(BPS_TASK_COPY_OUT, op, i, op->buf + p.offset, {p.result});
+}
+
+#endif
