@@ -431,8 +431,8 @@ def metrics():
     at start-up; ``tensors`` (declared name -> tensor key); ``native`` (ops the native pipeline ran
     whole, averages it divided, synchronous calls run on the caller's thread, direct links up, the
     local reduce's counters, ``stages``: partitions it moved into each stage of their lists);
-    ``python_partitions`` (partitions the Python engine moved, by their first stage: compression,
-    a process's local reduce after join() and the topology executor still run there); ``credit_stalls``; ``local_group`` (processes of this machine whose copies are summed
+    ``python_partitions`` (partitions the Python engine moved, by their first stage: compression
+    and a process's local reduce after join() still run there); ``credit_stalls``; ``local_group`` (processes of this machine whose copies are summed
     locally, or None); ``local_strategy``. A job of one worker process has no data plane:
     only the rank fields are there, with ``servers`` empty.
     """

@@ -1432,13 +1432,51 @@ class Engine:
         return KINDS[op.cmd]
 
     def _dispatch_range(self, rop):
-        """Queue a RangeOp's partitions (the placement's pieces of the range) for the network."""
+        """Send a RangeOp's partitions (the placement's pieces of the range) through the native core,
+        or (compressed) queue them on this engine's Python path."""
         parts = self.placement.partitions(rop.place_key, rop.buf.nbytes, dtypes.itemsize(rop.dtype))
         if max(p[0] for p in parts) >> 16:
             rop.fail(BytePSError(f"push_pull of tensor {rop.name!r}: a range of {rop.buf.nbytes} bytes has "
                                  f"{len(parts)} partitions, more than its wire keys can number"))
             return
+        if rop.codec is None:
+            self._native_submit_range(rop, parts)
+            return
         self._queue(rop, parts)
+
+    def _native_submit_range(self, rop, parts):
+        """A RangeOp on the native core: a table per range, size and place in the executor's arena (a
+        colocated server reads the arena itself: the staging region is the range's own memory)."""
+        ident = ("range", rop.tkey, rop.range_index, rop.buf.nbytes, rop.dtype, rop.shared)
+        entry = self._native_parts.get(ident)
+        if entry is None:
+            ids = self._memberships[-1]["ids"]  # placement positions -> the job's server indices
+            rows = np.zeros((len(parts), 11), dtype=np.int64)
+            rows[:, 9] = -1
+            base_addr = rop.buf.ctypes.data if len(parts) else 0
+            for row, (j, off, length, at) in enumerate(parts):
+                server = ids[at]
+                key = wire.make_key(rop.tkey, rop.range_index << 16 | j)
+                rows[row, :4] = (key, off, length, server)
+                if self.colocated[server] and length:
+                    if rop.shared is not None:
+                        pid, fd, inode, base = rop.shared
+                        rows[row, 4:9] = (base_addr + off, pid, fd, inode, base + off)
+                    else:
+                        view, desc = self._region(key, length)
+                        rows[row, 4:9] = (view.ctypes.data, *desc)
+            with self._native_lock:
+                entry = self._native_parts[ident] = (self._native.add_table(rop.name, rows), len(parts))
+        table, count = entry
+        if not count:
+            rop._finish()
+            return
+        nid = next(self._native_ids)
+        rop.parts_left = count
+        self._native_ops[nid] = rop
+        self._native.submit(nid, table, Cmd.PUSHPULL, rop.dtype, 0, rop.priority, False, rop.buf)
+        self.native_submitted += 1
+        rop.native_id = nid
 
     def _push_range(self, rop, j, off, length):
         self.python_partitions[Stage.PUSH] += 1

@@ -22,8 +22,8 @@ The executor calls its ``network(view, start, stop, nic)`` hook once per element
 machine's sum that this process owns; the hook hands the range to the engine
 (:meth:`~byteps.core.engine.Engine.push_range`, through the engine's inbox and wake pipe) and
 returns a callable that waits for it, so only this thread blocks; the engine thread keeps its
-heartbeats. The engine cuts the range into partitions by the placement and queues them on its
-send queue (credit and priorities as for any partition), without its own local reduce: exactly
+heartbeats. The engine cuts the range into partitions by the placement and hands them to the
+native core (credit and priorities as for any partition), without its own local reduce: exactly
 one process per machine pushes each range, and servers expect one push per machine and key, as
 with ``owners``.
 

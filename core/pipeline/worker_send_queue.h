@@ -97,7 +97,9 @@ inline void BpsWorkerCore::push(BpsOp *op, int index) {
         send_push(op, index);
         return;
     }
-    if (p.staging != nullptr) { /* (a lost server's replacement elsewhere takes the bytes from the tensor) */
+    /* no copy where the tensor is in shared memory already (a topology executor's range), or where a
+     * lost server's replacement elsewhere takes the bytes from the tensor */
+    if (p.staging != nullptr && p.staging != op->buf + p.offset) {
         uint64_t t_stage = bps_span_start();
         bps_copy_stream(p.staging, op->buf + p.offset, p.length); /* the server reads it on another core */
         bps_span(BPS_STAGE_STAGE, t_stage, p.key, rnd, p.length, p.server, op->priority);
