@@ -118,6 +118,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         uint64_t local_link_received()
         uint64_t credit_stalls(string *first)
         void set_local_joined(uint64_t mask)
+        void set_join_ends(uint64_t ends)
         void local_python()
         void local_claim(uint64_t key, uint64_t rnd, int count)
         void forwarded_local(vector[vector[string]] *out)
@@ -357,6 +358,10 @@ cdef class WorkerCore:
     def set_local_joined(self, uint64_t mask):
         """join(): the local ranks (bit n: local rank n) whose copies owners no longer wait for."""
         self.core.set_local_joined(mask)
+
+    def set_join_ends(self, uint64_t ends):
+        """join() has ended ``ends`` times: the parity our LOCAL_READYs carry (FLAG_JOIN_EPOCH)."""
+        self.core.set_join_ends(ends)
 
     def local_python(self):
         """Python runs this process's local reduce from now on (join()); held LOCAL_READYs go to it."""

@@ -515,7 +515,7 @@ class Engine:
         the op and the job's config only, so every local rank takes the same path for an op; after
         join() a process runs its local reduce in Python (the native side routes each partition's
         LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
-        still meet)."""
+        still meet). Only a process that joined switches; its peers' ops stay native."""
         # what stays on this engine's Python partition path: compressed ops, the topology executor's ranges
         # (RangeOp) and a process's local reduce after join(); the native core runs none yet. A process
         # set's op is native: its members push themselves (no local reduce), and the servers know how
@@ -1236,6 +1236,7 @@ class Engine:
             self.joined = frozenset()
             self._joins_ended += 1
             self._native.reset_rounds()
+            self._native.set_join_ends(self._joins_ended)  # before our next op's copies go out
             # nothing of the join is in flight now; copies local peers sent after they heard the end
             # belong to this process's next ops (their rounds restarted at 0 too)
             for ident in [i for i in self._early if i not in self._early_next]:
@@ -1253,9 +1254,10 @@ class Engine:
         if self.local is None:
             return
         if self._native_local:
-            # join() is rare: Python runs this process's local reduce from now on (copies the native
-            # thread held come to _on_local); native ops in flight stop waiting for joined ranks
-            if not self._local_python:
+            # a joined process has no ops of its own, but owns partitions of its peers' ops: Python runs
+            # its local reduce from now on, adding nothing of its own (copies the native thread held come
+            # to _on_local). The others go on natively; their owners stop waiting for joined ranks' copies
+            if self.rank in self.joined and not self._local_python:
                 self._local_python = True
                 self._native.local_python()
             self._native.set_local_joined(sum(1 << w["local_rank"] for w in self.local.peers

@@ -155,6 +155,10 @@ class BpsWorkerCore {
     int local_links_up() const;
     void allow_local(const std::string &identity);
     void set_local_joined(uint64_t mask);
+    /* join() ended ``ends`` times: LOCAL_READYs carry the parity, so that a peer still in join() tells
+     * the copies of our next op (rounds restarted at 0) from a joined rank's partitions */
+    void set_join_ends(uint64_t ends) { join_epoch_.store((ends & 1) != 0); }
+    uint8_t join_epoch_flag() const { return join_epoch_.load() ? (uint8_t)BPS_FLAG_JOIN_EPOCH : 0; }
     void local_python();
     void local_claim(uint64_t key, uint64_t rnd, int count);
     void forwarded_local(std::vector<std::vector<std::string>> *out);
@@ -411,6 +415,7 @@ class BpsWorkerCore {
     std::map<Ident, int> claimed_;
     bool python_local_mode_ = false;
     std::atomic<uint64_t> joined_mask_{0};
+    std::atomic<bool> join_epoch_{false}; /* set_join_ends(): an odd number of join()s ended */
     std::atomic<bool> recheck_{false};
     std::atomic<uint64_t> local_reduced_{0}, local_threaded_{0}, local_coordinated_{0};
     std::vector<std::unique_ptr<BpsConn>> local_links_; /* per local rank: its direct link, or NULL */

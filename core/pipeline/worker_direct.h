@@ -203,7 +203,7 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
     local_direct_owned_[(size_t)owner].store(true);
     memcpy(p.staging, buf + p.offset, p.length); /* COORDINATE: our copy into our shared region */
     BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, dtype, (uint32_t)local_rank_,
-                             BPS_FLAG_SHM);
+                             BPS_FLAG_SHM | join_epoch_flag());
     BpsFrames f;
     f.copy(&h, sizeof h);
     f.copy(&p.desc, sizeof p.desc);

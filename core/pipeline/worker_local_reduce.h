@@ -179,7 +179,7 @@ inline void BpsWorkerCore::after_task(BpsStageTask &t) {
     BpsPart &p = op->parts[t.part];
     if (t.kind == BPS_TASK_COPY_IN) {
         BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, op->dtype,
-                                 (uint32_t)local_rank_, BPS_FLAG_SHM);
+                                 (uint32_t)local_rank_, BPS_FLAG_SHM | join_epoch_flag());
         if (send_local(p.owner, &h, &p.desc, sizeof p.desc) != 0) {
             fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': sending to local rank " +
                                            std::to_string(p.owner) + " failed: " + strerror(errno));
