@@ -16,7 +16,7 @@ import time
 
 import psutil
 
-from . import log
+from . import log, port_file
 from .procctl import become_subreaper as _become_subreaper, make_preexec as _make_preexec
 
 POLL_INTERVAL = 0.05  #: seconds between polls of the children
@@ -222,22 +222,20 @@ class Job:
 
     def wait_for_port(self, child, path, limit=SCHEDULER_START_TIMEOUT):
         """Wait until `child` (the scheduler) writes its port number into `path`."""
-        deadline = time.monotonic() + limit
-        while True:
-            self.check()
-            port = _read_port(path)
-            if port is not None:
-                return port
+        try:
+            port = port_file.wait(path, lambda: child.code is not None, limit, POLL_INTERVAL / 2, self.check)
+        except ValueError as e:
+            raise JobStopped(1, f"scheduler wrote a {e} to {path}") from None
+        except TimeoutError:
+            raise JobStopped(1, f"{child.tag} (pid {child.pid}) did not write its port to {path} "
+                                f"within {limit:g}s") from None
+        if port is None:
             code = child.code
-            if code is not None:
-                self._drain(child, 1.0)  # its error output first, then our verdict
-                raise JobStopped(code or 1, f"{child.tag} (pid {child.pid}) exited with code "
-                                            f"{_describe(code)} before writing its port to {path}; "
-                                            "see its output above")
-            if time.monotonic() >= deadline:
-                raise JobStopped(1, f"{child.tag} (pid {child.pid}) did not write its port to {path} "
-                                    f"within {limit:g}s")
-            time.sleep(POLL_INTERVAL / 2)
+            self._drain(child, 1.0)  # its error output first, then our verdict
+            raise JobStopped(code or 1, f"{child.tag} (pid {child.pid}) exited with code "
+                                        f"{_describe(code)} before writing its port to {path}; "
+                                        "see its output above")
+        return port
 
     def wait(self):
         """Run until the job ends; return 0 or raise JobStopped.
@@ -356,21 +354,3 @@ class Job:
         deadline = time.monotonic() + timeout
         for t in child.readers:
             t.join(max(0.0, deadline - time.monotonic()))
-
-
-def _read_port(path):
-    """The port in the scheduler's port file, or None while it is not there (yet)."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        return None
-    if not text.endswith("\n"):
-        return None  # not complete yet (the scheduler renames it into place, but be safe)
-    try:
-        port = int(text.strip(), 10)
-    except ValueError:
-        port = 0
-    if not 0 < port < 65536:
-        raise JobStopped(1, f"scheduler wrote a malformed port {text.strip()!r} to {path}")
-    return port

@@ -21,7 +21,7 @@ import time
 
 import zmq
 
-from byteps import service
+from byteps import port_file, service
 from byteps.core import auth, wire
 from byteps.core.control import describe_node
 from byteps.errors import BytePSError, ConfigError, ProtocolError
@@ -297,13 +297,6 @@ class Scheduler(Registration, Declarations, Join, ElasticServers):
         self.sock.close(linger=2000)
 
 
-def write_port_file(path, port):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{port}\n")
-    os.replace(tmp, path)
-
-
 def main():
     return service.main("scheduler", _Service)
 
@@ -315,9 +308,9 @@ class _Service:
     def __init__(self, cfg):
         self.sched = Scheduler(cfg)
         self.grace = min(10.0, cfg.timeout)  # for the nodes' last spans
-        port_file = os.environ.get("BYTEPS_SCHEDULER_PORT_FILE")
-        if port_file:
-            write_port_file(port_file, self.sched.port)
+        path = os.environ.get("BYTEPS_SCHEDULER_PORT_FILE")
+        if path:
+            port_file.write(path, self.sched.port)
         logger.info("listening on %s:%d for %d workers and %d servers", cfg.root_uri, self.sched.port,
                     cfg.num_worker, cfg.num_server)
         if self.sched.timeline.path:
