@@ -58,9 +58,8 @@ class Declarations:
             self._on_set_declare(ident, name, seq, spec, set_id, members)
             return
         if spec["kind"] == "broadcast" and self.joined:
-            self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": (
-                f"broadcast of {name!r} is not supported while ranks {self._joined_ranks()} have joined (join())")},
-                arg=1)
+            self._refuse([ident], name, seq, f"broadcast of {name!r} is not supported while ranks "
+                                              f"{self._joined_ranks()} have joined (join())")
             return
         agreed = (name, (tuple(spec["shape"]), spec["dtype"], spec["kind"]))
         if agreed in self.missed.get(ident, ()):  # declared by the others while this rank was in join()
@@ -78,8 +77,8 @@ class Declarations:
         reply = {"name": name, "seq": seq, "set_id": set_id}
         by_rank = {info["rank"]: i for i, info in self.workers.items()}
         if not (isinstance(members, list) and members and all(r in by_rank for r in members)):
-            self._send(ident, Cmd.DECLARE, dict(reply, error=f"process set {set_id}: ranks {members} are not all "
-                                                             f"ranks of this job (0..{len(by_rank) - 1})"), arg=1)
+            self._refuse([ident], name, seq, f"process set {set_id}: ranks {members} are not all ranks of this job "
+                                              f"(0..{len(by_rank) - 1})", set_id)
             return
         pending = self.set_declares.setdefault((name, seq, set_id), {"since": time.monotonic(), "specs": {},
                                                                       "members": {by_rank[r] for r in members}})
@@ -94,8 +93,7 @@ class Declarations:
                                f"of ranks {s['members']}" for i, s in specs.items())
             msg = f"tensor {name!r} of process set {set_id} differs across its members: {detail}"
             logger.warning(msg)
-            for i in specs:
-                self._send(i, Cmd.DECLARE, dict(reply, error=msg), arg=1)
+            self._refuse(specs, name, seq, msg, set_id)
             return
         agreed = (name, distinct.pop(), set_id)
         fresh = agreed not in self.keys
@@ -148,8 +146,13 @@ class Declarations:
                            for i, s in sorted(specs.items(), key=lambda kv: self.workers[kv[0]]["rank"]))
         msg = f"tensor {name!r} differs across workers (shape, dtype or operation): {detail}"
         logger.warning(msg)
-        for ident in specs:
-            self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": msg}, arg=1)
+        self._refuse(specs, name, seq, msg)
+
+    def _refuse(self, idents, name, seq, error, set_id=None):
+        """Answer the declarations of ``idents`` with ``error`` (a process set's: with its ``set_id``)."""
+        body = {"name": name, "seq": seq} if set_id is None else {"name": name, "seq": seq, "set_id": set_id}
+        for ident in idents:
+            self._send(ident, Cmd.DECLARE, dict(body, error=error), arg=1)
 
     def _check_stalls(self, now):
         """Fail every pending barrier and declaration once the workers have stood blocked in different
@@ -177,12 +180,10 @@ class Declarations:
         self.barriers.clear()
         self.barrier_values.clear()
         for (name, seq), pending in self.declares.items():
-            for ident in pending["specs"]:
-                self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": msg}, arg=1)
+            self._refuse(pending["specs"], name, seq, msg)
         self.declares.clear()
         for (name, seq, set_id), pending in self.set_declares.items():
-            for ident in pending["specs"]:
-                self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "set_id": set_id, "error": msg}, arg=1)
+            self._refuse(pending["specs"], name, seq, msg, set_id)
         self.set_declares.clear()
 
     def _expire_waits(self, now):
@@ -204,8 +205,7 @@ class Declarations:
                 lacking = sorted(self.workers[i]["rank"] for i in pending["members"] - set(pending["specs"]))
                 msg = (f"tensor {name!r} of process set {set_id} was declared by ranks {have} but not by its members "
                        f"{lacking} within {self.cfg.timeout:g} s (BYTEPS_TIMEOUT)")
-                for ident in pending["specs"]:
-                    self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "set_id": set_id, "error": msg}, arg=1)
+                self._refuse(pending["specs"], name, seq, msg, set_id)
                 del self.set_declares[(name, seq, set_id)]
         for (name, seq), pending in list(self.declares.items()):
             if now - pending["since"] > self.cfg.timeout:
@@ -213,6 +213,5 @@ class Declarations:
                 lacking = sorted(self.workers[i]["rank"] for i in self._active_workers() if i not in pending["specs"])
                 msg = (f"tensor {name!r} was declared by ranks {have} but not by ranks {lacking} within "
                        f"{self.cfg.timeout:g} s (BYTEPS_TIMEOUT): do all workers use the same tensor names?")
-                for ident in pending["specs"]:
-                    self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "error": msg}, arg=1)
+                self._refuse(pending["specs"], name, seq, msg)
                 del self.declares[(name, seq)]

@@ -45,10 +45,8 @@ class Join:
                 # a broadcast declared before this rank joined: refuse it as one declared after (the
                 # joined rank will never send its part, so answering with a key would hang the others)
                 del self.declares[(name, seq)]
-                for i in pending["specs"]:
-                    self._send(i, Cmd.DECLARE, {"name": name, "seq": seq, "error": (
-                        f"broadcast of {name!r} is not supported while ranks {ranks} have joined (join())")},
-                        arg=1)
+                self._refuse(pending["specs"], name, seq,
+                             f"broadcast of {name!r} is not supported while ranks {ranks} have joined (join())")
                 continue
             self._maybe_declared(name, seq)
 
