@@ -35,8 +35,8 @@ from byteps.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, glo
 
 from . import completion
 from .compression import Compression, wire_codec
-from .ops import (_average_by, _broadcast_start, _buffers, _start, broadcast_async_ as _bps_broadcast_async_,
-                  dtype_code)
+from .ops import (_average_by, _broadcast_start, _buffers, _start, _written_back,
+                  broadcast_async_ as _bps_broadcast_async_, dtype_code)
 from .process_sets import (ProcessSet, _check_process_set, _members, _wire_set, add_process_set,  # noqa: F401
                            global_process_set, remove_process_set)
 
@@ -215,10 +215,7 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
                 _scale_(work, postscale_factor / size)
         else:
             _scale_(work, postscale_factor)
-        if write_back is not None:
-            write_back.copy_(work)
-            return write_back
-        return work
+        return _written_back(work, write_back)
 
     return common.submit(full, buf, code, tuple(tensor.shape), priority=priority, finalize=finalize,
                          compression=compression, process_set=pset, average_by=average_by)

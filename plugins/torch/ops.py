@@ -132,10 +132,12 @@ def _average_by(work, size):
 def _divide_(work, size):
     """An average's division, in place: true division for a float tensor, floor division for an integer one
     (documented in docs/architecture.md)."""
-    if work.dtype.is_floating_point:
-        work.div_(size)
-    else:
-        work.floor_divide_(size)
+    return work.div_(size) if work.dtype.is_floating_point else work.floor_divide_(size)
+
+
+def _written_back(work, write_back):
+    """An operation's result: ``work``, copied into the caller's tensor when ``work`` is a copy of it."""
+    return work if write_back is None else write_back.copy_(work)
 
 
 def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None,
@@ -153,10 +155,7 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
     def finalize():
         if average and root is None and size > 1 and average_by == 1:
             _divide_(work, size)
-        if write_back is not None:
-            write_back.copy_(work)
-            return write_back
-        return work
+        return _written_back(work, write_back)
 
     return common.submit(name, buf, code, _wire_shape(tensor), broadcast_root=root, priority=priority,
                          finalize=finalize, asynchronous=asynchronous, compression=compression, sync=sync,
