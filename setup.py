@@ -72,7 +72,7 @@ def extensions():
     from Cython.Build import cythonize
 
     # every native header is included by its path from the repository root ("core/transport/bps_link.h")
-    # no OpenMP: bps_reduce.h has its own pool of helpers that sleep between calls (libgomp's spin)
+    # no OpenMP: core/kernels/bps_pool.h has its own pool of helpers that sleep between calls (libgomp's spin)
     compile_args = ["-O3", "-fno-strict-aliasing", "-pthread"]
     link_args = ["-pthread"]
     ucx = ucx_include_dir()

@@ -343,17 +343,23 @@ def poll(handle):
     return op.native_id is not None and job.engine is not None and job.engine.native_done(op)
 
 
+def wait_bounded(ready, what):
+    """Call ``ready(seconds)``, a wait of its own that says whether it ended, until it says so; raise
+    BytePSTimeoutError naming ``what`` after BYTEPS_TIMEOUT + 30 s. The engine fails every operation
+    within BYTEPS_TIMEOUT: the margin only guards against a bug."""
+    limit = _require().cfg.timeout + 30
+    start = time.monotonic()
+    while not ready(0.5):
+        if time.monotonic() - start > limit:
+            raise BytePSTimeoutError(f"synchronize() of {what} waited {limit:g} s")
+
+
 def synchronize(handle):
     """Wait for ``handle``; raise its error, or return what its finalize callback returns."""
     job, (op, finalize) = _lookup(handle)
-    # The engine fails every op within BYTEPS_TIMEOUT; the extra margin only guards against a bug.
-    limit = job.cfg.timeout + 30
-    start = time.monotonic()
     engine = job.engine
-    while not (engine.native_wait(op, 0.5) if op.native_id is not None and engine._native is not None
-               else op.done.wait(0.5)):
-        if time.monotonic() - start > limit:
-            raise BytePSTimeoutError(f"synchronize() of tensor {op.name!r} waited {limit:g} s")
+    wait_bounded(lambda seconds: engine.native_wait(op, seconds) if op.native_id is not None and
+                 engine._native is not None else op.done.wait(seconds), f"tensor {op.name!r}")
     del job.handles[handle]
     # the engine's callback drops the name from ``inflight`` and may run just after ``done`` is set:
     # a caller that starts the same name again at once must not be told it is still in flight

@@ -227,6 +227,7 @@ def start_services(job_env):
         if _services_started:
             return
         _services_started = True
+        from . import port_file
         from .procctl import make_preexec as _make_preexec  # PR_SET_PDEATHSIG: they die with this process
 
         base = {k: v for k, v in job_env.items()}
@@ -235,25 +236,22 @@ def start_services(job_env):
         argv_s = [sys.executable, "-m", "byteps.scheduler"]
         argv_v = [sys.executable, "-m", "byteps.server"]
         tmpdir = tempfile.mkdtemp(prefix="byteps-services-")
-        port_file = os.path.join(tmpdir, "port")
+        path = os.path.join(tmpdir, "port")
         scheduler = subprocess.Popen(argv_s, preexec_fn=_make_preexec(), stdin=subprocess.DEVNULL,
-                                     env=dict(base, DMLC_ROLE="scheduler", BYTEPS_SCHEDULER_PORT_FILE=port_file))
+                                     env=dict(base, DMLC_ROLE="scheduler", BYTEPS_SCHEDULER_PORT_FILE=path))
         _services.append(scheduler)
         atexit.register(_stop_services)
         # Fail fast (rather than after BYTEPS_TIMEOUT) when the scheduler cannot start, e.g. its port is taken.
-        deadline = time.monotonic() + SCHEDULER_START_TIMEOUT
         try:
-            while not os.path.exists(port_file):
-                if scheduler.poll() is not None:
-                    raise ConfigError(
-                        f"the byteps scheduler that rank 0 started ({job_env['BYTEPS_LAUNCHER']} job) exited with code "
-                        f"{scheduler.returncode} before it was listening on {job_env['DMLC_PS_ROOT_URI']}:"
-                        f"{job_env['DMLC_PS_ROOT_PORT']} (port in use? set DMLC_PS_ROOT_PORT or "
-                        "BYTEPS_SCHEDULER_URI; its message is above). See docs/launchers.md.")
-                if time.monotonic() > deadline:
-                    raise ConfigError("the byteps scheduler rank 0 started did not listen within "
-                                      f"{SCHEDULER_START_TIMEOUT:g} s")
-                time.sleep(0.02)
+            if port_file.wait(path, lambda: scheduler.poll() is not None, SCHEDULER_START_TIMEOUT) is None:
+                raise ConfigError(
+                    f"the byteps scheduler that rank 0 started ({job_env['BYTEPS_LAUNCHER']} job) exited with code "
+                    f"{scheduler.returncode} before it was listening on {job_env['DMLC_PS_ROOT_URI']}:"
+                    f"{job_env['DMLC_PS_ROOT_PORT']} (port in use? set DMLC_PS_ROOT_PORT or "
+                    "BYTEPS_SCHEDULER_URI; its message is above). See docs/launchers.md.")
+        except TimeoutError:
+            raise ConfigError("the byteps scheduler rank 0 started did not listen within "
+                              f"{SCHEDULER_START_TIMEOUT:g} s") from None
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
         for _ in range(int(job_env["DMLC_NUM_SERVER"])):

@@ -3,7 +3,7 @@
 Buffers are taken through the buffer protocol as raw bytes, so numpy arrays of any dtype, byte
 views, bytearray, memoryview and zmq frames all work; the ``dtype`` code (byteps.core.dtypes) says
 how to interpret them. The arithmetic runs without the GIL, in several threads for big buffers
-(a pool of sleeping helpers in bps_reduce.h; their number: :func:`default_threads`).
+(a pool of sleeping helpers in core/kernels/bps_pool.h; their number: :func:`default_threads`).
 """
 import mmap
 import os
@@ -64,7 +64,7 @@ def default_threads(env=None):
     thread or the engine's and servers' network threads need: on a 2-core host two threads made a
     64 MB push_pull 2-3x slower than one (docs/benchmarks.md, "Kernel threads"); a sum is bound by
     memory bandwidth, which a few threads saturate. The helpers sleep between calls (they never
-    spin; core/kernels/bps_reduce.h).
+    spin; core/kernels/bps_pool.h).
 
     Raises:
         ConfigError: BYTEPS_OMP_THREAD_PER_GPU is not an integer in 1..64.

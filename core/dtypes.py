@@ -1,4 +1,4 @@
-"""Wire dtype codes shared by workers, servers and the Cython kernels (core/kernels/bps_reduce.h)."""
+"""Wire dtype codes shared by workers, servers and the Cython kernels (core/kernels/bps_dtypes.h)."""
 import numpy as np
 
 FLOAT32, FLOAT64, FLOAT16, BFLOAT16, INT32, INT64, UINT8, INT8 = range(8)

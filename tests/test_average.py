@@ -33,7 +33,7 @@ def test_averages_are_bit_identical_to_dividing_the_sum(cluster, machines, local
 
 
 def test_divide_kernel_matches_torch_div():
-    """The kernel itself (core/kernels/bps_reduce.h bps_divide_copy, through _reduce.divide), every float dtype,
+    """The kernel itself (core/kernels/bps_copy.h bps_divide_copy, through _reduce.divide), every float dtype,
     divisors that round, specials (inf, nan, -0.0, subnormals) included."""
     import torch
 

@@ -15,12 +15,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from byteps import port_file
 from byteps.procctl import make_preexec
 
 from .layout import Layout
@@ -77,32 +77,24 @@ class ServiceActor:
     def start(self, tag, module, env, port_timeout):
         """Start the service; for the scheduler (port 0) wait for its port and return it."""
         env = dict(os.environ, **env, PYTHONUNBUFFERED="1")
-        port_file = None
+        path = None
         if env.get("DMLC_ROLE") == "scheduler":
-            port_file = os.path.join(tempfile.mkdtemp(prefix="byteps-ray-"), "port")
-            env["BYTEPS_SCHEDULER_PORT_FILE"] = port_file
+            path = os.path.join(tempfile.mkdtemp(prefix="byteps-ray-"), "port")
+            env["BYTEPS_SCHEDULER_PORT_FILE"] = path
         self.proc = subprocess.Popen([sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=make_preexec())
         self.reader = threading.Thread(target=self._pump, args=(tag,), daemon=True)
         self.reader.start()
-        if port_file is None:
+        if path is None:
             return None
-        deadline = time.monotonic() + port_timeout
-        while True:
-            try:
-                with open(port_file) as f:
-                    text = f.read()
-                if text.endswith("\n"):
-                    return int(text)
-            except FileNotFoundError:
-                pass
-            if self.proc.poll() is not None:
-                self.reader.join(2)
-                raise RuntimeError(f"exited with code {self.proc.returncode} before listening:\n"
-                                   + "\n".join(self.tail))
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"did not write its port within {port_timeout:g} s")
-            time.sleep(0.02)
+        try:
+            port = port_file.wait(path, lambda: self.proc.poll() is not None, port_timeout)
+        except TimeoutError:
+            raise RuntimeError(f"did not write its port within {port_timeout:g} s") from None
+        if port is None:
+            self.reader.join(2)
+            raise RuntimeError(f"exited with code {self.proc.returncode} before listening:\n" + "\n".join(self.tail))
+        return port
 
     def poll(self):
         """None while running, else (exit code, last lines of output)."""

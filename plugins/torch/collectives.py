@@ -20,8 +20,8 @@ from byteps.errors import BytePSError
 
 from . import completion
 from .compression import Compression
-from .mpi_ops import (Average, Sum, _allgather_start, _contiguous_copy, _grouped_start, _members, _name, _release,
-                      _reserve, _submit_all, _wire_set, global_process_set, reducescatter_async)
+from .mpi_ops import (Average, Sum, _allgather_start, _contiguous_copy, _finish_with_results, _grouped_start, _members,
+                      _name, _start_chain, _wire_set, global_process_set, reducescatter_async)
 
 
 class ScalarInputError(BytePSError, ValueError):
@@ -33,32 +33,6 @@ def _check_move_dtype(tensor, name):
     from .mpi_ops import _code
 
     _code(tensor, name, move=True)
-
-
-def _start_chain(full, starters, finish):
-    """Reserve ``full``, start each thunk of ``starters`` (each returns a handle), and call
-    ``finish(outcomes)`` on the helper thread when all are done; returns the user's Pending."""
-    _reserve(full)
-    pending = None
-    try:
-        pending = completion.Pending(full)
-        handles = _submit_all(starters, pending, full)
-    except BaseException:
-        _release(full)
-        if pending is not None:
-            pending.discard()
-        raise
-
-    def done(outcomes):
-        _release(full)
-        err = completion.first_error(outcomes)
-        if err is not None:
-            pending.finish(error=err)
-        else:
-            finish(outcomes, pending)
-
-    completion.when_done(handles, pending.guard(done))
-    return pending
 
 
 # ------------------------------------------------------------------------------ alltoall
@@ -256,8 +230,7 @@ def _grouped_reducescatter_start(tensors, name, op, prescale_factor, postscale_f
     starters = [lambda i=i, t=t: reducescatter_async(t, f"{full}.{i}", op, process_set, prescale_factor,
                                                       postscale_factor)
                 for i, t in enumerate(tensors)]
-    return _start_chain(full, starters, lambda outcomes, pending: pending.finish(
-        result=tuple(r for r, _ in outcomes)))
+    return _start_chain(full, starters, _finish_with_results)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,

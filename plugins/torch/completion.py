@@ -17,10 +17,8 @@ thread, so two ranks can never deadlock on the helper threads' order.
 """
 import queue
 import threading
-import time
 
 from byteps import common
-from byteps.errors import BytePSTimeoutError
 from byteps.log import logger
 
 _tasks = queue.SimpleQueue()
@@ -130,12 +128,7 @@ class Pending:
         return run
 
     def wait(self):
-        cfg = common.config()
-        limit = cfg.timeout + 30  # every stage is itself bounded by BYTEPS_TIMEOUT
-        start = time.monotonic()
-        while not self.done.wait(0.5):
-            if time.monotonic() - start > limit:
-                raise BytePSTimeoutError(f"synchronize() of {self.name!r} waited {limit:g} s")
+        common.wait_bounded(self.done.wait, repr(self.name))  # every stage is itself bounded by BYTEPS_TIMEOUT
         if self.error is not None:
             raise self.error
         return self.result

@@ -21,6 +21,7 @@ A cross-rank mismatch of shape, dtype or root raises :class:`byteps.TensorMismat
 ``RuntimeError``, and a :class:`HorovodInternalError`) on every rank, and the job goes on; a name
 already in flight raises ``ValueError`` at submit time.
 """
+import contextlib
 import threading
 import warnings
 
@@ -34,8 +35,8 @@ from byteps.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, glo
 
 from . import completion
 from .compression import Compression, wire_codec
-from .ops import (_average_by, _broadcast_start, _buffers, _start, broadcast_async_ as _bps_broadcast_async_,
-                  dtype_code)
+from .ops import (_average_by, _broadcast_start, _buffers, _start, _written_back,
+                  broadcast_async_ as _bps_broadcast_async_, dtype_code)
 from .process_sets import (ProcessSet, _check_process_set, _members, _wire_set, add_process_set,  # noqa: F401
                            global_process_set, remove_process_set)
 
@@ -86,6 +87,51 @@ def _reserve(full):
 def _release(full):
     with _busy_lock:
         _busy.discard(full)
+
+
+@contextlib.contextmanager
+def _starting(full):
+    """The start of a multi-stage operation named ``full``: reserves the name and yields the operation's
+    Pending; an exception while its stages start releases the name, forgets the Pending and goes on
+    to the caller."""
+    _reserve(full)
+    pending = None
+    try:
+        pending = completion.Pending(full)
+        yield pending
+    except BaseException:
+        _release(full)
+        if pending is not None:
+            pending.discard()
+        raise
+
+
+def _when_finished(full, pending, handles, finish):
+    """Once ``handles`` are done: release ``full``, then fail ``pending`` with the first error, or call
+    ``finish(outcomes)`` (an exception there fails ``pending`` too)."""
+    def done(outcomes):
+        _release(full)
+        err = completion.first_error(outcomes)
+        if err is not None:
+            pending.finish(error=err)
+        else:
+            finish(outcomes)
+
+    completion.when_done(handles, pending.guard(done))
+
+
+def _start_chain(full, starters, finish):
+    """Reserve ``full``, start each thunk of ``starters`` (each returns a handle), and call
+    ``finish(outcomes, pending)`` on the helper thread when all are done; returns the user's Pending."""
+    with _starting(full) as pending:
+        handles = _submit_all(starters, pending, full)
+    _when_finished(full, pending, handles, lambda outcomes: finish(outcomes, pending))
+    return pending
+
+
+def _finish_with_results(outcomes, pending):
+    """A grouped operation's end: the tuple of its parts' results."""
+    pending.finish(result=tuple(r for r, _ in outcomes))
 
 
 def _reset():
@@ -169,10 +215,7 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
                 _scale_(work, postscale_factor / size)
         else:
             _scale_(work, postscale_factor)
-        if write_back is not None:
-            write_back.copy_(work)
-            return write_back
-        return work
+        return _written_back(work, write_back)
 
     return common.submit(full, buf, code, tuple(tensor.shape), priority=priority, finalize=finalize,
                          compression=compression, process_set=pset, average_by=average_by)
@@ -181,27 +224,14 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
 def _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor, pset=None):
     """Min/Max/Product: every rank broadcasts its tensor; each reduces the ``size`` tensors locally."""
     _code(tensor, full)
-    _reserve(full)
-    pending = None
-    try:
+    with _starting(full) as pending:
         n, me, ranks = _members(pset)
         src = _scale_(_contiguous_copy(tensor), prescale_factor)
         bufs = [src if i == me else torch.empty_like(src) for i in range(n)]
-        pending = completion.Pending(full)
         handles = _submit_all([lambda i=i: _broadcast_start(bufs[i], ranks[i], f"{full}.{i}", pset) for i in range(n)],
                               pending, full)
-    except BaseException:
-        _release(full)
-        if pending is not None:
-            pending.discard()
-        raise
 
     def reduce(outcomes):
-        _release(full)
-        err = completion.first_error(outcomes)
-        if err is not None:
-            pending.finish(error=err)
-            return
         stacked = torch.stack(bufs)
         if op == Min:
             res = stacked.amin(0)
@@ -214,7 +244,7 @@ def _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor, ps
             tensor.copy_(res)
         pending.finish(result=tensor)
 
-    completion.when_done(handles, pending.guard(reduce))
+    _when_finished(full, pending, handles, reduce)
     return pending.handle
 
 
@@ -305,29 +335,9 @@ def _grouped_start(tensors, name, op, prescale_factor, postscale_factor, pset=No
     full = _name("grouped_allreduce", name, pset)
     for i, t in enumerate(tensors):
         _code(t, f"{full}.{i}")
-    _reserve(full)
-    pending = None
-    try:
-        pending = completion.Pending(full)
-        handles = _submit_all([lambda i=i, t=t: _allreduce_start(t, f"{full}.{i}", op, prescale_factor,
-                                                                  postscale_factor, pset=pset)
-                               for i, t in enumerate(tensors)], pending, full)
-    except BaseException:
-        _release(full)
-        if pending is not None:
-            pending.discard()
-        raise
-
-    def collect(outcomes):
-        _release(full)
-        err = completion.first_error(outcomes)
-        if err is not None:
-            pending.finish(error=err)
-        else:
-            pending.finish(result=tuple(r for r, _ in outcomes))
-
-    completion.when_done(handles, pending.guard(collect))
-    return pending.handle
+    starters = [lambda i=i, t=t: _allreduce_start(t, f"{full}.{i}", op, prescale_factor, postscale_factor, pset=pset)
+                for i, t in enumerate(tensors)]
+    return _start_chain(full, starters, _finish_with_results).handle
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -414,22 +424,14 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 def _allgather_start(tensor, name, pset=None):
     full = _name("allgather", name, pset)
     _code(tensor, full, move=True)
-    _reserve(full)
-    pending = None
-    try:
+    with _starting(full) as pending:
         n, me, ranks = _members(pset)
         src = _contiguous_copy(tensor)
         if src.dim() == 0:
             src = src.reshape(1)
         sizes = torch.zeros(n, dtype=torch.int64)
         sizes[me] = src.shape[0]
-        pending = completion.Pending(full)
         first = _start(sizes, f"{full}.sizes", False, 0, pset=pset)
-    except BaseException:
-        _release(full)
-        if pending is not None:
-            pending.discard()
-        raise
 
     def gather(outcomes):
         err = completion.first_error(outcomes)
@@ -448,16 +450,7 @@ def _allgather_start(tensor, name, pset=None):
             _release(full)
             pending.finish(error=e)
             return
-
-        def done(outs):
-            _release(full)
-            e = completion.first_error(outs)
-            if e is not None:
-                pending.finish(error=e)
-            else:
-                pending.finish(result=out)
-
-        completion.when_done(handles, pending.guard(done))
+        _when_finished(full, pending, handles, lambda outs: pending.finish(result=out))
 
     completion.when_done([first], pending.guard(gather))
     return pending
@@ -505,30 +498,18 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     if tensor.dim() == 0:
         raise ValueError("Reducescatter does not support scalar inputs")
     full = _name("reducescatter", name, pset)
-    _reserve(full)
-    pending = None
-    try:
-        pending = completion.Pending(full)
+    with _starting(full) as pending:
         h = _allreduce_start(_contiguous_copy(tensor), full + ".sum", op, prescale_factor, postscale_factor,
                              pset=pset)
-    except BaseException:
-        _release(full)
-        if pending is not None:
-            pending.discard()
-        raise
     n, me, _ = _members(pset)
     rows = tensor.shape[0]
     counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
 
     def cut(outcomes):
-        _release(full)
-        (res, err), = outcomes
-        if err is not None:
-            pending.finish(error=err)
-        else:
-            pending.finish(result=res.narrow(0, sum(counts[:me]), counts[me]).clone())
+        (res, _), = outcomes
+        pending.finish(result=res.narrow(0, sum(counts[:me]), counts[me]).clone())
 
-    completion.when_done([h], pending.guard(cut))
+    _when_finished(full, pending, [h], cut)
     return pending.handle
 
 

@@ -129,6 +129,17 @@ def _average_by(work, size):
     return size if size > 1 and work.is_floating_point() and work.device.type == "cpu" else 1
 
 
+def _divide_(work, size):
+    """An average's division, in place: true division for a float tensor, floor division for an integer one
+    (documented in docs/architecture.md)."""
+    return work.div_(size) if work.dtype.is_floating_point else work.floor_divide_(size)
+
+
+def _written_back(work, write_back):
+    """An operation's result: ``work``, copied into the caller's tensor when ``work`` is a copy of it."""
+    return work if write_back is None else write_back.copy_(work)
+
+
 def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None,
            sync=False, pset=None):
     """Submit ``tensor`` in place (``sync``: the caller synchronizes it at once; common.submit); ``pset``:
@@ -143,14 +154,8 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
 
     def finalize():
         if average and root is None and size > 1 and average_by == 1:
-            if work.dtype.is_floating_point:
-                work.div_(size)
-            else:  # integer average: floor division (documented in docs/architecture.md)
-                work.floor_divide_(size)
-        if write_back is not None:
-            write_back.copy_(work)
-            return write_back
-        return work
+            _divide_(work, size)
+        return _written_back(work, write_back)
 
     return common.submit(name, buf, code, _wire_shape(tensor), broadcast_root=root, priority=priority,
                          finalize=finalize, asynchronous=asynchronous, compression=compression, sync=sync,

@@ -8,7 +8,7 @@ from byteps import common
 
 from . import staging
 from .compression import Compression, select, wire_codec
-from .ops import dtype_code, push_pull_async_inplace, synchronize
+from .ops import _divide_, dtype_code, push_pull_async_inplace, synchronize
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -130,10 +130,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if handle is None:  # fused: average here (integer gradients: floor division, as push_pull)
                 out = compressed
                 if self.op == Average:
-                    if out.dtype.is_floating_point:
-                        out.div_(common.size())
-                    else:
-                        out.floor_divide_(common.size())
+                    _divide_(out, common.size())
             elif isinstance(handle, staging.Staged):
                 out = handle.wait_into(compressed)
             else:
