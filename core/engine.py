@@ -1490,15 +1490,17 @@ class Engine:
             # the server sums straight from our shared copy
             body = shm.describe(shared, data.size) if shared is not None else self._stage(key, data)
             flags = wire.FLAG_SHM
-        elif op.codec is not None and op.cmd == Cmd.PUSHPULL and op.codec.applies(op.dtype, op.buf.nbytes, data.size):
-            # compressed on the wire (byteps/compression.py); the header keeps the dense length
+        elif (op.codec is not None and op.cmd == Cmd.PUSHPULL and op.pset is None
+              and op.codec.applies(op.dtype, op.buf.nbytes, data.size)):
+            # compressed on the wire (byteps/compression.py); the header keeps the dense length. The
+            # server's native core sums it; a process set's keys run on its Python path, uncompressed
             body = op.codec.encode(data, op.dtype, key, rnd, self.rank)
             flags = wire.FLAG_COMPRESSED
         else:
             body = data
-        if (op.codec is not None and op.cmd == Cmd.PUSHPULL) or op.pset is not None:
-            # the server's Python path takes every push of a compressed op, and of a process set's
-            # (it knows how many members push each of those keys)
+        if op.pset is not None:
+            # the server's Python path takes every push of a process set's (it knows how many members
+            # push each of those keys)
             flags |= wire.FLAG_PYTHON
         nbytes = body.nbytes if hasattr(body, "nbytes") else len(body)
         header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,

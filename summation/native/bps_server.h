@@ -6,7 +6,8 @@
  * "byteps-serve" owns it from then on. BpsServerCore composes the parts, each in its own header:
  *
  *     server_links.h    BpsServerLinks: the ROUTER, workers' direct links and their accept loop
- *     sync_rounds.h     BpsSyncRounds: a plain push, from its checks to the round's replies
+ *     sync_rounds.h     BpsSyncRounds: a push, from its checks to the round's replies
+ *     compressed_rounds.h BpsCompressedRounds: compressed pushes and the re-encoded reply
  *     elastic_rounds.h  BpsElasticRounds: keys taken over from a lost server (BYTEPS_ELASTIC)
  *     handover.h        BpsHandover: a key's state when it becomes Python's
  *     round.h           BpsRound, and BpsRounds: the store of rounds (keys, stores, sum threads)
@@ -19,12 +20,11 @@
  * who handles each message. Everything but plain pushes goes to Python unchanged, in arrival order,
  * through forwarded() and a notify eventfd: handshakes, messages of identities not admitted yet
  * (after an AUTH, an identity's later messages wait here until Python says whether it passed:
- * admit()), PROBE, ASYNC_PUSHPULL, pushes marked FLAG_PYTHON or FLAG_COMPRESSED, and anything
- * malformed. A key is handled by one side only: the first message Python must handle for a key makes
- * it Python's; if this thread already had state for it, that state goes along (a BpsHandover: round,
- * arrivals so far, the partial sum), so a round that mixes compressed and plain pushes still fails
- * with Python's "compression differs". Python's own replies go out through send() on this thread (it
- * alone touches the socket).
+ * admit()), PROBE, ASYNC_PUSHPULL, pushes marked FLAG_PYTHON (process sets), and anything
+ * malformed. Compressed pushes are summed here (compressed_rounds.h). A key is handled by one side
+ * only: the first message Python must handle for a key makes it Python's; if this thread already had
+ * state for it, that state goes along (a BpsHandover: round, arrivals so far, the partial sum).
+ * Python's own replies go out through send() on this thread (it alone touches the socket).
  */
 #ifndef BPS_SERVER_H
 #define BPS_SERVER_H
@@ -420,7 +420,7 @@ class BpsServerCore {
         bool data = h.cmd == BPS_CMD_PUSHPULL || h.cmd == BPS_CMD_BROADCAST || h.cmd == BPS_CMD_ASYNC_PUSHPULL;
         bool valid = data && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY;
         bool native = valid && h.cmd != BPS_CMD_ASYNC_PUSHPULL &&
-                      !(h.flags & (BPS_SERVER_FLAG_PYTHON | BPS_FLAG_COMPRESSED)) &&
+                      !(h.flags & BPS_SERVER_FLAG_PYTHON) &&
                       python_keys_.find(h.key) == python_keys_.end();
         if (!native) {
             BpsHandover *handover = nullptr;
@@ -505,7 +505,7 @@ class BpsServerCore {
         BpsRound *st = rounds_.find(key);
         if (st == nullptr) return nullptr;
         if (rounds_.pool() && st->pending) {
-            rounds_.pool()->wait_idle(); /* rare (a round mixing compressed and plain pushes): let its sums finish */
+            rounds_.pool()->wait_idle(); /* rare (a round mixing native and Python's pushes): let its sums finish */
             sync_.take_sums();
         }
         BpsHandover *o = bps_handover_of(*st);
