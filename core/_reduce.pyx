@@ -500,6 +500,7 @@ def codec_compress(int method, int dtype, int flags, int levels, uint64_t k, uin
     cdef void *wptr = NULL
     cdef uint8_t *optr
     cdef Py_ssize_t n
+    cdef size_t written
     p.method, p.dtype, p.flags, p.levels, p.k, p.seed, p.dither_seed = method, dtype, flags, levels, k, seed, dither_seed
     if not 1 <= method <= 7:
         raise ValueError(f"codec_compress: unknown compression method {method}")
@@ -526,7 +527,10 @@ def codec_compress(int method, int dtype, int flags, int levels, uint64_t k, uin
         blob = PyBytes_FromStringAndSize(NULL, bps_cz_encoded_size(p, n))
         optr = <uint8_t *>PyBytes_AS_STRING(blob)
         with nogil:
-            bps_cz_compress(&p, v.buf, n, mptr, mu, nesterov, rptr, residual_valid, wptr, optr)
+            written = bps_cz_compress(&p, v.buf, n, mptr, mu, nesterov, rptr, residual_valid, wptr, optr)
+        if written != <size_t>len(blob):
+            raise ValueError(f"codec_compress: a sparse encoding of k={k} values, but they hold another count of "
+                             "non-zeros")
         return blob
     finally:
         PyBuffer_Release(&v)

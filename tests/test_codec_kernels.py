@@ -193,3 +193,17 @@ def test_malformed_blobs_name_what_is_wrong():
     # levels 3 take 4 bits: 0xF is above 2 * 3
     with pytest.raises(C.CodecError, match=r"^dithering level out of range 0\.\.6$"):
         C.decode(dith[:40] + b"\xff" + dith[41:])
+
+
+def test_the_kernel_refuses_what_would_overrun_its_buffers():
+    from byteps.core import _reduce
+
+    x = np.array([0, 1, 0, 2], np.float32)
+    with pytest.raises(ValueError, match="non-zeros"):
+        _reduce.codec_compress(C.SPARSE, 0, 0, 0, 3, 0, 0, x)  # two non-zeros, not three
+    for method, k in ((C.TOPK, 0), (C.TOPK, 5), (C.RANDOMK, 5)):
+        with pytest.raises(ValueError, match="k="):
+            _reduce.codec_compress(method, 0, 0, 0, k, 0, 0, x)
+    with pytest.raises(ValueError, match="levels"):
+        _reduce.codec_compress(C.DITHERING, 0, 0, 0, 0, 0, 0, x)
+    assert C.decode(_reduce.codec_compress(C.SPARSE, 0, 0, 0, 2, 0, 0, x)).tolist() == [0, 1, 0, 2]

@@ -495,7 +495,8 @@ static inline uint64_t bps_cz_count_nonzero(const T *v, uint64_t n) {
   return c;
 }
 
-/* Encode n values of v into out (bps_cz_encoded_size bytes); returns the bytes written. */
+/* Encode n values of v into out (bps_cz_encoded_size bytes); returns the bytes written, 0 for a
+ * sparse encoding whose k is not the values' count of non-zeros (nothing past the header written). */
 template <class T>
 static inline size_t bps_cz_encode_t(const BpsCodecParams &p, const T *v, uint64_t n, uint8_t *out) {
   BpsCodecInfo h = {p.method, p.dtype, p.flags, p.levels, n, p.k, p.seed, NULL};
@@ -541,6 +542,7 @@ static inline size_t bps_cz_encode_t(const BpsCodecParams &p, const T *v, uint64
         own.reserve(p.k);
         for (uint64_t i = 0; i < n; i++)
           if (v[i] != 0) own.push_back((uint32_t)i);
+        if (own.size() != p.k) return 0; /* k must be the count of non-zeros (bps_cz_reply_params) */
         memcpy(pay, own.data(), p.k * 4);
         idx = own.data();
       }
@@ -697,7 +699,7 @@ static inline size_t bps_cz_compress_t(const BpsCodecParams &p, const T *input, 
     v = work;
   }
   size_t size = bps_cz_encode_t(p, v, n, out);
-  if (residual) {
+  if (size && residual) {
     BpsCodecInfo info;
     char err[BPS_CZ_ERRLEN];
     bps_cz_parse(out, size, &info, err); /* our own blob: valid */
