@@ -83,7 +83,9 @@ def extensions():
             "byteps.core._reduce",
             ["core/_reduce.pyx"],
             include_dirs=[HERE, numpy.get_include()],
-            extra_compile_args=compile_args,
+            language="c++",
+            # the codecs (bps_codecs.h) must round once per operation: no fused multiply-adds
+            extra_compile_args=compile_args + ["-std=c++17", "-ffp-contract=off"],
             extra_link_args=link_args,
         ),
         Extension(

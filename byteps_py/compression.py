@@ -68,19 +68,20 @@ the store's allocation, are unchanged; :func:`parse` checks that the blob's own 
 header exactly and that n * itemsize equals that length. Every push of a round must use the same
 compression (the server compares the header fields and fails the round naming the ranks).
 
-Every kernel is vectorised numpy (no Python per element); the random streams come from PCG64
-raw output seeded through SeedSequence, both stable across numpy versions, not from
-``Generator`` methods (whose algorithms may change), so workers with different numpy versions
-agree.
+The codecs themselves are C++ (``core/kernels/bps_codecs.h``, wrapped by ``byteps.core._reduce``;
+no Python per element, and the GIL is released while they run); this module is their Python API.
+The random streams are numpy's algorithms, reimplemented there: PCG64 raw output seeded through
+SeedSequence (both documented and stable across numpy versions), so any process, and a test with
+numpy itself, draws the same values. Onebit's scale and dithering's l2 norm are sums computed in
+a fixed order by the kernel (eight double lanes), within 1e-14 of the exactly rounded sum.
 """
-import collections
-import math
 import os
 import struct
 
 import numpy as np
 
-from .errors import ConfigError, ProtocolError
+from .errors import CodecError, ConfigError
+from .core import _reduce
 
 # --------------------------------------------------------------------------- tensor compressors
 
@@ -129,14 +130,10 @@ _NP = {_F32: np.dtype(np.float32), _F64: np.dtype(np.float64)}
 _MAX_COUNT = 1 << 32  # indices travel as uint32
 
 
-class CodecError(ProtocolError):
-    """A compressed body that cannot be decoded (bad header, wrong size, indices out of range)."""
-
-
 class Info:
-    """A parsed blob: header fields and the payload (a read-only uint8 array)."""
+    """A parsed blob: its header fields, and the blob itself (any buffer)."""
 
-    __slots__ = ("method", "dtype", "flags", "levels", "n", "k", "seed", "payload")
+    __slots__ = ("method", "dtype", "flags", "levels", "n", "k", "seed", "blob")
 
     @property
     def itemsize(self):
@@ -175,278 +172,40 @@ def describe(info):
     return f"{name}({', '.join(opts)})"
 
 
-def _pack_header(method, dtype, flags, n, k=0, seed=0, levels=0):
-    return HEADER.pack(MAGIC, VERSION, method, dtype, flags, levels, n, k, seed)
-
-
-def _level_bits(levels):
-    """Bits per element of dithering: levels -s..s stored as 0..2s in the smallest of 2, 4, 8 or 16
-    bits that holds them (powers of two pack with a few vectorised shifts)."""
-    need = (2 * levels).bit_length()
-    return next(b for b in (2, 4, 8, 16) if b >= need)
-
-
 def payload_size(method, n, itemsize, k=0, levels=0):
     """Exact payload bytes of a blob (the header excluded)."""
-    if method in (FP16, BF16):
-        return 2 * n
-    if method == ONEBIT:
-        return 8 + (n + 7) // 8
-    if method in (TOPK, SPARSE):
-        return k * (4 + itemsize)
-    if method == RANDOMK:
-        return k * itemsize
-    if method == DITHERING:
-        return 8 + (n * _level_bits(levels) + 7) // 8
-    raise CodecError(f"unknown compression method {method}")
+    if method not in NAMES:
+        raise CodecError(f"unknown compression method {method}")
+    return _reduce.codec_payload_size(method, n, itemsize, k, levels)
 
 
 def parse(buf):
     """Parse and validate a blob (any buffer); raise :class:`CodecError` on anything malformed."""
-    raw = np.frombuffer(buf, dtype=np.uint8)
-    if raw.size < HEADER_SIZE:
-        raise CodecError(f"compressed body of {raw.size} bytes is shorter than its {HEADER_SIZE}-byte header")
-    magic, version, method, dtype, flags, levels, n, k, seed = HEADER.unpack(raw[:HEADER_SIZE].tobytes())
-    if magic != MAGIC:
-        raise CodecError(f"bad compression magic {magic!r}")
-    if version != VERSION:
-        raise CodecError(f"compression version {version} is not supported (this build speaks {VERSION})")
-    if method not in NAMES:
-        raise CodecError(f"unknown compression method {method}")
-    if dtype not in _NP:
-        raise CodecError(f"compressed values of dtype code {dtype}; only float32 and float64 are compressed")
-    if method in (TOPK, RANDOMK, SPARSE) and (k > n or n > _MAX_COUNT):
-        raise CodecError(f"{NAMES[method]} sends k={k} of n={n} elements")
-    if method == DITHERING and not 1 <= levels <= 0x7FFF:
-        raise CodecError(f"dithering with {levels} levels")
-    want = payload_size(method, n, _NP[dtype].itemsize, k, levels)
-    if raw.size - HEADER_SIZE != want:
-        raise CodecError(f"{NAMES[method]} body of n={n} elements should be {HEADER_SIZE + want} bytes, "
-                         f"got {raw.size}")
     info = Info()
-    info.method, info.dtype, info.flags, info.levels, info.n, info.k, info.seed = (method, dtype, flags, levels, n,
-                                                                                   k, seed)
-    info.payload = raw[HEADER_SIZE:]
+    info.method, info.dtype, info.flags, info.levels, info.n, info.k, info.seed = _reduce.codec_parse(buf)
+    info.blob = buf
     return info
 
 
 # --------------------------------------------------------------------------- random streams
 
-_MASK32 = 0xFFFFFFFF
-
 
 def derive_seed(seed, key, rnd, stream=None):
-    """64-bit seed of one message's random stream, from (seed, wire key, round[, stream]).
-
-    SeedSequence's output is stable across numpy versions and platforms.
-    """
-    words = [seed & _MASK32, seed >> 32, key & _MASK32, key >> 32, rnd & _MASK32, rnd >> 32]
-    if stream is not None:
-        words.append(stream & _MASK32)
-    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0])
-
-
-_INDEX_CACHE = collections.OrderedDict()
-_INDEX_CACHE_SIZE = 64
+    """64-bit seed of one message's random stream, from (seed, wire key, round[, stream]):
+    numpy's SeedSequence of their 32-bit words, low word first."""
+    return _reduce.codec_derive_seed(seed, key, rnd, stream)
 
 
 def random_indices(seed64, n, k):
     """k distinct indices in [0, n), sorted (uint32), from PCG64(seed64): identical on every process.
 
-    Candidates floor(u * n) are drawn in order and the first k distinct ones kept. The number of
-    draws that gives k distinct values in expectation, -n ln(1 - k/n), is drawn at once (then more
-    if needed). Cached: a worker encodes and decodes, a server decodes every push and re-encodes,
-    all with the same indices.
+    Candidates floor((r >> 11) * n / 2**53) of the raw outputs r are drawn in order and the first
+    k distinct ones kept.
     """
-    ck = (seed64, n, k)
-    hit = _INDEX_CACHE.get(ck)
-    if hit is not None:
-        _INDEX_CACHE.move_to_end(ck)
-        return hit
-    if k >= n:
-        idx = np.arange(n, dtype=np.uint32)
-    else:
-        bg = np.random.PCG64(seed64)
-        draws = int(-n * math.log1p(-k / n) * 1.05) + 64
-        cand = np.empty(0, dtype=np.int64)
-        while True:
-            raw = bg.random_raw(draws)
-            more = ((raw >> np.uint64(11)).astype(np.float64) * (n / float(1 << 53))).astype(np.int64)
-            cand = np.concatenate([cand, np.minimum(more, n - 1)])
-            uniq, first = np.unique(cand, return_index=True)
-            if uniq.size >= k:
-                break
-            draws = max(64, int(draws * 0.5))
-        idx = np.sort(cand[np.sort(first)[:k]]).astype(np.uint32)
-    idx.setflags(write=False)
-    _INDEX_CACHE[ck] = idx
-    if len(_INDEX_CACHE) > _INDEX_CACHE_SIZE:
-        _INDEX_CACHE.popitem(last=False)
-    return idx
+    return _reduce.codec_random_indices(seed64, n, k)
 
 
-# --------------------------------------------------------------------------- casts
-
-
-def f32_to_bf16_bits(x):
-    """float32 array -> bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays (quiet) NaN."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    bias = ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
-    out = ((u + bias) >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(x)
-    if nan.any():
-        out[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
-    return out
-
-
-def f64_to_f32_round_to_odd(x):
-    """float64 -> float32 rounded to odd (truncate, then set the last bit if inexact).
-
-    Rounding to odd first and to nearest even second equals one rounding to nearest even when the
-    intermediate format has at least 2 more bits (float32: 24 bits, bfloat16: 8), so float64 ->
-    bfloat16 is correctly rounded without a double-rounding error.
-    """
-    y = x.astype(np.float32)
-    bits = y.view(np.uint32)
-    with np.errstate(invalid="ignore"):
-        over = np.abs(y.astype(np.float64)) > np.abs(x)  # rounded away from zero: step back one ulp
-    bits[over] -= np.uint32(1)
-    with np.errstate(invalid="ignore"):
-        inexact = y.astype(np.float64) != x
-    inexact &= ~np.isnan(x)
-    bits[inexact] |= np.uint32(1)
-    return y
-
-
-def to_bf16_bits(v):
-    if v.dtype == np.float64:
-        v = f64_to_f32_round_to_odd(v)
-    return f32_to_bf16_bits(v)
-
-
-def bf16_bits_to_f32(bits):
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-# --------------------------------------------------------------------------- encoders
-
-
-def _k_for(k, n):
-    """BytePS's compressor_k: below 1 a fraction of the elements, from 1 a count; at least 1."""
-    if k < 1:
-        return max(1, min(n, int(math.ceil(k * n))))
-    return max(1, min(n, int(k)))
-
-
-def _dither_levels(v, levels, natural, use_l2, seed64):
-    """Levels of v as unsigned q = level + s in 0..2s (uint16), by stochastic rounding, and the norm.
-
-    The computation runs in v's dtype; the draws are u = (w >> 8) / 2**24 for the 32-bit words w of
-    PCG64's output, low word first. A non-finite input gives a non-finite norm: every value decodes
-    to NaN.
-    """
-    dt = v.dtype.type
-    a = np.abs(v)
-    if use_l2:
-        a64 = a.astype(np.float64)
-        norm = float(np.sqrt(np.dot(a64, a64)))
-    else:
-        norm = float(a.max()) if a.size else 0.0
-    if not norm > 0 or not math.isfinite(norm):  # all zeros (or non-finite input): nothing to quantise
-        return np.full(v.size, levels, dtype=np.uint16), (norm if not math.isfinite(norm) else 0.0)
-    # 32-bit words of PCG64's output, low word first: u = (word >> 8) / 2**24, exact in float32
-    words = np.random.PCG64(seed64).random_raw((v.size + 1) // 2).astype("<u8", copy=False).view("<u4")[:v.size]
-    u = (words >> np.uint32(8)).astype(v.dtype)
-    u *= dt(1.0 / (1 << 24))
-    if natural:  # levels 0, 2^(1-s), ..., 1/2, 1: index l > 0 stands for 2^(l - s)
-        p = a / dt(norm)
-        _, ex = np.frexp(p)  # p = m * 2^ex with m in [0.5, 1): floor(log2 p) = ex - 1
-        e = np.maximum(ex.astype(np.int32) - 1, -levels)
-        small = (e < 1 - levels) | (p == 0)  # below the smallest non-zero level: between 0 and 2^(1-s)
-        lo_val = np.where(small, dt(0), np.ldexp(dt(1), e))
-        step = np.where(small, np.ldexp(dt(1), 1 - levels), lo_val)  # next level - this level
-        with np.errstate(divide="ignore", invalid="ignore"):  # step underflows to 0 only where p == 0
-            lv = np.where(small, 0, e + levels) + (u < (p - lo_val) / step)
-        lv[p == 0] = 0
-    else:  # in place, in v's dtype: sp = |v| * s / norm; level = floor(sp) + (u < frac(sp))
-        sp = np.multiply(a, dt(levels / norm), out=a)
-        lv = np.floor(sp)
-        sp -= lv
-        lv += u < sp
-    lv = np.minimum(lv, levels, out=lv if lv.dtype.kind == "f" else None)  # an l2 norm rounded below
-    # max |x| must not give level s + 1; then signed level + s, as unsigned
-    lv = lv.astype(v.dtype, copy=False)
-    np.negative(lv, out=lv, where=v < 0)
-    lv += dt(levels)
-    return lv.astype(np.uint16), norm
-
-
-def _dither_table(levels, natural, norm, dtype):
-    """Value of every q in 0..2s: a lookup table, so decoding is one gather."""
-    mag = np.abs(np.arange(-levels, levels + 1, dtype=np.int64))
-    unit = np.where(mag > 0, np.ldexp(1.0, mag - levels), 0.0) if natural else mag / float(levels)
-    return (np.sign(np.arange(-levels, levels + 1)) * unit * norm).astype(dtype)
-
-
-def _pack_levels(q, levels):
-    """q (uint16, 0..2s) as b-bit fields (b = :func:`_level_bits`, a power of two), first element in
-    the most significant bits of each byte (b < 8), or as little-endian bytes (b = 8, 16)."""
-    bits = _level_bits(levels)
-    if bits == 16:
-        return q.astype("<u2").tobytes()
-    q8 = q.astype(np.uint8)
-    per = 8 // bits  # fields per byte
-    if per > 1:
-        q8 = np.concatenate([q8, np.zeros(-q8.size % per, dtype=np.uint8)]).reshape(-1, per)
-        out = q8[:, 0] << np.uint8(8 - bits)
-        for j in range(1, per):
-            out |= q8[:, j] << np.uint8(8 - bits * (j + 1))
-        q8 = out
-    return q8.tobytes()
-
-
-def _unpack_levels(buf, n, levels):
-    bits = _level_bits(levels)
-    if bits == 16:
-        return buf.view("<u2")
-    per = 8 // bits
-    if per == 1:
-        return buf
-    mask = np.uint8((1 << bits) - 1)
-    q = np.empty((buf.size, per), dtype=np.uint8)
-    for j in range(per):
-        np.bitwise_and(buf >> np.uint8(8 - bits * (j + 1)), mask, out=q[:, j])
-    return q.reshape(-1)[:n]
-
-
-def _encode(method, v, dtype, flags, k=0, levels=0, seed=0, dither_seed=None):
-    """The blob of typed array v (not modified)."""
-    n = v.size
-    if method == FP16:
-        with np.errstate(over="ignore"):  # beyond 65504: inf, as any IEEE cast
-            return _pack_header(FP16, dtype, flags, n) + v.astype(np.float16).tobytes()
-    if method == BF16:
-        return _pack_header(BF16, dtype, flags, n) + to_bf16_bits(v).tobytes()
-    if method == ONEBIT:
-        scale = float(np.abs(v).mean(dtype=np.float64)) if flags & F_SCALING and n else 1.0
-        return (_pack_header(ONEBIT, dtype, flags, n) + struct.pack("<d", scale)
-                + np.packbits(v < 0).tobytes())
-    if method in (TOPK, SPARSE):
-        if method == TOPK:
-            idx = np.argpartition(np.abs(v), n - k)[n - k:] if k < n else np.arange(n)
-            idx = np.sort(idx).astype(np.uint32)
-        else:
-            idx = np.flatnonzero(v).astype(np.uint32)
-            k = idx.size
-        return _pack_header(method, dtype, flags, n, k=k) + idx.tobytes() + v[idx].tobytes()
-    if method == RANDOMK:
-        idx = random_indices(seed, n, k)
-        return _pack_header(RANDOMK, dtype, flags, n, k=k, seed=seed) + v[idx].tobytes()
-    if method == DITHERING:
-        q, norm = _dither_levels(v, levels, flags & F_NATURAL, flags & F_L2, dither_seed)
-        return (_pack_header(DITHERING, dtype, flags, n, seed=seed, levels=levels) + struct.pack("<d", norm)
-                + _pack_levels(q, levels))
-    raise CodecError(f"unknown compression method {method}")
+# --------------------------------------------------------------------------- encode, decode, recompress
 
 
 def decode_into(info, out, accumulate=False):
@@ -454,44 +213,7 @@ def decode_into(info, out, accumulate=False):
     if out.size != info.n or out.dtype != _NP[info.dtype]:
         raise CodecError(f"{NAMES[info.method]} body decodes to {info.n} {_NP[info.dtype].name} values, "
                          f"the destination holds {out.size} {out.dtype.name}")
-    p, n, dt = info.payload, info.n, out.dtype
-    if info.method in (TOPK, SPARSE, RANDOMK):
-        if info.method == RANDOMK:
-            idx = random_indices(info.seed, n, info.k)
-            vals = p.view(dt)
-        else:
-            idx = p[:4 * info.k].view(np.uint32)
-            vals = p[4 * info.k:].view(dt)
-            # sorted and unique: fancy-index assignment would silently drop duplicates
-            if info.k and (int(idx[-1]) >= n or (info.k > 1 and not bool(np.all(idx[1:] > idx[:-1])))):
-                raise CodecError(f"{NAMES[info.method]} indices are not increasing within 0..{n - 1}")
-        if accumulate:
-            out[idx] += vals
-        else:
-            out.fill(0)
-            out[idx] = vals
-        return out
-    if info.method == FP16:
-        vals = p.view(np.float16)
-    elif info.method == BF16:
-        vals = bf16_bits_to_f32(p.view(np.uint16))
-    elif info.method == ONEBIT:
-        scale = dt.type(struct.unpack("<d", p[:8].tobytes())[0])
-        # one gather: byte value -> its 8 decoded elements
-        table = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1), -scale, scale)
-        vals = table[p[8:]].reshape(-1)[:n]
-    elif info.method == DITHERING:
-        norm = struct.unpack("<d", p[:8].tobytes())[0]
-        q = _unpack_levels(p[8:], n, info.levels)
-        if int(q.max(initial=0)) > 2 * info.levels:
-            raise CodecError(f"dithering level out of range 0..{2 * info.levels}")
-        vals = _dither_table(info.levels, info.flags & F_NATURAL, norm, dt).take(q)
-    else:
-        raise CodecError(f"unknown compression method {info.method}")
-    if accumulate:
-        out += vals
-    else:
-        out[...] = vals
+    _reduce.codec_decode_into(info.blob, out, accumulate)
     return out
 
 
@@ -509,34 +231,26 @@ def recompress(info, total, key, rnd, stream, residual=None):
     exactly non-zero (no loss); topk sends the sum's non-zeros -- the union of the pushed indices
     -- as a sparse blob, exactly, unless that is not smaller than the raw sum (None: send raw).
     """
-    n, itemsize = total.size, total.dtype.itemsize
-    if info.method in (TOPK, SPARSE):
-        nz = int(np.count_nonzero(total))
-        if HEADER_SIZE + payload_size(SPARSE, n, itemsize, k=nz) >= n * itemsize:
-            return None, None
-        return _encode(SPARSE, total, info.dtype, info.flags & ~F_EF), None
-    if info.method == RANDOMK:
-        return _encode(RANDOMK, total, info.dtype, info.flags & ~F_EF, k=info.k, seed=info.seed), None
-    v = total
-    ef = bool(info.flags & F_EF)
-    if ef and residual is not None and residual.size == n and residual.dtype == total.dtype:
-        v = total + residual
-    dseed = derive_seed(info.seed, key, rnd, stream) if info.method == DITHERING else None
-    blob = _encode(info.method, v, info.dtype, info.flags, levels=info.levels, seed=info.seed, dither_seed=dseed)
-    if ef:
-        residual = v - decode_into(parse(blob), np.empty(n, dtype=total.dtype))
-    return blob, (residual if ef else None)
+    keeps = bool(info.flags & F_EF) and info.method not in (TOPK, SPARSE, RANDOMK)
+    valid = keeps and residual is not None and residual.size == total.size and residual.dtype == total.dtype
+    if keeps and not valid:
+        residual = np.empty(total.size, total.dtype)
+    blob = _reduce.codec_recompress(info.blob, total, key, rnd, stream, residual if keeps else None, valid)
+    return blob, (residual if keeps else None)
 
 
 # --------------------------------------------------------------------------- the compressor object
 
 
 class _State:
-    __slots__ = ("n", "dtype", "residual", "momentum")
+    """A wire key's momentum and error-feedback residual (updated in place by the kernels)."""
+
+    __slots__ = ("n", "dtype", "residual", "has_residual", "momentum")
 
     def __init__(self, n, dtype):
         self.n, self.dtype = n, dtype
         self.residual = self.momentum = None
+        self.has_residual = False  # the first round has nothing to add yet
 
 
 class WireCompressor(Compressor):
@@ -642,7 +356,7 @@ class WireCompressor(Compressor):
         return self._min_bytes
 
     def _count(self, n):
-        return _k_for(self.k, n) if self.method_id in (TOPK, RANDOMK) else 0
+        return _reduce.codec_k_for(self.k, n) if self.method_id in (TOPK, RANDOMK) else 0
 
     def applies(self, dtype, tensor_nbytes, nbytes):
         """Whether a partition of ``nbytes`` of a tensor of ``tensor_nbytes`` (wire dtype code) is
@@ -661,34 +375,26 @@ class WireCompressor(Compressor):
         """The blob of one partition (``data``: its bytes as a uint8 array), applying momentum and
         error feedback with this wire key's state. ``stream`` (the worker's rank) keeps the
         workers' dithering draws independent."""
-        v = data.view(_NP[dtype])
-        n = v.size
+        n = data.size // _NP[dtype].itemsize
         st = self._state.get(key)
         if st is None or rnd == 0 or st.n != n or st.dtype != dtype:
             st = self._state[key] = _State(n, dtype)
-        if self.momentum:
-            if st.momentum is None:
-                st.momentum = np.zeros(n, dtype=v.dtype)
-            m = st.momentum
-            m *= v.dtype.type(self.momentum)
-            m += v
-            v = v + v.dtype.type(self.momentum) * m if self.nesterov else m
-        if self.error_feedback and st.residual is not None:
-            v = v + st.residual
-        k = self._count(n)
-        seed = self.seed
-        if self.method_id == RANDOMK:
-            seed = derive_seed(self.seed, key, rnd)
-        dseed = derive_seed(self.seed, key, rnd, stream) if self.method_id == DITHERING else None
-        blob = _encode(self.method_id, v, dtype, self.flags, k=k, levels=self.levels, seed=seed, dither_seed=dseed)
-        if self.error_feedback:
-            st.residual = v - decode_into(parse(blob), np.empty(n, dtype=v.dtype))
+        if self.momentum and st.momentum is None:
+            st.momentum = np.zeros(n, dtype=_NP[dtype])
+        if self.error_feedback and st.residual is None:
+            st.residual = np.empty(n, dtype=_NP[dtype])
+        seed = derive_seed(self.seed, key, rnd) if self.method_id == RANDOMK else self.seed
+        dither_seed = derive_seed(self.seed, key, rnd, stream) if self.method_id == DITHERING else 0
+        blob = _reduce.codec_compress(self.method_id, dtype, self.flags, self.levels, self._count(n), seed,
+                                      dither_seed, data, st.momentum, self.momentum, self.nesterov, st.residual,
+                                      st.has_residual)
+        st.has_residual = self.error_feedback
         return blob
 
     def residual(self, key):
         """The error-feedback residual of a wire key (a copy), or None."""
         st = self._state.get(key)
-        return None if st is None or st.residual is None else st.residual.copy()
+        return None if st is None or not st.has_residual else st.residual.copy()
 
 
 # --------------------------------------------------------------------------- selection and configuration

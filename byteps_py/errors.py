@@ -31,3 +31,7 @@ class ProtocolError(BytePSError):
 
 class UnsupportedTypeError(TypeError, ValueError):
     """A tensor dtype byteps cannot send (Horovod raises ValueError here, byteps TypeError: both match)."""
+
+
+class CodecError(ProtocolError):
+    """A compressed body that cannot be decoded (bad header, wrong size, indices out of range)."""

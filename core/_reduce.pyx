@@ -4,6 +4,9 @@ Buffers are taken through the buffer protocol as raw bytes, so numpy arrays of a
 views, bytearray, memoryview and zmq frames all work; the ``dtype`` code (byteps.core.dtypes) says
 how to interpret them. The arithmetic runs without the GIL, in several threads for big buffers
 (a pool of sleeping helpers in core/kernels/bps_pool.h; their number: :func:`default_threads`).
+
+The ``codec_*`` functions are the wire compression codecs (C++ in bps_codecs.h), for
+byteps.compression, which is their Python API and documents the format.
 """
 import mmap
 import os
@@ -12,7 +15,8 @@ import numpy as np
 
 cimport numpy as cnp
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
-from libc.stdint cimport uintptr_t
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 cnp.import_array()
@@ -370,3 +374,220 @@ def byte_array(uintptr_t address, Py_ssize_t nbytes, owner):
     arr = cnp.PyArray_SimpleNewFromData(1, &n, cnp.NPY_UINT8, <void *>address)
     cnp.set_array_base(arr, owner)
     return arr
+
+
+# ---------------------------------------------------------------------------------------------
+# wire compression codecs (core/kernels/bps_codecs.h; the Python API is byteps.compression)
+
+cdef extern from "core/kernels/bps_codecs.h" nogil:
+    enum: BPS_CZ_HEADER
+    enum: BPS_CZ_ERRLEN
+    enum: BPS_CZ_F_EF
+    ctypedef struct BpsCodecInfo:
+        int method, dtype, flags, levels
+        uint64_t n, k, seed
+        const uint8_t *payload
+    ctypedef struct BpsCodecParams:
+        int method, dtype, flags, levels
+        uint64_t k, seed, dither_seed
+    int bps_cz_parse(const uint8_t *buf, size_t len, BpsCodecInfo *info, char *err)
+    size_t bps_cz_encoded_size(const BpsCodecParams &p, uint64_t n)
+    unsigned long long bps_cz_payload_size(int method, uint64_t n, int itemsize, uint64_t k, int levels)
+    uint64_t bps_cz_k_for(double k, uint64_t n)
+    uint64_t bps_cz_derive_seed(uint64_t seed, uint64_t key, uint64_t rnd, int has_stream, uint32_t stream)
+    void bps_cz_random_indices(uint64_t seed64, uint64_t n, uint64_t k, uint32_t *out)
+    size_t bps_cz_compress(const BpsCodecParams *p, const void *input, uint64_t n, void *momentum, double mu,
+                           int nesterov, void *residual, int residual_valid, void *work, uint8_t *out)
+    int bps_cz_decode(const BpsCodecInfo *info, void *out, int accumulate, char *err)
+    BpsCodecParams bps_cz_reply(const BpsCodecInfo *push, const void *total, uint64_t n, uint64_t key,
+                                uint64_t rnd, uint32_t stream)
+
+_CODEC_DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float64)}
+
+
+cdef _codec_error(const char *err):
+    from byteps.errors import CodecError
+
+    return CodecError(err.decode())
+
+
+cdef int _parse_blob(Py_buffer *b, BpsCodecInfo *info) except -1:
+    cdef char err[BPS_CZ_ERRLEN]
+    if bps_cz_parse(<const uint8_t *>b.buf, <size_t>b.len, info, err):
+        raise _codec_error(err)
+    return 0
+
+
+cdef int _parse_object(blob, BpsCodecInfo *info) except -1:
+    """Header fields of a blob given as any buffer (the payload pointer is not kept valid)."""
+    cdef Py_buffer b
+    PyObject_GetBuffer(blob, &b, PyBUF_SIMPLE)
+    try:
+        _parse_blob(&b, info)
+    finally:
+        PyBuffer_Release(&b)
+    return 0
+
+
+cdef Py_ssize_t _typed_len(str what, Py_buffer *b, int dtype) except -1:
+    """Elements of ``dtype`` (0 float32, 1 float64) in buffer b, or ValueError."""
+    if dtype not in _CODEC_DTYPES:
+        raise ValueError(f"{what}: compressed values are float32 (0) or float64 (1), not dtype code {dtype}")
+    cdef Py_ssize_t isz = 8 if dtype else 4
+    if b.len % isz:
+        raise ValueError(f"{what}: {b.len} bytes are not a whole number of {_CODEC_DTYPES[dtype].name}")
+    return b.len // isz
+
+
+def codec_parse(blob):
+    """Validate a compressed blob; its header fields ``(method, dtype, flags, levels, n, k, seed)``.
+
+    Raises:
+        byteps.errors.CodecError: anything malformed (the text names what).
+    """
+    cdef BpsCodecInfo info
+    _parse_object(blob, &info)
+    return info.method, info.dtype, info.flags, info.levels, info.n, info.k, info.seed
+
+
+def codec_decode_into(blob, out, bint accumulate=False):
+    """Write (accumulate: add) the values of ``blob`` into the writable buffer ``out``, which must
+    hold exactly the blob's n values of its dtype.
+
+    Raises:
+        byteps.errors.CodecError: a malformed blob, or an ``out`` of another size.
+    """
+    cdef Py_buffer b, o
+    cdef BpsCodecInfo info
+    cdef char err[BPS_CZ_ERRLEN]
+    cdef int rc
+    PyObject_GetBuffer(blob, &b, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(out, &o, PyBUF_WRITABLE)
+        try:
+            _parse_blob(&b, &info)
+            isz = 8 if info.dtype else 4
+            if <uint64_t>o.len != info.n * isz:
+                from byteps.errors import CodecError
+
+                raise CodecError(f"{('fp16', 'bf16', 'onebit', 'topk', 'randomk', 'dithering', 'sparse')[info.method - 1]}"
+                                 f" body decodes to {info.n} {_CODEC_DTYPES[info.dtype].name} values, the destination"
+                                 f" holds {o.len} bytes")
+            with nogil:
+                rc = bps_cz_decode(&info, o.buf, accumulate, err)
+            if rc:
+                raise _codec_error(err)
+        finally:
+            PyBuffer_Release(&o)
+    finally:
+        PyBuffer_Release(&b)
+    return out
+
+
+def codec_compress(int method, int dtype, int flags, int levels, uint64_t k, uint64_t seed, uint64_t dither_seed,
+                   values, momentum=None, double mu=0.0, bint nesterov=False, residual=None,
+                   bint residual_valid=False):
+    """The blob (bytes) of ``values`` (a buffer of float32/float64 by ``dtype``) encoded by ``method``.
+
+    ``momentum`` (writable, same size): momentum correction, updated in place (``m = mu m + g``;
+    sent: ``m``, or ``g + mu m`` with ``nesterov``). ``residual`` (writable, same size): error
+    feedback, added to what is sent when ``residual_valid`` and then set to what the encoding lost.
+    """
+    cdef Py_buffer v, m, r
+    cdef BpsCodecParams p
+    cdef void *mptr = NULL
+    cdef void *rptr = NULL
+    cdef void *wptr = NULL
+    cdef uint8_t *optr
+    cdef Py_ssize_t n
+    cdef size_t written
+    p.method, p.dtype, p.flags, p.levels, p.k, p.seed, p.dither_seed = method, dtype, flags, levels, k, seed, dither_seed
+    if not 1 <= method <= 7:
+        raise ValueError(f"codec_compress: unknown compression method {method}")
+    if method == 6 and not 1 <= levels <= 0x7FFF:
+        raise ValueError(f"codec_compress: dithering levels must be in 1..32767, got {levels}")
+    PyObject_GetBuffer(values, &v, PyBUF_SIMPLE)
+    try:
+        n = _typed_len("codec_compress", &v, dtype)
+        if method in (4, 5) and not 1 <= k <= <uint64_t>n:  # topk, randomk
+            raise ValueError(f"codec_compress: k={k} of n={n} elements")
+        if momentum is not None:
+            PyObject_GetBuffer(momentum, &m, PyBUF_WRITABLE)
+            mptr = m.buf
+            if m.len != v.len:
+                raise ValueError(f"codec_compress: momentum has {m.len} bytes, the values {v.len}")
+        if residual is not None:
+            PyObject_GetBuffer(residual, &r, PyBUF_WRITABLE)
+            rptr = r.buf
+            if r.len != v.len:
+                raise ValueError(f"codec_compress: residual has {r.len} bytes, the values {v.len}")
+        work = aligned_empty(v.len) if (mptr != NULL or (rptr != NULL and residual_valid)) else None
+        if work is not None:
+            wptr = <void *><uintptr_t>work.ctypes.data
+        blob = PyBytes_FromStringAndSize(NULL, bps_cz_encoded_size(p, n))
+        optr = <uint8_t *>PyBytes_AS_STRING(blob)
+        with nogil:
+            written = bps_cz_compress(&p, v.buf, n, mptr, mu, nesterov, rptr, residual_valid, wptr, optr)
+        if written != <size_t>len(blob):
+            raise ValueError(f"codec_compress: a sparse encoding of k={k} values, but they hold another count of "
+                             "non-zeros")
+        return blob
+    finally:
+        PyBuffer_Release(&v)
+        if mptr != NULL:
+            PyBuffer_Release(&m)
+        if rptr != NULL:
+            PyBuffer_Release(&r)
+
+
+def codec_recompress(push, total, uint64_t key, uint64_t rnd, uint32_t stream, residual=None,
+                     bint residual_valid=False):
+    """A server's reply blob to pushes compressed like ``push`` (any of them: a blob) for the sum
+    ``total`` (a buffer of the push's dtype), or None where the raw sum is to be sent (top-k's
+    sparse sum would not be smaller). ``residual``: the server's error feedback, used only where
+    the reply keeps error feedback (fp16, bf16, onebit, dithering with F_EF)."""
+    cdef Py_buffer t
+    cdef BpsCodecInfo info
+    cdef BpsCodecParams p
+    cdef Py_ssize_t n
+    _parse_object(push, &info)
+    PyObject_GetBuffer(total, &t, PyBUF_SIMPLE)
+    try:
+        n = _typed_len("codec_recompress", &t, info.dtype)
+        if <uint64_t>n != info.n:
+            raise ValueError(f"codec_recompress: the sum holds {n} values, the pushes {info.n}")
+        with nogil:
+            p = bps_cz_reply(&info, t.buf, n, key, rnd, stream)
+        if p.method == 0:
+            return None
+        if not p.flags & BPS_CZ_F_EF:
+            residual = None
+        return codec_compress(p.method, p.dtype, p.flags, p.levels, p.k, p.seed, p.dither_seed, total,
+                              residual=residual, residual_valid=residual_valid)
+    finally:
+        PyBuffer_Release(&t)
+
+
+def codec_payload_size(int method, uint64_t n, int itemsize, uint64_t k=0, int levels=0):
+    """Exact payload bytes of a blob (the header excluded)."""
+    return int(bps_cz_payload_size(method, n, itemsize, k, levels))
+
+
+def codec_k_for(double k, uint64_t n):
+    """BytePS's compressor_k: below 1 a fraction of n (rounded up), from 1 a count; within 1..n."""
+    return bps_cz_k_for(k, n)
+
+
+def codec_derive_seed(uint64_t seed, uint64_t key, uint64_t rnd, stream=None):
+    """64-bit seed of one message's random stream, from (seed, wire key, round[, stream])."""
+    return bps_cz_derive_seed(seed, key, rnd, stream is not None, <uint32_t>(stream or 0))
+
+
+def codec_random_indices(uint64_t seed64, uint64_t n, uint64_t k):
+    """k distinct indices in [0, n), increasing (uint32), drawn from PCG64(seed64)."""
+    out = np.empty(min(k, n), dtype=np.uint32)
+    cdef uint32_t[::1] view = out
+    if out.size:
+        with nogil:
+            bps_cz_random_indices(seed64, n, k, &view[0])
+    return out

@@ -1540,14 +1540,12 @@ class Engine:
             body = shm.describe(shared, data.size) if shared is not None else self._stage(key, data)
             flags = wire.FLAG_SHM
         elif op.codec is not None and op.cmd == Cmd.PUSHPULL and op.codec.applies(op.dtype, op.buf.nbytes, data.size):
-            # compressed on the wire (byteps/compression.py); the header keeps the dense length
+            # compressed on the wire (byteps/compression.py); the header keeps the dense length. The
+            # server's native core sums it (summation/native/compressed_rounds.h)
             body = op.codec.encode(data, op.dtype, key, rnd, self.rank)
             flags = wire.FLAG_COMPRESSED
         else:
             body = data
-        if op.codec is not None and op.cmd == Cmd.PUSHPULL:
-            # the server's Python path takes every push of a compressed op
-            flags |= wire.FLAG_PYTHON
         nbytes = body.nbytes if hasattr(body, "nbytes") else len(body)
         header = wire.pack(op.cmd, sender=self.control.node_id, key=key, round=rnd,
                            length=data.size if flags & (wire.FLAG_SHM | wire.FLAG_COMPRESSED) else nbytes,

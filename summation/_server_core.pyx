@@ -4,13 +4,13 @@
 
 summation/server.py creates one :class:`ServerCore` once the first address book has arrived and
 hands it the data ROUTER socket; the native thread "byteps-serve" then receives, checks, sums and
-answers every plain push without the GIL. Python is called per job or per event, never per
+answers every plain or compressed push without the GIL. Python is called per job or per event, never per
 partition:
 
 * :meth:`set_book`, :meth:`set_join`, :meth:`set_pushers`, :meth:`reset` pass the address book, join()
   state, process sets' keys and LEAVE on;
-* :meth:`forwarded` returns the messages Python handles (handshakes, strangers, PROBE, compressed
-  keys, malformed messages), each with the key's state when it hands a key over;
+* :meth:`forwarded` returns the messages Python handles (handshakes, strangers, PROBE, pushes marked
+  FLAG_PYTHON, malformed messages), each with the key's state when it hands a key over;
   :meth:`admit` answers for an identity after a message marked ``auth``;
 * :meth:`send` queues Python's replies on the same socket; :meth:`logs` returns warning lines.
 
@@ -65,8 +65,6 @@ cdef extern from "summation/native/bps_server.h" nogil:
         cbool warned
         cbool has_header
         string header
-        cbool has_codec
-        int64_t codec_rank
         cbool has_partial
         string partial
 
@@ -208,7 +206,6 @@ cdef object _handover(BpsHandover *h):
         else None,
         "warned": h.warned,
         "header": PyBytes_FromStringAndSize(h.header.data(), h.header.size()) if h.has_header else None,
-        "codec_rank": _rank(h.codec_rank) if h.has_codec else None,
         "partial": PyBytes_FromStringAndSize(h.partial.data(), h.partial.size()) if h.has_partial else None,
     }
 

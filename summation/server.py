@@ -15,9 +15,9 @@ its processes reduced locally), the sum is that push: the server answers with th
 region and copies nothing.
 
 A worker on another machine may send a compressed partition (FLAG_COMPRESSED, byteps/compression.py):
-the server decodes it into the store (which stays in the tensor's dtype), checks that every network
-push of the round is compressed alike, and answers those workers with the re-encoded sum where the
-method allows (raw otherwise).
+the native thread decodes it into the store (which stays in the tensor's dtype), checks that every
+network push of the round is compressed alike, and answers those workers with the re-encoded sum
+where the method allows (raw otherwise): summation/native/compressed_rounds.h.
 
 Each key has two stores used by alternate rounds: a worker can push round r+1 as soon as it
 has the reply of round r, while ZeroMQ may still be sending round r's replies to the others
@@ -29,9 +29,9 @@ so no worker waits forever and no bytes are silently truncated.
 
 Native data plane: once the first address book has arrived, the data socket belongs to the thread
 "byteps-serve" (summation/native/bps_server.h through summation/_server_core.pyx), which does all of the above
-for plain pushes without the GIL. This loop keeps the control plane and handles what that thread
-forwards: handshakes, strangers, PROBE, LINK, and the rounds the native core does not run yet
-(compressed pushes); its replies go out through the native thread.
+for plain, compressed and asynchronous pushes and process sets' keys, without the GIL. This loop
+keeps the control plane and handles what that thread forwards: handshakes, strangers, PROBE, LINK,
+and pushes marked FLAG_PYTHON; its replies go out through the native thread.
 """
 import itertools
 import os
@@ -39,7 +39,7 @@ import time
 
 import zmq
 
-from byteps import compression, placement, service, timeline
+from byteps import placement, service, timeline
 from byteps.core import auth, dtypes, shm, transport, wire
 from byteps.core._reduce import aligned_empty, copy_into, get_num_threads, sum_into, sum_many
 from byteps.core.control import ControlClient
@@ -69,7 +69,7 @@ class _Round:
     """State of one key: the current round's arrivals and the two stores."""
 
     __slots__ = ("round", "nbytes", "dtype", "alloc", "_stores", "_shared", "senders", "waiters", "first", "since",
-                 "error", "root", "root_ident", "warned", "echo", "held", "header", "codec", "compressed", "residual",
+                 "error", "root", "root_ident", "warned", "echo", "held", "header",
                  "key", "pending", "ready")
 
     def __init__(self, nbytes, dtype, alloc):
@@ -80,7 +80,6 @@ class _Round:
         # the stores are allocated at first use, once a body of nbytes has arrived: never from a
         # header's length field alone (a malformed header must not reserve gigabytes)
         self._stores = self._shared = None
-        self.residual = None     # error feedback of this key's recompressed replies (byteps/compression.py)
         self.key = 0
         self.pending = 0         # sums of this round still running on an engine thread (summation/sum_pool.py)
         self.reset()
@@ -118,8 +117,6 @@ class _Round:
         self.echo = None         # a lone pusher's shared region: the sum is the push itself
         self.held = None         # the round's first push, not yet copied (a shared view or a zmq Frame)
         self.header = None       # the round's last header (to complete it when a rank joins)
-        self.codec = None        # (rank, parsed codec header or None) of the round's first network push
-        self.compressed = set()  # identities of the workers that pushed compressed (they get it back so)
         self.ready = None        # header of a round whose messages are all in but whose sums still run
 
     @property
@@ -351,15 +348,14 @@ class Server:
                     self.core.admit(frames[0], self.gate.allows(frames[0]))
 
     def _take_handover(self, d):
-        """A key the native thread had state for is Python's from now on (its first compressed or
-        FLAG_PYTHON message): go on from that state, so a round mixing both kinds fails as it should."""
+        """A key the native thread had state for is Python's from now on (its first FLAG_PYTHON message):
+        go on from that state, so a round mixing both kinds fails as it should."""
         st = _Round(d["nbytes"], d["dtype"], self.alloc)
         st.key, st.round = d["key"], d["round"]
         st.senders, st.waiters, st.first = list(d["senders"]), list(d["waiters"]), d["first"]
         st.since, st.error, st.warned = d["since"], d["error"], d["warned"]
         st.root, st.root_ident = d["root"], d["root_ident"]
         st.header = wire.unpack(d["header"]) if d["header"] is not None else None
-        st.codec = (d["codec_rank"], None) if d["codec_rank"] is not None else None
         if d["partial"] is not None:  # the sum so far (its first push folded in)
             copy_into(st.store, d["partial"])
         self.keys[st.key] = st
@@ -518,7 +514,7 @@ class Server:
         elif not self.gate.check(ident, body.get("mac")):
             logger.warning("refused worker connection %r: authentication failed", ident)
 
-    # The synchronous rounds below serve only the keys the native core forwards: compressed ops' pushes
+    # The synchronous rounds below serve only the keys the native core forwards: pushes marked FLAG_PYTHON
     # (FLAG_PYTHON) and keys handed over mid-round (_take_handover); it runs the rest.
 
     def _check(self, st, h, rank):
@@ -557,11 +553,9 @@ class Server:
             st.root_ident = ident
             if st.nbytes != h.length or st.dtype != h.dtype:  # new stores at first use (_Round.stores)
                 st.nbytes, st.dtype, st._stores, st._shared = h.length, h.dtype, None, None
-        if h.flags & wire.FLAG_COMPRESSED or (h.cmd == Cmd.PUSHPULL and not h.flags & wire.FLAG_SHM):
-            problem = self._accept_compressed(st, h, rank, ident)
-            if problem is not None or h.flags & wire.FLAG_COMPRESSED:
-                self._discard_rest()
-                return problem
+        if h.flags & wire.FLAG_COMPRESSED:  # the native thread sums every compressed push
+            self._discard_rest()
+            return f"{_name(h)}: rank {rank} sent a compressed push marked FLAG_PYTHON; only the native rounds take those"
         if h.flags & wire.FLAG_SHM:
             body = self._take()
             try:
@@ -634,57 +628,6 @@ class Server:
             return
         self._complete(st, h)
 
-    def _accept_compressed(self, st, h, rank, ident):
-        """Compression of a network push (byteps/compression.py). Every push of a round that crosses
-        the network must be compressed alike (shared-memory pushes from this machine never are);
-        a compressed body is decoded (vectorised) and added into the store, which stays in the
-        tensor's dtype. Returns an error message or None; a raw push is left for _accept to take."""
-        name = f"key {wire.split_key(h.key)}"
-        info = None
-        if h.flags & wire.FLAG_COMPRESSED:
-            frame = self._take()
-            if h.cmd != Cmd.PUSHPULL or h.flags & wire.FLAG_SHM:
-                return f"{name}: rank {rank} sent a compressed {Cmd(h.cmd).name}; only push_pull is compressed"
-            try:
-                info = compression.parse(memoryview(frame))
-            except ProtocolError as e:
-                return f"{name}: rank {rank}'s compressed push: {e}"
-            if info.nbytes != h.length or info.dtype != h.dtype:
-                return (f"{name}: rank {rank}'s compressed push decodes to {info.nbytes} bytes of dtype code "
-                        f"{info.dtype} but its header says {h.length} bytes of {dtypes.name(h.dtype)}")
-        if st.codec is None:
-            st.codec = (rank, info)
-        elif (None if st.codec[1] is None else st.codec[1].identity()) != (None if info is None else info.identity()):
-            return (f"{name}: compression differs across workers: rank {st.codec[0]} pushed "
-                    f"{compression.describe(st.codec[1])}, rank {rank} pushed {compression.describe(info)}; "
-                    "every worker must compress this tensor alike (same method, options, seed and "
-                    "BYTEPS_MIN_COMPRESS_BYTES)")
-        if info is None:
-            return None
-        store = st.store
-        out = store.view(dtypes.numpy_view_dtype(h.dtype))
-        first = not st.senders and st.held is None
-        held, st.held = st.held, None
-
-        def decode():
-            if held is not None:  # a raw first push is held, not yet in the store
-                copy_into(store, held[1])
-            compression.decode_into(info, out, accumulate=not first)
-        self._sum(st, decode, held, frame)
-        st.compressed.add(ident)
-        return None
-
-    def _recompress(self, st, h):
-        """The reply for workers that pushed compressed: the re-encoded sum, or None (send it raw)."""
-        try:
-            blob, st.residual = compression.recompress(st.codec[1], st.store.view(dtypes.numpy_view_dtype(st.dtype)),
-                                                       h.key, st.round, self.control.node_id, st.residual)
-        except ProtocolError as e:  # cannot happen for a blob that parsed; answer raw rather than fail
-            logger.warning("key %s: recompressing the sum failed (%s); replying uncompressed",
-                           wire.split_key(h.key), e)
-            return None
-        return blob
-
     def _complete(self, st, h):
         node = self.control.node_id
         replying = time.monotonic_ns() if timeline.recorder is not None else 0
@@ -701,13 +644,10 @@ class Server:
                 self._reply_error(ident, h, st.error)
         else:
             store = st.store
-            packed = self._recompress(st, h) if st.compressed else None
             for ident, shared in st.waiters:
                 flags = 0
                 if h.cmd == Cmd.BROADCAST and ident == st.root_ident:
                     body = b""  # the broadcast root already has the data
-                elif packed is not None and ident in st.compressed:
-                    body, flags = packed, wire.FLAG_COMPRESSED  # length stays the dense size
                 elif st.echo is not None:
                     body, flags = st.echo, wire.FLAG_SHM
                 elif shared:

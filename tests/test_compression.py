@@ -8,6 +8,7 @@ BYTEPS_ENABLE_IPC=0 (one machine would otherwise use shared memory), except the 
 exactly that shared memory bypasses compression.
 """
 import json
+import re
 import math
 import os
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # --import-mode=importlib: find conftest / scenarios_compression
 from conftest import Run  # noqa: E402
+from codec_reference import derive_seed as ref_seed  # noqa: E402
 from scenarios_compression import make_input  # noqa: E402
 
 from byteps import compression as C  # noqa: E402
@@ -221,7 +223,7 @@ def test_dithering_matches_the_reference(dtype, levels, partition, normalize):
     a = np.abs(x.astype(np.float64))
     want_norm = math.sqrt(math.fsum(v * v for v in a)) if normalize == "l2" else float(a.max())
     assert norm == pytest.approx(want_norm, rel=1e-12)
-    seed64 = C.derive_seed(7, KEY, 2, 1)
+    seed64 = ref_seed(7, KEY, 2, 1)
     np.testing.assert_array_equal(C.decode(blob), ref_dither(x, levels, partition == "natural", norm, seed64))
 
 
@@ -701,3 +703,35 @@ def test_mxnet_push_pull_and_trainer_compress(tmp_path):
         assert v["sent"] < 30000 * 4 / 1.99 + 200
         # onebit of a constant gradient (r + 1) is exact: the sum of 1 and 2, over size 2 -> -lr * 1.5
         assert v["w"] == [-1.5]
+
+
+NATIVE_LOG = re.compile(r"native data plane: (\d+) pushes handled on byteps-serve, (\d+) rounds completed, "
+                        r"(\d+) messages forwarded to Python")
+
+
+@pytest.mark.parametrize("sum_threads", ["0", "2"])
+def test_the_native_server_sums_compressed_pushes(cluster, sum_threads):
+    """byteps-serve (summation/native/compressed_rounds.h) takes every compressed push and answers it,
+    with sums inline or on sum threads; the server's Python loop sees none of the data (only the
+    handshakes and PROBEs it always sees)."""
+    cases = [{"name": "nat.onebit", "method": "onebit", "opts": {"error_feedback": True}, "numel": 30000,
+              "rounds": 3},
+             {"name": "nat.topk", "method": "topk", "opts": {"k": 0.01}, "numel": 30000, "rounds": 2}]
+    c = cluster(2, 1, env={**TCP, "BYTEPS_PARTITION_BYTES": "32768", "BYTEPS_LOG_LEVEL": "INFO",
+                           "BYTEPS_SERVER_ENGINE_THREAD": sum_threads})
+    c.run_workers("compression_sums", {"cases": cases})
+    codes, server_codes, sched = c.wait_all(120)
+    assert codes == [0, 0] and server_codes == [0] and sched == 0, c.all_logs()
+    res = c.results()
+    for case in cases:
+        want = simulate(case, res[0]["value"][case["name"]])
+        for r in range(2):
+            for rnd in range(case["rounds"]):
+                np.testing.assert_array_equal(undigest(res[r]["value"][case["name"]]["digests"][rnd], np.float32),
+                                              want[rnd])
+    pushes = 2 * sum(len(res[0]["value"][case["name"]]["parts"]) * case["rounds"] for case in cases)
+    m = NATIVE_LOG.search(c.log("server0"))
+    assert m is not None, c.log("server0")
+    handled, rounds, forwarded = map(int, m.groups())
+    assert (handled, rounds) == (pushes, pushes // 2), (handled, rounds, pushes)  # every push, every round
+    assert forwarded < pushes, (forwarded, pushes)  # handshakes and PROBEs, not the data

@@ -7,8 +7,10 @@ answers a reference written down here expects.
 * proof that the native path ran: the server logs how many pushes byteps-serve handled;
 * a raw client (an authenticated job member) sends bad rounds, duplicates, length and dtype
   mismatches, a short body, a broadcast from a non-root, a good round, and a round that mixes a
-  plain push with a FLAG_PYTHON one (the key is handed to Python mid-round): the server must answer
-  with exactly the messages written down here.
+  plain push with a FLAG_PYTHON one (the key is handed to Python mid-round), and compressed pushes (a
+  round mixing compressed and plain ones, a compressed round answered with the re-encoded sum, a
+  malformed blob, a dense size that differs from the header's, a compressed push on Python's path):
+  the server must answer with exactly the messages written down here.
 """
 import json
 import os
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=
 from conftest import member_dealer, server_data_port  # noqa: E402
 from test_push_pull import SMALL_SHAPES, check_matrix  # noqa: E402
 
+from byteps import compression as C  # noqa: E402
 from byteps.core import shm, wire  # noqa: E402
 from byteps.errors import ProtocolError  # noqa: E402
 from byteps.core.wire import Cmd  # noqa: E402
@@ -120,7 +123,29 @@ SCRIPT = [
     push(B, K(1004, 0), 0, ints(1, 1), flags=wire.FLAG_PYTHON),  # goes to Python mid-round; the sum is exact
     push(A, K(1004, 0), 1, ints(2, 2)),                      # Python's key from now on
     push(B, K(1004, 0), 1, ints(3, 3)),
-    push(A, K(1006, 0), 0, ints(1, 2), cmd=Cmd.ASYNC_PUSHPULL),  # asynchronous, to a synchronous server
+]
+#: compressed pushes (byteps/compression.py), summed by byteps-serve (summation/native/compressed_rounds.h)
+F32 = 0
+FP16 = C.WireCompressor("fp16", min_bytes=0)
+
+
+def fp16_blob(*v):
+    return FP16.encode(np.array(v, np.float32).view(np.uint8), F32, 0, 0)
+
+
+SCRIPT += [
+    push(A, K(1006, 0), 0, fp16_blob(1, 2), dtype=F32, length=8, flags=wire.FLAG_COMPRESSED),  # compressed and
+    push(B, K(1006, 0), 0, ints(3, 4, dtype=np.float32), dtype=F32),                           # plain: differ
+    push(A, K(1006, 1), 0, fp16_blob(1, 2), dtype=F32, length=8, flags=wire.FLAG_COMPRESSED),  # a compressed round:
+    push(B, K(1006, 1), 0, fp16_blob(3, 4), dtype=F32, length=8, flags=wire.FLAG_COMPRESSED),  # the sum recompressed
+    push(A, K(1006, 2), 0, b"XX" + fp16_blob(1, 2)[2:], dtype=F32, length=8, flags=wire.FLAG_COMPRESSED),  # bad
+    push(B, K(1006, 2), 0, fp16_blob(3, 4), dtype=F32, length=8, flags=wire.FLAG_COMPRESSED),
+    push(A, K(1006, 3), 0, fp16_blob(1, 2), dtype=F32, length=16, flags=wire.FLAG_COMPRESSED),  # length differs
+    push(B, K(1006, 3), 0, fp16_blob(3, 4), dtype=F32, length=16, flags=wire.FLAG_COMPRESSED),
+    push(A, K(1007, 0), 0, fp16_blob(1, 2), dtype=F32, length=8,  # Python's path takes no compressed push
+         flags=wire.FLAG_COMPRESSED | wire.FLAG_PYTHON),
+    push(B, K(1007, 0), 0, ints(3, 4, dtype=np.float32), dtype=F32, flags=wire.FLAG_PYTHON),
+    push(A, K(1008, 0), 0, ints(1, 2), cmd=Cmd.ASYNC_PUSHPULL),  # asynchronous, to a synchronous server
 ]
 #: shared-memory descriptors a server cannot use: too short, a pid's fd it may not open, a file that is not
 #: a byteps arena (this process's stdin); the texts are core/shm.py's, computed here
@@ -162,7 +187,16 @@ EXPECTED = [
     *[_err(1003, 0, 0, "non-root rank node 7 sent 8 bytes with a broadcast")] * 2,
     *[_reply(1004, 0, 0, (6, 7))] * 2,
     *[_reply(1004, 0, 1, (5, 5))] * 2,
-    ["ERROR", [1006, 0], 0, "asynchronous push_pull sent to a synchronous server (BYTEPS_ENABLE_ASYNC differs)"],
+    *[_err(1006, 0, 0, "compression differs across workers: rank node 7 pushed fp16(), rank node 8 pushed no "
+                       "compression; every worker must compress this tensor alike (same method, options, seed and "
+                       "BYTEPS_MIN_COMPRESS_BYTES)")] * 2,
+    *[["REPLY", [1006, 1], 0, F32, wire.FLAG_COMPRESSED, fp16_blob(4, 6).hex()]] * 2,
+    *[_err(1006, 2, 0, "rank node 7's compressed push: bad compression magic b'XX'")] * 2,
+    *[_err(1006, 3, 0, "rank node 7's compressed push decodes to 8 bytes of dtype code 0 but its header says 16 "
+                       "bytes of float32")] * 2,
+    *[_err(1007, 0, 0, "rank node 7 sent a compressed push marked FLAG_PYTHON; only the native rounds take "
+                       "those")] * 2,
+    ["ERROR", [1008, 0], 0, "asynchronous push_pull sent to a synchronous server (BYTEPS_ENABLE_ASYNC differs)"],
 ]
 
 

@@ -1,12 +1,13 @@
 /* The Summation Service server's native data plane: receive, check, sum and reply without the GIL.
  *
  * summation/server.py (Python) keeps what is per job or rare: the control plane, the authentication
- * handshake (core/auth.py), PROBE echoes, compressed keys, and malformed messages.
+ * handshake (core/auth.py), PROBE echoes, and malformed messages.
  * After the first address book it hands the data ROUTER socket to BpsServerCore, whose thread
  * "byteps-serve" owns it from then on. BpsServerCore composes the parts, each in its own header:
  *
  *     server_links.h    BpsServerLinks: the ROUTER, workers' direct links and their accept loop
- *     sync_rounds.h     BpsSyncRounds: a plain push, from its checks to the round's replies
+ *     sync_rounds.h     BpsSyncRounds: a push, from its checks to the round's replies
+ *     compressed_rounds.h BpsCompressedRounds: compressed pushes and the re-encoded reply
  *     async_rounds.h    BpsAsyncRounds: asynchronous training's parameters and deltas
  *     round_checks.h    the checks every policy makes of a push (Python's texts)
  *     elastic_rounds.h  BpsElasticRounds: keys taken over from a lost server (BYTEPS_ELASTIC)
@@ -21,12 +22,11 @@
  * who handles each message. Everything but plain pushes goes to Python unchanged, in arrival order,
  * through forwarded() and a notify eventfd: handshakes, messages of identities not admitted yet
  * (after an AUTH, an identity's later messages wait here until Python says whether it passed:
- * admit()), PROBE, pushes marked FLAG_PYTHON or FLAG_COMPRESSED, and anything
- * malformed. A key is handled by one side only: the first message Python must handle for a key makes
- * it Python's; if this thread already had state for it, that state goes along (a BpsHandover: round,
- * arrivals so far, the partial sum), so a round that mixes compressed and plain pushes still fails
- * with Python's "compression differs". Python's own replies go out through send() on this thread (it
- * alone touches the socket).
+ * admit()), PROBE, pushes marked FLAG_PYTHON, and anything malformed. Compressed pushes
+ * (compressed_rounds.h) and asynchronous ones (async_rounds.h) are served here too. A key is handled
+ * by one side only: the first message Python must handle for a key makes it Python's; if this thread
+ * already had state for it, that state goes along (a BpsHandover: round, arrivals so far, the partial
+ * sum). Python's own replies go out through send() on this thread (it alone touches the socket).
  */
 #ifndef BPS_SERVER_H
 #define BPS_SERVER_H
@@ -439,7 +439,7 @@ class BpsServerCore {
         }
         bool data = h.cmd == BPS_CMD_PUSHPULL || h.cmd == BPS_CMD_BROADCAST || h.cmd == BPS_CMD_ASYNC_PUSHPULL;
         bool valid = data && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY;
-        bool native = valid && !(h.flags & (BPS_SERVER_FLAG_PYTHON | BPS_FLAG_COMPRESSED)) &&
+        bool native = valid && !(h.flags & BPS_SERVER_FLAG_PYTHON) &&
                       python_keys_.find(h.key) == python_keys_.end();
         if (!native) {
             BpsHandover *handover = nullptr;
@@ -531,7 +531,7 @@ class BpsServerCore {
         BpsRound *st = rounds_.find(key);
         if (st == nullptr) return nullptr;
         if (rounds_.pool() && st->pending) {
-            rounds_.pool()->wait_idle(); /* rare (a round mixing compressed and plain pushes): let its sums finish */
+            rounds_.pool()->wait_idle(); /* rare (a round mixing native and Python's pushes): let its sums finish */
             sync_.take_sums();
         }
         BpsHandover *o = bps_handover_of(*st);

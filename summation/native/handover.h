@@ -1,5 +1,4 @@
-/* The hand-over policy: the first message Python must handle for a key (compressed, asynchronous,
- * FLAG_PYTHON) makes the key Python's; the state this thread had for it goes along, so Python goes on
+/* The hand-over policy: the first message Python must handle for a key (asynchronous, FLAG_PYTHON) makes the key Python's; the state this thread had for it goes along, so Python goes on
  * from the same round, arrivals and partial sum. */
 #ifndef BPS_SERVER_HANDOVER_H
 #define BPS_SERVER_HANDOVER_H
@@ -31,8 +30,6 @@ struct BpsHandover {
     bool warned = false;
     bool has_header = false;
     std::string header;  /* 40 raw bytes */
-    bool has_codec = false;
-    int64_t codec_rank = 0;
     bool has_partial = false; /* the store so far (the held first push folded in) */
     std::string partial;
 };
@@ -61,8 +58,6 @@ static inline BpsHandover *bps_handover_of(BpsRound &st) {
     o->warned = st.warned;
     o->has_header = st.has_header;
     if (st.has_header) o->header.assign((const char *)&st.header, sizeof st.header);
-    o->has_codec = st.has_codec;
-    o->codec_rank = st.codec_rank;
     uint64_t nbytes = (uint64_t)std::max<int64_t>(st.nbytes, 0);
     if (st.has_held) {
         o->has_partial = true;

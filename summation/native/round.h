@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/kernels/bps_codecs.h"
 #include "core/transport/bps_wire.h"
 #include "core/transport/bps_zmq.h"
 #include "summation/native/server_texts.h"
@@ -51,8 +52,13 @@ struct BpsRound {
     const unsigned char *held_ptr = nullptr;
     bool has_header = false; /* the round's last header (completes it when a rank joins) */
     BpsHeader header;
-    bool has_codec = false;  /* rank of the first network push (all plain here; for a hand-over) */
+    bool has_codec = false;  /* the first network push: its rank and compression (compressed_rounds.h) */
     int64_t codec_rank = 0;
+    bool codec_compressed = false;
+    BpsCodecInfo codec_info = {};
+    std::vector<std::string> compressed; /* waiters that pushed compressed: answered compressed */
+    std::vector<unsigned char> residual; /* error feedback of the compressed replies, across rounds */
+    bool has_residual = false;
     int pending = 0;         /* sums still running on a sum thread */
     bool has_ready = false;  /* all messages in, waiting for its sums: complete with this header */
     BpsHeader ready;
@@ -80,7 +86,8 @@ struct BpsRound {
         echo.clear();
         drop_held();
         has_header = false;
-        has_codec = false;
+        has_codec = codec_compressed = false;
+        compressed.clear();
         has_ready = false;
     }
 

@@ -1,13 +1,14 @@
 /* The synchronous round policy: a plain push of a partition, followed in one place.
  *
  *     on_push()    the checks of the Python server's _on_data/_check (same error texts)
- *     -> accept()  the body: ZeroMQ's buffer (TCP) or a colocated worker's shared region (FLAG_SHM)
+ *     -> accept()  the body: ZeroMQ's buffer (TCP) or a colocated worker's shared region (FLAG_SHM);
+ *                  a compressed one (FLAG_COMPRESSED) is decoded into the store (compressed_rounds.h)
  *     -> add()     first push held as it arrived, second: store = first + second (bps_sum_many),
  *                  later ones: store += push (bps_sum_into); inline, or on a sum thread (key % N)
  *     -> complete() every pusher of the round is in and its sums are done: REPLY to each waiter,
  *                  zero-copy from the store, a descriptor of the store (colocated), the pusher's
- *                  own region (one pushing machine), an empty body (broadcast root); or the
- *                  round's ERROR to every waiter
+ *                  own region (one pushing machine), an empty body (broadcast root), the sum
+ *                  re-encoded once (waiters that pushed compressed); or the round's ERROR to every waiter
  *
  * With BYTEPS_ELASTIC, rounds of keys taken over from a lost server go through BpsElasticRounds. */
 #ifndef BPS_SERVER_SYNC_ROUNDS_H
@@ -22,6 +23,7 @@
 
 #include "core/kernels/bps_reduce.h"
 #include "core/pipeline/bps_trace.h"
+#include "summation/native/compressed_rounds.h"
 #include "summation/native/elastic_rounds.h"
 #include "summation/native/replies.h"
 #include "summation/native/round.h"
@@ -139,9 +141,10 @@ class BpsSyncRounds {
                 st.dtype = h.dtype;
                 st.allocated = false;
             }
-        } else if (!(h.flags & BPS_FLAG_SHM) && !st.has_codec) {
-            st.has_codec = true; /* every network push is plain here (compressed ones are Python's) */
-            st.codec_rank = rank;
+        }
+        if ((h.flags & BPS_FLAG_COMPRESSED) || (h.cmd == BPS_CMD_PUSHPULL && !(h.flags & BPS_FLAG_SHM))) {
+            std::string problem = accept_network(st, h, rank, ident, m);
+            if (!problem.empty() || (h.flags & BPS_FLAG_COMPRESSED)) return problem;
         }
         uint64_t got;
         if (h.flags & BPS_FLAG_SHM) {
@@ -172,6 +175,36 @@ class BpsSyncRounds {
             return bps_key_name(h.key) + ": rank " + bps_rank_str(rank) + "'s header says " + std::to_string(h.length) +
                    " bytes but " + std::to_string(got) + " arrived";
         }
+        return "";
+    }
+
+    /* A push that crossed the network: compressed alike with the round's others, and a compressed
+     * body decoded into the store (BpsCompressedRounds); "" or why it cannot join the round. */
+    std::string accept_network(BpsRound &st, const BpsHeader &h, int64_t rank, const std::string &ident,
+                               BpsMessage *m) {
+        BpsCodecInfo info;
+        bool compressed = (h.flags & BPS_FLAG_COMPRESSED) != 0;
+        if (compressed) {
+            std::string problem = BpsCompressedRounds::parse(h, rank, m->data(2), m->size(2), &info);
+            if (!problem.empty()) return problem;
+        }
+        std::string problem = BpsCompressedRounds::check(st, h, rank, compressed ? &info : nullptr);
+        if (!problem.empty() || !compressed) return problem;
+        if (rounds_.pool() && st.pending) { /* rare (shared-memory pushes mixed in): their sums first */
+            rounds_.pool()->wait_idle();
+            take_sums();
+        }
+        if (!rounds_.ensure_stores(st)) return "";
+        bool first = st.senders.empty() && !st.has_held;
+        if (st.has_held) { /* a plain first push held as it arrived: the decoded one adds to it */
+            bps_copy(st.store().data, st.held_data(), (size_t)st.nbytes, rounds_.kernel_threads());
+            st.drop_held();
+        }
+        char err[BPS_CZ_ERRLEN];
+        if (bps_cz_decode(&info, st.store().data, !first, err) != 0) {
+            return bps_key_name(h.key) + ": rank " + bps_rank_str(rank) + "'s compressed push: " + err;
+        }
+        st.compressed.push_back(ident);
         return "";
     }
 
@@ -256,9 +289,15 @@ class BpsSyncRounds {
         } else {
             BpsStore &store = st.store();
             uint64_t nbytes = (uint64_t)std::max<int64_t>(st.nbytes, 0);
+            std::string packed;
+            bool compressed = !st.compressed.empty() &&
+                              BpsCompressedRounds::reply(st, store.data, nbytes, book_.node_id, &packed);
             for (auto &w : st.waiters) {
                 if (h.cmd == BPS_CMD_BROADCAST && st.has_root_ident && w.ident == st.root_ident) {
                     replies_.send_reply(w.ident, h.key, st.round, 0, st.dtype, 0, nullptr, 0, nullptr); /* the root has the data */
+                } else if (compressed && std::find(st.compressed.begin(), st.compressed.end(), w.ident) != st.compressed.end()) {
+                    replies_.send_reply(w.ident, h.key, st.round, nbytes, st.dtype, BPS_FLAG_COMPRESSED, packed.data(),
+                                        packed.size(), nullptr); /* the frame's length stays the dense size */
                 } else if (st.has_echo) {
                     replies_.send_reply(w.ident, h.key, st.round, nbytes, st.dtype, BPS_FLAG_SHM, st.echo.data(),
                                         st.echo.size(), nullptr);
