@@ -9,6 +9,7 @@ Command line: ``python tests/compat/examples.py [EXAMPLE ...] [--launch roles|lo
 prints each outcome.
 """
 import argparse
+import importlib.util
 import os
 import re
 import signal
@@ -21,8 +22,18 @@ sys.path.insert(0, HERE)
 import harness  # noqa: E402
 
 STANDIN = os.path.join(HERE, "standin")
-sys.path.insert(0, STANDIN)
-import data as standin_data  # noqa: E402
+
+
+def _load_standin_data():
+    """tests/compat/standin/data.py, loaded by its path: the folder itself (a stand-in torchvision, a
+    sitecustomize) belongs on the examples' path only, never on this process's."""
+    spec = importlib.util.spec_from_file_location("compat_standin_data", os.path.join(STANDIN, "data.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+standin_data = _load_standin_data()
 
 BPSLAUNCH = os.path.join(os.path.dirname(sys.executable), "bpslaunch")
 
