@@ -27,13 +27,15 @@ def _expectation(suite):
     return {"torch": expected.TORCH, "tensorflow": expected.TENSORFLOW}[suite]
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2300)
 @pytest.mark.parametrize("suite,ranks,local_size", JOBS, ids=[f"{s}-{n}ranks" for s, n, _ in JOBS])
 def test_horovod_file_on_byteps(tmp_path, suite, ranks, local_size):
     pinned, why = harness.compat_dir()
     if pinned is None:
         pytest.skip(why)
-    results = harness.run_suite(suite, str(tmp_path), ranks, local_size, timeout=1200, pinned=pinned)
+    # the TensorFlow file takes about 13 minutes on a loaded 2-core machine: room for a slower one
+    deadline = 2000 if suite == "tensorflow" else 1200
+    results = harness.run_suite(suite, str(tmp_path), ranks, local_size, timeout=deadline, pinned=pinned)
     want = _expectation(suite)
     report = []
     for res in results:
