@@ -27,8 +27,8 @@ train: setup
 test: setup mxnet-env
 	$(PY) -m pytest -q
 
-# Horovod's own test files and BytePS's examples, unmodified, on byteps (docs/compat.md): about 15 minutes
-# on 2 cores, so not in `make test`; CI runs both. The pinned files come from ../shared/compat or
+# Horovod's own test files and BytePS's examples, unmodified, on byteps (docs/compat.md): about 17-30 minutes
+# on 2 loaded cores (torch 2 jobs ~6-10, TensorFlow ~13, examples ~6), so not in `make test`; CI runs both. The pinned files come from ../shared/compat or
 # $BYTEPS_COMPAT_DIR (the tests skip, saying so, without them).
 test-compat: setup
 	$(PY) -m pytest -q -m compat tests/compat

@@ -11,10 +11,12 @@ byteps.torch builds them; ops.py holds the transfer they share.
 * ``Min`` / ``Max`` / ``Product``: every rank broadcasts its tensor; each reduces them locally.
 * ``alltoall``: the split vectors and the rows travel as two allgathers; each rank keeps the rows
   addressed to it, in source-rank order. Every rank receives every row (``size`` times Horovod's
-  traffic): for compatibility, not throughput. Returns ``(tensor, received_splits)``.
+  traffic): for compatibility, not throughput. Returns ``(tensor, received_splits)`` when splits are
+  given, else the tensor (Horovod's).
 * ``reducescatter`` / ``grouped_reducescatter``: a Sum or Average push_pull, then this rank's block of
   dim 0 (the first ``dim0 % size`` ranks get one row more, as in Horovod).
-* ``IndexedSlices`` in ``allreduce``: values and indices allgathered (Horovod's way).
+* ``IndexedSlices`` in ``allreduce``: values and indices allgathered (Horovod's way); an Average divides
+  the values with TensorFlow's ``/``, so integer values come back as floats, as Horovod's do.
 
 Eager calls run at once; in a graph each call is one ``tf.py_function`` whose unnamed operations are
 named when the graph is built (ops.graph_name). Workers that disagree on a tensor get
@@ -26,7 +28,7 @@ import tensorflow as tf
 from byteps import common
 
 from .compression import Compression
-from .ops import (Average, Max, Min, Product, Sum, _display_name, _divide, _reduce_group, _resolve_op, _scale,
+from .ops import (Average, Max, Min, Product, Sum, _display_name, _reduce_group, _resolve_op, _scale,
                   as_tf_error, check_global_set, dtype_code, graph_call, graph_name, wire_shape)
 
 
@@ -178,8 +180,8 @@ def allreduce_indexed_slices(slices, op, name, prescale_factor, postscale_factor
         raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
     values = allgather(slices.values, name=None if name is None else f"{name}.values")
     indices = allgather(slices.indices, name=None if name is None else f"{name}.indices")
-    if op == Average:
-        values = _divide(values, common.size())
+    if op == Average:  # TensorFlow's true division, as Horovod: integer values become floats
+        values = values / tf.cast(common.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -195,13 +197,15 @@ def _alltoall_raw(tensor, splits, name):
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=None):
-    """Send ``splits[i]`` rows of ``tensor`` (dim 0; equal blocks without ``splits``) to rank i; returns
-    ``(rows received in source-rank order, received_splits)``. Differentiable for floats."""
+    """Send ``splits[i]`` rows of ``tensor`` (dim 0; equal blocks without ``splits``) to rank i; returns the
+    rows received in source-rank order, and with ``splits`` also ``received_splits`` (Horovod's: a pair
+    only when splits are given). Differentiable for floats."""
     check_global_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
     dtype_code(tensor.dtype, name or "alltoall", move=True)
     if not tensor.dtype.is_floating:
-        return _alltoall_raw(tensor, splits, name)
+        out, received = _alltoall_raw(tensor, splits, name)
+        return out if splits is None else (out, received)
 
     @tf.custom_gradient
     def _a2a(x):
@@ -213,7 +217,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
         return (out, received), grad
 
-    return _a2a(tensor)
+    out, received = _a2a(tensor)
+    return out if splits is None else (out, received)
 
 
 def _block(tensor, n, me):

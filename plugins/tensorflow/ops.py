@@ -18,10 +18,12 @@ integer averages and integer scaling truncated toward zero and float16 scaled in
 rounding), the pre/post scale factors.
 
 Unnamed operations built into a graph (``tf.function``, TF1 graphs) are named when the graph is built,
-numbered in build order, as Horovod names them by their op names: the same on every worker however
-the runtime orders independent ops. Unnamed eager calls are numbered in call order. Workers that
+numbered in build order within graphs numbered in the order they first hold a byteps op, as Horovod
+names them by their op names: the same on every worker however the runtime orders independent ops,
+and never reused by a later graph. Unnamed eager calls are numbered in call order. Workers that
 disagree on a tensor get ``tf.errors.FailedPreconditionError`` naming it, as with Horovod.
 """
+import itertools
 import weakref
 
 import numpy as np
@@ -77,26 +79,30 @@ def wire_shape(arr):
 
 
 _GRAPHS = weakref.WeakKeyDictionary()  # graph -> its byteps bookkeeping (graphs take no attributes)
+_GRAPH_NUMBERS = itertools.count()  # graphs in the order they first hold a byteps op
 
 
 def _graph_state():
     graph = tf.compat.v1.get_default_graph()
     state = _GRAPHS.get(graph)
     if state is None:
-        state = _GRAPHS[graph] = {"unnamed": {}, "last_op": None, "ran": False}
+        state = _GRAPHS[graph] = {"unnamed": {}, "last_op": None, "ran": False, "number": next(_GRAPH_NUMBERS)}
     return state
 
 
 def graph_name(prefix, name):
-    """``name``, or for an unnamed op built into a graph its graph-unique name (the same on every worker
-    building the same graph); None for an eager call (numbered when it runs)."""
+    """``name``, or for an unnamed op built into a graph its job-unique name (the same on every worker
+    building the same graphs); None for an eager call (numbered when it runs)."""
     if name is not None or tf.executing_eagerly():
         return name
     # numbered per graph in build order, whatever the name scope (tf.custom_gradient opens one only
-    # on the ranks whose tensor is differentiable)
-    counts = _graph_state()["unnamed"]
+    # on the ranks whose tensor is differentiable), and the graph by its number: a name must not come
+    # back in a later graph, where its cached key would let one worker push a tensor that another
+    # worker declares with another shape or dtype, each then waiting for the other until BYTEPS_TIMEOUT
+    state = _graph_state()
+    counts = state["unnamed"]
     counts[prefix] = counts.get(prefix, -1) + 1
-    return f"{prefix}.noname.graph{counts[prefix]}"
+    return f"{prefix}.noname.graph{state['number']}.{counts[prefix]}"
 
 
 def graph_call(fn, inputs, out_dtypes, op_name, what):
@@ -337,7 +343,9 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
         def grad(dy):
             g = _reduce_group([tf.convert_to_tensor(dy)], [None if name is None else f"{name}.grad"], Average, 1.0,
                               1.0, Compression.none)[0]
-            return g if common.rank() == root_rank else tf.zeros_like(g)
+            # g * 0, not zeros_like(g): in a graph zeros_like of a known shape is a constant, so the
+            # push_pull would never run on the other ranks and the root would wait for them (as Horovod)
+            return g if common.rank() == root_rank else g * tf.constant(0, g.dtype)
 
         return broadcast_group([x], root_rank, [name])[0], grad
 

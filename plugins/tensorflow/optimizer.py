@@ -49,9 +49,16 @@ class _DistributedGradientTapeMixin:
         names = [f"{self._bps_prefix}{i}" for i in range(len(flat))]
         shared = _reduce_grads([None if lo else g for g, lo in zip(flat, local)], names, self._bps_op,
                                self._bps_compression)
-        reduced = [(g / common.size() if self._bps_scale_local and g is not None else g) if lo else r
+        reduced = [(_divide_local(g) if self._bps_scale_local and g is not None else g) if lo else r
                    for g, r, lo in zip(flat, shared, local)]
         return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def _divide_local(grad):
+    """A local source's gradient divided by the number of workers (an embedding's stays IndexedSlices)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / common.size(), grad.indices, grad.dense_shape)
+    return grad / common.size()
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,

@@ -147,13 +147,16 @@ def run_ranks(argv, outdir, size, local_size, pinned, timeout, extra_env=None, c
     return codes
 
 
-def run_suite(name, outdir, size=2, local_size=2, timeout=900, pinned=None):
-    """Horovod's ``test_<name>.py`` on ``size`` ranks: one :class:`RankResult` per rank."""
+def run_suite(name, outdir, size=2, local_size=2, timeout=900, pinned=None, select=None):
+    """Horovod's ``test_<name>.py`` on ``size`` ranks: one :class:`RankResult` per rank. ``select``: a pytest
+    ``-k`` expression, to run some of its tests."""
     pinned = pinned or compat_dir()[0]
     test_file = os.path.join(pinned, SUITES[name])
     argv = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=", "-o",
             f"timeout={TEST_TIMEOUT_S}", "--rootdir", os.path.dirname(test_file),
-            "--junitxml", os.path.join(outdir, "rank{rank}.xml"), test_file]
+            "--junitxml", os.path.join(outdir, "rank{rank}.xml"), "--durations=0", test_file]
+    if select:
+        argv += ["-k", select]
     codes = run_ranks(argv, outdir, size, local_size, pinned, timeout)
     return [RankResult(r, os.path.join(outdir, f"rank{r}.log"), codes[r]) for r in range(size)]
 
@@ -165,13 +168,14 @@ def main():
     ap.add_argument("--local-size", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("-k", dest="select", default=None, help="pytest -k expression: run some of the tests")
     args = ap.parse_args()
     pinned, why = compat_dir()
     if pinned is None:
         sys.exit(why)
     out = args.out or os.path.abspath(f"compat-{args.suite}-{args.ranks}")
     t0 = time.monotonic()
-    results = run_suite(args.suite, out, args.ranks, args.local_size, args.timeout, pinned)
+    results = run_suite(args.suite, out, args.ranks, args.local_size, args.timeout, pinned, args.select)
     for res in results:
         counts = {s: len(res.with_status(s)) for s in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
         print(f"rank {res.rank}: exit {res.code} {counts} subtest failures {len(res.subtest_failures)}")
