@@ -1539,9 +1539,11 @@ class Engine:
             # the server sums straight from our shared copy
             body = shm.describe(shared, data.size) if shared is not None else self._stage(key, data)
             flags = wire.FLAG_SHM
-        elif op.codec is not None and op.cmd == Cmd.PUSHPULL and op.codec.applies(op.dtype, op.buf.nbytes, data.size):
+        elif (op.codec is not None and op.cmd == Cmd.PUSHPULL and op.pset is None
+              and op.codec.applies(op.dtype, op.buf.nbytes, data.size)):
             # compressed on the wire (byteps/compression.py); the header keeps the dense length. The
-            # server's native core sums it (summation/native/compressed_rounds.h)
+            # server's native core sums it (summation/native/compressed_rounds.h). A process set's
+            # ops travel raw for now (docs/compression.md)
             body = op.codec.encode(data, op.dtype, key, rnd, self.rank)
             flags = wire.FLAG_COMPRESSED
         else:
