@@ -516,8 +516,8 @@ class Engine:
         join() a process runs its local reduce in Python (the native side routes each partition's
         LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
         still meet). Only a process that joined switches; its peers' ops stay native."""
-        # what stays on this engine's Python partition path: compressed ops, the topology executor's ranges
-        # (RangeOp) and a process's local reduce after join(); the native core runs none yet. A process
+        # what stays on this engine's Python partition path: compressed ops and a joined process's local
+        # reduce (the topology executor's ranges go native through _native_submit_range). A process
         # set's op is native: its members push themselves (no local reduce), and the servers know how
         # many members push its key before any member has the key (scheduler/scheduler.py)
         if type(op) is not Op or op.codec is not None:
