@@ -520,7 +520,7 @@ class Engine:
         # reduce (the topology executor's ranges go native through _native_submit_range). A process
         # set's op is native: its members push themselves (no local reduce), and the servers know how
         # many members push its key before any member has the key (scheduler/scheduler.py)
-        if type(op) is not Op or op.codec is not None:
+        if type(op) is not Op or (op.codec is not None and op.pset is None):  # a set's ops travel raw
             return False
         if op.pset is not None or op.cmd == Cmd.ASYNC_PUSHPULL:  # never reduced locally
             return not self.cfg.elastic  # only plain push_pulls and broadcasts move to a new server
@@ -1539,11 +1539,10 @@ class Engine:
             # the server sums straight from our shared copy
             body = shm.describe(shared, data.size) if shared is not None else self._stage(key, data)
             flags = wire.FLAG_SHM
-        elif (op.codec is not None and op.cmd == Cmd.PUSHPULL and op.pset is None
-              and op.codec.applies(op.dtype, op.buf.nbytes, data.size)):
+        elif op.codec is not None and op.cmd == Cmd.PUSHPULL and op.codec.applies(op.dtype, op.buf.nbytes, data.size):
             # compressed on the wire (byteps/compression.py); the header keeps the dense length. The
-            # server's native core sums it (summation/native/compressed_rounds.h). A process set's
-            # ops travel raw for now (docs/compression.md)
+            # server's native core sums it (summation/native/compressed_rounds.h). A process set's ops
+            # never come here: they travel raw, on the native core (docs/compression.md)
             body = op.codec.encode(data, op.dtype, key, rnd, self.rank)
             flags = wire.FLAG_COMPRESSED
         else:
