@@ -81,6 +81,12 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         int server
         vector[string] frames
 
+    cdef struct BpsOwed:
+        uint64_t key
+        uint64_t rnd
+        uint8_t dtype
+        uint64_t length
+
     cdef cppclass BpsWorkerCore:
         BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
         int64_t add_table(const string &name, vector[BpsPart] parts)
@@ -119,12 +125,15 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         uint64_t credit_stalls(string *first)
         void set_local_joined(uint64_t mask)
         void set_join_ends(uint64_t ends)
-        void local_python()
+        void set_self_joined(cbool on)
+        void owed(vector[BpsOwed] *out)
+        cbool submit_owed(int64_t id, int64_t table, uint64_t rnd, uint8_t dtype, unsigned char *buf, uint64_t nbytes)
         void local_claim(uint64_t key, uint64_t rnd, int count)
         void forwarded_local(vector[vector[string]] *out)
         uint64_t local_reduced()
         uint64_t local_reduced_on_thread()
         uint64_t local_coordinated()
+        uint64_t owed_submitted()
         uint64_t local_owner_direct()
         void start()
         void stop()
@@ -363,9 +372,28 @@ cdef class WorkerCore:
         """join() has ended ``ends`` times: the parity our LOCAL_READYs carry (FLAG_JOIN_EPOCH)."""
         self.core.set_join_ends(ends)
 
-    def local_python(self):
-        """Python runs this process's local reduce from now on (join()); held LOCAL_READYs go to it."""
-        self.core.local_python()
+    def set_self_joined(self, bint on):
+        """This process is in join() (``on``), or its join ended: it reduces its peers' copies of the
+        partitions it owns (see :meth:`owed`)."""
+        self.core.set_self_joined(on)
+
+    def owed(self):
+        """Partitions this joined process owns whose copies arrived: [(wire key, round, dtype, bytes)],
+        each to be answered with :meth:`submit_owed`."""
+        cdef vector[BpsOwed] got
+        self.core.owed(&got)
+        return [(o.key, o.rnd, o.dtype, o.length) for o in got]
+
+    def submit_owed(self, int64_t op_id, int64_t table, uint64_t rnd, int dtype, buf):
+        """Reduce a partition this joined process owns (``table``: its one row) in round ``rnd``: its
+        peers' copies, pushed and pulled, the result handed back to them. ``buf``: zeros of the
+        partition's size (kept alive by the caller until the op is forgotten)."""
+        cdef Py_buffer view
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+        cdef unsigned char *data = <unsigned char *>view.buf
+        cdef uint64_t nbytes = view.len
+        PyBuffer_Release(&view)
+        return self.core.submit_owed(op_id, table, rnd, dtype, data, nbytes)
 
     def local_claim(self, uint64_t key, uint64_t rnd, int count):
         """Partition (key, rnd) is Python's: its LOCAL_READYs (``count``) are forwarded."""
@@ -378,9 +406,10 @@ cdef class WorkerCore:
         return [[PyBytes_FromStringAndSize(s.data(), s.size()) for s in f] for f in got]
 
     def local_stats(self):
-        """Partitions reduced natively, of those on the stage thread, and copies handed to owners."""
+        """Partitions reduced natively, of those on the stage thread, and copies handed to owners;
+        ``for_peers``: partitions this process reduced for its local peers while in join()."""
         return {"reduced": self.core.local_reduced(), "reduced_on_thread": self.core.local_reduced_on_thread(),
-                "coordinated": self.core.local_coordinated(), "owner_direct": self.core.local_owner_direct(),
+                "coordinated": self.core.local_coordinated(), "for_peers": self.core.owed_submitted(), "owner_direct": self.core.local_owner_direct(),
                 "links_up": self.core.local_links_up(), "rings_up": self.core.local_rings_up(),
                 "link_sent": self.core.local_link_sent(), "link_received": self.core.local_link_received()}
 

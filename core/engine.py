@@ -183,7 +183,7 @@ class Engine:
         # the native thread also runs this machine's local reduce (core/pipeline/bps_worker.h "Local reduce"):
         # set once at start from the job's config, so every local rank decides alike
         self._native_local = False
-        self._local_python = False  # join() seen: Python runs this process's local reduce from then on
+        self._owed_zeros = {}  # bytes -> zeros: a joined owner's own (absent) copy (_reduce_owed)
         self.native_local_submitted = 0  # push_pulls the native thread reduced locally
 
     # ---------------------------------------------------------------- training-thread side
@@ -526,7 +526,7 @@ class Engine:
             return not self.cfg.elastic  # only plain push_pulls and broadcasts move to a new server
         if op.cmd == Cmd.BROADCAST:
             return True
-        return op.cmd == Cmd.PUSHPULL and (self.local is None or (self._native_local and not self._local_python))
+        return op.cmd == Cmd.PUSHPULL and (self.local is None or self._native_local)
 
     def _native_table(self, op, tkey):
         """(table id, partitions) of ``op``'s tensor in the native core, registered on first use: per
@@ -683,9 +683,11 @@ class Engine:
         """Replies the native thread does not own (Python's partitions), and released zero-copy bodies."""
         for server, frames in self._native.forwarded():
             self._on_data(server, frames)
-        if self._native_local:  # handshakes of late local peers, Python's partitions, join()
+        if self._native_local:  # handshakes of late local peers, Python's partitions
             for frames in self._native.forwarded_local():
                 self._on_local(None, frames)
+            for key, rnd, dtype, nbytes in self._native.owed():  # we are in join()
+                self._reduce_owed(key, rnd, dtype, nbytes)
         for token in self._native.released():
             self._keepalive.pop(token, None)
         for server in self._native.lost_links():
@@ -1246,6 +1248,7 @@ class Engine:
             self.join_result = body["last"]
             if self._native_local:
                 self._native.set_local_joined(0)
+                self._native.set_self_joined(False)
             ev = self._requests.pop(("join", ""), None)
             if ev is not None:
                 ev.set()
@@ -1254,12 +1257,11 @@ class Engine:
         if self.local is None:
             return
         if self._native_local:
-            # a joined process has no ops of its own, but owns partitions of its peers' ops: Python runs
-            # its local reduce from now on, adding nothing of its own (copies the native thread held come
-            # to _on_local). The others go on natively; their owners stop waiting for joined ranks' copies
-            if self.rank in self.joined and not self._local_python:
-                self._local_python = True
-                self._native.local_python()
+            # a joined process has no ops of its own, but owns partitions of its peers' ops: its native
+            # core reduces them, adding nothing of its own (_reduce_owed). Owners stop waiting for
+            # joined ranks' copies
+            if self.rank in self.joined:
+                self._native.set_self_joined(True)
             self._native.set_local_joined(sum(1 << w["local_rank"] for w in self.local.peers
                                               if w["rank"] in self.joined))
         if self.rank in self.joined:  # copies other ranks sent us before we joined: we own those partitions
@@ -1412,7 +1414,7 @@ class Engine:
                 self._early_next.discard((key, rnd))
                 group = self._groups[(key, rnd)] = {"op": op, "i": i, "off": off, "len": length,
                                                     "views": self._early.pop((key, rnd), [])}
-                if self._native_local and not self._local_python:  # copies the native thread holds are ours
+                if self._native_local:  # copies the native thread holds are ours
                     self._native.local_claim(key, rnd, self.local.size - 1 - len(group["views"]))
                 self._maybe_reduce(key, rnd)
             else:  # COORDINATE: hand the owner a shared copy
@@ -1704,6 +1706,30 @@ class Engine:
         op.tkey, op.parts_left = tkey, 1
         self._groups[(key, rnd)] = {"op": op, "i": part, "off": 0, "views": views, "joined": True}
         self._maybe_reduce(key, rnd)
+
+    def _reduce_owed(self, key, rnd, dtype, nbytes):
+        """In join(): a local peer sent its copy of a partition this process owns. The native core
+        reduces the peers' copies (adding nothing of ours), pushes the sum and hands the result back,
+        as for our own ops; we give it the partition's one-row table (server, shared region)."""
+        tkey, part = wire.split_key(key)
+        ident = ("owed", key, nbytes, dtype)
+        entry = self._native_parts.get(ident)
+        if entry is None:
+            server = self.placement.server(tkey, part)
+            rows = np.zeros((1, 11), dtype=np.int64)
+            view, desc = self._region(key, nbytes)
+            rows[0] = (key, 0, nbytes, server, view.ctypes.data, *desc, self.cfg.local_rank, self.colocated[server])
+            with self._native_lock:
+                entry = self._native_parts[ident] = (self._native.add_table(f"join.{tkey}.{part}", rows), 1)
+        zeros = self._owed_zeros.get(nbytes)
+        if zeros is None:  # stands for our copy only if no peer's is usable; never written
+            zeros = self._owed_zeros[nbytes] = np.zeros(nbytes, np.uint8)
+        op = Op(f"join.{tkey}.{part}", zeros, dtype, (nbytes // dtypes.itemsize(dtype),))
+        op.tkey, op.parts_left = tkey, 1
+        nid = next(self._native_ids)
+        self._native_ops[nid] = op
+        self._native.submit_owed(nid, entry[0], rnd, dtype, zeros)
+        op.native_id = nid
 
     def _on_reduced(self, fn, error):
         """PUSH the machine's sum (from the owner's shared region) once the compute stage has it."""

@@ -45,9 +45,6 @@ MAX_CONTROL_BODY = 16 << 20
 FLAG_SHM = 1
 #: flag: the body is a compressed partition (byteps/compression.py); ``length`` stays the dense byte count
 FLAG_COMPRESSED = 2
-#: flag: every push of this operation is handled by the server's Python path (it is compressed on the
-#: wire somewhere: its pushes through shared memory carry the flag too, so one path sees the whole round)
-FLAG_PYTHON = 4
 #: flag (LOCAL_READY): the sender has seen an odd number of join()s end. Rounds restart at 0 when a join
 #: ends, and the end reaches a machine's processes at different moments: a process still in join() must not
 #: adopt a copy its peer sent for the first op after the end (core/engine.py _on_local)

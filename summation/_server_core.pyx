@@ -9,9 +9,8 @@ partition:
 
 * :meth:`set_book`, :meth:`set_join`, :meth:`set_pushers`, :meth:`reset` pass the address book, join()
   state, process sets' keys and LEAVE on;
-* :meth:`forwarded` returns the messages Python handles (handshakes, strangers, PROBE, pushes marked
-  FLAG_PYTHON, malformed messages), each with the key's state when it hands a key over;
-  :meth:`admit` answers for an identity after a message marked ``auth``;
+* :meth:`forwarded` returns the messages Python handles (handshakes, strangers, PROBE, LINK,
+  malformed messages); :meth:`admit` answers for an identity after a message marked ``auth``;
 * :meth:`send` queues Python's replies on the same socket; :meth:`logs` returns warning lines.
 
 :attr:`ServerCore.notify_fd` becomes readable when any of those has something for Python.
@@ -44,34 +43,9 @@ cdef extern from "summation/native/bps_server.h" nogil:
         const unsigned char *data(int i)
         void take(int i, bps_zmq_msg *out)
 
-    cdef cppclass BpsHandover:
-        uint64_t key
-        uint64_t round
-        int64_t nbytes
-        uint8_t dtype
-        vector[int64_t] senders
-        vector[string] waiter_idents
-        vector[int] waiter_shared
-        cbool has_first
-        int64_t first_rank
-        uint64_t first_nbytes
-        uint8_t first_dtype
-        double since
-        string error
-        cbool has_root
-        uint32_t root
-        cbool has_root_ident
-        string root_ident
-        cbool warned
-        cbool has_header
-        string header
-        cbool has_partial
-        string partial
-
     cdef cppclass BpsServerForward:
         BpsMessage *msg
         cbool auth
-        BpsHandover *handover
 
     cdef cppclass BpsServerSend:
         vector[string] frames
@@ -185,29 +159,6 @@ cdef object _frames(BpsMessage *m):
             m.take(i, f.msg)
             out.append(f)
     return out
-
-
-cdef object _rank(int64_t v):
-    """A rank as summation/server.py names it: the book's rank, or "node <id>" for an unknown sender."""
-    return v if v >= 0 else f"node {-(v + 1)}"
-
-
-cdef object _handover(BpsHandover *h):
-    return {
-        "key": h.key, "round": h.round, "nbytes": h.nbytes if h.nbytes >= 0 else None, "dtype": h.dtype,
-        "senders": [_rank(r) for r in h.senders],
-        "waiters": [(PyBytes_FromStringAndSize(h.waiter_idents[i].data(), h.waiter_idents[i].size()),
-                     h.waiter_shared[i]) for i in range(h.waiter_idents.size())],
-        "first": (_rank(h.first_rank), h.first_nbytes, h.first_dtype) if h.has_first else None,
-        "since": h.since,
-        "error": h.error.decode("utf-8", "surrogateescape") if h.error.size() else None,
-        "root": h.root if h.has_root else None,
-        "root_ident": PyBytes_FromStringAndSize(h.root_ident.data(), h.root_ident.size()) if h.has_root_ident
-        else None,
-        "warned": h.warned,
-        "header": PyBytes_FromStringAndSize(h.header.data(), h.header.size()) if h.has_header else None,
-        "partial": PyBytes_FromStringAndSize(h.partial.data(), h.partial.size()) if h.has_partial else None,
-    }
 
 
 cdef class ServerCore:
@@ -328,14 +279,14 @@ cdef class ServerCore:
         return zero_copy
 
     def forwarded(self):
-        """Messages for Python, in arrival order: [(frames, auth, handover dict or None)]."""
+        """Messages for Python, in arrival order: [(frames, auth)]."""
         cdef vector[BpsServerForward *] got
         cdef BpsServerForward *f
         self.core.forwarded(&got)
         out = []
         try:
             for f in got:
-                out.append((_frames(f.msg), f.auth, _handover(f.handover) if f.handover != NULL else None))
+                out.append((_frames(f.msg), f.auth))
         finally:
             for f in got:
                 del f

@@ -120,13 +120,23 @@ def run_join(cluster):
     return res
 
 
-def test_join_falls_back_to_python_after_native_steps(cluster):
-    """join() on a 1x3 machine: rank r runs r + 1 steps natively, also while ranks below it have joined
-    (a joined process runs its local reduce in Python, adding zeros for the partitions it owns);
-    results as test_bad_input.test_join_ranks_contribute_zeros."""
+def test_joined_processes_reduce_for_their_peers_natively(cluster):
+    """join() on a 1x3 machine: rank r runs r + 1 steps natively, also while ranks below it have joined.
+    A joined process owns partitions of its peers' later steps and its native core reduces them, adding
+    nothing of its own: exactly the partitions it owns (counted from its own ops) times the steps its
+    peers ran after it joined; no partition goes through Python. Results as
+    test_bad_input.test_join_ranks_contribute_zeros."""
     res = run_join(cluster)
-    for r in range(3):
-        assert res[r]["native_local"]["ops"] >= r + 1, (r, res[r]["native_local"])
+    n = 3
+    stats = [res[r]["native_local"] for r in range(n)]
+    for r in range(n):
+        assert stats[r]["ops"] >= r + 1, (r, stats)
+        assert not any(res[r]["python_partitions"].values()), (r, res[r]["python_partitions"])
+        own_ops = r + 2  # its r + 1 steps and the allreduce after join()
+        owned, rest = divmod(stats[r]["reduced"] - stats[r]["for_peers"], own_ops)
+        assert rest == 0, (r, stats)
+        assert stats[r]["for_peers"] == owned * (n - 1 - r), (r, stats)  # one round per step run after it joined
+    assert sum(s["for_peers"] for s in stats) > 0, stats  # some joined rank owned partitions of later steps
 
 
 @pytest.mark.timeout(120)

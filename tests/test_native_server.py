@@ -6,11 +6,10 @@ answers a reference written down here expects.
 * broadcasts of every dtype from every root;
 * proof that the native path ran: the server logs how many pushes byteps-serve handled;
 * a raw client (an authenticated job member) sends bad rounds, duplicates, length and dtype
-  mismatches, a short body, a broadcast from a non-root, a good round, and a round that mixes a
-  plain push with a FLAG_PYTHON one (the key is handed to Python mid-round), and compressed pushes (a
-  round mixing compressed and plain ones, a compressed round answered with the re-encoded sum, a
-  malformed blob, a dense size that differs from the header's, a compressed push on Python's path):
-  the server must answer with exactly the messages written down here.
+  mismatches, a short body, a broadcast from a non-root, good rounds, a push without its body frame,
+  and compressed pushes (a round mixing compressed and plain ones, a compressed round answered with
+  the re-encoded sum, a malformed blob, a dense size that differs from the header's): the server must
+  answer with exactly the messages written down here.
 """
 import json
 import os
@@ -119,9 +118,9 @@ SCRIPT = [
     push(B, K(1002, 1), 1, ints(1, 2)),
     push(A, K(1003, 0), 0, ints(1, 2), cmd=Cmd.BROADCAST, arg=0),  # a non-root sends data
     push(B, K(1003, 0), 0, b"", cmd=Cmd.BROADCAST, arg=0),
-    push(A, K(1004, 0), 0, ints(5, 6)),                      # a plain push, then a FLAG_PYTHON one: the key
-    push(B, K(1004, 0), 0, ints(1, 1), flags=wire.FLAG_PYTHON),  # goes to Python mid-round; the sum is exact
-    push(A, K(1004, 0), 1, ints(2, 2)),                      # Python's key from now on
+    push(A, K(1004, 0), 0, ints(5, 6)),                      # two good rounds in a row: exact sums
+    push(B, K(1004, 0), 0, ints(1, 1)),
+    push(A, K(1004, 0), 1, ints(2, 2)),
     push(B, K(1004, 0), 1, ints(3, 3)),
 ]
 #: compressed pushes (byteps/compression.py), summed by byteps-serve (summation/native/compressed_rounds.h)
@@ -142,10 +141,8 @@ SCRIPT += [
     push(B, K(1006, 2), 0, fp16_blob(3, 4), dtype=F32, length=8, flags=wire.FLAG_COMPRESSED),
     push(A, K(1006, 3), 0, fp16_blob(1, 2), dtype=F32, length=16, flags=wire.FLAG_COMPRESSED),  # length differs
     push(B, K(1006, 3), 0, fp16_blob(3, 4), dtype=F32, length=16, flags=wire.FLAG_COMPRESSED),
-    push(A, K(1007, 0), 0, fp16_blob(1, 2), dtype=F32, length=8,  # Python's path takes no compressed push
-         flags=wire.FLAG_COMPRESSED | wire.FLAG_PYTHON),
-    push(B, K(1007, 0), 0, ints(3, 4, dtype=np.float32), dtype=F32, flags=wire.FLAG_PYTHON),
     push(A, K(1008, 0), 0, ints(1, 2), cmd=Cmd.ASYNC_PUSHPULL),  # asynchronous, to a synchronous server
+    push(A, K(1009, 0), 0, ints(1, 2))[:1],                  # no body frame: refused by Python, with the reason
 ]
 #: shared-memory descriptors a server cannot use: too short, a pid's fd it may not open, a file that is not
 #: a byteps arena (this process's stdin); the texts are core/shm.py's, computed here
@@ -194,9 +191,8 @@ EXPECTED = [
     *[_err(1006, 2, 0, "rank node 7's compressed push: bad compression magic b'XX'")] * 2,
     *[_err(1006, 3, 0, "rank node 7's compressed push decodes to 8 bytes of dtype code 0 but its header says 16 "
                        "bytes of float32")] * 2,
-    *[_err(1007, 0, 0, "rank node 7 sent a compressed push marked FLAG_PYTHON; only the native rounds take "
-                       "those")] * 2,
     ["ERROR", [1008, 0], 0, "asynchronous push_pull sent to a synchronous server (BYTEPS_ENABLE_ASYNC differs)"],
+    _err(1009, 0, 0, "rank node 7 sent a PUSHPULL without its body frame"),
 ]
 
 
@@ -249,12 +245,12 @@ def test_answers_to_bad_and_mixed_rounds(cluster):
     got = _answers(server_data_port(c.servers[0].pid))
     open(os.path.join(c.tmp, "go"), "w").close()
     codes, scodes, sched = c.wait_all(120)
-    # per key in order (answers of different keys may interleave: Python answers its keys on its own thread)
+    # per key in order (answers of different keys may interleave: Python answers what it refuses on its own thread)
     assert _by_key(got) == _by_key(EXPECTED), "\n".join(map(str, got))
     assert codes == [0, 0] and scodes == [0] and sched == 0, c.all_logs()
     for r, res in c.results().items():  # the job still sums exactly
         assert res.get("value") == {"before": True, "after": True, "after_i": True}, (r, res, c.all_logs())
     pushes = native_pushes(c, 1)[0]
-    # every push of SCRIPT but the Python key's three and the two answered before any state
+    # every push of SCRIPT but the one without a body (Python's) and the two answered before any state
     assert pushes is not None and pushes >= len(SCRIPT) - 3, c.log("server0")
     assert "rank node 7 sent round 0 twice" in c.log("server0")  # failed rounds are logged, as before

@@ -179,7 +179,7 @@ def test_candidates_sanity():
     assert torch.equal(candidates(spec, 4, 1)[0].double(), sum(make_tensor(r, spec, 1).double() for r in range(4)))
 
 
-# Pipeline variants (core/stages.py, summation/sum_pool.py): server engine threads, the STAGE copy
+# Pipeline variants (core/stages.py, summation/native/sum_pool.h): server engine threads, the STAGE copy
 # on its own thread (partitions >= 256 KB), and BYTEPS_PIPELINE dropping optional stages.
 BIG_SHAPES = [(1001,), (200000,), (3, 70001)]  # 800 KB and 840 KB of float32: 300 KB pieces per server
 

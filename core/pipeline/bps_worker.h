@@ -159,7 +159,12 @@ class BpsWorkerCore {
      * the copies of our next op (rounds restarted at 0) from a joined rank's partitions */
     void set_join_ends(uint64_t ends) { join_epoch_.store((ends & 1) != 0); }
     uint8_t join_epoch_flag() const { return join_epoch_.load() ? (uint8_t)BPS_FLAG_JOIN_EPOCH : 0; }
-    void local_python();
+    /* join(): this process is in join() (or no longer). It has no ops of its own but owns partitions of
+     * its peers' ops: each one whose first copy arrives is asked of Python (owed()), which registers
+     * its table and submits it (submit_owed) */
+    void set_self_joined(bool on);
+    void owed(std::vector<BpsOwed> *out);
+    bool submit_owed(int64_t id, int64_t table, uint64_t rnd, uint8_t dtype, unsigned char *buf, uint64_t nbytes);
     void local_claim(uint64_t key, uint64_t rnd, int count);
     void forwarded_local(std::vector<std::vector<std::string>> *out);
     /* The job has one worker machine (before start()): its local reduce is the whole sum, so an owner
@@ -171,6 +176,7 @@ class BpsWorkerCore {
     uint64_t local_reduced() { return local_reduced_.load(); }
     uint64_t local_reduced_on_thread() { return local_threaded_.load(); }
     uint64_t local_coordinated() { return local_coordinated_.load(); }
+    uint64_t owed_submitted() { return owed_submitted_.load(); } /* partitions reduced for peers in join() */
 
     /* direct calls: a synchronous call's round trip on the caller's thread (worker_direct.h) */
     bool submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
@@ -306,6 +312,8 @@ class BpsWorkerCore {
     void on_local(BpsMessage *m, bool linked = false);
     int view_shared(const void *body, size_t n, unsigned char **ptr, uint64_t *len, std::string *err);
     void local_claimed(const Ident &id, int count);
+    void ask_owed(const Ident &id, const BpsHeader &h);
+    void self_joined_turn(bool on);
     void forward_local(BpsMessage *m);
     void forward_local(const std::vector<std::string> &frames);
 
@@ -361,7 +369,8 @@ class BpsWorkerCore {
     std::vector<std::string> allow_in_;                   /* identities Python admitted */
     std::vector<std::pair<Ident, int>> claims_in_;        /* partitions Python took */
     std::vector<std::vector<std::string>> forward_local_; /* local messages for Python */
-    bool python_local_ = false;                           /* local_python() was called */
+    bool self_joined_ = false;                            /* set_self_joined() */
+    std::vector<BpsOwed> owed_out_;                       /* partitions a joined owner asks Python about */
     /* elastic servers (hold() / commit()) */
     bool holding_ = false;                                /* ops submitted now wait in held_ */
     std::vector<BpsOp *> held_;
@@ -413,11 +422,12 @@ class BpsWorkerCore {
     std::atomic<uint64_t> owner_direct_{0};
     double direct_spin_s_ = 0; /* set_direct_spin(), before start() */
     std::map<Ident, int> claimed_;
-    bool python_local_mode_ = false;
+    bool self_joined_net_ = false;  /* byteps-net has taken set_self_joined(true) */
+    std::set<Ident> owed_asked_;    /* partitions asked of Python while in join() */
     std::atomic<uint64_t> joined_mask_{0};
     std::atomic<bool> join_epoch_{false}; /* set_join_ends(): an odd number of join()s ended */
     std::atomic<bool> recheck_{false};
-    std::atomic<uint64_t> local_reduced_{0}, local_threaded_{0}, local_coordinated_{0};
+    std::atomic<uint64_t> local_reduced_{0}, local_threaded_{0}, local_coordinated_{0}, owed_submitted_{0};
     std::vector<std::unique_ptr<BpsConn>> local_links_; /* per local rank: its direct link, or NULL */
     /* per local rank: who writes or reads its link now (recursive: byteps-net sends on a link while it
      * reads it), and whether a direct caller holds it (then byteps-net does not poll it) */

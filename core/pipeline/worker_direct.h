@@ -166,7 +166,7 @@ inline BpsOp *BpsWorkerCore::begin_local_direct(int64_t id, int64_t table, uint6
     std::lock_guard<std::mutex> lock(mu_);
     BpsTable &t = tables_.at((size_t)table);
     if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
-        python_local_ || t.count != seq) {
+        self_joined_ || t.count != seq) {
         delete op;
         return nullptr;
     }

@@ -90,14 +90,76 @@ inline void BpsWorkerCore::set_local_joined(uint64_t mask) {
     wake();
 }
 
-/* From now on Python runs the local reduce of this process (join()): LOCAL_READYs nobody here
- * waits for, and those held for ops not started yet, go to Python; submit() refuses local ops. */
-inline void BpsWorkerCore::local_python() {
+/* join(): this process is in join() (``on``) or its join ended. A joined process adds nothing but
+ * owns partitions of its peers' ops; each whose first copy of the join's epoch arrives (or was held
+ * already) is asked of Python (owed()), which answers with submit_owed(). */
+inline void BpsWorkerCore::set_self_joined(bool on) {
     {
         std::lock_guard<std::mutex> lock(mu_);
-        python_local_ = true;
+        self_joined_ = on;
     }
     wake();
+}
+
+inline void BpsWorkerCore::owed(std::vector<BpsOwed> *out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    out->swap(owed_out_);
+}
+
+/* The reduce of a partition this joined process owns (``table``: its one row, from Python), in the
+ * round its peers' copies name: their sum, pushed and pulled, handed back as for any owner. ``buf``
+ * (zeros, ``nbytes``) stands for our own copy only when no peer's copy is usable. */
+inline bool BpsWorkerCore::submit_owed(int64_t id, int64_t table, uint64_t rnd, uint8_t dtype, unsigned char *buf,
+                                       uint64_t nbytes) {
+    BpsOp *op = new_op(id, BPS_CMD_PUSHPULL, dtype, 0, 0, false, buf, nbytes, 1);
+    op->adds_nothing = true;
+    owed_submitted_++;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        BpsTable &t = tables_.at((size_t)table);
+        op->name = t.name;
+        op->local = t.local;
+        op->table = table;
+        op->seq = t.count++;
+        op->parts = t.parts_for(op->seq);
+        for (BpsPart &p : op->parts) {
+            p.rnd = rnd;
+            p.has_rnd = true;
+        }
+        submit_locked(op);
+    }
+    wake();
+    return true;
+}
+
+/* A copy of ``id`` came while this process is in join() and nothing here waits for it: ask Python once
+ * (a copy a peer sent after it heard the join end is for our next op: rounds restart at 0). */
+inline void BpsWorkerCore::ask_owed(const Ident &id, const BpsHeader &h) {
+    if ((h.flags & BPS_FLAG_JOIN_EPOCH) != join_epoch_flag() || !owed_asked_.insert(id).second) return;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        owed_out_.push_back(BpsOwed{h.key, h.round, h.dtype, h.length});
+    }
+    notify_python();
+}
+
+/* byteps-net takes set_self_joined(): entering join(), the copies held for our ops are our peers' */
+inline void BpsWorkerCore::self_joined_turn(bool on) {
+    if (on == self_joined_net_) return;
+    self_joined_net_ = on;
+    owed_asked_.clear();
+    if (!on) return;
+    std::vector<BpsHeader> firsts;
+    {
+        std::lock_guard<std::mutex> lock(early_mu_);
+        for (auto &kv : early_) {
+            BpsHeader h;
+            if (kv.second.empty()) continue;
+            memcpy(&h, kv.second[0][1].data(), sizeof h);
+            firsts.push_back(h);
+        }
+    }
+    for (auto &h : firsts) ask_owed(Ident(h.key, h.round), h);
 }
 
 /* Python owns partition (key, round) (a compressed op, ...): its LOCAL_READYs, held or still to
@@ -256,7 +318,8 @@ inline void BpsWorkerCore::maybe_reduce(const Ident &id) {
         local_failed(op, part, BPS_ERR_PROTOCOL, text);
         return;
     }
-    std::vector<const void *> srcs{op->buf + p.offset};
+    std::vector<const void *> srcs;
+    if (!op->adds_nothing || g.copies.empty()) srcs.push_back(op->buf + p.offset);
     srcs.insert(srcs.end(), g.copies.begin(), g.copies.end());
     stage_or_inline(BPS_TASK_SUM, op, g.part, p.staging, std::move(srcs));
 }
@@ -382,13 +445,16 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
             return;
         }
         auto c = claimed_.find(id);
-        if (c != claimed_.end() || python_local_mode_) {
-            if (c != claimed_.end() && --c->second <= 0) claimed_.erase(c);
+        if (c != claimed_.end()) {
+            if (--c->second <= 0) claimed_.erase(c);
             forward_local(m);
             return;
         }
-        std::lock_guard<std::mutex> lock(early_mu_);
-        early_[id].push_back({ident, header, body}); /* before our op: held until it starts (or its direct owner takes it) */
+        {
+            std::lock_guard<std::mutex> lock(early_mu_);
+            early_[id].push_back({ident, header, body}); /* before our op: held until it starts (or its direct owner takes it) */
+        }
+        if (self_joined_net_) ask_owed(id, h); /* no op of ours will start: we reduce it for our peers */
         return;
     }
     auto a = awaiting_.find(id);

@@ -52,15 +52,10 @@ inline int64_t BpsWorkerCore::add_table(const std::string &name, std::vector<Bps
     return (int64_t)tables_.size() - 1;
 }
 
-/* Start a push_pull/broadcast of ``buf`` over a registered table: the per-call path. False (and
- * nothing started) for a local-reduce table once Python runs the local reduce (local_python()). */
+/* Start a push_pull/broadcast of ``buf`` over a registered table: the per-call path. */
 inline bool BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root,
                                         int64_t priority, bool root_self, unsigned char *buf, uint64_t nbytes,
                                         bool lazy, uint32_t divisor) {
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (python_local_ && tables_.at((size_t)table).local) return false;
-    }
     BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
     op->lazy = lazy;
     {
@@ -68,11 +63,6 @@ inline bool BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, 
         BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
         op->name = t.name;
         op->local = t.local;
-        /* checked again under the same lock as the inbox: local_python() cannot slip in between */
-        if (python_local_ && op->local) {
-            delete op;
-            return false;
-        }
         op->table = table;
         op->seq = t.count++;
         if (holding_) { /* the servers are changing: which partitions it uses is known at commit() */
@@ -241,7 +231,7 @@ inline void BpsWorkerCore::take_inbox() {
     std::vector<std::string> allow;
     std::vector<std::pair<std::pair<uint64_t, uint64_t>, int>> claims;
     std::vector<std::pair<void *, int>> joined;
-    bool abort, python_local, dead_now, commit_now;
+    bool abort, self_joined, dead_now, commit_now;
     {
         std::lock_guard<std::mutex> lock(mu_);
         in.swap(inbox_);
@@ -250,7 +240,7 @@ inline void BpsWorkerCore::take_inbox() {
         claims.swap(claims_in_);
         joined.swap(new_servers_);
         abort = abort_;
-        python_local = python_local_;
+        self_joined = self_joined_;
         dead_now = dead_in_;
         commit_now = commit_in_;
         dead_in_ = commit_in_ = false;
@@ -284,16 +274,7 @@ inline void BpsWorkerCore::take_inbox() {
     for (auto &m : raw) send_raw_now(m.get());
     for (auto &q : in) start(q.op, q.part); /* before any message of this turn: it may be for this op */
     for (auto &c : claims) local_claimed(c.first, c.second);
-    if (python_local && !python_local_mode_) { /* join(): what we held goes to Python now */
-        python_local_mode_ = true;
-        std::map<Ident, std::vector<std::vector<std::string>>> held;
-        {
-            std::lock_guard<std::mutex> lock(early_mu_);
-            held.swap(early_);
-        }
-        for (auto &kv : held)
-            for (auto &frames : kv.second) forward_local(frames);
-    }
+    self_joined_turn(self_joined);
     if (recheck_.exchange(false)) {
         std::vector<std::pair<uint64_t, uint64_t>> ids;
         for (auto &kv : groups_) ids.push_back(kv.first);

@@ -45,7 +45,7 @@ inline void BpsWorkerCore::plan(BpsOp *op, int i) {
 inline void BpsWorkerCore::start(BpsOp *op, int i) {
     plan(op, i);
     BpsPart &p = op->parts[(size_t)i];
-    if (op->local) p.rnd = next_round(p.key);
+    if (op->local && !op->adds_nothing) p.rnd = next_round(p.key); /* a joined owner's: its peers' round */
     advance(op, i);
 }
 
@@ -129,6 +129,10 @@ inline void BpsWorkerCore::take_reply(BpsOp *op, BpsPart &p, int server, const B
 inline void BpsWorkerCore::local_broadcast_result(BpsOp *op, int i) {
     BpsPart &p = op->parts[(size_t)i];
     if (p.owner == local_rank_) local_broadcast(op, i, p.result_desc, "");
+    if (op->adds_nothing) { /* a joined owner: its peers have the result; its own buffer stays zeros */
+        advance(op, i);
+        return;
+    }
     stage_or_inline(BPS_TASK_COPY_OUT, op, i, op->buf + p.offset, {p.result});
 }
 

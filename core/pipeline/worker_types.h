@@ -98,6 +98,8 @@ struct BpsOp {
     bool lazy = false;      /* (under mu_) its completion waits in deferred_ for its caller (BPS_LAZY_DELIVERY_S) */
     int64_t table = -1;     /* the table it was submitted on, and its sequence number there: which */
     uint64_t seq = 0;       /* membership's partitions it uses (elastic servers, BpsTable::parts_for) */
+    bool adds_nothing = false; /* a joined owner's sum of its local peers' copies (join()): its own buffer,
+                                * zeros, is not added and gets no result */
     uint32_t divisor = 1;   /* an averaged float push_pull: each partition's sum is divided by this on its
                              * way into the tensor (bps_result_into), so the average costs no pass of its own */
 };
@@ -213,6 +215,14 @@ struct BpsRawSend {
 struct BpsForward {
     int server;
     std::vector<std::string> frames;
+};
+
+/* A partition a process in join() owns and a local peer sent its copy of: (wire key, round, dtype,
+ * bytes), for Python to register (BpsWorkerCore::owed). */
+struct BpsOwed {
+    uint64_t key, rnd;
+    uint8_t dtype;
+    uint64_t length;
 };
 
 static const int BPS_TO_ROUTER = -1;

@@ -9,24 +9,22 @@
  *     sync_rounds.h     BpsSyncRounds: a push, from its checks to the round's replies
  *     compressed_rounds.h BpsCompressedRounds: compressed pushes and the re-encoded reply
  *     async_rounds.h    BpsAsyncRounds: asynchronous training's parameters and deltas
- *     round_checks.h    the checks every policy makes of a push (Python's texts)
+ *     round_checks.h    the checks every policy makes of a push, and their error texts
  *     elastic_rounds.h  BpsElasticRounds: keys taken over from a lost server (BYTEPS_ELASTIC)
- *     handover.h        BpsHandover: a key's state when it becomes Python's
  *     round.h           BpsRound, and BpsRounds: the store of rounds (keys, stores, sum threads)
  *     store.h           BpsStoreAllocator: the memory stores are cut from
  *     sum_pool.h        BpsSumPool: the sum threads (BYTEPS_SERVER_ENGINE_THREAD)
  *     replies.h         BpsBook (the address book) and BpsServerReplies (REPLY, ERROR)
- *     server_texts.h    constants, and the texts Python's server writes
+ *     server_texts.h    constants, and the shared pieces of its texts
  *
  * This file: what Python calls (commands through an inbox, from any thread), the thread's loop, and
- * who handles each message. Everything but plain pushes goes to Python unchanged, in arrival order,
+ * who handles each message. Everything but pushes goes to Python unchanged, in arrival order,
  * through forwarded() and a notify eventfd: handshakes, messages of identities not admitted yet
  * (after an AUTH, an identity's later messages wait here until Python says whether it passed:
- * admit()), PROBE, pushes marked FLAG_PYTHON, and anything malformed. Compressed pushes
- * (compressed_rounds.h) and asynchronous ones (async_rounds.h) are served here too. A key is handled
- * by one side only: the first message Python must handle for a key makes it Python's; if this thread
- * already had state for it, that state goes along (a BpsHandover: round, arrivals so far, the partial
- * sum). Python's own replies go out through send() on this thread (it alone touches the socket).
+ * admit()), PROBE, LINK, and anything malformed (a data message before the address book or without
+ * its body). Every push, plain, compressed (compressed_rounds.h) or asynchronous (async_rounds.h),
+ * is served here: Python never sums. Python's own replies go out through send() on this thread (it
+ * alone touches the socket).
  */
 #ifndef BPS_SERVER_H
 #define BPS_SERVER_H
@@ -53,23 +51,18 @@
 #include "core/transport/bps_zmq.h"
 #include "summation/native/async_rounds.h"
 #include "summation/native/elastic_rounds.h"
-#include "summation/native/handover.h"
 #include "summation/native/replies.h"
 #include "summation/native/round.h"
 #include "summation/native/server_links.h"
 #include "summation/native/sync_rounds.h"
 
-/* A message for Python: its frames (moved, no copy), whether Python must answer admit() for its
- * identity afterwards, and the key's state when this message hands the key over. */
+/* A message for Python: its frames (moved, no copy), and whether Python must answer admit() for its
+ * identity afterwards. */
 struct BpsServerForward {
     BpsMessage *msg = nullptr;
     bool auth = false;
-    BpsHandover *handover = nullptr;
 
-    ~BpsServerForward() {
-        delete msg;
-        delete handover;
-    }
+    ~BpsServerForward() { delete msg; }
 };
 
 /* A message Python sends through this thread: copied frames, the last one zero-copy with a token
@@ -432,19 +425,13 @@ class BpsServerCore {
             forward(m); /* handshakes, malformed, strangers: Python answers, ignores or logs */
             return;
         }
-        if (h.cmd == BPS_CMD_RESULT && adopt_rounds_ && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY &&
-            python_keys_.find(h.key) == python_keys_.end()) {
+        if (h.cmd == BPS_CMD_RESULT && adopt_rounds_ && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY) {
             elastic_.on_result(h, m);
             return;
         }
         bool data = h.cmd == BPS_CMD_PUSHPULL || h.cmd == BPS_CMD_BROADCAST || h.cmd == BPS_CMD_ASYNC_PUSHPULL;
-        bool valid = data && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY;
-        bool native = valid && !(h.flags & BPS_SERVER_FLAG_PYTHON) &&
-                      python_keys_.find(h.key) == python_keys_.end();
-        if (!native) {
-            BpsHandover *handover = nullptr;
-            if (valid && python_keys_.insert(h.key).second) handover = hand_over(h.key);
-            forward(m, false, handover);
+        if (!(data && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY)) {
+            forward(m); /* PROBE, LINK, or a data message Python refuses with the reason */
             return;
         }
         if (h.cmd != BPS_CMD_ASYNC_PUSHPULL) {
@@ -457,14 +444,13 @@ class BpsServerCore {
         }
     }
 
-    void forward(BpsMessage *m, bool auth = false, BpsHandover *handover = nullptr) {
+    void forward(BpsMessage *m, bool auth = false) {
         BpsServerForward *f = new BpsServerForward();
         f->msg = new BpsMessage();
         for (int i = 0; i < m->count; ++i) m->take(i, &f->msg->frames[i]);
         f->msg->count = m->count;
         m->count = 0; /* moved out: nothing left to close */
         f->auth = auth;
-        f->handover = handover;
         {
             std::lock_guard<std::mutex> lock(mu_);
             forward_.push_back(f);
@@ -520,24 +506,8 @@ class BpsServerCore {
         links_.send_to(m->frames[0], f);
     }
 
-    /* LEAVE, or everyone joined: every key restarts at round 0 (its next message may be native again). */
-    void reset_keys() {
-        rounds_.reset();
-        python_keys_.clear();
-    }
-
-    /* Python must handle a message of ``key`` from now on: the key's state, for Python to go on from. */
-    BpsHandover *hand_over(uint64_t key) {
-        BpsRound *st = rounds_.find(key);
-        if (st == nullptr) return nullptr;
-        if (rounds_.pool() && st->pending) {
-            rounds_.pool()->wait_idle(); /* rare (a round mixing native and Python's pushes): let its sums finish */
-            sync_.take_sums();
-        }
-        BpsHandover *o = bps_handover_of(*st);
-        rounds_.erase(key); /* its stores stay in the arena until a reset: replies may still read them */
-        return o;
-    }
+    /* LEAVE, or everyone joined: every key restarts at round 0. */
+    void reset_keys() { rounds_.reset(); }
 
     void *sock_; /* the data ROUTER (polled here; links_ reads and writes it) */
     bool auth_on_;
@@ -563,7 +533,6 @@ class BpsServerCore {
     BpsBook book_;
     std::set<std::string> admitted_;
     std::map<std::string, std::deque<BpsMessage *>> parked_;
-    std::set<uint64_t> python_keys_; /* keys handed over: Python's from then on, until a reset */
     BpsRounds rounds_;
     BpsServerLinks links_;
     BpsServerReplies replies_;

@@ -10,7 +10,7 @@
  *                compressed (error feedback of the server's own kept per key across rounds)
  *
  * Plain pushes from colocated workers (shared memory) add into the same store, so the store stays
- * in the tensor's dtype. The error texts are those of the Python server before this moved here. */
+ * in the tensor's dtype. */
 #ifndef BPS_SERVER_COMPRESSED_ROUNDS_H
 #define BPS_SERVER_COMPRESSED_ROUNDS_H
 

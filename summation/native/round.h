@@ -1,4 +1,4 @@
-/* A key's round (summation/server.py's _Round) and BpsRounds, the store every key's rounds live in:
+/* A key's round and BpsRounds, the store every key's rounds live in:
  * the keys, the arenas their sums go to, the sum threads and the views of colocated workers' regions. */
 #ifndef BPS_SERVER_ROUND_H
 #define BPS_SERVER_ROUND_H
@@ -16,7 +16,7 @@
 #include "summation/native/store.h"
 #include "summation/native/sum_pool.h"
 
-/* One key: the current round's arrivals and its two stores (summation/server.py's _Round). */
+/* One key: the current round's arrivals and its two stores. */
 struct BpsRound {
     uint64_t key = 0;
     uint64_t round = 0;
@@ -133,9 +133,6 @@ class BpsRounds {
         fresh->dtype = dtype;
         return *keys_.emplace(key, std::move(fresh)).first->second;
     }
-
-    /* Its stores stay in the arena until a reset: replies may still read them. */
-    void erase(uint64_t key) { keys_.erase(key); }
 
     bool ensure_stores(BpsRound &st) {
         if (st.allocated) return true;

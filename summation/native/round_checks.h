@@ -1,5 +1,5 @@
-/* The checks every round policy makes of a push before it takes the body (the texts of
- * summation/server.py's _handle and _check, which users and tests read). */
+/* The checks every round policy makes of a push before it takes the body (users and tests read
+ * their texts: each names the key, the ranks and what differs). */
 #ifndef BPS_SERVER_ROUND_CHECKS_H
 #define BPS_SERVER_ROUND_CHECKS_H
 
@@ -21,7 +21,7 @@ static inline std::string bps_elements_problem(const BpsHeader &h, int64_t rank)
            " bytes of dtype code " + std::to_string(h.dtype) + ": not whole elements of a known dtype";
 }
 
-/* Why this push cannot join the round, or "" (texts as summation/server.py's _check). */
+/* Why this push cannot join the round, or "". */
 static inline std::string bps_round_problem(const BpsRound &st, const BpsHeader &h, int64_t rank) {
     std::string name = bps_key_name(h.key), who = bps_rank_str(rank);
     if (h.round != st.round) {

@@ -1,5 +1,5 @@
-/* The server's constants (each names its Python twin) and the texts it writes as summation/server.py
- * does: ranks, keys and the JSON body of an ERROR, byte for byte. */
+/* The server's constants, and the pieces of the texts it writes: ranks, keys and the JSON body of
+ * an ERROR (core/wire.py's encoding, byte for byte). */
 #ifndef BPS_SERVER_TEXTS_H
 #define BPS_SERVER_TEXTS_H
 
@@ -14,7 +14,6 @@
 
 
 enum {
-    BPS_SERVER_FLAG_PYTHON = 4,          /* core/wire.py FLAG_PYTHON: the whole op is Python's */
     BPS_SERVER_CMD_PROBE = 27,
     BPS_SERVER_CMD_LINK = 28,            /* core/wire.py Cmd.LINK: a direct link's token, and its answer */
     BPS_SERVER_NO_DTYPE = 255,
@@ -22,7 +21,7 @@ enum {
 static const uint64_t BPS_MAX_BODY = 1ull << 33;          /* core/wire.py MAX_BODY */
 static const uint64_t BPS_MAX_CONTROL_BODY = 16ull << 20; /* core/wire.py MAX_CONTROL_BODY */
 static const size_t BPS_COPY_BELOW = 65536;               /* core/transport.py COPY_BELOW */
-static const double BPS_STALL_WARNING_S = 60.0;           /* summation/server.py STALL_WARNING_S */
+static const double BPS_STALL_WARNING_S = 60.0;           /* log a round that waited this long for its last pushes */
 static const uint64_t BPS_ARENA_BYTES = 64ull << 20;      /* core/shm.py ARENA_BYTES */
 static const uint64_t BPS_HUGEPAGE_BYTES = 2ull << 20;
 static const size_t BPS_MAX_PARKED = 1 << 16;             /* messages held per identity awaiting Python's AUTH verdict */
@@ -39,7 +38,7 @@ static inline size_t bps_frame_size(bps_zmq_msg *m) { return bps_zmq.msg_size(m)
 static inline void bps_frame_close(bps_zmq_msg *m) { bps_zmq.msg_close(m); }
 
 
-/* A rank as the Python server names it: the rank from the address book, or "node <id>" for a
+/* A rank as the server's texts name it: the rank from the address book, or "node <id>" for a
  * sender the book does not know (encoded as -(id + 1)). */
 static inline std::string bps_rank_str(int64_t rank) {
     return rank >= 0 ? std::to_string(rank) : "node " + std::to_string(-(rank + 1));

@@ -1,6 +1,6 @@
 /* The synchronous round policy: a plain push of a partition, followed in one place.
  *
- *     on_push()    the checks of the Python server's _on_data/_check (same error texts)
+ *     on_push()    a push's checks (round_checks.h), then into the round
  *     -> accept()  the body: ZeroMQ's buffer (TCP) or a colocated worker's shared region (FLAG_SHM);
  *                  a compressed one (FLAG_COMPRESSED) is decoded into the store (compressed_rounds.h)
  *     -> add()     first push held as it arrived, second: store = first + second (bps_sum_many),
@@ -122,7 +122,7 @@ class BpsSyncRounds {
     }
 
   private:
-    /* Take the body into the round (summation/server.py's _accept); "" or why it cannot be. */
+    /* Take the body into the round; "" or why it cannot be. */
     std::string accept(BpsRound &st, const BpsHeader &h, int64_t rank, const std::string &ident, BpsMessage *m) {
         if (!st.has_first) {
             st.has_first = true;
