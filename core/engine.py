@@ -571,7 +571,7 @@ class Engine:
             rows[row, 11] = self._compresses(op.codec, op.dtype, op.nbytes, length, server)
             if local:  # every partition has a shared region: the owner sums into it, the others copy into it
                 view, (pid, fd, inode, base) = self._region(key, length)
-                rows[row, 4:] = (view.ctypes.data, pid, fd, inode, base, self.local.owner(tkey, i),
+                rows[row, 4:11] = (view.ctypes.data, pid, fd, inode, base, self.local.owner(tkey, i),
                                  self.colocated[server])
             elif self.stages_of(op, i, server)[0] == Stage.STAGE and length:
                 view, (pid, fd, inode, base) = self._region(key, length)
