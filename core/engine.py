@@ -572,7 +572,7 @@ class Engine:
             if local:  # every partition has a shared region: the owner sums into it, the others copy into it
                 view, (pid, fd, inode, base) = self._region(key, length)
                 rows[row, 4:11] = (view.ctypes.data, pid, fd, inode, base, self.local.owner(tkey, i),
-                                 self.colocated[server])
+                                   self.colocated[server])
             elif self.stages_of(op, i, server)[0] == Stage.STAGE and length:
                 view, (pid, fd, inode, base) = self._region(key, length)
                 rows[row, 4:9] = (view.ctypes.data, pid, fd, inode, base)
