@@ -24,6 +24,13 @@ measured process (its training thread on the training core), the others start th
 and wait for each, staying on the communication core (as gloo's peer does). Their sums then go
 through the machine's local reduce (core/local.py's protocol, run by the native core).
 
+``--compression METHOD`` (byteps only; needs ``--machines 2``, so that servers are on other machines):
+byteps' push_pulls use that wire compressor (``byteps.compression.WireCompressor(METHOD)``, default
+options: fp16, bf16, onebit, topk, randomk or dithering), which the native worker core applies to
+each partition on its way to a server and to each reply. All-ones tensors survive fp16, bf16, onebit
+and dithering exactly; topk and randomk keep some of the elements, so there a result is correct when
+every element is the sum or 0. gloo runs uncompressed.
+
 Cases: one 64 MB float32 tensor (``64MB``), and 256 tensors of 64 KB (``256x64KB``). Each timed run
 starts every tensor asynchronously (``bps.push_pull_async_inplace`` / ``dist.all_reduce(...,
 async_op=True)``), then:
@@ -51,6 +58,7 @@ Commands
     .venv/bin/python bench/bench_gil.py --systems byteps --cases 256x64KB --reps 9
     .venv/bin/python bench/bench_gil.py --systems byteps --env BYTEPS_SPIN_US=0   # an A/B, labelled as such
     .venv/bin/python bench/bench_gil.py --systems byteps --local-size 2           # a 1x2 machine (local reduce)
+    .venv/bin/python bench/bench_gil.py --systems byteps --machines 2 --compression onebit  # compressed pushes
 
 Output: a markdown table on stdout, JSON in bench/results/gil-<date>.json (``--json``).
 Needs at least 2 CPUs (the training and communication cores must differ).
@@ -70,7 +78,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from bench_users import bpslaunch_argv, clean_env, free_port, machine_meta, parse_env, spread  # noqa: E402
+from bench_users import bpslaunch_argv, clean_env, free_port, machine_meta, parse_env  # noqa: E402
+from users_common import spread  # noqa: E402
 
 CASES = {"64MB": (1, 64 << 20), "256x64KB": (256, 64 << 10)}
 MIN_CHUNKS = 10  #: work chunks after the last start needed to report the thread's speed
@@ -146,13 +155,16 @@ def pin_training_thread(train_core, comm_core):
 class Ops:
     """start/poll/wait over byteps or gloo, plus a barrier with the peer (gloo only)."""
 
-    def __init__(self, system, torch):
+    def __init__(self, system, torch, compression=None):
         self.system = system
         self.torch = torch
+        self.compression = compression  # a wire compressor's method name (byteps), or None
         if system == "byteps":
             import byteps.torch as bps
+            from byteps.compression import WireCompressor
 
             self.bps = bps
+            self.codec = WireCompressor(compression) if compression else False
         else:
             import torch.distributed as dist
 
@@ -160,7 +172,7 @@ class Ops:
 
     def start(self, tensors, case):
         if self.system == "byteps":
-            return [self.bps.push_pull_async_inplace(t, average=False, name=f"gil.{case}.{i}")
+            return [self.bps.push_pull_async_inplace(t, average=False, name=f"gil.{case}.{i}", compression=self.codec)
                     for i, t in enumerate(tensors)]
         return [self.dist.all_reduce(t, async_op=True) for t in tensors]
 
@@ -234,7 +246,10 @@ def measure(args, ops, torch, pin):
             ops.barrier()
             idle = (before + idle_speed(k, args.idle_s / 2)) / 2  # around the two runs: load drifts
             want = 2.0 if ops.system == "gloo" else float(ops.bps.size())
-            ok = all(float(t[0]) == want and float(t[-1]) == want for t in tensors[c])
+            # topk and randomk send some elements only: the others come back 0
+            sparse = ops.system == "byteps" and ops.compression in ("topk", "randomk")
+            ok = all(bool(((t == want) | (t == 0)).all()) if sparse else float(t[0]) == want and float(t[-1]) == want
+                     for t in tensors[c])
             if rep >= 1:
                 sp = got["spin"]
                 results[c].append({"wait_s": got["wait"]["in_flight_s"], "spin_s": sp["in_flight_s"],
@@ -272,7 +287,7 @@ def worker_main(args):
 
         bps.init()
         assert bps.size() == args.machines * args.local_size, bps.size()
-        ops = Ops("byteps", torch)
+        ops = Ops("byteps", torch, args.compression)
         if bps.rank() > 0:  # a peer process: same operations, waited for
             peer(args, ops, torch)
             bps.shutdown()
@@ -314,6 +329,8 @@ def run_system(system, args):
           "--cases", args.cases, "--reps", str(args.reps), "--chunk-us", str(args.chunk_us),
           "--idle-s", str(args.idle_s), "--train-core", str(args.train_core), "--comm-core", str(args.comm_core),
           "--local-size", str(args.local_size), "--machines", str(args.machines)]
+    if args.compression and system == "byteps":
+        me += ["--compression", args.compression]
     if system == "byteps":
         env["BYTEPS_FORCE_DISTRIBUTED"] = "1"
         cmds = [[*bpslaunch_argv(), "--local", "--workers", str(args.machines), "--local-size", str(args.local_size),
@@ -418,6 +435,8 @@ def main():
     ap.add_argument("--machines", type=int, default=1,
                     help="byteps worker machines, each with a server (default 1: one machine's sum is the job's, "
                          "so only a local reduce moves data; 2: single-process machines push to servers)")
+    ap.add_argument("--compression", choices=["fp16", "bf16", "onebit", "topk", "randomk", "dithering"],
+                    help="byteps' push_pulls use this wire compressor (needs --machines 2: servers elsewhere)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 repetitions")
     ap.add_argument("--job-timeout", type=float, default=600)
     ap.add_argument("--json", help="JSON path (default bench/results/gil-<date>.json)")
@@ -435,6 +454,8 @@ def main():
         print(f"needs two different available cores (have {sorted(cores)}; --train-core {args.train_core}, "
               f"--comm-core {args.comm_core})", file=sys.stderr)
         return 2
+    if args.compression and args.machines < 2:
+        ap.error("--compression needs --machines 2: a colocated server reads shared memory, never compressed")
     for c in args.cases.split(","):
         if c not in CASES:
             ap.error(f"unknown case {c!r}; choose from {','.join(CASES)}")
@@ -458,7 +479,8 @@ def main():
           f"({b['chunk_iters']} LCG steps) with a poll between chunks; speed = loop iterations/s during spin over "
           f"the idle rate measured just before and after the pair. Medians of {args.reps} repetitions. byteps: "
           f"{args.machines} worker machine(s) x {args.local_size} process(es), {args.machines} server(s) "
-          f"(BYTEPS_FORCE_DISTRIBUTED=1); gloo: 2 ranks, the peer on core {args.comm_core}. "
+          f"(BYTEPS_FORCE_DISTRIBUTED=1)" + (f", wire compressor {args.compression}" if args.compression else "") +
+          f"; gloo: 2 ranks, the peer on core {args.comm_core}. "
           f"sys.getswitchinterval() = {b['switch_interval_s'] * 1e3:g} ms; load average "
           f"{meta['loadavg'][0]:.1f} -> {meta['loadavg_end'][0]:.1f}.")
     for system, r in raw.items():

@@ -436,10 +436,11 @@ def metrics():
     "zeromq"), ``bytes_sent``, ``bytes_received``); ``partition_bytes`` and ``credit_bytes`` as agreed
     at start-up; ``tensors`` (declared name -> tensor key); ``native`` (ops the native pipeline ran
     whole, averages it divided, synchronous calls run on the caller's thread, direct links up, the
-    local reduce's counters, ``stages``: partitions it moved into each stage of their lists);
-    ``python_partitions`` (partitions the Python engine moved, by their first stage: compression
-    and a process's local reduce after join() still run there); ``credit_stalls``; ``local_group`` (processes of this machine whose copies are summed
-    locally, or None); ``local_strategy``. A job of one worker process has no data plane:
+    local reduce's counters, ``stages``: partitions it moved into each stage of their lists,
+    ``compressed_pushes``: partitions it pushed encoded by their wire compressor);
+    ``python_partitions`` (partitions the Python engine moved, by their first stage: a process's
+    local reduce after join() still runs there); ``credit_stalls``; ``local_group`` (processes of
+    this machine whose copies are summed locally, or None); ``local_strategy``. A job of one worker process has no data plane:
     only the rank fields are there, with ``servers`` empty.
     """
     job = _require()

@@ -6,8 +6,8 @@ plugins, and the wire compressors of byteps/common/compressor run by workers and
 * **Tensor compressors** (:class:`Compressor`, :class:`NoneCompressor`; the plugins add
   ``FP16Compressor``): ``compress(tensor) -> (tensor, ctx)`` runs before push_pull and
   ``decompress`` after, so the whole push_pull, server sum included, sees the compressed tensor.
-* **Wire codecs** (:class:`WireCompressor`): the engine encodes each partition just before it
-  crosses the network to a server on another machine, the server decodes every push into the
+* **Wire codecs** (:class:`WireCompressor`): the worker's native core encodes each partition just
+  before it crosses the network to a server on another machine, the server decodes every push into the
   key's store (which stays in the tensor's dtype), sums, and answers workers that pushed
   compressed with the re-encoded sum where the method allows. Traffic to a server on the same
   machine goes through shared memory and is never compressed. The tensor compressor interface of
@@ -256,11 +256,14 @@ class _State:
 class WireCompressor(Compressor):
     """A wire codec: a method with its options, and the worker's per-partition state.
 
-    ``compress``/``decompress`` (the tensor compressor interface) are the identity; the engine
-    calls :meth:`encode` per partition. Calling the object returns a copy with some options
-    changed (``Compression.topk(k=0.001)``). Error-feedback residuals and momentum are kept per
-    wire key (one per tensor partition) in the object, so keep using the same object for a
-    tensor; they restart when a key starts again at round 0 (a new ``init()`` or ``join()``).
+    ``compress``/``decompress`` (the tensor compressor interface) are the identity. A push_pull's
+    partitions are encoded by the worker's native core (core/pipeline/worker_codec.h), with the
+    same kernels and this object's options, keeping each partition's error-feedback residual and
+    momentum per tensor and codec setting; :meth:`encode` is the same encoding from Python, with
+    the state kept per wire key in the object (the engine uses it only for a joined process's local
+    reduce). Either state restarts when a key starts again at round 0 (a new ``init()`` or
+    ``join()``). Calling the object returns a copy with some options changed
+    (``Compression.topk(k=0.001)``).
 
     Args:
         method: ``fp16``, ``bf16``, ``onebit``, ``topk``, ``randomk`` or ``dithering``.

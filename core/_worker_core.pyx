@@ -53,6 +53,17 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         BpsDescriptor desc
         int32_t owner
         cbool colocated
+        cbool compress
+
+    cdef cppclass BpsTableCodec:
+        int method
+        int flags
+        int levels
+        double k
+        uint64_t seed
+        double mu
+        cbool nesterov
+        uint32_t stream
 
     cdef cppclass BpsOp:
         int64_t id
@@ -89,7 +100,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
 
     cdef cppclass BpsWorkerCore:
         BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
-        int64_t add_table(const string &name, vector[BpsPart] parts)
+        int64_t add_table(const string &name, vector[BpsPart] parts, const BpsTableCodec *codec)
         cbool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                            cbool root_self, unsigned char *buf, uint64_t nbytes, cbool lazy, uint32_t divisor)
         cbool add_server(void *sock)
@@ -115,6 +126,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         uint64_t direct_calls()
         uint64_t entered(int32_t code)
         uint64_t direct_adopted()
+        uint64_t compressed_pushes()
         void add_local(void *router, vector[void *] peers, int local_rank, cbool open)
         void allow_local(const string &identity)
         string add_local_link(int r, int fd, const string &ident, int ring_fd, cbool low)
@@ -215,6 +227,7 @@ cdef vector[BpsPart] _parts(const int64_t[:, ::1] parts):
         p.desc.length = p.length
         p.owner = <int32_t>parts[i, 9] if parts.shape[1] > 9 else -1
         p.colocated = parts[i, 10] != 0 if parts.shape[1] > 10 else False
+        p.compress = parts[i, 11] != 0 if parts.shape[1] > 11 else False
         table.push_back(p)
     return table
 
@@ -431,12 +444,20 @@ cdef class WorkerCore:
         """An eventfd that becomes readable when ops complete."""
         return self.core.done_fd()
 
-    def add_table(self, str name, const int64_t[:, ::1] parts):
+    def add_table(self, str name, const int64_t[:, ::1] parts, codec=None):
         """Register a tensor's partitions once; returns the id :meth:`submit` takes. ``parts`` rows:
         wire key, offset, length, server, staging address (0: none), the staging region's
-        descriptor: pid, fd, inode, offset, and (local reduce) the owner's local rank (-1: no local
-        reduce) and whether the server is colocated."""
-        return self.core.add_table(name.encode(), _parts(parts))
+        descriptor: pid, fd, inode, offset, (local reduce) the owner's local rank (-1: no local
+        reduce) and whether the server is colocated, and whether its push is encoded by ``codec``.
+        ``codec``: the table's wire codec, (method id, flags, levels, k, seed, momentum mu, nesterov,
+        this worker's rank) as byteps.compression.WireCompressor has them, or None
+        (core/pipeline/worker_codec.h keeps each partition's state across the table's ops)."""
+        cdef BpsTableCodec wire_codec
+        if codec is None:
+            return self.core.add_table(name.encode(), _parts(parts), NULL)
+        (wire_codec.method, wire_codec.flags, wire_codec.levels, wire_codec.k, wire_codec.seed, wire_codec.mu,
+         wire_codec.nesterov, wire_codec.stream) = codec
+        return self.core.add_table(name.encode(), _parts(parts), &wire_codec)
 
     def submit(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
                bint root_self, buf, bint lazy=False, uint32_t divisor=1):
@@ -481,6 +502,11 @@ cdef class WorkerCore:
         """{stage code: partitions byteps-net moved into that stage so far} (BpsWorkerCore::advance;
         a direct call's partition counts only if byteps-net took it over)."""
         return {code: self.core.entered(code) for code in range(1, BPS_STAGE_COUNT + 1)}
+
+    @property
+    def compressed_pushes(self):
+        """Partitions byteps-net pushed encoded by their table's wire codec."""
+        return self.core.compressed_pushes()
 
     @property
     def direct_adopted(self):

@@ -24,9 +24,10 @@ Flow of one operation (:class:`Op`):
   sums the machine's copies first (core/local.py), or, with BYTEPS_LOCAL_STRATEGY=topology, the
   machine's topology plan does on its own thread and hands the engine its ranges (core/local_exec.py,
   :meth:`Engine.push_range`).
-* With a wire compressor (``Op.codec``, byteps/compression.py), a partition for a server on another
-  machine is encoded (with its error-feedback state) and sent with FLAG_COMPRESSED; a compressed
-  reply is decoded into the tensor.
+* With a wire compressor (``Op.codec``, byteps/compression.py), the native core encodes a partition
+  for a server on another machine (with its error-feedback state) and sends it with FLAG_COMPRESSED,
+  and decodes a compressed reply into the tensor (core/pipeline/worker_codec.h); this engine does so
+  only for a process that runs its local reduce in Python after join().
 * Each reply is copied once into the tensor's memory, from ZeroMQ's message buffer or from the
   server's shared store; when the last partition is back the op completes and its event is set.
 
@@ -87,6 +88,7 @@ class _TableSpec:
     cmd: int
     root: int
     pset: object = None
+    codec: object = None  # the wire compressor of its push_pulls (byteps.compression.WireCompressor), or None
 
     @property
     def cut_name(self):
@@ -516,12 +518,13 @@ class Engine:
         join() a process runs its local reduce in Python (the native side routes each partition's
         LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
         still meet). Only a process that joined switches; its peers' ops stay native."""
-        # what stays on this engine's Python partition path: compressed ops and a joined process's local
-        # reduce (the topology executor's ranges go native through _native_submit_range). A process
-        # set's op is native: its members push themselves (no local reduce), and the servers know how
-        # many members push its key before any member has the key (scheduler/scheduler.py)
-        if type(op) is not Op or (op.codec is not None and op.pset is None):  # a set's ops travel raw
-            return False
+        # what stays on this engine's Python partition path: a joined process's local reduce (the
+        # topology executor's ranges go native through _native_submit_range; compressed ops are encoded
+        # by the native core: core/pipeline/worker_codec.h). A process set's op is native: its members
+        # push themselves (no local reduce), and the servers know how many members push its key before
+        # any member has the key (scheduler/scheduler.py)
+        if type(op) is not Op or (self._wire_codec(op) is not None and self.cfg.elastic):
+            return False  # elastic servers: a compressed op is refused (_dispatch says so)
         if op.pset is not None or op.cmd == Cmd.ASYNC_PUSHPULL:  # never reduced locally
             return not self.cfg.elastic  # only plain push_pulls and broadcasts move to a new server
         if op.cmd == Cmd.BROADCAST:
@@ -534,14 +537,16 @@ class Engine:
         elastic servers, each later membership's partitions too, from the op number the scheduler cut
         that membership's change at (a tensor first used after a change still counts its ops from 0)."""
         root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
-        ident = (tkey, op.buf.nbytes, op.cmd, root_self)  # the key fixes name, shape and dtype
+        codec = self._wire_codec(op)
+        # the key fixes name, shape and dtype; a table keeps its codec's state, so one per codec setting
+        ident = (tkey, op.buf.nbytes, op.cmd, root_self, self._codec_ident(codec))
         entry = self._native_parts.get(ident)
         if entry is not None:
             return entry
-        spec = _TableSpec(op.name, tkey, op.buf.nbytes, op.dtype, op.cmd, op.root, op.pset)
+        spec = _TableSpec(op.name, tkey, op.buf.nbytes, op.dtype, op.cmd, op.root, op.pset, codec)
         with self._native_lock:  # the staging allocator is shared with the engine thread
             first, *later = self._memberships
-            table = self._native.add_table(op.name, self._table_rows(spec, first))
+            table = self._native.add_table(op.name, self._table_rows(spec, first), self._codec_settings(codec))
             for m in later:
                 self._native.add_segment(table, m["cuts"].get(spec.cut_name, 0), self._table_rows(spec, m))
             count = len(self._table_rows(spec, self._memberships[-1])) if later else None
@@ -557,20 +562,46 @@ class Engine:
         local = self.local is not None and op.cmd == Cmd.PUSHPULL and op.pset is None
         parts = membership["placement"].partitions(tkey, op.nbytes, dtypes.itemsize(op.dtype))
         ids, members = membership["ids"], membership["members"]
-        rows = np.zeros((len(parts), 11), dtype=np.int64)
+        rows = np.zeros((len(parts), 12), dtype=np.int64)
         rows[:, 9] = -1
         for row, (i, off, length, at) in enumerate(parts):
             server = ids[at]  # placement numbers the membership's servers 0..S-1; the core, the job's
             key = wire.make_key(tkey, wire.member_partition(i, members))
             rows[row, :4] = (key, off, length, server)
+            rows[row, 11] = self._compresses(op.codec, op.dtype, op.nbytes, length, server)
             if local:  # every partition has a shared region: the owner sums into it, the others copy into it
                 view, (pid, fd, inode, base) = self._region(key, length)
-                rows[row, 4:] = (view.ctypes.data, pid, fd, inode, base, self.local.owner(tkey, i),
-                                 self.colocated[server])
+                rows[row, 4:11] = (view.ctypes.data, pid, fd, inode, base, self.local.owner(tkey, i),
+                                   self.colocated[server])
             elif self.stages_of(op, i, server)[0] == Stage.STAGE and length:
                 view, (pid, fd, inode, base) = self._region(key, length)
                 rows[row, 4:9] = (view.ctypes.data, pid, fd, inode, base)
         return rows
+
+    def _wire_codec(self, op):
+        """The wire compressor that encodes ``op``'s pushes: a plain push_pull's (a process set's ops
+        travel raw: docs/compression.md), or None."""
+        return op.codec if op.cmd == Cmd.PUSHPULL and op.pset is None else None
+
+    @staticmethod
+    def _codec_ident(codec):
+        """What a native table's codec state depends on: the codec's method and options (None: no codec)."""
+        if codec is None:
+            return None
+        return (codec.method_id, codec.flags, codec.levels, codec.k, codec.seed, codec.momentum, codec.nesterov,
+                codec.min_bytes)
+
+    def _codec_settings(self, codec):
+        """A native table's codec (WorkerCore.add_table): its options and this worker's rank, or None."""
+        if codec is None:
+            return None
+        return (codec.method_id, codec.flags, codec.levels, float(codec.k or 0), codec.seed, codec.momentum,
+                codec.nesterov, self.rank)
+
+    def _compresses(self, codec, dtype, tensor_nbytes, length, server):
+        """Whether the native core encodes a partition's push: a server on another machine (a colocated
+        one reads shared memory) and a codec that applies to its size."""
+        return codec is not None and not self.colocated[server] and codec.applies(dtype, tensor_nbytes, length)
 
     def _native_submit(self, op, tkey, sync=False, lazy=False):
         """Hand ``op`` to the native thread (``sync``: or run it on this thread if it is small and the
@@ -738,6 +769,8 @@ class Engine:
                        "direct_calls": self.native_direct_calls, "links_up": self.native_links,
                        "direct_adopted": native.direct_adopted if native is not None else 0,
                        "results_sent": native.results_sent if native is not None else 0,
+                       # partitions it pushed encoded by their wire compressor (core/pipeline/worker_codec.h)
+                       "compressed_pushes": native.compressed_pushes if native is not None else 0,
                        "local_reduce": self.native_local_stats(),
                        # partitions byteps-net moved into each stage of their lists (worker_stages.h)
                        "stages": {Stage(code).label: n for code, n in native.stage_entries().items() if n}
@@ -1365,8 +1398,8 @@ class Engine:
 
     @staticmethod
     def _wire_key(op, i):
-        """The wire key of partition ``i`` of ``op`` (a RangeOp's pieces are numbered within its range)."""
-        return wire.make_key(op.tkey, op.range_index << 16 | i if isinstance(op, RangeOp) else i)
+        """The wire key of partition ``i`` of ``op`` (topology ranges never come here: they are native)."""
+        return wire.make_key(op.tkey, i)
 
     def _send_ready(self):
         """Send every queued partition the credit allows, best first.
@@ -1390,9 +1423,6 @@ class Engine:
             op, i, off, length = item
             if op.error is not None:  # failed meanwhile (time-out, abort): don't send the rest
                 self._sendq.release(length, op.priority, self._wire_key(op, i))
-                continue
-            if isinstance(op, RangeOp):
-                self._push_range(op, i, off, length)
                 continue
             key = wire.make_key(op.tkey, i)
             rnd = self._next_round(key)
@@ -1436,32 +1466,31 @@ class Engine:
         return KINDS[op.cmd]
 
     def _dispatch_range(self, rop):
-        """Send a RangeOp's partitions (the placement's pieces of the range) through the native core,
-        or (compressed) queue them on this engine's Python path."""
+        """Send a RangeOp's partitions (the placement's pieces of the range) through the native core
+        (which encodes them where the range has a wire compressor)."""
         parts = self.placement.partitions(rop.place_key, rop.buf.nbytes, dtypes.itemsize(rop.dtype))
         if max(p[0] for p in parts) >> 16:
             rop.fail(BytePSError(f"push_pull of tensor {rop.name!r}: a range of {rop.buf.nbytes} bytes has "
                                  f"{len(parts)} partitions, more than its wire keys can number"))
             return
-        if rop.codec is None:
-            self._native_submit_range(rop, parts)
-            return
-        self._queue(rop, parts)
+        self._native_submit_range(rop, parts)
 
     def _native_submit_range(self, rop, parts):
         """A RangeOp on the native core: a table per range, size and place in the executor's arena (a
         colocated server reads the arena itself: the staging region is the range's own memory)."""
-        ident = ("range", rop.tkey, rop.range_index, rop.buf.nbytes, rop.dtype, rop.shared)
+        ident = ("range", rop.tkey, rop.range_index, rop.buf.nbytes, rop.dtype, rop.shared,
+                 self._codec_ident(rop.codec))
         entry = self._native_parts.get(ident)
         if entry is None:
             ids = self._memberships[-1]["ids"]  # placement positions -> the job's server indices
-            rows = np.zeros((len(parts), 11), dtype=np.int64)
+            rows = np.zeros((len(parts), 12), dtype=np.int64)
             rows[:, 9] = -1
             base_addr = rop.buf.ctypes.data if len(parts) else 0
             for row, (j, off, length, at) in enumerate(parts):
                 server = ids[at]
                 key = wire.make_key(rop.tkey, rop.range_index << 16 | j)
                 rows[row, :4] = (key, off, length, server)
+                rows[row, 11] = self._compresses(rop.codec, rop.dtype, rop.buf.nbytes, length, server)
                 if self.colocated[server] and length:
                     if rop.shared is not None:
                         pid, fd, inode, base = rop.shared
@@ -1470,7 +1499,8 @@ class Engine:
                         view, desc = self._region(key, length)
                         rows[row, 4:9] = (view.ctypes.data, *desc)
             with self._native_lock:
-                entry = self._native_parts[ident] = (self._native.add_table(rop.name, rows), len(parts))
+                table = self._native.add_table(rop.name, rows, self._codec_settings(rop.codec))
+                entry = self._native_parts[ident] = (table, len(parts))
         table, count = entry
         if not count:
             rop._finish()
@@ -1481,17 +1511,6 @@ class Engine:
         self._native.submit(nid, table, Cmd.PUSHPULL, rop.dtype, 0, rop.priority, False, rop.buf)
         self.native_submitted += 1
         rop.native_id = nid
-
-    def _push_range(self, rop, j, off, length):
-        self.python_partitions[Stage.PUSH] += 1
-        key = wire.make_key(rop.tkey, rop.range_index << 16 | j)
-        rnd = self._next_round(key)
-        shared = None
-        if rop.shared is not None:  # the executor's buffer is in a memfd arena: a colocated server reads it there
-            pid, fd, inode, base = rop.shared
-            shared = (pid, fd, inode, base + off)
-        self._push(rop, key, rnd, self.placement.server(rop.place_key, j), off, rop.buf[off:off + length],
-                   shared=shared)
 
     def stages_of(self, op, i, server):
         """The ordered stages of partition ``i`` of ``op`` on this process (core/stages.py)."""
@@ -1542,9 +1561,9 @@ class Engine:
             body = shm.describe(shared, data.size) if shared is not None else self._stage(key, data)
             flags = wire.FLAG_SHM
         elif op.codec is not None and op.cmd == Cmd.PUSHPULL and op.codec.applies(op.dtype, op.buf.nbytes, data.size):
-            # compressed on the wire (byteps/compression.py); the header keeps the dense length. The
-            # server's native core sums it (summation/native/compressed_rounds.h). A process set's ops
-            # never come here: they travel raw, on the native core (docs/compression.md)
+            # compressed on the wire (byteps/compression.py); the header keeps the dense length. Only a
+            # joined process's local reduce comes here: other compressed ops are native
+            # (core/pipeline/worker_codec.h)
             body = op.codec.encode(data, op.dtype, key, rnd, self.rank)
             flags = wire.FLAG_COMPRESSED
         else:
@@ -1819,11 +1838,7 @@ class Engine:
             expect = 0 if op.cmd == Cmd.BROADCAST and op.root == self.rank else length
             # an owner receives into its shared region, which the other local ranks read next
             dst = group["result"][0] if group is not None else op.buf[off:off + expect]
-            echo = None
-            if isinstance(op, RangeOp) and op.shared is not None:  # a lone machine gets its own region back
-                pid, fd, inode, base = op.shared
-                echo = shm.describe((pid, fd, inode, base + off), length)
-            desc = self._receive(frames, header, op, server, dst, expect, owner=group is not None, echo=echo)
+            desc = self._receive(frames, header, op, server, dst, expect, owner=group is not None)
             if pushed and timeline.recorder is not None:
                 timeline.span("PULL", pulled, header.key, header.round, length, server, op.priority)
             if group is not None:
@@ -1849,10 +1864,9 @@ class Engine:
             self._partition_done(op, length)
         self._send_ready()
 
-    def _receive(self, frames, header, op, server, dst, expect, owner=False, echo=None):
+    def _receive(self, frames, header, op, server, dst, expect, owner=False):
         """Take a REPLY's body into ``dst``. With FLAG_SHM an owner gets the server store's descriptor
-        back instead (its local ranks copy from the store directly, saving a copy); a reply naming
-        ``echo``, the region ``dst`` itself, needs no copy."""
+        back instead (its local ranks copy from the store directly, saving a copy)."""
         if len(frames) < 2:
             op.error = op.error or ProtocolError(f"tensor {op.name!r}: server {server} replied without a body")
             return None
@@ -1872,8 +1886,7 @@ class Engine:
                 return None
             if owner:
                 return body
-            if body != echo:  # an owner returned above: dst is this process's tensor
-                copy_into(dst, src, stream=True)
+            copy_into(dst, src, stream=True)  # an owner returned above: dst is this process's tensor
             return None
         got = len(body)  # ZeroMQ's own buffer (core/transport.py): one copy, into the tensor
         if got == expect:
@@ -1885,7 +1898,8 @@ class Engine:
         return None
 
     def _receive_compressed(self, body, header, op, server, dst, expect):
-        """Decode a compressed REPLY straight into ``dst`` (vectorised; byteps/compression.py)."""
+        """Decode a compressed REPLY straight into ``dst`` (vectorised; byteps/compression.py): a joined
+        process's local reduce (core/pipeline/worker_codec.h decodes the native core's)."""
         self.bytes_received[server] += wire.HEADER_SIZE + len(body)
         try:
             info = compression.parse(memoryview(body))

@@ -57,13 +57,13 @@ def compression_sums(out, args):
     for case in args["cases"]:
         method = case.get("method")
         codec = False if method is None else WireCompressor(method, **{"min_bytes": 0, **case.get("opts", {})})
-        before = common.transport_bytes()
+        before, metrics_before = common.transport_bytes(), _moved(common.metrics())
         digests = []
         for rnd in range(case.get("rounds", 1)):
             t = torch.from_numpy(make_input(bps.rank(), case, rnd))
             bps.push_pull_inplace(t, average=False, name=case["name"], compression=codec)
             digests.append(digest(t))
-        after = common.transport_bytes()
+        after, metrics_after = common.transport_bytes(), _moved(common.metrics())
         tkey, engine = _layout(case["name"])
         itemsize = np.dtype(case.get("dtype", "float32")).itemsize
         parts = engine.placement.partitions(tkey, case["numel"] * itemsize, itemsize)
@@ -73,8 +73,16 @@ def compression_sums(out, args):
             "sent": sum(after["sent"].values()) - sum(before["sent"].values()),
             "received": sum(after["received"].values()) - sum(before["received"].values()),
             "server_node_ids": [s["node_id"] for s in engine.book["servers"]],
+            # partitions each data plane moved, and those the native core encoded (byteps.metrics())
+            "python_partitions": metrics_after[0] - metrics_before[0],
+            "compressed_pushes": metrics_after[1] - metrics_before[1],
         }
     return res
+
+
+def _moved(metrics):
+    """(partitions the Python engine moved, partitions the native core pushed compressed) so far."""
+    return sum(metrics["python_partitions"].values()), metrics["native"]["compressed_pushes"]
 
 
 def _train(bps, torch, compression, steps, lr, seed=7):

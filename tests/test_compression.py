@@ -420,6 +420,13 @@ CASES = [
     {"name": "dithering", "method": "dithering", "opts": {"levels": 7, "error_feedback": True}, "numel": 50000,
      "rounds": 2, "dtype": "float64"},
     {"name": "fp16_ef", "method": "fp16", "opts": {"error_feedback": True}, "numel": 30000, "rounds": 3},
+    {"name": "bf16_ef", "method": "bf16", "opts": {"error_feedback": True}, "numel": 30000, "rounds": 3},
+    {"name": "randomk_ef", "method": "randomk", "opts": {"k": 0.05, "seed": 9, "error_feedback": True,
+                                                          "momentum": 0.9, "nesterov": True},
+     "numel": 30000, "rounds": 3},
+    {"name": "dithering_l2", "method": "dithering", "opts": {"levels": 15, "partition": "natural",
+                                                             "normalize": "l2", "seed": 2},
+     "numel": 30000, "rounds": 2},
     # bytes on the wire: the same 1 MiB tensor raw and compressed
     {"name": "big.raw", "method": None, "numel": 1 << 18},
     {"name": "big.fp16", "method": "fp16", "numel": 1 << 18},
@@ -441,25 +448,33 @@ def undigest(hexstr, dtype):
     return np.frombuffer(bytes.fromhex(hexstr), dtype=dtype)
 
 
-def simulate(case, meta):
+def simulate(case, meta, machines=N, local_size=1):
     """Every worker's encoding, the server's decode-and-sum and its recompressed reply, partition by
     partition, with the library's codecs (each checked against its reference above): the result every
-    worker must hold after each round."""
+    worker must hold after each round. With ``local_size`` processes per machine, partition i's owner
+    (local rank (tensor key + i) % local_size) encodes its machine's sum with its own state and rank."""
     dtype = np.dtype(case.get("dtype", "float32"))
     code = F32 if dtype == np.float32 else F64
     cfg = C.WireCompressor(case["method"], **{"min_bytes": 0, **case.get("opts", {})})
-    workers = [cfg() for _ in range(N)]  # fresh state per worker
+    workers = [cfg() for _ in range(machines * local_size)]  # fresh state per worker
     server_residual = {}
     out = []
     for rnd in range(case.get("rounds", 1)):
-        xs = [make_input(r, case, rnd) for r in range(N)]
+        xs = [make_input(r, case, rnd) for r in range(machines * local_size)]
+        sums = []  # per machine: its processes' sum (two terms: the same in any order)
+        for m in range(machines):
+            total = xs[m * local_size]
+            for lr in range(1, local_size):
+                total = total + xs[m * local_size + lr]
+            sums.append(total)
         result = np.empty(case["numel"], dtype)
         for i, off, length, server in meta["parts"]:
             key = (meta["tkey"] << 32) | i
             lo, hi = off // dtype.itemsize, (off + length) // dtype.itemsize
             assert all(w.applies(code, xs[0].nbytes, length) for w in workers)
-            blobs = [w.encode(xs[r].view(np.uint8)[off:off + length], code, key, rnd, r)
-                     for r, w in enumerate(workers)]
+            owners = [m * local_size + (meta["tkey"] + i) % local_size for m in range(machines)]
+            blobs = [workers[r].encode(sums[m].view(np.uint8)[off:off + length], code, key, rnd, r)
+                     for m, r in enumerate(owners)]
             infos = [C.parse(b) for b in blobs]
             total = np.empty(hi - lo, dtype)
             for j, info in enumerate(infos):  # the first push is written into the store, later ones added
@@ -501,7 +516,8 @@ def test_randomk_sum_is_exact_on_the_shared_indices(sums, name):
             np.testing.assert_array_equal(undigest(sums.value(r)[name]["digests"][rnd], dtype), want)
 
 
-@pytest.mark.parametrize("name", ["onebit", "onebit_ef", "topk", "topk_ef", "dithering", "fp16_ef"])
+@pytest.mark.parametrize("name", ["onebit", "onebit_ef", "topk", "topk_ef", "dithering", "fp16_ef", "bf16_ef",
+                                  "randomk_ef", "dithering_l2"])
 def test_server_sums_decoded_pushes_and_recompresses(sums, name):
     case = BY_NAME[name]
     dtype = np.dtype(case.get("dtype", "float32"))
@@ -510,6 +526,27 @@ def test_server_sums_decoded_pushes_and_recompresses(sums, name):
         for r in range(N):
             np.testing.assert_array_equal(undigest(sums.value(r)[name]["digests"][rnd], dtype), want[rnd],
                                           err_msg=f"{name} round {rnd} rank {r}")
+
+
+def compressed_parts(case, meta):
+    """Partitions of one push_pull of ``case`` that its codec encodes (all with a large enough tensor)."""
+    if case["method"] is None:
+        return 0
+    dtype = np.dtype(case.get("dtype", "float32"))
+    cfg = C.WireCompressor(case["method"], **{"min_bytes": 0, **case.get("opts", {})})
+    return sum(cfg.applies(F32 if dtype == np.float32 else F64, case["numel"] * dtype.itemsize, length)
+               for _, _, length, _ in meta["parts"])
+
+
+def test_the_native_core_encodes_every_compressed_partition(sums):
+    """No partition of a compressed push_pull goes through the Python engine: byteps-net encodes each
+    push and decodes each reply (core/pipeline/worker_codec.h), as byteps.metrics() counts them."""
+    for case in CASES:
+        for r in range(N):
+            got = sums.value(r)[case["name"]]
+            assert got["python_partitions"] == 0, case["name"]
+            assert got["compressed_pushes"] == compressed_parts(case, got) * case.get("rounds", 1), case["name"]
+            assert got["compressed_pushes"] > 0 or case["method"] is None, case["name"]
 
 
 def wire_bytes(case, meta, direction):
@@ -575,6 +612,40 @@ def test_local_reduce_owners_push_compressed_sums(cluster):
     # only the owners' pushes travel, compressed: a machine sends one fp16 copy of its sum per round
     for machine in ((0, 1), (2, 3)):
         assert sum(res[r]["value"]["lr.fp16"]["sent"] for r in machine) < 2 * 40000 * 4 / 1.9
+
+
+#: every method with and without error feedback (and momentum), through 2 machines x 2 processes
+LOCAL_CASES = [
+    {"name": f"lre.{method}{'.ef' if ef else ''}", "method": method, "numel": 24000, "rounds": 3 if ef else 2,
+     "opts": {**opts, **({"error_feedback": True} if ef else {}), **({"momentum": 0.5} if ef and i % 2 else {})}}
+    for i, (method, opts) in enumerate([("fp16", {}), ("bf16", {}), ("onebit", {}), ("topk", {"k": 0.02}),
+                                        ("randomk", {"k": 0.05, "seed": 11}), ("dithering", {"levels": 7})])
+    for ef in (False, True)]
+
+
+def test_local_reduce_owners_encode_every_method_natively(cluster):
+    """2 machines x 2 processes, every method with and without error feedback: each partition's owner
+    encodes its machine's sum on the native core, with its own state over the rounds, and decodes the
+    reply into its shared region; the result is the simulation's bit for bit, and no partition went
+    through the Python engine (byteps.metrics())."""
+    c = cluster(2, 2, local_size=2, env={**TCP, "BYTEPS_PARTITION_BYTES": "32768"})
+    c.run_workers("compression_sums", {"cases": LOCAL_CASES})
+    codes, server_codes, sched = c.wait_all(180)
+    assert codes == [0] * 4 and server_codes == [0, 0] and sched == 0, c.all_logs()
+    res = c.results()
+    assert all(res[r]["local_reduce"] == 2 for r in range(4)), c.all_logs()
+    for case in LOCAL_CASES:
+        meta = res[0]["value"][case["name"]]
+        want = simulate(case, meta, machines=2, local_size=2)
+        for r in range(4):
+            got = res[r]["value"][case["name"]]
+            assert got["python_partitions"] == 0, (case["name"], r)
+            for rnd in range(case["rounds"]):
+                np.testing.assert_array_equal(undigest(got["digests"][rnd], np.float32), want[rnd],
+                                              err_msg=f"{case['name']} round {rnd} rank {r}")
+        for machine in ((0, 1), (2, 3)):  # one owner per partition pushes, encoded, each round
+            pushed = sum(res[r]["value"][case["name"]]["compressed_pushes"] for r in machine)
+            assert pushed == compressed_parts(case, meta) * case["rounds"] > 0, case["name"]
 
 
 def test_shared_memory_bypasses_compression(tmp_path):

@@ -123,10 +123,10 @@ def test_summary_and_chart(loopback, tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_python_engines_record_the_same_stages(tmp_path):
-    """Compressed push_pulls (still on the workers' Python data plane, summed by the servers' native
-    core): the Python engine records QUEUE, PUSH, PULL on its thread, the server RECV, ROUND, REPLY on
-    byteps-serve, and the pushes nest in the same way. The sums are small integers, exact in fp16."""
+def test_compressed_push_pulls_record_the_same_stages(tmp_path):
+    """Compressed push_pulls (encoded and decoded by the workers' native core, summed by the servers'):
+    byteps-net records QUEUE, PUSH, PULL, the server RECV, ROUND, REPLY on byteps-serve, and the
+    pushes nest in the same way. The sums are small integers, exact in fp16."""
     path = str(tmp_path / "py.trace.json")
     c = Cluster(str(tmp_path), 2, 2, env={"BYTEPS_TIMELINE": path, "BYTEPS_COMPRESSOR": "fp16"}).start()
     try:
@@ -142,7 +142,7 @@ def test_python_engines_record_the_same_stages(tmp_path):
     assert {"QUEUE", "PUSH", "PULL", "RECV", "ROUND", "REPLY"} <= names, names
     pulls = {trace.threads.get((s["pid"], s["tid"])) for s in trace.spans if s["name"] == "PULL"}
     recvs = {trace.threads.get((s["pid"], s["tid"])) for s in trace.spans if s["name"] == "RECV"}
-    assert pulls == {"byteps-engine"} and recvs == {"byteps-serve"}, (pulls, recvs)
+    assert pulls == {"byteps-net"} and recvs == {"byteps-serve"}, (pulls, recvs)
     err_us = {label: (n["clock_error_ns"] or 0) / 1e3 for label, n in trace.nodes.items()}
     pairs = report.pairs(trace)
     assert pairs and len(pairs) == len([s for s in trace.spans if s["name"] == "PUSH"])

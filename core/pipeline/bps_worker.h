@@ -1,7 +1,7 @@
 /* The worker's native data plane: one thread that sends partitions and takes replies without the GIL.
  *
  * core/engine.py (Python) keeps what is per tensor or rare: declarations, the control plane,
- * authentication, join(), compression, the topology executor.
+ * authentication, join(), the topology executor's plan.
  * Once a tensor's key is known, a plain push_pull or broadcast is handed over whole with
  * BpsWorkerCore::submit() (on the caller's thread, under a mutex; no Python object crosses). From then
  * on, the network thread ("byteps-net") moves each partition through its list of stages, built when
@@ -36,7 +36,7 @@
  *
  * Python's own partitions (the slow paths above) still go through this thread's sockets: it sends
  * what Python queues with send_raw() and forwards every message it does not own (an unknown
- * (key, round), a compressed reply, ...) to Python's queue, waking the engine through its pipe.
+ * (key, round), ...) to Python's queue, waking the engine through its pipe.
  * Rounds of every wire key are counted here, for both paths.
  *
  * Transport seam (core/transport/bps_link.h): a message to a server is a BpsFrames, sent by send_server()
@@ -56,6 +56,7 @@
  *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread
  *     worker_direct.h        direct calls: submit_direct, submit_local_direct, submit_owner_direct
  *     worker_elastic.h       elastic routing: hold / commit, replacements, retained results
+ *     worker_codec.h         wire compression: a table's codec and state, a push's encoding, a reply's decoding
  *     worker_types.h         the records (BpsOp, BpsPart, BpsTable, ...); stage_thread.h: byteps-reduce
  *
  * The data members stay in one list below, in their original order (it is their order of construction
@@ -104,7 +105,7 @@ class BpsWorkerCore {
     ~BpsWorkerCore();
     void start();
     void stop();
-    int64_t add_table(const std::string &name, std::vector<BpsPart> parts);
+    int64_t add_table(const std::string &name, std::vector<BpsPart> parts, const BpsTableCodec *codec = nullptr);
     bool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                       bool root_self, unsigned char *buf, uint64_t nbytes, bool lazy = false, uint32_t divisor = 1);
     void submit(BpsOp *op);
@@ -209,6 +210,8 @@ class BpsWorkerCore {
     uint64_t entered(int32_t code) const {
         return code > 0 && code <= BPS_STAGE_COUNT ? entered_[code].load(std::memory_order_relaxed) : 0;
     }
+    /* Partitions pushed encoded by their table's wire codec (worker_codec.h; byteps.metrics()). */
+    uint64_t compressed_pushes() const { return compressed_pushes_.load(std::memory_order_relaxed); }
     /* Direct calls whose reply did not come within the window: byteps-net took them over. */
     uint64_t direct_adopted() const { return direct_adopted_.load(); }
     /* Partitions this process owned and reduced on the caller's thread (submit_owner_direct). */
@@ -345,6 +348,7 @@ class BpsWorkerCore {
     std::vector<std::unique_ptr<std::mutex>> link_mu_; /* per server: who writes or reads its link now */
     std::deque<std::atomic<bool>> direct_owned_;      /* per server: a direct caller holds its link */
     std::atomic<uint64_t> direct_calls_{0}, direct_adopted_{0};
+    std::atomic<uint64_t> compressed_pushes_{0}; /* pushes byteps-net encoded (send_push) */
     std::deque<std::atomic<uint64_t>> sent_, received_;
     std::thread thread_;
     std::atomic<bool> stopping_{false};

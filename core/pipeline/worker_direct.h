@@ -24,7 +24,9 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         const BpsTable &t = tables_.at((size_t)table);
         seq = t.count;
         const std::vector<BpsPart> &parts = t.parts_for(seq);
-        if (parts.size() != 1 || holding_ || commit_in_) return false;
+        /* a compressed table's partitions are encoded and decoded by byteps-net alone, which keeps their
+         * codec state (worker_codec.h): never on a caller's thread */
+        if (parts.size() != 1 || holding_ || commit_in_ || t.codec) return false;
         local = t.local;
         part = parts[0];
         name = t.name;

@@ -162,7 +162,7 @@ inline void BpsWorkerCore::self_joined_turn(bool on) {
     for (auto &h : firsts) ask_owed(Ident(h.key, h.round), h);
 }
 
-/* Python owns partition (key, round) (a compressed op, ...): its LOCAL_READYs, held or still to
+/* Python owns partition (key, round) (a joined process's op, ...): its LOCAL_READYs, held or still to
  * come (``count`` of them), are forwarded to Python. */
 inline void BpsWorkerCore::local_claim(uint64_t key, uint64_t rnd, int count) {
     {
@@ -346,8 +346,12 @@ inline void BpsWorkerCore::owner_pulled(BpsOp *op, int i, int server, const BpsH
         err = "unexpected command " + std::to_string(h.cmd) + " from server " + std::to_string(server);
     } else if (m->count < 2) {
         err = who + " replied without a body";
-    } else if (h.flags & BPS_FLAG_COMPRESSED) {
-        err = who + " replied compressed to an uncompressed push";
+    } else if (h.flags & BPS_FLAG_COMPRESSED) { /* decoded into our shared region, which the others read */
+        std::string bad = bps_codec_decode_reply(h, m->data(1), m->size(1), op->dtype, p.length, p.staging);
+        if (bad.empty())
+            src = p.staging;
+        else
+            err = who + "'s compressed reply: " + bad;
     } else if (h.flags & BPS_FLAG_SHM) { /* the others copy from the server's store directly */
         unsigned char *view;
         uint64_t len;

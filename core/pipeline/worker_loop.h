@@ -44,11 +44,17 @@ inline void BpsWorkerCore::stop() {
 }
 
 /* Register a tensor's partition table once (per tensor, not per call); returns its id. */
-inline int64_t BpsWorkerCore::add_table(const std::string &name, std::vector<BpsPart> parts) {
+inline int64_t BpsWorkerCore::add_table(const std::string &name, std::vector<BpsPart> parts,
+                                        const BpsTableCodec *codec) {
     std::lock_guard<std::mutex> lock(mu_);
     bool local = !parts.empty() && parts[0].owner >= 0;
+    std::shared_ptr<BpsTableCodec> wire_codec;
+    if (codec != nullptr && codec->method != 0) {
+        wire_codec = std::make_shared<BpsTableCodec>(*codec);
+        wire_codec->parts.assign(parts.size(), BpsCodecState());
+    }
     replay_reroutes(parts); /* a tensor first used after servers were lost: as if it had been there */
-    tables_.push_back(BpsTable{name, std::move(parts), local});
+    tables_.push_back(BpsTable{name, std::move(parts), local, std::move(wire_codec)});
     return (int64_t)tables_.size() - 1;
 }
 
@@ -63,6 +69,7 @@ inline bool BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, 
         BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
         op->name = t.name;
         op->local = t.local;
+        op->codec = t.codec.get();
         op->table = table;
         op->seq = t.count++;
         if (holding_) { /* the servers are changing: which partitions it uses is known at commit() */
@@ -353,8 +360,14 @@ inline void BpsWorkerCore::receive(BpsOp *op, BpsPart &p, int server, const BpsH
         set_error(op, BPS_ERR_PROTOCOL, who + " replied without a body");
         return;
     }
-    if (h.flags & BPS_FLAG_COMPRESSED) {
-        set_error(op, BPS_ERR_PROTOCOL, who + " replied compressed to an uncompressed push");
+    if (h.flags & BPS_FLAG_COMPRESSED) { /* the sum, encoded (worker_codec.h): decoded into the tensor */
+        std::string bad = bps_codec_decode_reply(h, m->data(1), m->size(1), op->dtype, expect, dst);
+        if (!bad.empty()) {
+            set_error(op, BPS_ERR_PROTOCOL, who + "'s compressed reply: " + bad);
+            return;
+        }
+        if (op->divisor > 1)
+            bps_divide_copy(dst, dst, expect / (size_t)bps_itemsize(op->dtype), op->dtype, op->divisor);
         return;
     }
     if (h.flags & BPS_FLAG_SHM) {

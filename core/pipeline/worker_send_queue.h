@@ -107,8 +107,9 @@ inline void BpsWorkerCore::push(BpsOp *op, int index) {
     advance(op, index);
 }
 
-/* PUSH: the partition to its server (a descriptor of our shared region for a colocated one), then
- * wait for the reply (on_message). */
+/* PUSH: the partition to its server (a descriptor of our shared region for a colocated one; encoded by
+ * its table's codec for a compressed one, the header's length still the dense bytes), then wait for the
+ * reply (on_message). */
 inline void BpsWorkerCore::send_push(BpsOp *op, int index) {
     BpsPart &p = op->parts[index];
     uint64_t rnd = p.rnd;
@@ -118,13 +119,22 @@ inline void BpsWorkerCore::send_push(BpsOp *op, int index) {
     if (op->local ? p.colocated : p.staging != nullptr && !empty) flags = BPS_FLAG_SHM;
     p.trace_t = bps_span_start(); /* PUSH: until the reply arrives (on_message) */
     uint64_t body_len = empty ? 0 : (flags ? BPS_DESCRIPTOR_SIZE : p.length);
+    bool encoded = !flags && !empty && p.compress && op->codec != nullptr && op->cmd == BPS_CMD_PUSHPULL;
+    if (encoded) { /* the blob is copied by the transport: its buffer is the partition's again next round */
+        const std::vector<uint8_t> &blob = bps_codec_encode(*op->codec, (size_t)index, p.key, rnd, op->dtype,
+                                                            data, p.length);
+        data = blob.data();
+        body_len = blob.size();
+        flags = BPS_FLAG_COMPRESSED;
+        compressed_pushes_.fetch_add(1, std::memory_order_relaxed);
+    }
     BpsHeader h = bps_header(op->cmd, node_id_, p.key, rnd, flags ? p.length : body_len, op->dtype,
                              op->root, flags);
     BpsFrames f;
     f.copy(&h, sizeof h);
-    if (flags) {
+    if (flags & BPS_FLAG_SHM) {
         f.copy(&p.desc, sizeof p.desc);
-    } else if (body_len < 65536) {
+    } else if (encoded || body_len < 65536) {
         f.copy(data, body_len);
     } else { /* zero-copy from the tensor: the transport reads it while it is on the wire */
         op->zero_copy.fetch_add(1);

@@ -9,12 +9,14 @@
 
 #include <atomic>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/kernels/bps_reduce.h"
 #include "core/pipeline/bps_stages.h"
+#include "core/pipeline/worker_codec.h"
 #include "core/transport/bps_wire.h"
 
 enum BpsErrorKind {
@@ -57,6 +59,8 @@ struct BpsPart {
     BpsDescriptor desc;     /* its descriptor (length filled in) */
     int32_t owner = -1;     /* local reduce: the local rank that sums and pushes it; -1: none */
     bool colocated = false; /* local reduce: the owner pushes a descriptor of ``staging`` */
+    bool compress = false;  /* its push is encoded by its table's codec (worker_codec.h): a server on another
+                             * machine, and the codec applies to its size (WireCompressor.applies) */
     uint64_t rnd = 0;       /* its round: taken when the op starts (local reduce) or at its first push */
     bool has_rnd = false;   /* rnd is set: a push to a lost server's replacement keeps it (elastic servers) */
     uint64_t trace_t = 0;   /* timeline: when its current stage began (0: not traced) */
@@ -100,6 +104,7 @@ struct BpsOp {
     uint64_t seq = 0;       /* membership's partitions it uses (elastic servers, BpsTable::parts_for) */
     bool adds_nothing = false; /* a joined owner's sum of its local peers' copies (join()): its own buffer,
                                 * zeros, is not added and gets no result */
+    BpsTableCodec *codec = nullptr; /* its table's wire codec (the table outlives it), or NULL */
     uint32_t divisor = 1;   /* an averaged float push_pull: each partition's sum is divided by this on its
                              * way into the tensor (bps_result_into), so the average costs no pass of its own */
 };
@@ -125,6 +130,7 @@ struct BpsTable {
     std::string name;
     std::vector<BpsPart> parts;
     bool local = false;     /* partitions have owners: the local reduce */
+    std::shared_ptr<BpsTableCodec> codec; /* the wire codec of its compressed partitions, or NULL */
     uint64_t count = 0;     /* ops submitted on it so far */
     std::vector<std::pair<uint64_t, std::vector<BpsPart>>> later; /* (from op number, partitions) */
 
