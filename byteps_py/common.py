@@ -437,9 +437,8 @@ def metrics():
     at start-up; ``tensors`` (declared name -> tensor key); ``native`` (ops the native pipeline ran
     whole, averages it divided, synchronous calls run on the caller's thread, direct links up, the
     local reduce's counters, ``stages``: partitions it moved into each stage of their lists,
-    ``compressed_pushes``: partitions it pushed encoded by their wire compressor);
-    ``python_partitions`` (partitions the Python engine moved, by their first stage: a process's
-    local reduce after join() still runs there); ``credit_stalls``; ``local_group`` (processes of
+    ``compressed_pushes``: partitions it pushed encoded by their wire compressor; the local reduce's
+    ``for_peers``: partitions a process in join() reduced for its local peers); ``credit_stalls``; ``local_group`` (processes of
     this machine whose copies are summed locally, or None); ``local_strategy``. A job of one worker process has no data plane:
     only the rank fields are there, with ``servers`` empty.
     """

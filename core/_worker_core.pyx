@@ -101,7 +101,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
     cdef cppclass BpsWorkerCore:
         BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
         int64_t add_table(const string &name, vector[BpsPart] parts, const BpsTableCodec *codec)
-        cbool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+        void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                            cbool root_self, unsigned char *buf, uint64_t nbytes, cbool lazy, uint32_t divisor)
         cbool add_server(void *sock)
         cbool add_server_live(void *sock, int fd)
@@ -139,8 +139,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         void set_join_ends(uint64_t ends)
         void set_self_joined(cbool on)
         void owed(vector[BpsOwed] *out)
-        cbool submit_owed(int64_t id, int64_t table, uint64_t rnd, uint8_t dtype, unsigned char *buf, uint64_t nbytes)
-        void local_claim(uint64_t key, uint64_t rnd, int count)
+        void submit_owed(int64_t id, int64_t table, uint64_t rnd, uint8_t dtype, unsigned char *buf, uint64_t nbytes)
         void forwarded_local(vector[vector[string]] *out)
         uint64_t local_reduced()
         uint64_t local_reduced_on_thread()
@@ -406,11 +405,7 @@ cdef class WorkerCore:
         cdef unsigned char *data = <unsigned char *>view.buf
         cdef uint64_t nbytes = view.len
         PyBuffer_Release(&view)
-        return self.core.submit_owed(op_id, table, rnd, dtype, data, nbytes)
-
-    def local_claim(self, uint64_t key, uint64_t rnd, int count):
-        """Partition (key, rnd) is Python's: its LOCAL_READYs (``count``) are forwarded."""
-        self.core.local_claim(key, rnd, count)
+        self.core.submit_owed(op_id, table, rnd, dtype, data, nbytes)
 
     def forwarded_local(self):
         """Local messages the native side does not own: [[identity, header, body]] as bytes."""
@@ -474,8 +469,7 @@ cdef class WorkerCore:
         PyBuffer_Release(&view)  # the caller keeps ``buf`` (and so its memory) alive
         # with the GIL held: the call only takes the core's mutex briefly and writes an eventfd, and
         # releasing the GIL here would let another Python thread take it for up to a switch interval
-        # False: a local-reduce op refused because Python runs the local reduce now (local_python())
-        return self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes, lazy,
+        self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes, lazy,
                                       divisor)
 
     def submit_direct(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,

@@ -8,7 +8,7 @@ reduce-scatter at partition granularity); BYTEPS_LOCAL_PUSH=root makes local ran
 
 1. COORDINATE: every other local rank copies its partition into its shared staging region and
    sends the owner LOCAL_READY with a descriptor of it.
-2. LOCAL_REDUCE: once all L copies are there, the owner's :class:`ComputeStage` thread sums them
+2. LOCAL_REDUCE: once all L copies are there, the owner sums them
    (``sum_many``, fp16/bf16 accumulated in fp32 and rounded once) into the owner's staging region.
 3. PUSH / PULL: the owner pushes the machine's sum to the partition's server (shared memory if
    the server is on this machine, TCP otherwise); the server expects one push per machine.
@@ -18,20 +18,13 @@ reduce-scatter at partition granularity); BYTEPS_LOCAL_PUSH=root makes local ran
 A staging region is reused by the next round only after everyone has moved on: a process sends
 LOCAL_READY for round r+1 only once it has copied out round r.
 
-Plain push_pulls run these steps in the native core, core/pipeline/bps_worker.h ("Local reduce"): the
-network thread byteps-net owns the local sockets, and the sums of partitions >= 256 KB run on its
-stage thread (also named byteps-reduce), by priority. The Python path here (core/engine.py) stays
-only for what the native core does not run yet: compressed and process-set ops, and join() (a
-process switches to it for the rest of the job); the wire messages are the same, and the native
-thread hands each partition's messages to whichever side runs it.
+The native core runs these steps (core/pipeline/worker_local_reduce.h): the network thread
+byteps-net owns the local sockets, and the sums and copies of partitions >= 256 KB run on its
+stage thread (byteps-reduce), by priority. A process in join() adds nothing but still owns its
+partitions of its peers' ops: its core reduces their copies and hands the result back. This
+module keeps the plan: which local rank owns each partition (the engine writes it into the
+native core's tables).
 """
-import collections
-import threading
-
-from byteps.log import logger
-
-from ._pipeline import PriorityQueue
-from .threads import name_native
 
 
 class LocalPlan:
@@ -49,42 +42,3 @@ class LocalPlan:
 
     def owns(self, tkey, partition):
         return self.owner(tkey, partition) == self.local_rank
-
-
-class ComputeStage:
-    """A pipeline stage thread: runs summations in priority order, off the network thread.
-
-    ``submit(priority, fn)`` queues ``fn`` (a closure around ``nogil`` kernels); when it has run,
-    ``(fn, error)`` is appended to :attr:`done` and ``wake()`` is called so the network thread
-    picks the result up. The thread only ever waits inside the C++ queue, without the GIL.
-    """
-
-    def __init__(self, wake, name="byteps-reduce"):
-        self._queue = PriorityQueue()
-        self._fns = {}
-        self._ids = iter(range(1 << 62))
-        self._wake = wake
-        self.done = collections.deque()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, priority, fn):
-        task = next(self._ids)
-        self._fns[task] = fn
-        self._queue.push(priority, task, 0)
-
-    def _run(self):
-        name_native()
-        while (task := self._queue.pop(timeout=-1)) is not None:
-            fn = self._fns.pop(task)
-            try:
-                fn()
-                self.done.append((fn, None))
-            except Exception as e:  # reported on the op, never lost
-                logger.exception("local reduce failed")
-                self.done.append((fn, e))
-            self._wake()
-
-    def close(self):
-        self._queue.close()
-        self._thread.join(5)

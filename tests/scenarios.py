@@ -304,8 +304,6 @@ def main():
     result["data_sent"] = sum(s["bytes_sent"] for s in m["servers"]) if dataplane else None
     # the native local reduce's counters (ops, partitions reduced, of those on its thread), or None
     result["native_local"] = m["native"]["local_reduce"] if dataplane else None
-    # partitions the Python engine moved, by first stage
-    result["python_partitions"] = m.get("python_partitions")
     # partitions the native core moved into each stage of their lists (core/pipeline/worker_stages.h)
     result["stages"] = m["native"]["stages"] if dataplane else None
     # the CPUs the training thread may run on (BYTEPS_CPU_BIND binds it where the host's processes fill its CPUs)

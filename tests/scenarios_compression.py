@@ -73,16 +73,16 @@ def compression_sums(out, args):
             "sent": sum(after["sent"].values()) - sum(before["sent"].values()),
             "received": sum(after["received"].values()) - sum(before["received"].values()),
             "server_node_ids": [s["node_id"] for s in engine.book["servers"]],
-            # partitions each data plane moved, and those the native core encoded (byteps.metrics())
-            "python_partitions": metrics_after[0] - metrics_before[0],
+            # partitions the native core pushed, and those it encoded (byteps.metrics())
+            "pushed": metrics_after[0] - metrics_before[0],
             "compressed_pushes": metrics_after[1] - metrics_before[1],
         }
     return res
 
 
 def _moved(metrics):
-    """(partitions the Python engine moved, partitions the native core pushed compressed) so far."""
-    return sum(metrics["python_partitions"].values()), metrics["native"]["compressed_pushes"]
+    """(partitions the native core pushed, of them those it pushed compressed) so far."""
+    return metrics["native"]["stages"].get("push", 0), metrics["native"]["compressed_pushes"]
 
 
 def _train(bps, torch, compression, steps, lr, seed=7):

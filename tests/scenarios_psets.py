@@ -80,9 +80,9 @@ def hvd_process_sets(out, args):
     res["mismatch"] = error_text(lambda: hvd.add_process_set([0, 1] if r == 0 else [0, 3]))
     res["again"] = hvd.add_process_set([2, 3]).process_set_id
     res["end"] = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="end").tolist()
-    # partitions the Python engine moved (byteps.metrics()): none, a set's ops run on the native core
-    res["python_partitions"] = sum(hvd.metrics()["python_partitions"].values())
+    # a set's ops run on the native core: ops it ran, partitions per stage (byteps.metrics())
     res["native_ops"] = hvd.metrics()["native"]["ops"]
+    res["stages"] = hvd.metrics()["native"]["stages"]
     write_result(out, r, {"rank": r, "size": hvd.size(), "value": res})
     hvd.shutdown()
 

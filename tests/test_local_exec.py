@@ -103,8 +103,7 @@ def test_cpu_assisted_with_two_groups_runs_pcie_reduce(cluster):
         assert ex["cpu"]["pcie_reduce"] > 0 and ex["cpu"]["group_reduce"] > 0, ex
         # every process owns one range per chunk (tensors of 1 and 3 elements leave some ranges empty)
         assert ex["stats"]["ranges"] == ex["cpu"]["network"] > 0, ex
-    for rank, r in res.items():  # the ranges went through the native core (byteps.metrics()), none through Python
-        assert sum(r["python_partitions"].values()) == 0, (rank, r["python_partitions"])
+    for rank, r in res.items():  # the ranges went through the native core's stages (byteps.metrics())
         assert r["stages"].get("push", 0) == r["stages"].get("pull", 0) > 0, (rank, r["stages"])
 
 
@@ -117,7 +116,6 @@ def test_one_machine_with_a_colocated_server(cluster):
     check_sums(res, specs, 2)
     check_arenas(res)
     for rank, r in res.items():  # the server reads each range from the executor's arena: no STAGE copy
-        assert sum(r["python_partitions"].values()) == 0, (rank, r["python_partitions"])
         assert r["stages"].get("stage", 0) == r["stages"].get("push", 0) > 0, (rank, r["stages"])
 
 

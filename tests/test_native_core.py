@@ -131,7 +131,6 @@ def test_joined_processes_reduce_for_their_peers_natively(cluster):
     stats = [res[r]["native_local"] for r in range(n)]
     for r in range(n):
         assert stats[r]["ops"] >= r + 1, (r, stats)
-        assert not any(res[r]["python_partitions"].values()), (r, res[r]["python_partitions"])
         own_ops = r + 2  # its r + 1 steps and the allreduce after join()
         owned, rest = divmod(stats[r]["reduced"] - stats[r]["for_peers"], own_ops)
         assert rest == 0, (r, stats)

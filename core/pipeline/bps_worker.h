@@ -106,7 +106,7 @@ class BpsWorkerCore {
     void start();
     void stop();
     int64_t add_table(const std::string &name, std::vector<BpsPart> parts, const BpsTableCodec *codec = nullptr);
-    bool submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+    void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                       bool root_self, unsigned char *buf, uint64_t nbytes, bool lazy = false, uint32_t divisor = 1);
     void submit(BpsOp *op);
     void submit_locked(BpsOp *op);
@@ -165,8 +165,7 @@ class BpsWorkerCore {
      * its table and submits it (submit_owed) */
     void set_self_joined(bool on);
     void owed(std::vector<BpsOwed> *out);
-    bool submit_owed(int64_t id, int64_t table, uint64_t rnd, uint8_t dtype, unsigned char *buf, uint64_t nbytes);
-    void local_claim(uint64_t key, uint64_t rnd, int count);
+    void submit_owed(int64_t id, int64_t table, uint64_t rnd, uint8_t dtype, unsigned char *buf, uint64_t nbytes);
     void forwarded_local(std::vector<std::vector<std::string>> *out);
     /* The job has one worker machine (before start()): its local reduce is the whole sum, so an owner
      * broadcasts it at once instead of a round trip through a server (core/stages.py, "one machine"). */
@@ -314,7 +313,6 @@ class BpsWorkerCore {
     int send_local(int r, const BpsHeader *h, const void *body, size_t n);
     void on_local(BpsMessage *m, bool linked = false);
     int view_shared(const void *body, size_t n, unsigned char **ptr, uint64_t *len, std::string *err);
-    void local_claimed(const Ident &id, int count);
     void ask_owed(const Ident &id, const BpsHeader &h);
     void self_joined_turn(bool on);
     void forward_local(BpsMessage *m);
@@ -371,7 +369,6 @@ class BpsWorkerCore {
     std::vector<BpsMessage *> local_strays_in_; /* local-link messages direct callers read for others */
     std::set<std::pair<uint64_t, uint64_t>> local_direct_ids_; /* (key, round) a direct local caller waits for */
     std::vector<std::string> allow_in_;                   /* identities Python admitted */
-    std::vector<std::pair<Ident, int>> claims_in_;        /* partitions Python took */
     std::vector<std::vector<std::string>> forward_local_; /* local messages for Python */
     bool self_joined_ = false;                            /* set_self_joined() */
     std::vector<BpsOwed> owed_out_;                       /* partitions a joined owner asks Python about */
@@ -425,7 +422,6 @@ class BpsWorkerCore {
     std::vector<std::pair<BpsOp *, std::vector<std::vector<std::string>>>> owner_adopt_in_;
     std::atomic<uint64_t> owner_direct_{0};
     double direct_spin_s_ = 0; /* set_direct_spin(), before start() */
-    std::map<Ident, int> claimed_;
     bool self_joined_net_ = false;  /* byteps-net has taken set_self_joined(true) */
     std::set<Ident> owed_asked_;    /* partitions asked of Python while in join() */
     std::atomic<uint64_t> joined_mask_{0};

@@ -109,7 +109,7 @@ inline void BpsWorkerCore::owed(std::vector<BpsOwed> *out) {
 /* The reduce of a partition this joined process owns (``table``: its one row, from Python), in the
  * round its peers' copies name: their sum, pushed and pulled, handed back as for any owner. ``buf``
  * (zeros, ``nbytes``) stands for our own copy only when no peer's copy is usable. */
-inline bool BpsWorkerCore::submit_owed(int64_t id, int64_t table, uint64_t rnd, uint8_t dtype, unsigned char *buf,
+inline void BpsWorkerCore::submit_owed(int64_t id, int64_t table, uint64_t rnd, uint8_t dtype, unsigned char *buf,
                                        uint64_t nbytes) {
     BpsOp *op = new_op(id, BPS_CMD_PUSHPULL, dtype, 0, 0, false, buf, nbytes, 1);
     op->adds_nothing = true;
@@ -129,7 +129,6 @@ inline bool BpsWorkerCore::submit_owed(int64_t id, int64_t table, uint64_t rnd, 
         submit_locked(op);
     }
     wake();
-    return true;
 }
 
 /* A copy of ``id`` came while this process is in join() and nothing here waits for it: ask Python once
@@ -160,16 +159,6 @@ inline void BpsWorkerCore::self_joined_turn(bool on) {
         }
     }
     for (auto &h : firsts) ask_owed(Ident(h.key, h.round), h);
-}
-
-/* Python owns partition (key, round) (a joined process's op, ...): its LOCAL_READYs, held or still to
- * come (``count`` of them), are forwarded to Python. */
-inline void BpsWorkerCore::local_claim(uint64_t key, uint64_t rnd, int count) {
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        claims_in_.push_back(std::make_pair(std::make_pair(key, rnd), count));
-    }
-    wake();
 }
 
 /* Local messages this thread does not own: [identity, header, body] each. */
@@ -448,12 +437,6 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
             maybe_reduce(id);
             return;
         }
-        auto c = claimed_.find(id);
-        if (c != claimed_.end()) {
-            if (--c->second <= 0) claimed_.erase(c);
-            forward_local(m);
-            return;
-        }
         {
             std::lock_guard<std::mutex> lock(early_mu_);
             early_[id].push_back({ident, header, body}); /* before our op: held until it starts (or its direct owner takes it) */
@@ -473,7 +456,7 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
         return;
     }
     if ((h.cmd != BPS_CMD_LOCAL_DONE && h.cmd != BPS_CMD_ERROR) || a == awaiting_.end()) {
-        forward_local(m); /* Python's partition, or an op that failed already */
+        forward_local(m); /* an op that failed already: Python drops it */
         return;
     }
     Await w = a->second;
@@ -506,24 +489,6 @@ inline int BpsWorkerCore::view_shared(const void *body, size_t n, unsigned char 
                                       std::string *err) {
     std::lock_guard<std::mutex> lock(maps_mu_);
     return maps_.view(body, n, ptr, len, err);
-}
-
-/* Python took partition ``id`` (claim): the copies we hold for it, and ``count`` more, are its. */
-inline void BpsWorkerCore::local_claimed(const Ident &id, int count) {
-    std::vector<std::vector<std::string>> held;
-    {
-        std::lock_guard<std::mutex> lock(early_mu_);
-        auto e = early_.find(id);
-        if (e != early_.end()) {
-            held = std::move(e->second);
-            early_.erase(e);
-        }
-    }
-    for (auto &frames : held) {
-        forward_local(frames);
-        count--;
-    }
-    if (count > 0) claimed_[id] = count;
 }
 
 inline void BpsWorkerCore::forward_local(BpsMessage *m) {

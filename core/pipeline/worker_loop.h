@@ -59,7 +59,7 @@ inline int64_t BpsWorkerCore::add_table(const std::string &name, std::vector<Bps
 }
 
 /* Start a push_pull/broadcast of ``buf`` over a registered table: the per-call path. */
-inline bool BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root,
+inline void BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root,
                                         int64_t priority, bool root_self, unsigned char *buf, uint64_t nbytes,
                                         bool lazy, uint32_t divisor) {
     BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
@@ -77,13 +77,12 @@ inline bool BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, 
             ops_[op->id] = op;
             net_ops_++;
             held_.push_back(op);
-            return true;
+            return;
         }
         op->parts = t.parts_for(op->seq);
         submit_locked(op);
     }
     wake();
-    return true;
 }
 
 /* Take an op (ownership passes here); it completes through completions(). */
@@ -236,7 +235,6 @@ inline void BpsWorkerCore::take_inbox() {
     std::vector<BpsQueued> in;
     std::vector<std::unique_ptr<BpsRawSend>> raw;
     std::vector<std::string> allow;
-    std::vector<std::pair<std::pair<uint64_t, uint64_t>, int>> claims;
     std::vector<std::pair<void *, int>> joined;
     bool abort, self_joined, dead_now, commit_now;
     {
@@ -244,7 +242,6 @@ inline void BpsWorkerCore::take_inbox() {
         in.swap(inbox_);
         raw.swap(raw_);
         allow.swap(allow_in_);
-        claims.swap(claims_in_);
         joined.swap(new_servers_);
         abort = abort_;
         self_joined = self_joined_;
@@ -280,7 +277,6 @@ inline void BpsWorkerCore::take_inbox() {
     }
     for (auto &m : raw) send_raw_now(m.get());
     for (auto &q : in) start(q.op, q.part); /* before any message of this turn: it may be for this op */
-    for (auto &c : claims) local_claimed(c.first, c.second);
     self_joined_turn(self_joined);
     if (recheck_.exchange(false)) {
         std::vector<std::pair<uint64_t, uint64_t>> ids;
@@ -306,7 +302,6 @@ inline void BpsWorkerCore::take_inbox() {
             std::lock_guard<std::mutex> lock(early_mu_);
             early_.clear();
         }
-        claimed_.clear();
     }
 }
 

@@ -1,0 +1,419 @@
+"""The engine's side of the native data plane (core/engine.py): tables, submission, completions, metrics.
+
+A tensor's partitions are registered with the native core once, as a table (wire key, offset,
+length, server, staging region, local owner, whether its push is compressed), per membership of
+the servers; each op is then one submit() with no per-partition Python. Completions come back on
+the thread "byteps-complete" (or to a caller in synchronize()), per op.
+"""
+import collections
+import dataclasses
+
+import numpy as np
+
+from byteps.errors import BytePSError, BytePSTimeoutError, ProtocolError, TensorMismatchError
+from byteps.log import logger
+
+from . import dtypes, stages, wire
+from .ops import Op
+from .stages import Stage
+from .threads import name_native
+
+from . import _worker_core
+
+
+Cmd = wire.Cmd
+#: the native core's stage thread takes copies and sums of at least this many bytes (smaller ones run
+#: inline on byteps-net: core/pipeline/stage_thread.h BPS_STAGE_THREAD_MIN_BYTES; logged at start)
+STAGE_THREAD_MIN_BYTES = 256 << 10
+
+#: the operation kinds of core/stages.py and of tensor declarations (the scheduler compares them)
+KINDS = {Cmd.PUSHPULL: "push_pull", Cmd.BROADCAST: "broadcast", Cmd.ASYNC_PUSHPULL: "async push_pull"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _TableSpec:
+    """What a native table's partitions depend on (elastic servers rebuild them per membership)."""
+    name: str
+    tkey: int
+    nbytes: int
+    dtype: int
+    cmd: int
+    root: int
+    pset: object = None
+    codec: object = None  # the wire compressor of its push_pulls (byteps.compression.WireCompressor), or None
+
+    @property
+    def cut_name(self):
+        """How the scheduler names this tensor's op count: the same on every worker (a broadcast's
+        root and the others have different tables, and their ops count together)."""
+        return f"{self.tkey}:{int(self.cmd)}:{self.nbytes}"
+
+
+class NativePlane:
+    """Native tables, submission and completion of :class:`~byteps.core.engine.Engine` (a mixin)."""
+
+    @property
+    def native_direct_calls(self):
+        """Synchronous calls whose round trip ran on the caller's thread (tests check the path ran)."""
+        return self._native.direct_calls if self._native is not None else 0
+
+    @property
+    def native_link_transports(self):
+        """Per server, what carries its link: "tcp", "ucx: <UCX transports>" or "" (ZeroMQ)."""
+        if self._native is None:
+            return []
+        return [self._native.link_transport(i) for i in range(len(self.servers))]
+
+    @property
+    def native_links(self):
+        """Servers this worker reaches over a working direct link, TCP or UCX (tests check the path really ran)."""
+        return self._native.links_up if self._native is not None else 0
+
+    def _native_eligible(self, op):
+        """Ops the native thread runs whole: plain push_pulls (through the machine's local reduce when
+        it has several processes), broadcasts (never reduced locally: core/stages.py), both in a
+        process set (its members push themselves, past the local reduce) and asynchronous push_pulls
+        (a delta each, answered with the server's parameters). A function of
+        the op and the job's config only, so every local rank takes the same path for an op; after
+        join() a process runs its local reduce in Python (the native side routes each partition's
+        LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
+        still meet). Only a process that joined switches; its peers' ops stay native."""
+        # what stays on this engine's Python partition path: a joined process's local reduce (the
+        # topology executor's ranges go native through _native_submit_range; compressed ops are encoded
+        # by the native core: core/pipeline/worker_codec.h). A process set's op is native: its members
+        # push themselves (no local reduce), and the servers know how many members push its key before
+        # any member has the key (scheduler/scheduler.py)
+        if type(op) is not Op or (self._wire_codec(op) is not None and self.cfg.elastic):
+            return False  # elastic servers: a compressed op is refused (_dispatch says so)
+        if op.pset is not None or op.cmd == Cmd.ASYNC_PUSHPULL:  # never reduced locally
+            return not self.cfg.elastic  # only plain push_pulls and broadcasts move to a new server
+        if op.cmd == Cmd.BROADCAST:
+            return True
+        return op.cmd == Cmd.PUSHPULL and (self.local is None or self._native_local)
+
+    def _native_table(self, op, tkey):
+        """(table id, partitions) of ``op``'s tensor in the native core, registered on first use: per
+        partition its wire key, offset, length, server and staging region (colocated server). With
+        elastic servers, each later membership's partitions too, from the op number the scheduler cut
+        that membership's change at (a tensor first used after a change still counts its ops from 0)."""
+        root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
+        codec = self._wire_codec(op)
+        # the key fixes name, shape and dtype; a table keeps its codec's state, so one per codec setting
+        ident = (tkey, op.buf.nbytes, op.cmd, root_self, self._codec_ident(codec))
+        entry = self._native_parts.get(ident)
+        if entry is not None:
+            return entry
+        spec = _TableSpec(op.name, tkey, op.buf.nbytes, op.dtype, op.cmd, op.root, op.pset, codec)
+        with self._native_lock:  # the staging allocator is shared with the engine thread
+            first, *later = self._memberships
+            table = self._native.add_table(op.name, self._table_rows(spec, first), self._codec_settings(codec))
+            for m in later:
+                self._native.add_segment(table, m["cuts"].get(spec.cut_name, 0), self._table_rows(spec, m))
+            count = len(self._table_rows(spec, self._memberships[-1])) if later else None
+            entry = (table, count if count is not None else len(first["placement"].partitions(
+                tkey, op.buf.nbytes, dtypes.itemsize(op.dtype))))
+            self._native_parts[ident] = entry
+            self._native_specs[table] = spec
+        return entry
+
+    def _table_rows(self, op, membership):
+        """The native table rows of a tensor (a _TableSpec) under one server membership (see _native_table)."""
+        tkey = op.tkey
+        local = self.local is not None and op.cmd == Cmd.PUSHPULL and op.pset is None
+        parts = membership["placement"].partitions(tkey, op.nbytes, dtypes.itemsize(op.dtype))
+        ids, members = membership["ids"], membership["members"]
+        rows = np.zeros((len(parts), 12), dtype=np.int64)
+        rows[:, 9] = -1
+        for row, (i, off, length, at) in enumerate(parts):
+            server = ids[at]  # placement numbers the membership's servers 0..S-1; the core, the job's
+            key = wire.make_key(tkey, wire.member_partition(i, members))
+            rows[row, :4] = (key, off, length, server)
+            rows[row, 11] = self._compresses(op.codec, op.dtype, op.nbytes, length, server)
+            if local:  # every partition has a shared region: the owner sums into it, the others copy into it
+                view, (pid, fd, inode, base) = self._region(key, length)
+                rows[row, 4:11] = (view.ctypes.data, pid, fd, inode, base, self.local.owner(tkey, i),
+                                   self.colocated[server])
+            elif self.stages_of(op, i, server)[0] == Stage.STAGE and length:
+                view, (pid, fd, inode, base) = self._region(key, length)
+                rows[row, 4:9] = (view.ctypes.data, pid, fd, inode, base)
+        return rows
+
+    def _wire_codec(self, op):
+        """The wire compressor that encodes ``op``'s pushes: a plain push_pull's (a process set's ops
+        travel raw: docs/compression.md), or None."""
+        return op.codec if op.cmd == Cmd.PUSHPULL and op.pset is None else None
+
+    @staticmethod
+    def _codec_ident(codec):
+        """What a native table's codec state depends on: the codec's method and options (None: no codec)."""
+        if codec is None:
+            return None
+        return (codec.method_id, codec.flags, codec.levels, codec.k, codec.seed, codec.momentum, codec.nesterov,
+                codec.min_bytes)
+
+    def _codec_settings(self, codec):
+        """A native table's codec (WorkerCore.add_table): its options and this worker's rank, or None."""
+        if codec is None:
+            return None
+        return (codec.method_id, codec.flags, codec.levels, float(codec.k or 0), codec.seed, codec.momentum,
+                codec.nesterov, self.rank)
+
+    def _compresses(self, codec, dtype, tensor_nbytes, length, server):
+        """Whether the native core encodes a partition's push: a server on another machine (a colocated
+        one reads shared memory) and a codec that applies to its size."""
+        return codec is not None and not self.colocated[server] and codec.applies(dtype, tensor_nbytes, length)
+
+    def _native_submit(self, op, tkey, sync=False, lazy=False):
+        """Hand ``op`` to the native thread (``sync``: or run it on this thread if it is small and the
+        native thread idle). ``lazy``: its completion is left to its caller for a while (see prompt()); only
+        where the caller submits it itself, since a caller that started an op still being declared
+        waits on its event, which only a delivery sets."""
+        op.tkey = tkey
+        table, count = self._native_table(op, tkey)
+        if not count:  # an empty tensor: nothing to send
+            op._finish()
+            return
+        nid = next(self._native_ids)
+        op.parts_left = count
+        self._native_ops[nid] = op  # before submit: the completion thread may deliver it at once
+        root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
+        op.divided = op.divisor > 1  # the native core divides as it copies each partition's sum in; set before
+        # submit, which the completion thread may race to deliver
+        if not (sync and count == 1 and self._native.submit_direct(nid, table, op.cmd, op.dtype, op.root,
+                                                                   op.priority, root_self, op.buf, op.divisor)):
+            self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority, root_self, op.buf, lazy=lazy,
+                                divisor=op.divisor)
+        self.native_submitted += 1
+        self.native_averaged += op.divided
+        if self.local is not None and op.cmd == Cmd.PUSHPULL and op.pset is None:
+            self.native_local_submitted += 1
+        # only now: the native side reads an id it does not hold as "finished and forgotten", so a
+        # poll() or synchronize() that saw the id before submit() would finish the op with no data
+        op.native_id = nid
+
+    def credit_stalls(self):
+        """Times the send queue's head went past a stalled credit (core/pipeline/bps_queue.h)."""
+        return self._native.credit_stalls()[0] if self._native is not None else 0
+
+    def native_local_stats(self):
+        """The native local reduce's counters (tests check the path really ran), or None."""
+        if not self._native_local:
+            return None
+        return dict(self._native.local_stats(), ops=self.native_local_submitted)
+
+    def _deliver_native(self):
+        """Completion thread: sets the events of ops the native thread finished (per op, not per partition)."""
+        name_native()
+        core = self._native
+        while not self._stopped.is_set():
+            for nid, kind, text in core.wait(200):
+                self._deliver(nid, kind, text)
+            for nid in [n for n in self._graveyard if core.forget(n)]:
+                del self._graveyard[nid]
+
+    def _deliver(self, nid, kind, text):
+        """Finish a native op once, on whichever thread gets there first (completion thread or a caller
+        in synchronize()): set its error, its event, run its callbacks, free the native record."""
+        op = self._native_ops.pop(nid, None)  # atomic: only one thread gets the op
+        if op is None:
+            return
+        if kind != _worker_core.OK and op.error is None:
+            op.error = self._native_error(op, kind, text)
+        op.parts_left = 0
+        op._finish()
+        if not self._native.forget(nid):  # ZeroMQ still reads the tensor (a failed op): keep it alive
+            self._graveyard[nid] = op
+
+    def native_wait(self, op, timeout):
+        """Wait up to ``timeout`` s for a native op without the GIL and finish it on this thread."""
+        got = self._native.wait_op(op.native_id, int(timeout * 1000))
+        if got is not None:
+            self._deliver(op.native_id, *got)
+        return op.done.is_set()
+
+    def _native_error(self, op, kind, text):
+        if kind == _worker_core.ERR_SERVER:
+            try:
+                msg = wire.decode(text.encode()).get("error", "unknown error")
+            except ProtocolError as e:
+                msg = str(e)
+            return TensorMismatchError(f"push_pull of tensor {op.name!r} failed: {msg}")
+        if kind == _worker_core.ERR_TIMEOUT:
+            secs, late = text.split("|", 1)
+            if late.startswith(("server", "local rank")):  # not "its turn to be sent (...)", nor a server change
+                late += (" (a server waits for every machine's push of this tensor and logs the ranks that are "
+                         "late; a local rank waits for its machine's other processes)")
+            return BytePSTimeoutError(f"push_pull of tensor {op.name!r} waited {secs} s "
+                                      f"(BYTEPS_TIMEOUT={self.cfg.timeout:g}) for {late}")
+        if kind == _worker_core.ERR_ABORT:
+            return self.failure or BytePSError("the byteps engine stopped")
+        return ProtocolError(text)
+
+    def native_done(self, op):
+        """True once the native thread has finished ``op`` (any thread; no GIL hand-off needed). The op
+        is finished (event, callbacks) by synchronize(), or by the completion thread later."""
+        core = self._native
+        return core is not None and core.is_done(op.native_id)
+
+    def prompt(self, op):
+        """``op`` has a done callback now: have the completion thread deliver it as soon as it is done.
+
+        Native ops their caller submits are lazy: their completion waits (BPS_LAZY_DELIVERY_S,
+        core/pipeline/bps_worker.h) for the caller's synchronize() to finish them on its own thread, so the
+        completion thread does not take the GIL from a training thread for ops nobody listens to yet."""
+        if op.native_id is not None and self._native is not None:
+            self._native.prompt(op.native_id)
+
+    def _drain_native(self):
+        """What the native thread hands Python: stray replies, local handshakes, partitions a joined
+        process owns, released zero-copy bodies and broken links."""
+        for server, frames in self._native.forwarded():
+            self._on_stray_reply(server, frames)
+        if self._native_local:  # handshakes and link offers of late local peers
+            for frames in self._native.forwarded_local():
+                self._on_local(None, frames)
+            for key, rnd, dtype, nbytes in self._native.owed():  # we are in join()
+                self._reduce_owed(key, rnd, dtype, nbytes)
+        for server in self._native.lost_links():
+            if self.cfg.elastic:  # the scheduler removes it at once, rather than after its heartbeat time-out
+                logger.warning("the direct link to server %d broke: reporting it to the scheduler", server)
+                self.control.send(Cmd.SUSPECT, {"server": server})
+
+    def transport_bytes(self):
+        """Bytes sent to / received from each server on the data sockets (both paths)."""
+        sent, received = collections.Counter(), collections.Counter()
+        if self._native is not None:
+            for i in range(len(self.servers)):
+                sent[i] += self._native.bytes_sent(i)
+                received[i] += self._native.bytes_received(i)
+        return {"sent": {k: v for k, v in sent.items() if v}, "received": {k: v for k, v in received.items() if v}}
+
+    def metrics(self):
+        """What this worker's data plane did so far, for users, tests and bench/ (byteps.metrics())."""
+        traffic = self.transport_bytes()
+        links = self.native_link_transports
+        placement = getattr(self, "placement", None)  # set once the address book is in
+        # the placement numbers the servers of the current membership by position (docs/elastic.md)
+        memberships = getattr(self, "_memberships", None)  # set once the address book is in
+        ids = memberships[-1]["ids"] if memberships else list(range(len(self.servers)))
+        place = {sid: pos for pos, sid in enumerate(ids)} if placement is not None else {}
+        servers = [{"index": i, "colocated": bool(self.colocated[i]),
+                    "role": placement.roles[place[i]] if i in place else "removed",
+                    "weight": placement.weights[place[i]] if i in place else 0,
+                    "transport": (links[i] if i < len(links) else "") or "zeromq",
+                    "bytes_sent": traffic["sent"].get(i, 0), "bytes_received": traffic["received"].get(i, 0)}
+                   for i in range(len(self.servers))]
+        native = self._native
+        return {
+            "servers": servers,
+            "partition_bytes": placement.partition_bytes if placement is not None else None,
+            "credit_bytes": self.cfg.scheduling_credit * self.cfg.partition_bytes,
+            "tensors": {name: tkey for (name, _), tkey in self._keys.items()},
+            "native": {"ops": self.native_submitted, "averaged": self.native_averaged,
+                       "direct_calls": self.native_direct_calls, "links_up": self.native_links,
+                       "direct_adopted": native.direct_adopted if native is not None else 0,
+                       "results_sent": native.results_sent if native is not None else 0,
+                       # partitions it pushed encoded by their wire compressor (core/pipeline/worker_codec.h)
+                       "compressed_pushes": native.compressed_pushes if native is not None else 0,
+                       "local_reduce": self.native_local_stats(),
+                       # partitions byteps-net moved into each stage of their lists (worker_stages.h)
+                       "stages": {Stage(code).label: n for code, n in native.stage_entries().items() if n}
+                       if native is not None else {}},
+            "credit_stalls": self.credit_stalls(),
+            "local_group": self.local.size if self.local else None,  # processes whose copies are summed locally
+            "local_strategy": "topology" if self._local_exec is not None else "native",
+        }
+
+    def _native_submit_range(self, rop, parts):
+        """A RangeOp on the native core: a table per range, size and place in the executor's arena (a
+        colocated server reads the arena itself: the staging region is the range's own memory)."""
+        ident = ("range", rop.tkey, rop.range_index, rop.buf.nbytes, rop.dtype, rop.shared,
+                 self._codec_ident(rop.codec))
+        entry = self._native_parts.get(ident)
+        if entry is None:
+            ids = self._memberships[-1]["ids"]  # placement positions -> the job's server indices
+            rows = np.zeros((len(parts), 12), dtype=np.int64)
+            rows[:, 9] = -1
+            base_addr = rop.buf.ctypes.data if len(parts) else 0
+            for row, (j, off, length, at) in enumerate(parts):
+                server = ids[at]
+                key = wire.make_key(rop.tkey, rop.range_index << 16 | j)
+                rows[row, :4] = (key, off, length, server)
+                rows[row, 11] = self._compresses(rop.codec, rop.dtype, rop.buf.nbytes, length, server)
+                if self.colocated[server] and length:
+                    if rop.shared is not None:
+                        pid, fd, inode, base = rop.shared
+                        rows[row, 4:9] = (base_addr + off, pid, fd, inode, base + off)
+                    else:
+                        view, desc = self._region(key, length)
+                        rows[row, 4:9] = (view.ctypes.data, *desc)
+            with self._native_lock:
+                table = self._native.add_table(rop.name, rows, self._codec_settings(rop.codec))
+                entry = self._native_parts[ident] = (table, len(parts))
+        table, count = entry
+        if not count:
+            rop._finish()
+            return
+        nid = next(self._native_ids)
+        rop.parts_left = count
+        self._native_ops[nid] = rop
+        self._native.submit(nid, table, Cmd.PUSHPULL, rop.dtype, 0, rop.priority, False, rop.buf)
+        self.native_submitted += 1
+        rop.native_id = nid
+
+    def stages_of(self, op, i, server):
+        """The ordered stages of partition ``i`` of ``op`` on this process (core/stages.py)."""
+        kind = KINDS[op.cmd]
+        local = self.local is not None and op.pset is None  # a process set's members push themselves
+        owner = not local or self.local.owns(op.tkey, i)
+        ident = (owner, self.colocated[server], kind, local)
+        got = self._stage_lists.get(ident)
+        if got is None:
+            got = self._stage_lists[ident] = stages.stage_list(
+                owner=owner, local_size=self.cfg.local_size, local_reduce=local,
+                colocated=self.colocated[server] and not (op.cmd == Cmd.BROADCAST and op.root != self.rank),
+                kind=kind, machines=self.cfg.num_worker)
+            logger.info("pipeline of a %s partition (%s, %s server): %s", kind, "owner" if owner else "not owner",
+                        "colocated" if ident[1] else "remote", stages.describe(got))
+        return got
+
+    def _region(self, key, nbytes):
+        """This key's shared staging region: (view, descriptor prefix), allocated once."""
+        staged = self._staging.get(key)
+        if staged is None or staged[0].size != nbytes:
+            with self._native_lock:
+                staged = self._staging[key] = self._shm.alloc(nbytes)
+        return staged
+
+    def _reduce_owed(self, key, rnd, dtype, nbytes):
+        """In join(): a local peer sent its copy of a partition this process owns. The native core
+        reduces the peers' copies (adding nothing of ours), pushes the sum and hands the result back,
+        as for our own ops; we give it the partition's one-row table (server, shared region)."""
+        tkey, part = wire.split_key(key)
+        ident = ("owed", key, nbytes, dtype)
+        entry = self._native_parts.get(ident)
+        if entry is None:
+            server = self.placement.server(tkey, part)
+            rows = np.zeros((1, 11), dtype=np.int64)
+            view, desc = self._region(key, nbytes)
+            rows[0] = (key, 0, nbytes, server, view.ctypes.data, *desc, self.cfg.local_rank, self.colocated[server])
+            with self._native_lock:
+                entry = self._native_parts[ident] = (self._native.add_table(f"join.{tkey}.{part}", rows), 1)
+        zeros = self._owed_zeros.get(nbytes)
+        if zeros is None:  # stands for our copy only if no peer's is usable; never written
+            zeros = self._owed_zeros[nbytes] = np.zeros(nbytes, np.uint8)
+        op = Op(f"join.{tkey}.{part}", zeros, dtype, (nbytes // dtypes.itemsize(dtype),))
+        op.tkey, op.parts_left = tkey, 1
+        nid = next(self._native_ids)
+        self._native_ops[nid] = op
+        self._native.submit_owed(nid, entry[0], rnd, dtype, zeros)
+        op.native_id = nid
+
+    @staticmethod
+    def _on_stray_reply(server, frames):
+        """A server's message the native core had no partition for: malformed (logged), or the late
+        reply of an op that failed already (dropped)."""
+        try:
+            wire.unpack(frames[0] if frames else b"")
+        except ProtocolError as e:
+            logger.warning("malformed reply from server %d: %s", server, e)

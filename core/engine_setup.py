@@ -1,0 +1,518 @@
+"""The engine's start-up (core/engine.py): from registration to the hand-over of the data sockets.
+
+In order: register and wait for the address book; connect to every server and to this machine's
+other processes; authenticate both ways (core/auth.py); agree on the partition size and credit
+(byteps/autotune.py); place the training thread on a CPU (byteps/cpus.py); open direct links (TCP,
+UCX, shared-memory rings between local processes); then hand the sockets and links to the native
+core (core/pipeline/), which owns them from then on. Later local handshakes and link offers still
+come here (_on_local).
+"""
+import dataclasses
+import os
+import socket
+import threading
+import time
+
+import zmq
+
+from byteps import autotune, config, timeline
+from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, ProtocolError
+from byteps.log import logger
+from byteps.placement import Placement
+
+from . import auth, shm, transport, wire
+from .control import ControlClient
+from .local import LocalPlan
+from .stages import Stage
+
+from . import _worker_core
+
+from .engine_native import STAGE_THREAD_MIN_BYTES
+
+
+Cmd = wire.Cmd
+
+
+class EngineSetup:
+    """Start-up of :class:`~byteps.core.engine.Engine` (a mixin: its methods run on the engine thread)."""
+
+    def _start_native(self):
+        """Hand the authenticated server sockets to the native thread (core/pipeline/bps_worker.h)."""
+        if not _worker_core.available:
+            from ._transport import unavailable_reason
+            raise BytePSError(f"the native worker core cannot run here: {unavailable_reason}")
+        from ._reduce import get_num_threads
+
+        core = _worker_core.WorkerCore(self.control.node_id, self.cfg.scheduling_credit * self.cfg.partition_bytes,
+                                       self.cfg.timeout, get_num_threads(), self._wake_w)
+        core.set_direct_spin(self.cfg.spin_us * 1e-6)
+        for sock in self.servers:
+            self.poller.unregister(sock)
+            core.add_server(sock)
+        self._open_links(core)
+        # the local reduce too, unless the topology executor does it (core/local_exec.py)
+        if self.local is not None and self.cfg.local_strategy != "topology":
+            links = self._open_local_links()
+            self.poller.unregister(self._local_sock)
+            core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
+                           self._gate.secret is None)
+            core.set_lone_machine(self.cfg.num_worker == 1)  # the same rule as stages.stage_list(machines=)
+            for lr, (fd, ident, ring_fd, low) in links.items():
+                why = core.add_local_link(lr, fd, ident, -1 if ring_fd is None else ring_fd, low)
+                if why:
+                    logger.warning("local rank %d: its link's shared-memory rings could not be mapped (%s); its "
+                                   "local messages go through ZeroMQ", lr, why)
+                if ring_fd is not None:
+                    os.close(ring_fd)  # the native mapping keeps the memory
+            for identity in self._gate.admitted():
+                core.allow_local(identity)
+            self._native_local = True
+            logger.info("native local reduce: %d processes on this machine, sums >= %d bytes on thread "
+                        "byteps-reduce, %d of %d local peers over direct links (%d through shared-memory "
+                        "rings)", self.local.size, STAGE_THREAD_MIN_BYTES, core.local_links_up,
+                        len(self._local_peers), core.local_stats()["rings_up"])
+        if timeline.recorder is not None:
+            timeline.recorder.add_native(_worker_core.trace_buffer())
+        core.set_elastic(self.cfg.elastic)
+        for i, shared in enumerate(self.colocated):
+            core.set_colocated(i, shared)
+        core.start()
+        self._native = core
+        self._completer = threading.Thread(target=self._deliver_native, name="byteps-complete", daemon=True)
+        self._completer.start()
+        logger.info("native data plane: partitions to %d servers on thread byteps-net (%d over direct TCP links)",
+                    len(self.servers), core.links_up)
+
+    def _open_links(self, core):
+        """Direct TCP links to the servers (core/transport/bps_link.h): ask each for a one-time token over the
+        authenticated ZeroMQ socket, connect, present it, and hand the socket to the native thread. A
+        server that cannot listen for links stays on ZeroMQ (logged)."""
+        from . import ucx
+        use_ucx = ucx.choose(self.cfg.transport, _worker_core) == "ucx"
+        poller, asked = zmq.Poller(), {}
+        for i, sock in enumerate(self.servers):
+            sock.send_multipart(wire.control(Cmd.LINK, self.control.node_id))
+            poller.register(sock, zmq.POLLIN)
+            asked[sock] = i
+        answers, limit = {}, min(self.cfg.timeout, 10.0)
+        deadline = time.monotonic() + limit
+        while asked and time.monotonic() < deadline:
+            for sock, _ in poller.poll(timeout=100):
+                frames = sock.recv_multipart()
+                try:
+                    header = wire.unpack(frames[0])
+                    if header.cmd == Cmd.LINK:
+                        answers[asked.pop(sock)] = wire.decode(frames[1]) if len(frames) > 1 else {}
+                except ProtocolError as e:
+                    logger.warning("malformed answer while opening direct links: %s", e)
+                # anything else here is a late PROBE echo (a timed-out probe): dropped
+        for sock, i in asked.items():
+            logger.warning("server %d did not answer LINK within %g s: its data goes through ZeroMQ", i, limit)
+        for i, answer in sorted(answers.items()):
+            info = self.book["servers"][i]
+            if "error" in answer:
+                logger.info("server %d: %s; its data goes through ZeroMQ", i, answer["error"])
+                continue
+            ident = self.servers[i].getsockopt(zmq.IDENTITY)
+            if use_ucx:
+                self._open_ucx_link(core, i, info["host"], answer, ident)
+                continue
+            try:
+                fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
+                                         ident, self.control.node_id, min(self.cfg.timeout, 10.0))
+            except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:  # TypeError: no TCP port
+                logger.warning("no direct link to server %d (%s:%s): %s; its data goes through ZeroMQ", i,
+                               info["host"], answer.get("port"), e)
+                continue
+            core.add_link(i, fd)
+
+    def _open_local_links(self):
+        """Direct links to this machine's other worker processes (core/pipeline/bps_worker.h, "Local links"),
+        after the local handshake: {local rank: (socket fd, its DEALER identity toward our ROUTER, ring
+        fd or None, whether we are the lower rank)}.
+
+        Each pair has one link; the higher local rank listens on 127.0.0.1. It offers each lower rank a
+        one-time token over its authenticated DEALER (Cmd.LINK {port, token}, behind its AUTH on the
+        same pipe); the lower rank connects and presents the token, as a worker does to a server
+        (transport.open_link). Everyone first offers, then connects upward, then accepts from below:
+        the highest rank waits for nobody, so no wait is circular. A pair whose link does not come up
+        within the time limit stays on ZeroMQ (logged with the local rank waited for).
+
+        The offer also names a memfd of shared-memory rings that the higher rank made for the pair ({"ring": {pid, fd, inode}}); the lower rank opens it and says so in its
+        hello (arg 1), and then both ends carry the link's bytes through it (core/transport/bps_link.h
+        BpsShmLink). A ring that does not open leaves that pair on the TCP socket alone."""
+        me, node = self.cfg.local_rank, self.control.node_id
+        lower = sorted(lr for lr in self._local_peers if lr < me)
+        higher = sorted(lr for lr in self._local_peers if lr > me)
+        limit = min(self.cfg.timeout, 10.0)
+        links, expected, listener, rings = {}, {}, None, {}
+        if lower:
+            fd, port = transport.listen_link("127.0.0.1")
+            listener = socket.socket(fileno=fd)
+            for lr in lower:
+                token = os.urandom(transport.TOKEN_BYTES)
+                expected[token] = lr
+                offer = {"port": port, "token": token.hex(), "local_rank": me}
+                try:
+                    rings[lr], offer["ring"] = shm.ring_region(_worker_core.RING_REGION_BYTES)
+                except OSError as e:
+                    logger.info("no shared-memory ring for local rank %d (%s): its link stays on TCP", lr, e)
+                self._local_peers[lr].send_multipart(wire.control(Cmd.LINK, node, offer))
+        poller = zmq.Poller()
+        poller.register(self._local_sock, zmq.POLLIN)
+        if listener is not None:
+            poller.register(listener.fileno(), zmq.POLLIN)
+
+        def serve(timeout_ms):  # our ROUTER (offers, late knocks) and, below us, connections
+            for sock, _ in poller.poll(timeout=timeout_ms):
+                if sock is self._local_sock:
+                    self._drain_data(sock, self._on_local)
+                elif listener is not None and sock == listener.fileno():
+                    self._accept_local_link(listener, expected, links, limit, rings)
+            self.control.tick()
+
+        for lr in higher:
+            deadline = time.monotonic() + limit
+            while lr not in self._link_offers and time.monotonic() < deadline:
+                serve(100)
+            offer = self._link_offers.pop(lr, None)
+            if offer is None:
+                logger.warning("local rank %d offered no direct link within %g s; "
+                               "its local messages go through ZeroMQ", lr, limit)
+                continue
+            port, token, ident, ring_info = offer
+            ring_fd = None
+            if ring_info is not None:
+                try:
+                    ring_fd = shm.open_ring(ring_info, _worker_core.RING_REGION_BYTES)
+                except ProtocolError as e:
+                    logger.info("local rank %d: %s; its link stays on TCP", lr, e)
+            try:
+                fd = transport.open_link("127.0.0.1", port, token, self._local_peers[lr].getsockopt(zmq.IDENTITY),
+                                         node, limit, arg=int(ring_fd is not None))
+            except (OSError, ProtocolError) as e:
+                logger.warning("no direct link to local rank %d (127.0.0.1:%s): %s; its local messages go "
+                               "through ZeroMQ", lr, port, e)
+                if ring_fd is not None:
+                    os.close(ring_fd)
+                continue
+            links[lr] = (fd, ident, ring_fd, True)
+        deadline = time.monotonic() + limit
+        while any(lr not in links for lr in lower) and time.monotonic() < deadline:
+            serve(100)
+        for lr in lower:
+            if lr not in links:
+                logger.warning("local rank %d did not open its direct link within %g s; its local messages go "
+                               "through ZeroMQ", lr, limit)
+        for ring_fd in rings.values():  # offered, not taken
+            os.close(ring_fd)
+        if listener is not None:
+            listener.close()
+        return links
+
+    def _accept_local_link(self, listener, expected, links, limit, rings):
+        """A connection on our local link listener: admitted if it presents a token we offered; its
+        hello's arg 1 says it mapped the ring we offered (``rings``: local rank -> our ring fd)."""
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return
+        try:
+            conn.settimeout(limit)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            frames = transport.link_recv(conn)
+            header = wire.unpack(frames[0])
+            body = frames[1] if len(frames) > 1 else b""
+            lr = expected.pop(body[:transport.TOKEN_BYTES], None) if header.cmd == Cmd.LINK else None
+            ident = body[transport.TOKEN_BYTES:]
+            if lr is not None and not self._gate.allows(ident):  # its AUTH may still wait on our ROUTER
+                self._drain_data(self._local_sock, self._on_local)
+            if lr is None or not self._gate.allows(ident):
+                logger.warning("refused a local direct link: its token does not match one we offered")
+                conn.sendall(transport.link_pack([wire.pack(Cmd.LINK, sender=self.control.node_id, arg=0)]))
+                return
+            conn.sendall(transport.link_pack([wire.pack(Cmd.LINK, sender=self.control.node_id, arg=1)]))
+            conn.setblocking(False)
+            ring_fd = rings.pop(lr, None) if header.arg == 1 else None
+            links[lr] = (conn.detach(), ident, ring_fd, False)
+        except (OSError, ProtocolError) as e:
+            logger.warning("a local direct link failed its handshake: %s", e)
+        finally:
+            conn.close()  # after detach() this closes nothing
+
+    def _open_ucx_link(self, core, i, host, answer, ident):
+        """A UCX endpoint to server ``i`` (core/transport/bps_ucx.h), admitted by the token of its LINK answer;
+        a server without a UCX listener, or a failed handshake, leaves it on ZeroMQ (logged)."""
+        if "ucx_port" not in answer:
+            logger.warning("server %d has no UCX listener (its BYTEPS_TRANSPORT is not ucx); its data goes "
+                           "through ZeroMQ", i)
+            return
+        why = core.add_ucx_link(i, host, int(answer["ucx_port"]), bytes.fromhex(answer["token"]), ident,
+                                min(self.cfg.timeout, 10.0))
+        if why:
+            logger.warning("no UCX link to server %d (%s:%s): %s; its data goes through ZeroMQ", i, host,
+                           answer["ucx_port"], why)
+        else:
+            logger.info("server %d: UCX link (%s)", i, core.link_transport(i))
+
+    def _setup(self):
+        info = {"role": "worker", "host": self.cfg.node_host, "worker_id": self.cfg.worker_id,
+                "local_rank": self.cfg.local_rank, "local_size": self.cfg.local_size,
+                "local_reduce": self.cfg.local_reduce and self.cfg.local_size > 1 and not self.cfg.enable_async
+                and Stage.LOCAL_REDUCE not in self._dropped}
+        if info["local_reduce"]:
+            self._local_sock = self.ctx.socket(zmq.ROUTER)
+            self._local_sock.setsockopt(zmq.LINGER, 0)
+            info["local_port"] = self._local_sock.bind_to_random_port("tcp://127.0.0.1")
+            self._io[self._local_sock] = transport.wrap(self._local_sock)
+        if self.cfg.timeline:
+            timeline.start(self.cfg).wake = self._wake
+        self.control = ControlClient(self.ctx, self.cfg, info)
+        self.poller = zmq.Poller()
+        self.poller.register(self.control.sock, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self.control.register()
+        deadline = time.monotonic() + self.cfg.timeout
+        while self.book is None:
+            if self._stopped.is_set():
+                raise BytePSError("init() was interrupted")
+            if self.poller.poll(timeout=min(self.cfg.heartbeat_interval, 1.0) * 1000):
+                self._on_control()
+            self.control.tick()
+            if time.monotonic() > deadline:
+                raise BytePSTimeoutError(f"the scheduler at {self.cfg.scheduler_endpoint} did not start the job "
+                                         f"within {self.cfg.timeout:g} s (BYTEPS_TIMEOUT); its log names the "
+                                         "nodes that never registered")
+        self._place_on_cpus()
+        for info in self.book["servers"]:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, auth.new_identity())  # unguessable: see core/auth.py
+            sock.connect(f"tcp://{info['host']}:{info['port']}")
+            self.poller.register(sock, zmq.POLLIN)
+            self.servers.append(sock)
+            self._io[sock] = transport.wrap(sock)
+        self._server_index = {sock: i for i, sock in enumerate(self.servers)}
+        # which server sums which bytes: the k/n split of byteps/placement.py, the same on every worker
+        self.placement = Placement.from_book(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
+        logger.info("%s", self.placement.describe())
+        if self.cfg.enable_ipc:
+            # same host address too: network namespaces share a kernel (the probe passes) but are
+            # separate hosts, whose traffic must cross their network (bench/netns.py)
+            self.colocated = [shm.can_share(info.get("shm"), self._maps) and info["host"] == self.cfg.node_host
+                              for info in self.book["servers"]]
+        else:
+            self.colocated = [False] * len(self.servers)
+        if any(self.colocated):
+            logger.info("shared memory with servers %s", [i for i, c in enumerate(self.colocated) if c])
+        if self.book.get("local_reduce") and self._local_sock is not None:  # a 1-process machine pushes itself
+            self._setup_local()
+        self._knock_all()
+        if Stage.STAGE in self._dropped:  # BYTEPS_PIPELINE=-stage: colocated servers over TCP too
+            self.colocated = [False] * len(self.servers)
+        self._tune()  # before anything is cut into partitions or sent
+        # every server membership of the job so far, in order (elastic servers, docs/elastic.md); the
+        # first one's placement is the one _tune() rebuilt with the job's partition size
+        self._memberships = [{"members": 0, "placement": self.placement, "cuts": {},
+                              "ids": [info["index"] for info in self.book["servers"]]}]
+        self._change = None  # (PREPARE body, when it came) while the scheduler changes the servers
+        if any(self.colocated) or self.local is not None:
+            self._shm = shm.Allocator("byteps-worker")
+        self._start_native()
+        if self.cfg.elastic:  # the scheduler changes servers only once every worker can hold and commit
+            self.control.send(Cmd.MEMBERS, {"phase": "ready"})
+        from . import local_exec
+        self._local_exec = local_exec.start(self)  # None unless BYTEPS_LOCAL_STRATEGY=topology applies
+        self._ready.set()
+
+    def _tune(self):
+        """Partition size (job-wide) and credit (this worker's) from the link (byteps/autotune.py).
+
+        Probe one server unless BYTEPS_PARTITION_BYTES and BYTEPS_SCHEDULING_CREDIT are both set
+        (with local reduce only local rank 0 probes: its machine's processes share one NIC), then
+        agree through the scheduler: every worker's proposal comes back to all, and all apply the
+        same rule to the same list, so the partition sizes cannot differ.
+        """
+        started = time.monotonic()
+        env = os.environ
+        weights, me = self.placement.weights, self.cfg.node_host
+        shape = autotune.job_shape(self.book["servers"], weights, me,
+                                   self.placement.min_cut if self.cfg.placement == "balanced" else 0)
+        both_set = all((env.get(v) or "").strip() for v in ("BYTEPS_PARTITION_BYTES", "BYTEPS_SCHEDULING_CREDIT"))
+        measurement = None
+        if not both_set and (self.local is None or self.cfg.local_rank == 0):
+            measurement = autotune.test_link(env) or self._probe(
+                autotune.probe_target(self.book["servers"], weights, me, self.rank))
+        # a machine that reduces locally keeps the Python engine's per-piece cost in the model, as it had before
+        # its local reduce moved into the native core (not re-measured since; byteps/autotune.py)
+        mine = autotune.propose(measurement, shape, self.cfg.placement,
+                                autotune.PIECE_COST_NATIVE if self.local is None else autotune.PIECE_COST_PYTHON,
+                                self.cfg.worker_id, env)
+        self.control.send(Cmd.BARRIER, {"name": autotune.AGREE_BARRIER, "value": mine})
+        # the scheduler answers, naming the ranks it lacks, after BYTEPS_TIMEOUT; this wait is longer
+        limit = self.cfg.timeout + 5
+        deadline = time.monotonic() + limit
+        while self._agreed is None:
+            if self._stopped.is_set():
+                raise BytePSError("init() was interrupted")
+            if time.monotonic() > deadline:
+                raise BytePSTimeoutError(
+                    f"init() waited {limit:g} s for the scheduler at {self.cfg.scheduler_endpoint} to hand out the "
+                    "job's partition size (it needs every worker's link probe; its log names the ranks it lacks)")
+            for sock, _ in self.poller.poll(timeout=100):
+                if sock is self.control.sock:
+                    self._drain(sock, lambda _: self._on_control())
+                elif sock is self._local_sock:  # this machine's other processes may still knock
+                    self._drain_data(sock, self._on_local)
+                elif sock == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                elif sock in self._server_index:  # a late PROBE echo (a timed-out probe): drop it
+                    self._drain_data(sock, lambda s, frames: None)
+            self.control.tick()
+        if "error" in self._agreed:
+            raise BytePSTimeoutError(f"the job's partition size was not agreed: {self._agreed['error']}")
+        tuning = autotune.agree(self._agreed["values"], self.rank, shape, env)
+        self.tuning = tuning = tuning._replace(took_s=time.monotonic() - started)
+        self.cfg = dataclasses.replace(self.cfg, partition_bytes=tuning.partition_bytes,
+                                       scheduling_credit=tuning.credit)
+        # nothing is cut yet: the placement with the agreed partition size
+        self.placement = Placement.from_book(self.book, self.cfg.placement, tuning.partition_bytes, self.rank)
+        logger.info("%s; %.0f ms", tuning.text, tuning.took_s * 1e3)
+
+    def _probe(self, server):
+        """Time PROBE echoes to one server (autotune.probe); None, with a warning, if it fails."""
+        if server is None:
+            return None
+        who = f"server {server} ({self.book['servers'][server]['host']}:{self.book['servers'][server]['port']})"
+        try:
+            echo = autotune.zmq_echo(self.servers[server], self.control.node_id, min(5.0, self.cfg.timeout))
+            return autotune.probe(echo, autotune.PROBE_SIZES, autotune.PROBE_REPEATS, autotune.PROBE_BUDGET_S)
+        except (BytePSError, ValueError) as e:
+            logger.warning("could not probe the link to %s (%s); proposing no partition size", who, e)
+            return None
+
+    def _knock_all(self):
+        """Authenticate to every server and local peer (core/auth.py) before sending them anything.
+
+        Our own local ROUTER is served meanwhile: the machine's other processes knock on it too.
+        """
+        secret = auth.job_secret()
+        self._gate = auth.Gate(secret)
+        if secret is None:
+            return
+        waiting = {}
+        for i, sock in enumerate(self.servers):
+            waiting[sock] = (auth.Knock(secret, sock.getsockopt(zmq.IDENTITY)), f"server {i}")
+        for lr, sock in self._local_peers.items():
+            waiting[sock] = (auth.Knock(secret, sock.getsockopt(zmq.IDENTITY)), f"local rank {lr}")
+        for sock, (knock, _) in waiting.items():
+            sock.send_multipart(wire.control(Cmd.HELLO, self.control.node_id, knock.hello()))
+        for sock in self._local_peers.values():  # only the CHALLENGE ever comes back on these
+            self.poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + self.cfg.timeout
+        while waiting:
+            if time.monotonic() > deadline:
+                raise BytePSTimeoutError("no authentication answer within BYTEPS_TIMEOUT from "
+                                         + ", ".join(who for _, who in waiting.values()))
+            for sock, _ in self.poller.poll(timeout=100):
+                if sock is self._local_sock:
+                    self._drain_data(sock, self._on_local)
+                elif sock is self.control.sock:
+                    self._on_control()
+                elif sock in waiting:
+                    header, body = wire.unpack(sock.recv()), {}
+                    if sock.getsockopt(zmq.RCVMORE):
+                        body = wire.decode(sock.recv())
+                    self._discard(sock)
+                    knock, who = waiting.pop(sock)
+                    if header.cmd != Cmd.CHALLENGE:
+                        raise BytePSError(f"{who} answered {Cmd(header.cmd).name} to our HELLO: "
+                                          f"{body.get('error', 'does it use the same BYTEPS_JOB_SECRET?')}")
+                    try:
+                        mac = knock.answer(body, who)
+                    except auth.AuthError as e:
+                        raise PeerLostError(str(e)) from None
+                    sock.send_multipart(wire.control(Cmd.AUTH, self.control.node_id, {"mac": mac}))
+            self.control.tick()
+        for sock in self._local_peers.values():
+            self.poller.unregister(sock)
+
+    def _place_on_cpus(self):
+        """Where this process stands among the job's worker processes on this host: start() binds the
+        training thread to a CPU where they fill its CPUs, and callers poll longer where they outnumber
+        them (byteps/cpus.py, BYTEPS_CPU_BIND, BYTEPS_SPIN_US=auto). Counted per host address, not per
+        machine of the job: bpslaunch --local runs several "machines" on one host."""
+        here = sorted((w["worker_id"], w["local_rank"]) for w in self.book["workers"]
+                      if w["host"] == self.cfg.node_host)
+        me = (self.cfg.worker_id, self.cfg.local_rank)
+        if me not in here:  # registered under another address: count ourselves alone
+            here = [me]
+        self._cpu_slot = (here.index(me), len(here))
+        if self.cfg.spin_auto:
+            self.cfg = dataclasses.replace(self.cfg, spin_us=config.auto_spin_us(len(here)))
+
+    def _setup_local(self):
+        """Connect to this machine's other worker processes for the local reduce."""
+        peers = [w for w in self.book["workers"] if w["worker_id"] == self.cfg.worker_id]
+        self.local = LocalPlan(peers, self.cfg.local_rank, self.cfg.local_push)
+        for w in self.local.peers:
+            if w["local_rank"] == self.cfg.local_rank:
+                continue
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, auth.new_identity())
+            sock.connect(f"tcp://127.0.0.1:{w['local_port']}")
+            self._local_peers[w["local_rank"]] = sock
+            self._io[sock] = transport.wrap(sock)
+        self.poller.register(self._local_sock, zmq.POLLIN)
+        logger.info("local reduce with %d processes on this machine", self.local.size)
+
+    def _on_local(self, sock, frames):
+        """Our local ROUTER's control messages: handshakes and link offers of this machine's other
+        processes (its data, LOCAL_READY / LOCAL_DONE, is the native core's)."""
+        if len(frames) != 3:
+            logger.warning("dropped a local message with %d frames", len(frames))
+            return
+        try:
+            header = wire.unpack(frames[1])
+        except ProtocolError as e:
+            logger.warning("dropped a malformed local message: %s", e)
+            return
+        peer = frames[0]
+        if header.cmd in (Cmd.HELLO, Cmd.AUTH):
+            self._local_handshake(sock, peer, header, frames[2])
+            return
+        if not self._gate.allows(peer):
+            if peer not in self._gate.refused:
+                self._gate.refused.add(peer)
+                logger.warning("ignored a local message from an unauthenticated peer %r", peer)
+            return
+        if header.cmd == Cmd.LINK:  # a higher local rank offers a direct link (_open_local_links)
+            try:
+                offer = wire.decode(frames[2])
+                self._link_offers[int(offer["local_rank"])] = (int(offer["port"]), bytes.fromhex(offer["token"]), peer,
+                                                               offer.get("ring"))
+            except (ProtocolError, KeyError, TypeError, ValueError) as e:
+                logger.warning("dropped a malformed local link offer: %s", e)
+            return
+
+    def _local_handshake(self, sock, peer, header, raw):
+        if self._gate.secret is None:
+            return
+        try:
+            body = wire.decode(raw)
+        except ProtocolError:
+            body = {}
+        if header.cmd == Cmd.HELLO:
+            reply = wire.control(Cmd.CHALLENGE, self.control.node_id, self._gate.challenge(peer, body))
+            if self._native_local:  # the native thread owns our ROUTER now
+                self._native.send(_worker_core.TO_ROUTER, reply[0], reply[1], ident=peer)
+            else:
+                sock.send_multipart([peer] + reply)
+        elif not self._gate.check(peer, body.get("mac")):
+            logger.warning("refused local peer %r: authentication failed", peer)
+        elif self._native_local:
+            self._native.allow_local(peer)
