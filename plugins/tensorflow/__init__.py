@@ -22,7 +22,7 @@ from byteps.common import (barrier, init, is_initialized, local_rank, local_size
 from byteps.build_info import (ccl_built, cuda_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,  # noqa: F401
                                nccl_built, rocm_built)
 
-from . import callbacks, distribute
+from . import callbacks, distribute, elastic
 from .collectives import (allgather, allreduce, alltoall, grouped_allgather, grouped_allreduce, grouped_reducescatter,
                           push_pull, reducescatter)
 from .compression import Compression
@@ -30,6 +30,7 @@ from .functions import (allgather_object, broadcast_, broadcast_global_variables
                         broadcast_variables)
 from .ops import Adasum, Average, Max, Min, Product, Sum, broadcast, broadcast_group, push_pull_group
 from .optimizer import DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape
+from .sync_batch_norm import SyncBatchNormalization
 
 
 def _executing_eagerly():
@@ -62,7 +63,8 @@ def local_size_op(name=None):
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "barrier", "mark_step",
            "Average", "Sum", "push_pull", "allreduce", "push_pull_group", "broadcast", "broadcast_group",
            "broadcast_variables", "broadcast_object", "allgather_object", "Compression",
-           "DistributedGradientTape", "DistributedOptimizer", "callbacks", "distribute",
+           "DistributedGradientTape", "DistributedOptimizer", "callbacks", "distribute", "elastic",
+           "SyncBatchNormalization",
            # Horovod
            "Min", "Max", "Product", "Adasum", "grouped_allreduce", "allgather", "grouped_allgather", "alltoall",
            "reducescatter", "grouped_reducescatter", "broadcast_", "broadcast_global_variables",
