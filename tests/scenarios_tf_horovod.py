@@ -120,3 +120,32 @@ def tf_elastic_state(out, args):
 
     res["keras"] = train(keras_state, 2)
     return res
+
+
+@scenario
+def tf_one_rank_refuses(out, args):
+    """Rank 1 gives an alltoall splits that cannot be right (eagerly, then inside a tf.function); rank 0's are
+    fine. Returns, per attempt, each rank's error and how long it took; then an unnamed alltoall and a named
+    push_pull, which must pair up (automatic names in step after the error). No barrier in between: the
+    failure must not depend on the scheduler seeing the ranks blocked in different collectives."""
+    import time
+
+    tf = _tf()
+
+    import byteps.tensorflow as bps
+
+    bps.init()
+    r, n = bps.rank(), bps.size()
+    x = tf.range(2 * n, dtype=tf.float32) + 100 * r
+    bad = [3, -1] + [2] * (n - 2) if r == 1 else [2] * n
+    res = {}
+    for mode, call in (("eager", lambda s: bps.alltoall(x, splits=s)),
+                       ("function", tf.function(lambda s: bps.alltoall(x, splits=s)))):
+        start = time.monotonic()
+        try:
+            call(tf.constant(bad, tf.int32))
+            res[mode] = ["no error", time.monotonic() - start]
+        except Exception as e:  # the test reads the text
+            res[mode] = [f"{type(e).__name__}: {e}", time.monotonic() - start]
+    res["after"] = [bps.alltoall(x).numpy().tolist(), bps.push_pull(x, name="after", op=bps.Sum).numpy().tolist()]
+    return res

@@ -14,11 +14,13 @@ from conftest import Run  # noqa: E402
 
 N = 2
 TIMEOUT = pytest.mark.timeout(300)
+# TensorFlow's import and first traces hold a loaded machine's cores for seconds: heartbeats get room
+ENV = {"BYTEPS_HEARTBEAT_TIMEOUT": "20"}
 
 
 @TIMEOUT
 def test_sync_batch_norm_equals_batch_norm_of_all_batches(tmp_path):
-    run = Run(tmp_path, "tf_sync_batch_norm", N, 1, timeout=240)
+    run = Run(tmp_path, "tf_sync_batch_norm", N, 1, env=ENV, timeout=240)
     values = run.values()
     want = values[0]["want"]
     for r, v in enumerate(values):
@@ -39,7 +41,7 @@ def test_sync_batch_norm_equals_batch_norm_of_all_batches(tmp_path):
 
 @TIMEOUT
 def test_elastic_state_sync_restore_commit(tmp_path):
-    run = Run(tmp_path, "tf_elastic_state", N, 1, timeout=240)
+    run = Run(tmp_path, "tf_elastic_state", N, 1, env=ENV, timeout=240)
     values = run.values()
     rank0 = [np.full((2, 2), 1.0).tolist(), np.arange(3.0).tolist()]
     keras_start = values[0]["keras"][0]
@@ -50,3 +52,19 @@ def test_elastic_state_sync_restore_commit(tmp_path):
         start, trained, restored, epoch = v["keras"]
         assert start == keras_start, f"rank {r}: run() did not start from rank 0's model"
         assert trained != start and restored == start and epoch == 0, f"rank {r}"
+
+
+@TIMEOUT
+def test_one_rank_refusing_an_alltoall_fails_it_on_every_rank_promptly(tmp_path):
+    # BYTEPS_TIMEOUT is long, so an error that waited for it could not pass for a prompt one
+    run = Run(tmp_path, "tf_one_rank_refuses", N, 1, env={**ENV, "BYTEPS_TIMEOUT": "120"}, timeout=240)
+    values = run.values()
+    for r, v in enumerate(values):
+        for mode in ("eager", "function"):
+            error, seconds = v[mode]
+            assert "InvalidArgumentError" in error and "rank 1's splits ([3, -1])" in error, f"rank {r} {mode}: {error}"
+            assert "rank 0" not in error and "tf.alltoall" in error, f"rank {r} {mode}: {error}"
+            assert seconds < 10, f"rank {r} {mode}: the error took {seconds:.1f} s"
+        x = [np.arange(2 * N) + 100 * q for q in range(N)]
+        assert v["after"][0] == np.concatenate([x[q][2 * r:2 * r + 2] for q in range(N)]).tolist(), f"rank {r}"
+        assert v["after"][1] == sum(x).tolist(), f"rank {r}"
