@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from byteps import common
+from byteps.splits import send_table, splits_row
 
 from .compression import Compression
 from .ops import (Average, Max, Min, Product, Sum, _display_name, _reduce_group, _resolve_op, _scale,
@@ -80,46 +81,14 @@ def _gather_reduce_np(arr, op, name):
     return stacked.max(0)
 
 
-def _splits_row(arr, splits, n):
-    """This rank's part of the alltoall's table: [dim 0 (-1: a scalar), how many splits it gave (-1: none),
-    its first ``n`` splits (zero-padded)]."""
-    row = np.zeros(n + 2, dtype=np.int64)
-    row[0] = arr.shape[0] if arr.ndim else -1
-    row[1] = -1
-    if splits is not None:
-        given = np.asarray(splits, dtype=np.int64).reshape(-1)
-        row[1] = given.size
-        row[2:2 + min(n, given.size)] = given[:n]
-    return row
-
-
-def _splits_problem(rank, row, n):
-    """What is wrong with rank ``rank``'s row of the table (None: nothing)."""
-    rows, count, splits = int(row[0]), int(row[1]), row[2:]
-    if rows < 0:
-        return f"rank {rank}'s tensor is a scalar (alltoall splits dim 0)"
-    if count < 0:
-        return None if rows % n == 0 else (f"rank {rank}'s dim 0 ({rows}) is not divisible by the number of ranks "
-                                           f"({n}) and it gave no splits")
-    if count != n or (splits < 0).any() or splits.sum() != rows:
-        shown = splits.tolist() if count == n else f"{count} entries"
-        return f"rank {rank}'s splits ({shown}) must be {n} non-negative entries summing to its dim 0 ({rows})"
-    return None
-
-
 def _alltoall_np(arr, splits, name):
-    """Every rank's dim 0 and splits are gathered before any is checked, so bad splits on one rank fail the
-    alltoall on every rank alike, naming that rank: a rank refusing alone would leave the others waiting
-    for its part until BYTEPS_TIMEOUT."""
+    """Every rank's dim 0 and splits are gathered and checked first (byteps/splits.py), then the rows."""
     n, me = common.size(), common.rank()
     arr = np.ascontiguousarray(arr)
-    table, _ = gather_np(_splits_row(arr, splits, n).reshape(1, n + 2), f"{name}.splits")
-    problems = [p for p in (_splits_problem(r, row, n) for r, row in enumerate(table)) if p]
-    if problems:
-        raise ValueError(f"alltoall {name!r}: " + "; ".join(problems))
-    # table[src][dst]: rows src sends to dst
-    table = np.stack([row[2:] if row[1] >= 0 else np.full(n, row[0] // n) for row in table])
-    rows, _ = gather_np(arr, f"{name}.data")
+    row = splits_row(arr.shape[0] if arr.ndim else -1, splits, n)
+    gathered, _ = gather_np(row.reshape(1, n + 2), f"{name}.splits")
+    table = send_table(name, gathered)  # table[src][dst]: rows src sends to dst
+    rows, _ = gather_np(arr[:table[me].sum()], f"{name}.data")
     starts = np.concatenate([[0], np.cumsum(table.sum(1))])
     pieces = []
     for src in range(n):
