@@ -119,7 +119,33 @@ def tf_elastic_state(out, args):
         return start, trained, [w.tolist() for w in state.model.get_weights()], state.epoch
 
     res["keras"] = train(keras_state, 2)
+    res["callbacks"] = _fit_with_elastic_callbacks(keras, bps, model, r)
     return res
+
+
+def _fit_with_elastic_callbacks(keras, bps, model, r):
+    """One epoch of 3 batches with Horovod's elastic Keras callbacks, committing every 2 batches: the state's
+    batch and epoch after fit, then after restore (the commit at batch index 1), the weights at that batch."""
+    import byteps.keras
+
+    elastic = byteps.keras.elastic
+    state = elastic.KerasState(model, batch=0, epoch=0)
+    state.sync()
+    seen = {}
+
+    class Record(keras.callbacks.Callback):
+        def on_batch_end(self, batch, logs=None):
+            seen[batch] = [w.tolist() for w in model.get_weights()]
+
+    callbacks = [elastic.UpdateBatchStateCallback(state), elastic.CommitStateCallback(state, batches_per_commit=2),
+                 elastic.UpdateEpochStateCallback(state), Record()]
+    model.fit(np.ones((6, 3)) * (r + 1), np.zeros((6, 2)), batch_size=2, epochs=1, verbose=0, shuffle=False,
+              callbacks=callbacks)
+    after_fit = [state.batch, state.epoch]
+    state.restore()
+    return {"after_fit": after_fit, "restored": [state.batch, state.epoch],
+            "weights_are_batch_1": [w.tolist() for w in model.get_weights()] == seen[1],
+            "weights_are_batch_2": [w.tolist() for w in model.get_weights()] == seen[2]}
 
 
 @scenario

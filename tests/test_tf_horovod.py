@@ -52,6 +52,9 @@ def test_elastic_state_sync_restore_commit(tmp_path):
         start, trained, restored, epoch = v["keras"]
         assert start == keras_start, f"rank {r}: run() did not start from rank 0's model"
         assert trained != start and restored == start and epoch == 0, f"rank {r}"
+        cb = v["callbacks"]  # batch indices 0, 1, 2 of epoch 0, a commit after index 1
+        assert cb["after_fit"] == [0, 0] and cb["restored"] == [1, 0], f"rank {r}: {cb}"
+        assert cb["weights_are_batch_1"] and not cb["weights_are_batch_2"], f"rank {r}: {cb}"
 
 
 @TIMEOUT

@@ -7,4 +7,4 @@ from byteps.tensorflow.keras import (Average, Compression, DistributedOptimizer,
                                      SyncBatchNormalization)
 from byteps.tensorflow.keras import __all__  # noqa: F401
 
-from . import callbacks  # noqa: F401,E402
+from . import callbacks, elastic  # noqa: F401,E402
