@@ -34,13 +34,11 @@ TORCH = {
 # test line reads PASSED), so the skip list names only what pytest itself skips.
 _KERAS3_REF = ("calls var.ref() on a Keras 3 variable, which has no ref() (keras.Variable is not a tf.Variable); "
                "fails before any byteps call, whatever the backend")
-_KERAS3_FUSED = ("builds its reference tf.keras.layers.BatchNormalization(fused=False): Keras 3 removed fused=; "
-                 "byteps.tensorflow has no SyncBatchNormalization either (docs/compat.md)")
+_KERAS3_FUSED = ("builds its reference tf.keras.layers.BatchNormalization(fused=False): Keras 3 removed fused=, so "
+                 "it fails before hvd.SyncBatchNormalization is reached (byteps.tensorflow has it: docs/compat.md)")
 _TF_SESSION = "tf.test.TestCase's own session helper, collected by pytest and skipped by TensorFlow"
 TENSORFLOW = {
     "failed": {
-        "TensorFlowTests::test_elastic_state[eager_mode]": "byteps.tensorflow has no elastic module (Horovod's "
-                                                           "elastic TensorFlow state; docs/compat.md)",
         "TensorFlowTests::test_horovod_syncbn_cpu[graph_mode]": _KERAS3_FUSED,
         "TensorFlowTests::test_horovod_syncbn_cpu[eager_mode]": _KERAS3_FUSED,
         "TensorFlowTests::test_partial_distributed_gradient_tape[graph_mode]": _KERAS3_REF,
