@@ -2,8 +2,9 @@
 
 BytePS's and Horovod's TF API over the Summation Service: ``push_pull``/``allreduce``,
 ``broadcast``, ``broadcast_variables``, ``broadcast_object``, ``DistributedGradientTape`` for
-custom training loops, ``DistributedOptimizer`` for Keras 3 optimizers (``model.fit``) and the
-Keras callbacks in :mod:`byteps.tensorflow.callbacks`. Everything works in eager mode and inside
+custom training loops, ``DistributedOptimizer`` for Keras 3 optimizers (``model.fit``), the
+Keras callbacks in :mod:`byteps.tensorflow.callbacks`, Horovod's ``SyncBatchNormalization`` and its
+elastic state (:mod:`byteps.tensorflow.elastic`). Everything works in eager mode and inside
 ``tf.function`` (not under XLA: ``jit_compile=False``).
 """
 import os

@@ -4,7 +4,7 @@ Each job runs the pinned file as ``horovodrun -np N pytest -v`` would, on 2 rank
 (2 "machines" of 2 processes, all on 127.0.0.1), through tests/compat/harness.py;
 every rank's outcome is checked against tests/compat/expected.py: the same tests fail (each for its
 listed reason) and skip, the rest pass, and no rank is left unfinished. Marked ``compat`` (minutes per
-job): ``make test-compat`` runs them; test_tensorflow.py on 4 ranks takes about half an hour on a loaded
+job): ``make test-compat`` runs them; test_tensorflow.py on 4 ranks takes about 35 minutes on a loaded
 2-core machine, so it is marked ``compat_long`` instead (``make test-compat-long``; CI runs both). Without
 the pinned files they skip, saying where they looked.
 """
@@ -37,7 +37,7 @@ def test_horovod_file_on_byteps(tmp_path, suite, ranks, local_size):
     pinned, why = harness.compat_dir()
     if pinned is None:
         pytest.skip(why)
-    # the TensorFlow file takes about 13 minutes on 2 ranks and 30 on 4 on a loaded 2-core machine: room for a
+    # the TensorFlow file takes about 13 minutes on 2 ranks and 35 on 4 on a loaded 2-core machine: room for a
     # slower one
     deadline = {"tensorflow": 1800 * ranks // 2 + 200}.get(suite, 1200)
     results = harness.run_suite(suite, str(tmp_path), ranks, local_size, timeout=deadline, pinned=pinned)
