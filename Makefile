@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 TENSORFLOW ?= tensorflow-cpu==2.21.0
 UCX ?= libucx-cu12>=1.15
 
-.PHONY: setup train test test-all test-ucx test-compat bench figures clean
+.PHONY: setup train test test-all test-ucx test-compat test-compat-long bench figures clean
 
 setup: $(VENV)/.byteps-installed
 
@@ -32,6 +32,10 @@ test: setup mxnet-env
 # $BYTEPS_COMPAT_DIR (the tests skip, saying so, without them).
 test-compat: setup
 	$(PY) -m pytest -q -m compat tests/compat
+
+# Horovod's test_tensorflow.py on 4 ranks (2 machines x 2 processes): about 35 minutes on 2 loaded cores
+test-compat-long: setup
+	$(PY) -m pytest -q -m compat_long tests/compat
 
 # MXNet 1.9.1 imports only with numpy <= 1.23.5, so it gets its own venv, .venv-mxnet (docs/mxnet.md).
 # Idempotent: returns at once when up to date; rebuilds byteps there when its sources changed.

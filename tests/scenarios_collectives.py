@@ -85,7 +85,14 @@ def _alltoall(rank, size):
     oe = hvd.alltoall(xe, name="a2a.grad.eq")
     (oe * (rank + 1)).sum().backward()
     res["grad_equal"] = xe.grad.tolist()
-    # errors, local (ValueError at submit) and cross-rank (RuntimeError on every rank; the job goes on)
+    # one rank's bad splits fail the alltoall on every rank at once, naming that rank (no barrier follows to
+    # rescue a rank left waiting: it would wait for BYTEPS_TIMEOUT, 30 s)
+    bad = [3, -1] + [1] * (size - 2) if rank == 1 else [1] * size
+    start = time.monotonic()
+    res["err_one_rank"] = _etype(lambda: hvd.alltoall(torch.ones(size, 2), splits=bad, name="a2a.one_rank"))
+    res["err_one_rank_s"] = time.monotonic() - start
+    # errors: bad splits (ValueError on every rank), cross-rank mismatches (RuntimeError on every rank); the
+    # job goes on
     res["err_splits_type"] = _etype(lambda: hvd.alltoall(torch.ones(size, 2), splits=torch.ones(size)))
     res["err_equal_split"] = _etype(lambda: hvd.alltoall(torch.ones(size * 2 + 1, 2)))
     res["err_splits_sum"] = _etype(lambda: hvd.alltoall(torch.ones(2, 2), splits=[3] * size))

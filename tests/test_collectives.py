@@ -87,6 +87,10 @@ def test_alltoall_errors(job):
         for key in ("err_rank", "err_type"):
             assert v[key] is not None and "RuntimeError" in v[key]["types"], (r, key, v[key])
         assert v["after_errors"] == [float(q) for q in range(N)]
+        err = v["err_one_rank"]
+        assert err is not None and "ValueError" in err["types"], (r, err)
+        assert "a2a.one_rank" in err["msg"] and "rank 1's splits ([3, -1, " in err["msg"], (r, err["msg"])
+        assert v["err_one_rank_s"] < 10, f"rank {r}: the error took {v['err_one_rank_s']:.1f} s"
 
 
 @TIMEOUT

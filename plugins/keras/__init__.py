@@ -3,7 +3,8 @@ library whether imported as ``keras`` or ``tf.keras``, so this is :mod:`byteps.t
 from byteps.tensorflow.keras import (Average, Compression, DistributedOptimizer, Sum, allgather,  # noqa: F401
                                      allgather_object, allreduce, barrier, broadcast, broadcast_global_variables,
                                      broadcast_object, broadcast_variables, init, is_initialized, load_model,
-                                     local_rank, local_size, push_pull, rank, reducescatter, shutdown, size)
+                                     local_rank, local_size, push_pull, rank, reducescatter, shutdown, size,
+                                     SyncBatchNormalization)
 from byteps.tensorflow.keras import __all__  # noqa: F401
 
-from . import callbacks  # noqa: F401,E402
+from . import callbacks, elastic  # noqa: F401,E402

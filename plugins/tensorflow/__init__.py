@@ -2,8 +2,9 @@
 
 BytePS's and Horovod's TF API over the Summation Service: ``push_pull``/``allreduce``,
 ``broadcast``, ``broadcast_variables``, ``broadcast_object``, ``DistributedGradientTape`` for
-custom training loops, ``DistributedOptimizer`` for Keras 3 optimizers (``model.fit``) and the
-Keras callbacks in :mod:`byteps.tensorflow.callbacks`. Everything works in eager mode and inside
+custom training loops, ``DistributedOptimizer`` for Keras 3 optimizers (``model.fit``), the
+Keras callbacks in :mod:`byteps.tensorflow.callbacks`, Horovod's ``SyncBatchNormalization`` and its
+elastic state (:mod:`byteps.tensorflow.elastic`). Everything works in eager mode and inside
 ``tf.function`` (not under XLA: ``jit_compile=False``).
 """
 import os
@@ -22,7 +23,7 @@ from byteps.common import (barrier, init, is_initialized, local_rank, local_size
 from byteps.build_info import (ccl_built, cuda_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,  # noqa: F401
                                nccl_built, rocm_built)
 
-from . import callbacks, distribute
+from . import callbacks, distribute, elastic
 from .collectives import (allgather, allreduce, alltoall, grouped_allgather, grouped_allreduce, grouped_reducescatter,
                           push_pull, reducescatter)
 from .compression import Compression
@@ -30,6 +31,7 @@ from .functions import (allgather_object, broadcast_, broadcast_global_variables
                         broadcast_variables)
 from .ops import Adasum, Average, Max, Min, Product, Sum, broadcast, broadcast_group, push_pull_group
 from .optimizer import DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape
+from .sync_batch_norm import SyncBatchNormalization
 
 
 def _executing_eagerly():
@@ -62,7 +64,8 @@ def local_size_op(name=None):
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "barrier", "mark_step",
            "Average", "Sum", "push_pull", "allreduce", "push_pull_group", "broadcast", "broadcast_group",
            "broadcast_variables", "broadcast_object", "allgather_object", "Compression",
-           "DistributedGradientTape", "DistributedOptimizer", "callbacks", "distribute",
+           "DistributedGradientTape", "DistributedOptimizer", "callbacks", "distribute", "elastic",
+           "SyncBatchNormalization",
            # Horovod
            "Min", "Max", "Product", "Adasum", "grouped_allreduce", "allgather", "grouped_allgather", "alltoall",
            "reducescatter", "grouped_reducescatter", "broadcast_", "broadcast_global_variables",

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from byteps import common
+from byteps.splits import send_table, splits_row
 
 from .compression import Compression
 from .ops import (Average, Max, Min, Product, Sum, _display_name, _reduce_group, _resolve_op, _scale,
@@ -81,19 +82,13 @@ def _gather_reduce_np(arr, op, name):
 
 
 def _alltoall_np(arr, splits, name):
+    """Every rank's dim 0 and splits are gathered and checked first (byteps/splits.py), then the rows."""
     n, me = common.size(), common.rank()
     arr = np.ascontiguousarray(arr)
-    if splits is None:
-        if arr.ndim == 0 or arr.shape[0] % n:
-            raise ValueError(f"alltoall {name!r}: dim 0 ({arr.shape[:1]}) must be divisible by the number of ranks "
-                             f"({n}) when no splits are given")
-        splits = np.full(n, arr.shape[0] // n, dtype=np.int64)
-    splits = np.asarray(splits, dtype=np.int64).reshape(-1)
-    if splits.size != n or (splits < 0).any() or splits.sum() != (arr.shape[0] if arr.ndim else 1):
-        raise ValueError(f"alltoall {name!r}: splits {splits.tolist()} must have {n} non-negative entries summing "
-                         f"to dim 0 ({arr.shape[:1]})")
-    table, _ = gather_np(splits.reshape(1, n), f"{name}.splits")  # table[src][dst]: rows src sends to dst
-    rows, _ = gather_np(arr, f"{name}.data")
+    row = splits_row(arr.shape[0] if arr.ndim else -1, splits, n)
+    gathered, _ = gather_np(row.reshape(1, n + 2), f"{name}.splits")
+    table = send_table(name, gathered)  # table[src][dst]: rows src sends to dst
+    rows, _ = gather_np(arr[:table[me].sum()], f"{name}.data")
     starts = np.concatenate([[0], np.cumsum(table.sum(1))])
     pieces = []
     for src in range(n):

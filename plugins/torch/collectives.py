@@ -17,6 +17,7 @@ thread, so every rank derives the same names. A name already in flight raises ``
 import torch
 
 from byteps.errors import BytePSError
+from byteps.splits import rows_sent, send_table, splits_row
 
 from . import completion
 from .compression import Compression
@@ -37,41 +38,32 @@ def _check_move_dtype(tensor, name):
 
 # ------------------------------------------------------------------------------ alltoall
 
-def _splits_list(tensor, splits, n):
+def _given_splits(tensor, splits):
+    """The splits as a list (None: equal blocks); the checks of their values are made on every rank alike
+    (byteps/splits.py), after the alltoall's first gather."""
     if tensor.dim() == 0:
         raise ScalarInputError("alltoall does not support scalar inputs")
-    rows = tensor.shape[0]
     if splits is None:
-        if rows % n:
-            raise ValueError(f"alltoall: tensor dim 0 ({rows}) must be divisible by the number of ranks ({n}) "
-                             "when splits are not given")
-        return [rows // n] * n
+        return None
     if isinstance(splits, torch.Tensor):
         if splits.dtype != torch.int32:
             raise ValueError(f"alltoall: splits must be an int32 tensor, got {splits.dtype}")
-        splits = splits.reshape(-1).tolist()
-    else:
-        splits = [int(s) for s in splits]
-    if len(splits) != n:
-        raise ValueError(f"alltoall: splits has {len(splits)} entries; it needs one per rank ({n})")
-    if any(s < 0 for s in splits):
-        raise ValueError(f"alltoall: splits must not be negative: {splits}")
-    if sum(splits) > rows:
-        raise ValueError(f"alltoall: the splits sum to {sum(splits)}, more than the tensor's dim 0 ({rows})")
-    return splits
+        return splits.reshape(-1).tolist()
+    return [int(s) for s in splits]
 
 
 def _alltoall_start(tensor, splits, name, pset=None):
     n, me, _ = _members(pset)
-    send = _splits_list(tensor, splits, n)
+    rows = tensor.shape[0] if tensor.dim() else -1
+    row = splits_row(rows, _given_splits(tensor, splits), n)
     full = _name("alltoall", name, pset)
     _check_move_dtype(tensor, full)
-    src = _contiguous_copy(tensor.narrow(0, 0, sum(send)))
-    row = torch.tensor([send], dtype=torch.int64)
+    # bad splits send no rows: the check after the first gather fails the alltoall on every rank
+    src = _contiguous_copy(tensor.narrow(0, 0, rows_sent(row, n)))
     gathers = []
 
     def start_splits():
-        p = _allgather_start(row, f"{full}.splits", pset)
+        p = _allgather_start(torch.from_numpy(row.reshape(1, n + 2)), f"{full}.splits", pset)
         gathers.append(p)
         return p.handle
 
@@ -81,8 +73,8 @@ def _alltoall_start(tensor, splits, name, pset=None):
         return p.handle
 
     def finish(outcomes, pending):
-        (matrix, _), (data, _) = outcomes
-        matrix = matrix.reshape(n, n).tolist()          # matrix[r][d]: rows rank r sends to rank d
+        (table, _), (data, _) = outcomes
+        matrix = send_table(full, table.numpy()).tolist()  # matrix[r][d]: rows rank r sends to rank d
         pieces, start = [], 0
         for r in range(n):
             offset = start + sum(matrix[r][:me])

@@ -15,12 +15,13 @@ from ..compression import Compression
 from ..functions import allgather_object, broadcast_object, broadcast_variables
 from ..ops import Average, Sum
 from ..optimizer import DistributedOptimizer as _distributed_optimizer
-from . import callbacks
+from ..sync_batch_norm import SyncBatchNormalization
+from . import callbacks, elastic
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "barrier",
            "Average", "Sum", "Compression", "DistributedOptimizer", "load_model", "broadcast_global_variables",
            "allreduce", "push_pull", "allgather", "broadcast", "reducescatter", "broadcast_variables",
-           "broadcast_object", "allgather_object", "callbacks"]
+           "broadcast_object", "allgather_object", "callbacks", "elastic", "SyncBatchNormalization"]
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,

@@ -1,0 +1,59 @@
+"""Horovod's ``hvd.elastic`` of its Keras modules: ``KerasState`` and the callbacks that keep a state's
+batch and epoch current and commit it during ``model.fit``; ``run`` is :func:`byteps.tensorflow.elastic.run`.
+
+Horovod's ``UpdateBatchStateCallback`` also shortens the first epoch after a restart by the batches already
+done (it rewrites ``params['steps']``); Keras 3's fit loop does not read that back, and byteps does not
+restart a job with other workers, so here it only records the batch.
+"""
+import keras
+
+from ..elastic import TensorFlowKerasState, run
+
+__all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
+
+
+class KerasState(TensorFlowKerasState):
+    """A Keras 3 ``model``, its ``optimizer`` (default ``model.optimizer``) and keyword attributes."""
+
+    def __init__(self, model, optimizer=None, **kwargs):
+        super().__init__(model, optimizer=optimizer, **kwargs)
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commit ``state`` after every ``batches_per_commit`` batches."""
+
+    def __init__(self, state, batches_per_commit=1):
+        super().__init__()
+        self.state, self.batches_per_commit = state, batches_per_commit
+        self.batches_remaining = batches_per_commit
+
+    def on_batch_end(self, batch, logs=None):
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.state.commit()
+            self.batches_remaining = self.batches_per_commit
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """``state.batch``: the index of the last batch done in this epoch (0 again at the epoch's end)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_batch_end(self, batch, logs=None):
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """``state.epoch``: the index of the last epoch done."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = epoch
