@@ -10,20 +10,19 @@ A list is plain data, so it is configured from the environment without recompili
 (``BYTEPS_PIPELINE``: drop optional stages), printed by ``bpslaunch --stages`` and checked by the
 engine at every step of a partition.
 
-Stages and the thread that runs them (core/engine.py):
+Stages and the thread that runs them (the native worker core, core/pipeline/worker_stages.h):
 
 ===================  =================================================  =====================
 stage                work                                               thread (queue)
 ===================  =================================================  =====================
-COORDINATE           a non-owner hands its copy to the partition's      network (engine loop)
+COORDINATE           a non-owner hands its copy to the partition's      network (byteps-net)
                      owner (LOCAL_READY with a shared-memory descriptor)
-LOCAL_REDUCE         the owner sums the machine's copies (``sum_many``)  ``byteps-reduce``
-                                                                         (ComputeStage, or the
-                                                                         native core's stage
-                                                                         thread; by priority)
-STAGE                the partition is copied into this process's shared  ``byteps-copy``
-                     region for a colocated server (the server then      (ComputeStage, by
-                     sums straight from it)                              priority)
+LOCAL_REDUCE         the owner sums the machine's copies (``sum_many``)  ``byteps-reduce`` (the
+                                                                         stage thread, by
+                                                                         priority; small inline)
+STAGE                the partition is copied into this process's shared  byteps-net (inline), or
+                     region for a colocated server (the server then      ``byteps-reduce`` from
+                     sums straight from it)                              256 KB
 PUSH                 send the partition (or descriptor) to its server    network (send queue:
                                                                          priority + credit)
 PULL                 receive the reply into the tensor (``recv_into``    network
