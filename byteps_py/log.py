@@ -2,6 +2,7 @@
 import logging
 import os
 import sys
+import time
 
 _LEVELS = {"TRACE": 5, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
            "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
@@ -30,3 +31,28 @@ def setup(role="worker", ident=""):
     logger.addHandler(handler)
     logger.propagate = False
     return logger
+
+
+class Throttled:
+    """Warnings about peers a process does not control (strangers, malformed messages): at most
+    ``limit`` per ``window_s`` seconds; the first one after a quiet spell says how many were not
+    logged. A flood costs a counter, not a log line per message."""
+
+    def __init__(self, limit=10, window_s=60.0, clock=time.monotonic):
+        self.limit, self.window_s, self._clock = limit, window_s, clock
+        self._start = None
+        self._logged = 0
+        self.suppressed = 0  # not logged in the current window
+
+    def warning(self, msg, *args):
+        now = self._clock()
+        if self._start is None or now - self._start >= self.window_s:
+            if self.suppressed:
+                logger.warning("... %d more such warnings were not logged in the last %.0f s", self.suppressed,
+                               self.window_s)
+            self._start, self._logged, self.suppressed = now, 0, 0
+        if self._logged < self.limit:
+            self._logged += 1
+            logger.warning(msg, *args)
+        else:
+            self.suppressed += 1

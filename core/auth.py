@@ -11,14 +11,26 @@ The secret never crosses the wire; the labels keep the two directions apart, so 
 stranger's HELLO gives nothing that could be replayed as a client; fresh nonces prevent replay.
 A client checks the proof before it sends anything that matters (a worker never pushes gradients
 to a server that cannot prove it knows the secret); a server ignores every data or control
-message from an identity that has not authenticated, and logs the refusal.
+message from an identity that has not authenticated, and logs the refusal (throttled).
+
+What a stranger can make a gate keep is bounded: an open handshake (HELLO answered, AUTH not yet
+come) expires after PENDING_TTL_S, and at most PENDING_LIMIT are open at once (the oldest goes
+first); only identities that passed are remembered for good, and those are the job's own.
 """
+import collections
 import hashlib
 import hmac
 import os
 import secrets
+import time
+
+from byteps.log import Throttled
 
 NONCE_BYTES = 16
+#: an open handshake (our CHALLENGE sent, the peer's AUTH not yet in) is forgotten after this long
+PENDING_TTL_S = 60.0
+#: handshakes open at once; beyond it the oldest is forgotten (its AUTH then fails, as a late one does)
+PENDING_LIMIT = 4096
 
 
 def job_secret(env=None):
@@ -59,21 +71,29 @@ class AuthError(Exception):
 class Gate:
     """The accepting side of a socket: answers HELLOs, checks MACs, remembers who passed."""
 
-    def __init__(self, secret):
+    def __init__(self, secret, clock=time.monotonic):
         self.secret = secret
-        self._pending = {}   # identity -> our nonce, while its handshake is open
+        self._clock = clock
+        self._pending = collections.OrderedDict()  # identity -> (our nonce, when), oldest first
         self._passed = set()
-        self.refused = set()  # identities already logged as refused (log once each)
+        self.refusals = Throttled()  # warnings about strangers: a flood costs a counter, not a line each
 
     def challenge(self, identity, body):
         """The CHALLENGE body answering a HELLO."""
+        now = self._clock()
+        while self._pending and (len(self._pending) >= PENDING_LIMIT or
+                                 now - next(iter(self._pending.values()))[1] > PENDING_TTL_S):
+            self._pending.popitem(last=False)
         ours = nonce()
-        self._pending[identity] = ours
+        self._pending.pop(identity, None)  # a HELLO again: the newest challenge counts, from now
+        self._pending[identity] = (ours, now)
         return {"nonce": ours, "proof": server_proof(self.secret, str(body.get("nonce", "")), identity)}
 
     def check(self, identity, mac):
-        """True if ``mac`` answers the challenge we gave ``identity``; it then stays admitted."""
-        ours = self._pending.pop(identity, None)
+        """True if ``mac`` answers the challenge we gave ``identity`` (within PENDING_TTL_S); it then
+        stays admitted."""
+        entry = self._pending.pop(identity, None)
+        ours = entry[0] if entry is not None and self._clock() - entry[1] <= PENDING_TTL_S else None
         ok = ours is not None and verify(client_mac(self.secret, ours, identity), mac)
         if ok:
             self._passed.add(identity)
@@ -85,6 +105,10 @@ class Gate:
     def admitted(self):
         """Identities that passed (handed to the native thread with the socket)."""
         return list(self._passed)
+
+    def open_handshakes(self):
+        """Handshakes open now (tests check the bound)."""
+        return len(self._pending)
 
 
 class Knock:

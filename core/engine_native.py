@@ -70,26 +70,13 @@ class NativePlane:
         return self._native.links_up if self._native is not None else 0
 
     def _native_eligible(self, op):
-        """Ops the native thread runs whole: plain push_pulls (through the machine's local reduce when
-        it has several processes), broadcasts (never reduced locally: core/stages.py), both in a
-        process set (its members push themselves, past the local reduce) and asynchronous push_pulls
-        (a delta each, answered with the server's parameters). A function of
-        the op and the job's config only, so every local rank takes the same path for an op; after
-        join() a process runs its local reduce in Python (the native side routes each partition's
-        LOCAL_READY / LOCAL_DONE to whichever side runs it, so ranks that switch at different moments
-        still meet). Only a process that joined switches; its peers' ops stay native."""
-        # what stays on this engine's Python partition path: a joined process's local reduce (the
-        # topology executor's ranges go native through _native_submit_range; compressed ops are encoded
-        # by the native core: core/pipeline/worker_codec.h). A process set's op is native: its members
-        # push themselves (no local reduce), and the servers know how many members push its key before
-        # any member has the key (scheduler/scheduler.py)
-        if type(op) is not Op or (self._wire_codec(op) is not None and self.cfg.elastic):
-            return False  # elastic servers: a compressed op is refused (_dispatch says so)
-        if op.pset is not None or op.cmd == Cmd.ASYNC_PUSHPULL:  # never reduced locally
-            return not self.cfg.elastic  # only plain push_pulls and broadcasts move to a new server
-        if op.cmd == Cmd.BROADCAST:
+        """Whether ``op`` may run in this job: every op may, but with elastic servers (BYTEPS_ELASTIC=1)
+        only plain push_pulls and broadcasts, which the native core moves to a lost server's
+        replacement; _dispatch fails the others, saying so. A function of the op and the job's config,
+        so every rank decides alike."""
+        if not self.cfg.elastic:
             return True
-        return op.cmd == Cmd.PUSHPULL and (self.local is None or self._native_local)
+        return op.pset is None and op.cmd != Cmd.ASYNC_PUSHPULL and self._wire_codec(op) is None
 
     def _native_table(self, op, tkey):
         """(table id, partitions) of ``op``'s tensor in the native core, registered on first use: per

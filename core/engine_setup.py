@@ -479,16 +479,14 @@ class EngineSetup:
         try:
             header = wire.unpack(frames[1])
         except ProtocolError as e:
-            logger.warning("dropped a malformed local message: %s", e)
+            self._gate.refusals.warning("dropped a malformed local message: %s", e)
             return
         peer = frames[0]
         if header.cmd in (Cmd.HELLO, Cmd.AUTH):
             self._local_handshake(sock, peer, header, frames[2])
             return
         if not self._gate.allows(peer):
-            if peer not in self._gate.refused:
-                self._gate.refused.add(peer)
-                logger.warning("ignored a local message from an unauthenticated peer %r", peer)
+            self._gate.refusals.warning("ignored a local message from an unauthenticated peer %r", peer)
             return
         if header.cmd == Cmd.LINK:  # a higher local rank offers a direct link (_open_local_links)
             try:
@@ -513,6 +511,6 @@ class EngineSetup:
             else:
                 sock.send_multipart([peer] + reply)
         elif not self._gate.check(peer, body.get("mac")):
-            logger.warning("refused local peer %r: authentication failed", peer)
+            self._gate.refusals.warning("refused local peer %r: authentication failed", peer)
         elif self._native_local:
             self._native.allow_local(peer)

@@ -181,7 +181,7 @@ class Scheduler(Registration, Declarations, Join, ElasticServers):
             header = wire.unpack(raw_header)
             body = wire.decode(raw_body)
         except ProtocolError as e:
-            logger.warning("dropped a malformed control message: %s", e)
+            self.gate.refusals.warning("dropped a malformed control message: %s", e)
             return
         if header.cmd == Cmd.HELLO:
             if self.gate.secret is None:
@@ -191,8 +191,8 @@ class Scheduler(Registration, Declarations, Join, ElasticServers):
             return
         if header.cmd in (Cmd.REGISTER, Cmd.EXIT) and self.gate.secret is not None \
                 and not self.gate.check(ident, body.get("auth")):
-            logger.warning("refused %s from pid %s on %s: authentication failed (wrong or missing "
-                           "BYTEPS_JOB_SECRET)", Cmd(header.cmd).name, body.get("pid"), body.get("hostname"))
+            self.gate.refusals.warning("refused %s from pid %s on %s: authentication failed (wrong or missing "
+                                       "BYTEPS_JOB_SECRET)", Cmd(header.cmd).name, body.get("pid"), body.get("hostname"))
             self._send(ident, Cmd.ERROR, {"error": "authentication failed: this node's BYTEPS_JOB_SECRET does not "
                                                    "match the scheduler's"})
             return

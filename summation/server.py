@@ -282,10 +282,8 @@ class Server:
                 return True
             if not self.gate.allows(ident):
                 self._discard_rest()
-                if ident not in self.gate.refused:
-                    self.gate.refused.add(ident)
-                    logger.warning("ignored data from an unauthenticated peer %r (it never proved it knows "
-                                   "BYTEPS_JOB_SECRET)", ident)
+                self.gate.refusals.warning("ignored data from an unauthenticated peer %r (it never proved it knows "
+                                           "BYTEPS_JOB_SECRET)", ident)
                 return True
             if header.cmd == Cmd.PROBE:
                 self._on_probe(ident, header)
@@ -302,7 +300,7 @@ class Server:
                 raise ProtocolError(f"{Cmd(header.cmd).name} is not a data request")
         except ProtocolError as e:
             self._discard_rest()
-            logger.warning("rejected a malformed data message: %s", e)
+            self.gate.refusals.warning("rejected a malformed data message: %s", e)
             return True
         # the native thread sums every well-formed push: what comes here cannot join a round
         self._discard_rest()
@@ -310,7 +308,7 @@ class Server:
         why = ("before the address book" if self.num_workers is None else
                "without its body frame" if len(frames) < 3 else "that is malformed")
         msg = f"key {wire.split_key(header.key)}: rank {rank} sent a {Cmd(header.cmd).name} {why}"
-        logger.warning("rejected a data message: %s", msg)
+        self.gate.refusals.warning("rejected a data message: %s", msg)
         self._reply_error(ident, header, msg)
         return True
 
@@ -328,7 +326,7 @@ class Server:
         if header.cmd == Cmd.HELLO:
             self._send([ident] + wire.control(Cmd.CHALLENGE, self.control.node_id, self.gate.challenge(ident, body)))
         elif not self.gate.check(ident, body.get("mac")):
-            logger.warning("refused worker connection %r: authentication failed", ident)
+            self.gate.refusals.warning("refused worker connection %r: authentication failed", ident)
 
     # ---------------------------------------------------------------- loop
 

@@ -131,3 +131,106 @@ def test_secret_only_on_workers_is_reported_at_once(cluster):
     assert time.monotonic() - start < 20  # BYTEPS_TIMEOUT is 30 in tests
     log = c.log("worker0.0")
     assert "BYTEPS_JOB_SECRET" in log, log
+
+
+def test_open_handshakes_are_bounded_and_expire():
+    """A stranger's HELLO opens a handshake; 100,000 of them from distinct identities leave at most
+    PENDING_LIMIT open (the oldest go first) and the gate's memory flat; an open handshake expires
+    after PENDING_TTL_S (its AUTH then fails), and a member's handshake still passes."""
+    import tracemalloc
+
+    from byteps.core import auth
+
+    now = [0.0]
+    secret = b"s3cret"
+    gate = auth.Gate(secret, clock=lambda: now[0])
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for i in range(100_000):
+        gate.challenge(b"stranger-%d" % i, {"nonce": "00"})
+    grown = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert gate.open_handshakes() == auth.PENDING_LIMIT
+    assert grown < 4 << 20, f"the gate kept {grown} bytes for 100,000 strangers"
+    # a member's handshake passes; one answered after PENDING_TTL_S does not
+    member = auth.Knock(secret, b"member")
+    mac = member.answer(gate.challenge(b"member", member.hello()), "gate")
+    assert gate.check(b"member", mac) and gate.allows(b"member")
+    late = auth.Knock(secret, b"late")
+    mac = late.answer(gate.challenge(b"late", late.hello()), "gate")
+    now[0] += auth.PENDING_TTL_S + 1
+    assert not gate.check(b"late", mac) and not gate.allows(b"late")
+    gate.challenge(b"next", {"nonce": "00"})  # expired handshakes go at the next HELLO
+    assert gate.open_handshakes() == 1
+
+
+def test_warnings_about_strangers_are_throttled(caplog):
+    """At most ``limit`` warnings per window; the first after it says how many were not logged."""
+    import logging
+
+    from byteps.log import Throttled
+
+    now = [0.0]
+    t = Throttled(limit=10, window_s=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="byteps"):
+        for i in range(1000):
+            t.warning("stranger %d", i)
+        assert len(caplog.records) == 10 and t.suppressed == 990
+        now[0] += 61
+        t.warning("stranger again")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[10] == "... 990 more such warnings were not logged in the last 60 s", lines[10:]
+    assert lines[11] == "stranger again" and len(lines) == 12
+
+
+def _zmtp_hello(identity, body):
+    """A ZeroMQ (ZMTP 3.0, NULL mechanism) DEALER's greeting, READY with ``identity`` and one
+    two-frame message, as raw bytes: a stranger needs no libzmq socket per identity."""
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
+
+    def prop(name, value):
+        return bytes([len(name)]) + name + len(value).to_bytes(4, "big") + value
+    ready = b"\x05READY" + prop(b"Socket-Type", b"DEALER") + prop(b"Identity", identity)
+    frames = [bytes([0x04, len(ready)]) + ready]
+    for i, f in enumerate(body):
+        more = 0x01 if i < len(body) - 1 else 0x00
+        frames.append(bytes([more, len(f)]) + f if len(f) < 256 else
+                      bytes([more | 0x02]) + len(f).to_bytes(8, "big") + f)
+    return greeting + b"".join(frames)
+
+
+@pytest.mark.timeout(300)
+def test_a_flood_of_hellos_leaves_the_server_flat(cluster):
+    """100,000 HELLOs from distinct identities (each its own TCP connection, spread over 4 loopback
+    source addresses so their ports do not run out) cost a server a few MB at most, log nothing per
+    stranger, and the job then trains exactly as a clean one."""
+    import socket as so
+
+    import psutil
+
+    c = cluster(2, 1)
+    time.sleep(0.5)
+    pid = c.servers[0].pid
+    port = server_data_port(pid)
+    server = psutil.Process(pid)
+    rss0 = server.memory_info().rss
+    hello = wire.control(wire.Cmd.HELLO, body={"nonce": "00" * 16})  # [header, body]
+    sent = 0
+    for i in range(100_000):
+        s = so.socket(so.AF_INET, so.SOCK_STREAM)
+        s.bind((f"127.0.0.{2 + i % 4}", 0))
+        s.connect(("127.0.0.1", port))
+        s.sendall(_zmtp_hello(b"s%07d" % i, hello))
+        s.close()
+        sent += 1
+    deadline = time.monotonic() + 120  # let the server take them all
+    while time.monotonic() < deadline and server.cpu_percent(0.5) > 5:
+        pass
+    grown = server.memory_info().rss - rss0
+    assert grown < 16 << 20, f"the server grew {grown >> 20} MB after {sent} HELLOs"
+    specs = [{"name": f"t{i}", "shape": [5], "dtype": "int64"} for i in range(3)]
+    c.run_workers("sums", {"tensors": specs, "rounds": 2})
+    codes, scodes, sched = c.wait_all(90)
+    assert codes == [0, 0] and scodes == [0] and sched == 0, c.all_logs()
+    assert all("error" not in r for r in c.results().values()), c.results()
+    assert c.log("server0").count("\n") < 30, c.log("server0")[-3000:]
