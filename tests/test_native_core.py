@@ -113,6 +113,7 @@ def run_join(cluster):
     res = c.results()
     n = 3
     for r in range(n):
+        assert "value" in res[r], (r, res[r], c.all_logs())
         v = res[r]["value"]
         want = [(torch.tensor(float(sum(q + 1 for q in range(s, n)))) / n).item() for s in range(r + 1)]
         assert v["steps"] == want and v["last"] == n - 1, (r, v)
