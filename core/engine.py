@@ -369,11 +369,12 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
             self.joined = frozenset()
             self._joins_ended += 1
             self._native.reset_rounds()
+            if self._native_local:  # before the epoch flips: a copy of the new epoch is for our next op
+                self._native.set_self_joined(False)
             self._native.set_join_ends(self._joins_ended)  # before our next op's copies go out
             self.join_result = body["last"]
             if self._native_local:
                 self._native.set_local_joined(0)
-                self._native.set_self_joined(False)
             ev = self._requests.pop(("join", ""), None)
             if ev is not None:
                 ev.set()

@@ -376,6 +376,8 @@ class NativePlane:
         """In join(): a local peer sent its copy of a partition this process owns. The native core
         reduces the peers' copies (adding nothing of ours), pushes the sum and hands the result back,
         as for our own ops; we give it the partition's one-row table (server, shared region)."""
+        if self.rank not in self.joined:  # asked just before our join ended: the copy waits for our next op
+            return
         tkey, part = wire.split_key(key)
         ident = ("owed", key, nbytes, dtype)
         entry = self._native_parts.get(ident)

@@ -132,13 +132,17 @@ inline void BpsWorkerCore::submit_owed(int64_t id, int64_t table, uint64_t rnd, 
 }
 
 /* A copy of ``id`` came while this process is in join() and nothing here waits for it: ask Python once
- * (a copy a peer sent after it heard the join end is for our next op: rounds restart at 0). */
+ * (a copy a peer sent after it heard the join end is for our next op: rounds restart at 0). The end
+ * clears self_joined_ before it flips our epoch (Engine._on_join), and this thread may see the new
+ * epoch before its turn takes self_joined_: so self_joined_ is read here too. */
 inline void BpsWorkerCore::ask_owed(const Ident &id, const BpsHeader &h) {
-    if ((h.flags & BPS_FLAG_JOIN_EPOCH) != join_epoch_flag() || !owed_asked_.insert(id).second) return;
+    if ((h.flags & BPS_FLAG_JOIN_EPOCH) != join_epoch_flag() || owed_asked_.count(id)) return;
     {
         std::lock_guard<std::mutex> lock(mu_);
+        if (!self_joined_) return;
         owed_out_.push_back(BpsOwed{h.key, h.round, h.dtype, h.length});
     }
+    owed_asked_.insert(id);
     notify_python();
 }
 
