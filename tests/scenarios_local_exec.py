@@ -42,13 +42,18 @@ def _local_arenas():
 @scenario
 def topology_sums(out, args):
     """Every tensor of ``args["tensors"]`` ({name, count, dtype}) in flight at once, for several rounds,
-    summed (not averaged); returns the exact bytes, what the executor ran, and its arenas."""
+    summed (not averaged), with ``args["compression"]`` (a wire codec's method) if given; returns the
+    exact bytes, what the executor ran, and its arenas."""
+    from byteps.compression import WireCompressor
+
+    codec = WireCompressor(args["compression"], min_bytes=0) if args.get("compression") else None
     res = {"sums": {}}
     for rnd in range(args.get("rounds", 2)):
         handles = []
         for index, spec in enumerate(args["tensors"]):
             t = tensor(bps.rank(), rnd, index, spec["count"], spec["dtype"])
-            handles.append((spec["name"], bps.push_pull_async_inplace(t, average=False, name=spec["name"])))
+            handles.append((spec["name"], bps.push_pull_async_inplace(t, average=False, name=spec["name"],
+                                                                      compression=codec)))
         for name, h in handles:
             res["sums"][f"{name}@{rnd}"] = digest(bps.synchronize(h))
     res["executor"] = _executor_report()

@@ -119,6 +119,19 @@ def test_one_machine_with_a_colocated_server(cluster):
         assert r["stages"].get("stage", 0) == r["stages"].get("push", 0) > 0, (rank, r["stages"])
 
 
+def test_compressed_ranges_are_encoded_by_the_native_core(cluster):
+    """fp16 on the wire, servers on no worker's machine: the native core encodes each range's
+    partitions on their way out and decodes the replies (float32 and float64; int32 travels raw).
+    The values are small integers, exact in fp16, so the sums stay exact; byteps.metrics() counts the
+    encoded pushes among all the pushes."""
+    specs = tensors(["float32", "float64", "int32"], [700, 10007])
+    _, res = run(cluster, 2, 2, "topology_sums", {"tensors": specs, "rounds": 2, "compression": "fp16"},
+                 {"BYTEPS_INTRA_STRATEGY": "reduce_scatter", "BYTEPS_ENABLE_IPC": "0"}, servers=1)
+    check_sums(res, specs, 2)
+    for rank, r in res.items():
+        assert 0 < r["compressed_pushes"] < r["stages"]["push"], (rank, r["compressed_pushes"], r["stages"])
+
+
 def test_reduce_broadcast_pushes_only_from_the_roots(cluster):
     """2 machines x 3 processes, roots 1 and 2: partitions round-robin over the roots, which alone
     reduce and push; local rank 0 only broadcasts."""
