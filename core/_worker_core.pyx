@@ -151,7 +151,6 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         int done_fd()
         void submit(BpsOp *op)
         void send_raw(BpsRawSend *m)
-        uint64_t next_round(uint64_t key)
         void reset_rounds()
         void fail_all()
         cbool is_done(int64_t id)
@@ -532,9 +531,6 @@ cdef class WorkerCore:
         with nogil:
             self.core.send_raw(m)
         return zero_copy  # m belongs to the native thread now
-
-    def next_round(self, uint64_t key):
-        return self.core.next_round(key)
 
     def reset_rounds(self):
         self.core.reset_rounds()

@@ -34,12 +34,16 @@ class CommitStateCallback(keras.callbacks.Callback):
             self.batches_remaining = self.batches_per_commit
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
-    """``state.batch``: the index of the last batch done in this epoch (0 again at the epoch's end)."""
+class _StateCallback(keras.callbacks.Callback):
+    """A callback that keeps a field of an elastic ``state`` current."""
 
     def __init__(self, state):
         super().__init__()
         self.state = state
+
+
+class UpdateBatchStateCallback(_StateCallback):
+    """``state.batch``: the index of the last batch done in this epoch (0 again at the epoch's end)."""
 
     def on_batch_end(self, batch, logs=None):
         self.state.batch = batch
@@ -48,12 +52,8 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(_StateCallback):
     """``state.epoch``: the index of the last epoch done."""
-
-    def __init__(self, state):
-        super().__init__()
-        self.state = state
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.epoch = epoch
