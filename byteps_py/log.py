@@ -35,14 +35,15 @@ def setup(role="worker", ident=""):
 
 class Throttled:
     """Warnings about peers a process does not control (strangers, malformed messages): at most
-    ``limit`` per ``window_s`` seconds; the first one after a quiet spell says how many were not
-    logged. A flood costs a counter, not a log line per message."""
+    ``limit`` of each kind (each format string) per ``window_s`` seconds, so a flood of one kind
+    cannot hide another; the first one after a quiet spell says how many were not logged. A flood
+    costs a counter, not a log line per message."""
 
     def __init__(self, limit=10, window_s=60.0, clock=time.monotonic):
         self.limit, self.window_s, self._clock = limit, window_s, clock
         self._start = None
-        self._logged = 0
-        self.suppressed = 0  # not logged in the current window
+        self._logged = {}  # format string -> lines logged in the current window
+        self.suppressed = 0  # not logged in the current window, all kinds together
 
     def warning(self, msg, *args):
         now = self._clock()
@@ -50,9 +51,11 @@ class Throttled:
             if self.suppressed:
                 logger.warning("... %d more such warnings were not logged in the last %.0f s", self.suppressed,
                                self.window_s)
-            self._start, self._logged, self.suppressed = now, 0, 0
-        if self._logged < self.limit:
-            self._logged += 1
+            self._start, self.suppressed = now, 0
+            self._logged.clear()
+        logged = self._logged.get(msg, 0)
+        if logged < self.limit:
+            self._logged[msg] = logged + 1
             logger.warning(msg, *args)
         else:
             self.suppressed += 1

@@ -184,6 +184,22 @@ def test_warnings_about_strangers_are_throttled(caplog):
     assert lines[11] == "stranger again" and len(lines) == 12
 
 
+def test_a_flood_of_one_warning_does_not_hide_another(caplog):
+    """Each kind of warning (its format string) has its own budget: a thousand malformed messages
+    still leave room for the first stranger's line."""
+    import logging
+
+    from byteps.log import Throttled
+
+    t = Throttled(limit=10, window_s=60.0, clock=lambda: 0.0)
+    with caplog.at_level(logging.WARNING, logger="byteps"):
+        for i in range(1000):
+            t.warning("malformed %d", i)
+        t.warning("stranger %r", "x")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 11 and lines[-1] == "stranger 'x'" and t.suppressed == 990, lines
+
+
 @pytest.mark.timeout(420)
 def test_a_flood_of_hellos_leaves_the_server_flat(cluster):
     """100,000 HELLOs from distinct identities (each its own connection, from 4 loopback source
