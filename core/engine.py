@@ -68,6 +68,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self.rank = self.size = None
         self.tuning = None          # autotune.Agreement: the job's partition size and this worker's credit
         self._agreed = None         # the scheduler's release of the agreement (see _tune)
+        self._lost_at_start = set()  # indices of servers lost while init() ran (elastic): not waited for
         self._thread = threading.Thread(target=self._main, name="byteps-engine", daemon=True)
         # engine-thread state
         self._declaring = {}        # (name, seq, set id) -> [ops waiting for the key]

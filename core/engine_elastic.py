@@ -26,6 +26,12 @@ class ElasticServers:
         each tensor were submitted. COMMIT: the n-th op of a tensor uses the new membership's
         partitions from the cut (the largest count over all workers) on; stranded partitions go to
         their replacements in their rounds."""
+        if body.get("phase") == "lost":  # while init() runs: stop waiting for that server (engine_setup.py)
+            if not self._ready.is_set():
+                logger.warning("server %s left the job during start-up (%s): not waiting for it", body.get("server"),
+                               body.get("reason"))
+                self._lost_at_start.add(body.get("server"))
+            return
         if body.get("phase") == "prepare":
             began = time.monotonic()
             counts = self._native.hold(body.get("dead", []))

@@ -90,7 +90,10 @@ class EngineSetup:
         from . import ucx
         use_ucx = ucx.choose(self.cfg.transport, _worker_core) == "ucx"
         poller, asked = zmq.Poller(), {}
+        poller.register(self.control.sock, zmq.POLLIN)  # a server lost meanwhile is not waited for
         for i, sock in enumerate(self.servers):
+            if i in self._lost_at_start:
+                continue
             sock.send_multipart(wire.control(Cmd.LINK, self.control.node_id))
             poller.register(sock, zmq.POLLIN)
             asked[sock] = i
@@ -98,6 +101,10 @@ class EngineSetup:
         deadline = time.monotonic() + limit
         while asked and time.monotonic() < deadline:
             for sock, _ in poller.poll(timeout=100):
+                if sock is self.control.sock:
+                    self._drain(sock, lambda _: self._on_control())
+                    asked = {s: i for s, i in asked.items() if i not in self._lost_at_start}
+                    continue
                 frames = sock.recv_multipart()
                 try:
                     header = wire.unpack(frames[0])
@@ -321,9 +328,26 @@ class EngineSetup:
         self._start_native()
         if self.cfg.elastic:  # the scheduler changes servers only once every worker can hold and commit
             self.control.send(Cmd.MEMBERS, {"phase": "ready"})
+            if self._lost_at_start:
+                self._await_membership_without(self._lost_at_start)
         from . import local_exec
         self._local_exec = local_exec.start(self)  # None unless BYTEPS_LOCAL_STRATEGY=topology applies
         self._ready.set()
+
+    def _await_membership_without(self, lost):
+        """Servers were lost during start-up: the scheduler removes them as soon as every worker is ready
+        (scheduler/elastic.py). Wait for that membership, so that no op is cut for a server that has gone."""
+        deadline = time.monotonic() + self.cfg.timeout
+        while any(i in self._memberships[-1]["ids"] for i in lost):
+            if self._stopped.is_set():
+                raise BytePSError("init() was interrupted")
+            if time.monotonic() > deadline:
+                raise BytePSTimeoutError(f"init() waited {self.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the scheduler at "
+                                         f"{self.cfg.scheduler_endpoint} to remove servers {sorted(lost)}, lost during "
+                                         "start-up; its log says which worker did not answer the change")
+            if self.control.sock.poll(100):
+                self._drain(self.control.sock, lambda _: self._on_control())
+            self.control.tick()
 
     def _tune(self):
         """Partition size (job-wide) and credit (this worker's) from the link (byteps/autotune.py).
@@ -341,8 +365,9 @@ class EngineSetup:
         both_set = all((env.get(v) or "").strip() for v in ("BYTEPS_PARTITION_BYTES", "BYTEPS_SCHEDULING_CREDIT"))
         measurement = None
         if not both_set and (self.local is None or self.cfg.local_rank == 0):
+            alive = [0 if i in self._lost_at_start else w for i, w in enumerate(weights)]
             measurement = autotune.test_link(env) or self._probe(
-                autotune.probe_target(self.book["servers"], weights, me, self.rank))
+                autotune.probe_target(self.book["servers"], alive, me, self.rank))
         # a machine that reduces locally keeps the Python engine's per-piece cost in the model, as it had before
         # its local reduce moved into the native core (not re-measured since; byteps/autotune.py)
         mine = autotune.propose(measurement, shape, self.cfg.placement,
@@ -413,7 +438,11 @@ class EngineSetup:
         for sock in self._local_peers.values():  # only the CHALLENGE ever comes back on these
             self.poller.register(sock, zmq.POLLIN)
         deadline = time.monotonic() + self.cfg.timeout
-        while waiting:
+        while True:
+            for sock in [s for s in waiting if self._server_index.get(s) in self._lost_at_start]:
+                del waiting[sock]  # the scheduler removed that server (elastic): its answer will not come
+            if not waiting:
+                break
             if time.monotonic() > deadline:
                 raise BytePSTimeoutError("no authentication answer within BYTEPS_TIMEOUT from "
                                          + ", ".join(who for _, who in waiting.values()))

@@ -88,7 +88,8 @@ class Cmd(enum.IntEnum):
                        # over its authenticated DEALER; the same handshake follows (core/engine.py
                        # _open_local_links)
     # elastic servers (docs/elastic.md): the scheduler's membership change, in two steps
-    MEMBERS = 29       # scheduler -> worker: {phase: "prepare"|"commit", members, servers, dead, ...};
+    MEMBERS = 29       # scheduler -> worker: {phase: "prepare"|"commit", members, servers, dead, ...}, or to a
+                       # worker still in init(): {phase: "lost", server, reason} (stop waiting for it);
                        # worker -> scheduler: {phase: "prepared", members, counts}; scheduler -> server: notice
     SUSPECT = 30       # worker -> scheduler: {server: index}: my direct link to that server broke
     RESULT = 31        # worker -> a lost server's replacement: the result of (key, round) that the lost

@@ -29,23 +29,44 @@ class ElasticServers:
         self.ready = set()        # workers whose engine can take a change (MEMBERS "ready", after start-up)
 
     def _can_lose(self, ident):
-        """Whether losing server ``ident`` leaves a job that goes on (BYTEPS_ELASTIC=1, not the last server)."""
-        if not (self.cfg.elastic and self.running) or self._pending_book is not None:
+        """Whether losing server ``ident`` leaves a job that goes on (BYTEPS_ELASTIC=1, not the last
+        server): at every moment, from its registration on."""
+        if not self.cfg.elastic:
             return False
+        if not self.running:  # registration: the job starts with the servers that remain
+            return self._servers_needed() > 1
         return any(i != ident for i in self.servers)
 
     def _lose_server(self, ident, reason):
         """Remove a lost server (elastic): the workers re-send what it owed to its replacements."""
         info = self.servers.pop(ident)  # its messages are ignored from now on (not a node of the job)
         self.last_seen.pop(ident, None)
-        logger.warning("removing server %d: %s", info["index"], reason)
+        self.servers_lost += 1
         self._send(ident, Cmd.TERMINATE, {"reason": f"removed from the job: {reason}"})  # if it is alive after all
+        if not self.running:  # it has no index yet: the epoch starts without it
+            logger.warning("removing server (pid %s on %s) before the job started: %s; the job starts with %d "
+                           "servers", info.get("pid"), info.get("hostname"), reason, self._servers_needed())
+            self._maybe_start()
+            return
+        logger.warning("removing server %d: %s", info["index"], reason)
         self.changes.append(("lost", info, reason))
+        if self._pending_book is not None:  # it will not acknowledge the address book: the workers get it now
+            self._pending_book[2].discard(ident)
+            self._maybe_send_book()
+            return
         if self.change is not None and ident in self.change.get("admitting", ()):
             self.change["admitting"].discard(ident)  # it died while joining
             self.change["joined"] = [j for j in self.change["joined"] if j["index"] != info["index"]]
             self._maybe_prepare()
+        self._tell_starting_workers(info, reason)
         self._start_change()
+
+    def _tell_starting_workers(self, info, reason):
+        """Workers still in init() (authenticating, probing, opening links) stop waiting for a lost
+        server at once; the membership change that removes it follows once they are all ready."""
+        for w in self._active_workers():
+            if w not in self.ready:
+                self._send(w, Cmd.MEMBERS, {"phase": "lost", "server": info["index"], "reason": reason})
 
     def _on_suspect(self, ident, body):
         """A worker's direct link to a server broke: with elastic servers, remove that server now rather than

@@ -25,6 +25,11 @@ class Registration:
         self.idle_since = None    # when every worker had left; bounded by BYTEPS_TIMEOUT
         self.total_workers = None  # worker processes in the job, known once the first epoch starts
         self._pending_book = None  # (book, workers, servers yet to acknowledge) while an epoch starts
+        self.servers_lost = 0     # servers removed from the job (elastic): later epochs start without them
+
+    def _servers_needed(self):
+        """Servers an epoch waits for: DMLC_NUM_SERVER, less those the job has lost (elastic)."""
+        return max(1, self.cfg.num_server - self.servers_lost)
 
     def _local_sizes(self):
         sizes = {}
@@ -35,8 +40,9 @@ class Registration:
     def _missing(self):
         """Names of the nodes that have not registered yet, for the startup-timeout message."""
         missing = []
-        if len(self.servers) < self.cfg.num_server:
-            missing.append(f"{self.cfg.num_server - len(self.servers)} of {self.cfg.num_server} servers")
+        needed = self._servers_needed()
+        if len(self.servers) < needed:
+            missing.append(f"{needed - len(self.servers)} of {needed} servers")
         have = {(i["worker_id"], i["local_rank"]) for i in self.workers.values()}
         sizes = self._local_sizes()
         for wid in range(self.cfg.num_worker):
@@ -67,7 +73,7 @@ class Registration:
                 return
             self._fail(reason)  # the job cannot start without this node: fail now, naming it
         if role == "server":
-            if self.epoch == 0 and not self.running and len(self.servers) < self.cfg.num_server:
+            if self.epoch == 0 and not self.running and len(self.servers) < self._servers_needed():
                 self.servers[ident] = dict(body)
             elif self.cfg.elastic and body.get("elastic"):
                 self.last_seen[ident] = time.monotonic()
@@ -112,7 +118,7 @@ class Registration:
         self._maybe_start()
 
     def _maybe_start(self):
-        if self.running or len(self.servers) < self.cfg.num_server or self._missing():
+        if self.running or len(self.servers) < self._servers_needed() or self._missing():
             return
         servers = sorted(self.servers.items(), key=lambda kv: (kv[1]["host"], kv[1]["port"]))
         for index, (_, info) in enumerate(servers):
@@ -146,8 +152,13 @@ class Registration:
     def _on_server_ready(self, ident, body):
         if self._pending_book is None or body.get("epoch") != self.epoch:
             return
+        self._pending_book[2].discard(ident)
+        self._maybe_send_book()
+
+    def _maybe_send_book(self):
+        """Once every server of the pending address book has acknowledged it (or was lost meanwhile,
+        elastic): the book to every worker, with the losses it already holds."""
         book, workers, waiting = self._pending_book
-        waiting.discard(ident)
         if waiting:
             return
         for w_ident, info in workers:
@@ -155,7 +166,10 @@ class Registration:
         self._pending_book = None
         self.book = book
         logger.info("epoch %d running: %d workers, %d servers", self.epoch, len(workers), len(self.servers))
-        self._start_change()  # a server lost meanwhile
+        for kind, info, reason in self.changes:  # servers lost before the workers had the book
+            if kind == "lost":
+                self._tell_starting_workers(info, reason)
+        self._start_change()
         for spare, info in list(self.spares.items()):  # elastic servers that came early
             del self.spares[spare]
             self._admit(spare, info)

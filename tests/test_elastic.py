@@ -267,3 +267,73 @@ def test_bpslaunch_local_job_survives_a_lost_server(tmp_path):
         import json
         v = json.loads((tmp_path / f"result.{r}.json").read_text())["value"]
         assert not v["bad"] and v["final_exact"], v
+
+
+# ---------------------------------------------------------------- servers lost during start-up
+#: INFO: the scheduler logs registrations and "epoch 0 running", which the tests below wait for
+STARTUP = {**ELASTIC, "BYTEPS_LOG_LEVEL": "INFO"}
+
+
+def _wait_log(c, name, text, timeout=60, count=1):
+    deadline = time.monotonic() + timeout
+    while c.log(name).count(text) < count:
+        assert time.monotonic() < deadline and c.scheduler.poll() is None, f"no {text!r} in {name}\n{c.all_logs()}"
+        time.sleep(0.01)
+
+
+def _check_startup_loss(c, servers_left):
+    """The job trained exactly on the servers left, and no worker waited out a time-out (BYTEPS_TIMEOUT
+    is 30 s: a worker that waited for the lost server's answer fails init() with an error)."""
+    codes = c.wait_workers(90)
+    res = _check(c, 2, codes)
+    assert "removing server" in c.log("scheduler"), c.log("scheduler")
+    for w in range(2):  # nor did one wait out its limit for the lost server's LINK answer (10 s)
+        assert "did not answer LINK" not in c.log(f"worker{w}.0"), c.log(f"worker{w}.0")
+    for r in range(2):
+        last = res[r]["value"]["bytes"][-1]
+        assert len([s for s, n in last.items() if n > 0]) == servers_left, (r, last)
+    return res
+
+
+@pytest.mark.timeout(120)
+def test_server_lost_during_registration(cluster):
+    """A server that registered and died before the workers came: the job starts with the other two
+    (it used to wait for DMLC_NUM_SERVER servers, then fail)."""
+    c = cluster(2, 3, env=STARTUP)
+    _wait_log(c, "scheduler", "registered server", count=3)
+    c.servers[1].send_signal(signal.SIGKILL)
+    _wait_log(c, "scheduler", "before the job started")
+    c.run_workers("elastic_train", {"steps": 8, "sleep": 0.2})
+    _check_startup_loss(c, servers_left=2)
+    assert "the job starts with 2 servers" in c.log("scheduler"), c.log("scheduler")
+
+
+@pytest.mark.timeout(120)
+def test_server_lost_before_acknowledging_the_address_book(cluster):
+    """A server frozen (SIGSTOP) after it registered never acknowledges the address book: the scheduler
+    removes it after its heartbeat time-out and gives the workers the book, with the loss; they do
+    not wait for its authentication, and the first membership already leaves it out."""
+    c = cluster(2, 3, env={**STARTUP, "BYTEPS_HEARTBEAT_TIMEOUT": "10"})  # longer than the workers take to register
+    _wait_log(c, "scheduler", "registered server", count=3)
+    c.servers[2].send_signal(signal.SIGSTOP)
+    try:
+        c.run_workers("elastic_train", {"steps": 8, "sleep": 0.2})
+        _check_startup_loss(c, servers_left=2)
+    finally:
+        c.servers[2].send_signal(signal.SIGKILL)
+    for w in range(2):
+        assert "left the job during start-up" in c.log(f"worker{w}.0"), c.log(f"worker{w}.0")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("delay", [0.0, 0.1])
+def test_server_killed_while_workers_start(cluster, delay):
+    """SIGKILL of a server ``delay`` s after the workers got the address book: while they authenticate,
+    probe links, agree on the partition size and open direct links. The scheduler removes it after
+    its heartbeat time-out; workers still in init() stop waiting for it at once, and training is exact."""
+    c = cluster(2, 3, env=STARTUP)
+    c.run_workers("elastic_train", {"steps": 8, "sleep": 0.2})
+    _wait_log(c, "scheduler", "epoch 0 running")
+    time.sleep(delay)
+    c.servers[0].send_signal(signal.SIGKILL)
+    _check_startup_loss(c, servers_left=2)
