@@ -352,7 +352,8 @@ class Placement:
     sending order only, on this worker's rank).
     """
 
-    def __init__(self, weights, mode="balanced", partition_bytes=4096000, rank=0, roles=None, hosts=None):
+    def __init__(self, weights, mode="balanced", partition_bytes=4096000, rank=0, roles=None, hosts=None,
+                 indices=None):
         if mode not in MODES:
             raise ValueError(f"placement mode {mode!r} must be one of {', '.join(MODES)}")
         if not weights or min(weights) < 0 or sum(weights) == 0:
@@ -364,6 +365,8 @@ class Placement:
         self.rank = rank
         self.roles = roles or ["colocated"] * len(weights)
         self.hosts = hosts or [""] * len(weights)
+        # each position's server index in the job (elastic servers: indices outlive positions), for logs
+        self.indices = list(indices) if indices is not None else list(range(len(weights)))
         self.num_servers = len(weights)
         self.active = [s for s, w in enumerate(weights) if w > 0]
         # hash slots: server s owns weights[s] consecutive slots of [0, total)
@@ -378,10 +381,10 @@ class Placement:
     def from_book(cls, book, mode="balanced", partition_bytes=4096000, rank=0):
         roles = server_roles(book)
         return cls(weights_for_book(book, roles), mode, partition_bytes, rank, roles,
-                   [s["host"] for s in book["servers"]])
+                   [s["host"] for s in book["servers"]], [s.get("index", i) for i, s in enumerate(book["servers"])])
 
     def describe(self):
-        parts = [f"server {s} ({self.hosts[s] or '?'}, {self.roles[s]}): {self.weights[s]}/{self.total}"
+        parts = [f"server {self.indices[s]} ({self.hosts[s] or '?'}, {self.roles[s]}): {self.weights[s]}/{self.total}"
                  for s in range(self.num_servers)]
         return f"{self.mode} placement: " + ", ".join(parts)
 

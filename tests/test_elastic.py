@@ -337,3 +337,20 @@ def test_server_killed_while_workers_start(cluster, delay):
     time.sleep(delay)
     c.servers[0].send_signal(signal.SIGKILL)
     _check_startup_loss(c, servers_left=2)
+
+
+@pytest.mark.timeout(120)
+def test_frozen_server_resumes_and_leaves_with_the_reason(cluster):
+    """A server frozen (SIGSTOP) long enough to be removed, then resumed (SIGCONT): it reads the
+    scheduler's TERMINATE and leaves saying it was removed from the job and why, rather than
+    reporting a lost scheduler; training goes on exactly."""
+    c = cluster(2, 3, env=ELASTIC)
+    c.run_workers("elastic_train", {"steps": 30, "sleep": 0.05})
+    _wait_step(c, 3, range(2))
+    c.servers[1].send_signal(signal.SIGSTOP)
+    _wait_log(c, "scheduler", "removing server")  # (its index is by address: not necessarily 1)
+    c.servers[1].send_signal(signal.SIGCONT)
+    assert c.servers[1].wait(30) == 0, c.log("server1")
+    log = c.log("server1")
+    assert "leaves the job: removed from the job: lost server" in log and "lost the scheduler" not in log, log
+    _check(c, 2, c.wait_workers(90))

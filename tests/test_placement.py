@@ -138,6 +138,14 @@ def test_weights_of_books_outside_the_model():
     assert 2 * gpu + cpu == 1 and 4 * cpu == 1 + 2 * gpu
 
 
+def test_describe_names_servers_by_their_index():
+    """After an elastic change the servers' positions are not their indices: the log names the index."""
+    b = book(["127.0.0.1"] * 2, ["127.0.0.1"] * 3)
+    b["servers"] = [dict(s, index=i) for s, i in zip(b["servers"], (0, 2, 5))]
+    text = placement.Placement.from_book(b).describe()
+    assert "server 0 (" in text and "server 2 (" in text and "server 5 (" in text and "server 1 (" not in text, text
+
+
 # ------------------------------------------------------------------------------- placements
 
 def check_cover(parts, nbytes):
