@@ -269,10 +269,12 @@ def load(env=None, role=None):
     if local_rank >= local_size:
         raise ConfigError(f"BYTEPS_LOCAL_RANK={local_rank} must be < BYTEPS_LOCAL_SIZE={local_size}")
     force = _bool(env, "BYTEPS_FORCE_DISTRIBUTED")
-    num_worker = 1 if standalone else _int(env, "DMLC_NUM_WORKER", required=True, minimum=1)
+    # a server learns the job's size from the scheduler's address book: it needs only the scheduler's
+    # address (an elastic server joining a running job: bpslaunch --join)
+    num_worker = 1 if standalone else _int(env, "DMLC_NUM_WORKER", required=role != "server", default=1, minimum=1)
     distributed = force or num_worker * local_size > 1 or role != "worker"
     if distributed:
-        num_server = _int(env, "DMLC_NUM_SERVER", required=True, minimum=1)
+        num_server = _int(env, "DMLC_NUM_SERVER", required=role != "server", default=1, minimum=1)
         root_uri = _get(env, "DMLC_PS_ROOT_URI")
         if root_uri is None:
             raise ConfigError("DMLC_PS_ROOT_URI is not set; it is required here (scheduler address). See docs/env.md.")

@@ -25,6 +25,10 @@ modes:
   k8s      In a pod of examples/kubernetes/: DMLC_WORKER_ID from the pod's index, DMLC_NODE_HOST
            from POD_IP, the rest from the manifest; then as role mode.
 
+  join     An extra Summation Service server for a running elastic job (BYTEPS_ELASTIC=1), e.g.
+           on a spot CPU machine: it needs the scheduler's address and the job's secret only.
+             BYTEPS_JOB_SECRET=... bpslaunch --join 10.0.0.1:9000
+
 CMD runs directly as an argument list, without a shell; write `--` before it to end
 bpslaunch's own options (`bpslaunch --local --workers 2 -- python train.py`). A single quoted
 CMD with spaces or shell syntax (`bpslaunch "python3 train.py --lr 0.1"`, as BytePS's docs
@@ -78,6 +82,10 @@ def _parser():
     p.add_argument("--k8s", action="store_true",
                    help="run this Kubernetes pod's role: DMLC_WORKER_ID from the pod index, DMLC_NODE_HOST "
                         "from POD_IP (docs/kubernetes.md)")
+    p.add_argument("--join", metavar="HOST:PORT",
+                   help="run a Summation Service server that joins the running elastic job whose scheduler is at "
+                        "HOST:PORT (BYTEPS_ELASTIC=1 there); it needs only the job's BYTEPS_JOB_SECRET "
+                        "(docs/elastic.md)")
     p.add_argument("--timeout", type=_positive_float, metavar="SEC",
                    help="wall-clock limit for the whole job; on expiry everything is stopped "
                         "and bpslaunch exits 124")
@@ -130,8 +138,12 @@ def parse(argv):
         command = command[1:]
     if len(command) == 1 and any(c in command[0] for c in _SHELL_CHARS):
         command = ["/bin/sh", "-c", command[0]]  # BytePS: one quoted command string, run by a shell
-    if sum((opts.local, opts.slurm, opts.k8s)) > 1:
-        parser.error("--local, --slurm and --k8s are different modes; give one")
+    if sum((opts.local, opts.slurm, opts.k8s, opts.join is not None)) > 1:
+        parser.error("--local, --slurm, --k8s and --join are different modes; give one")
+    if opts.join is not None:
+        host, _, port = opts.join.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--join {opts.join!r}: expected the scheduler's HOST:PORT, e.g. 10.0.0.1:9000")
     if opts.server_nodes and not opts.slurm:
         parser.error("--server-nodes only applies with --slurm")
     if opts.server_nodes < 0:

@@ -173,6 +173,25 @@ def _plan_role(opts, command):
     return run_workers
 
 
+def _plan_join(opts, command):
+    """bpslaunch --join HOST:PORT: an elastic server for the running job at that scheduler (docs/elastic.md)."""
+    host, _, port = opts.join.rpartition(":")
+    env = dict(os.environ, DMLC_ROLE="server", DMLC_PS_ROOT_URI=host.strip("[]"), DMLC_PS_ROOT_PORT=port,
+               BYTEPS_ELASTIC="1", PYTHONUNBUFFERED="1")
+    config.load(env)  # raises ConfigError naming the bad variable
+    if command:
+        say(f"warning: --join runs a server; it ignores the command {' '.join(command)!r}")
+    if not env.get("BYTEPS_JOB_SECRET", "").strip():
+        say("warning: BYTEPS_JOB_SECRET is not set: a job that authenticates its nodes (bpslaunch sets a secret) "
+            "will refuse this server")
+
+    def run_server(job):
+        job.spawn("server", SERVER_ARGV, env, stdin=subprocess.DEVNULL)
+        return job.wait()
+
+    return run_server
+
+
 def _plan_slurm(opts, command):
     """bpslaunch --slurm: this task's scheduler/server/workers, from SLURM_* (byteps/cluster_env.py)."""
     from . import cluster_env
@@ -291,7 +310,8 @@ def main(argv=None):
     if opts.timeline:  # every child inherits it; the scheduler (ours or a role-mode one) writes the file
         os.environ["BYTEPS_TIMELINE"] = os.path.abspath(opts.timeline)
     try:
-        plan = _plan_local if opts.local else _plan_slurm if opts.slurm else _plan_k8s if opts.k8s else _plan_role
+        plan = (_plan_local if opts.local else _plan_slurm if opts.slurm else _plan_k8s if opts.k8s
+                else _plan_join if opts.join is not None else _plan_role)
         run = plan(opts, command)
     except ConfigError as e:
         say(f"error: {e}")

@@ -84,6 +84,11 @@ class Registration:
                 else:
                     self.spares[ident] = dict(body)
                 return
+            elif body.get("elastic"):  # bpslaunch --join, or BYTEPS_ELASTIC=1 on this server only
+                self._send(ident, Cmd.ERROR, {"error": "this job admits no server once its DMLC_NUM_SERVER="
+                                                       f"{self.cfg.num_server} have registered: its scheduler does "
+                                                       "not have BYTEPS_ELASTIC=1 (docs/elastic.md)"})
+                return
             else:
                 self._send(ident, Cmd.ERROR, {"error": f"all {self.cfg.num_server} servers (DMLC_NUM_SERVER) are "
                                                        "already registered"})

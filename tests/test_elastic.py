@@ -59,14 +59,19 @@ def test_killed_server_mid_training(cluster):
 
 @pytest.mark.timeout(120)
 def test_server_joins_mid_training(cluster):
-    """A server started mid-training by ``bpslaunch`` in server role with BYTEPS_ELASTIC=1 is admitted,
-    and the workers' bytes move to it."""
+    """A server started mid-training by ``bpslaunch --join HOST:PORT`` with only the job's secret (no
+    DMLC_* or other BYTEPS_* variable) is admitted, and the workers' bytes move to it."""
+    import subprocess
     import sys
     c = cluster(2, 1, env=ELASTIC)
     c.run_workers("elastic_train", {"steps": 40, "sleep": 0.02})
     _wait_step(c, 5, range(2))
     bpslaunch = os.path.join(os.path.dirname(sys.executable), "bpslaunch")
-    c.servers.append(c._spawn([bpslaunch], "server", log="server1.log"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+    env["BYTEPS_JOB_SECRET"] = c.env["BYTEPS_JOB_SECRET"]
+    with open(os.path.join(c.tmp, "server1.log"), "wb") as out:
+        c.servers.append(subprocess.Popen([bpslaunch, "--join", f"127.0.0.1:{c.port}"], env=env, stdout=out,
+                                          stderr=subprocess.STDOUT))
     codes = c.wait_workers(90)
     res = _check(c, 2, codes)
     for r in range(2):
@@ -354,3 +359,19 @@ def test_frozen_server_resumes_and_leaves_with_the_reason(cluster):
     log = c.log("server1")
     assert "leaves the job: removed from the job: lost server" in log and "lost the scheduler" not in log, log
     _check(c, 2, c.wait_workers(90))
+
+
+@pytest.mark.timeout(60)
+def test_join_refused_by_a_job_that_is_not_elastic(cluster):
+    """``bpslaunch --join`` against a job whose scheduler lacks BYTEPS_ELASTIC=1: the server stops at
+    once, saying why."""
+    import subprocess
+    import sys
+    c = cluster(1, 1, env={"BYTEPS_LOG_LEVEL": "INFO"})
+    _wait_log(c, "scheduler", "registered server")  # the job's own server first
+    bpslaunch = os.path.join(os.path.dirname(sys.executable), "bpslaunch")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+    env["BYTEPS_JOB_SECRET"] = c.env["BYTEPS_JOB_SECRET"]
+    p = subprocess.run([bpslaunch, "--join", f"127.0.0.1:{c.port}"], env=env, capture_output=True, text=True,
+                       timeout=30)
+    assert p.returncode != 0 and "does not have BYTEPS_ELASTIC=1" in p.stdout + p.stderr, p.stdout + p.stderr

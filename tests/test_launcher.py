@@ -304,6 +304,10 @@ def test_usage_errors_exit_2():
     assert launch(["--local", "--", "true"], clean_env()).returncode == 2  # no --workers
     assert launch(["--workers", "2", "true"], clean_env()).returncode == 2  # not --local
     assert launch(["--local", "--workers", "0", "--", "true"], clean_env()).returncode == 2
+    r = launch(["--join", "10.0.0.1"], clean_env())  # no port
+    assert r.returncode == 2 and "expected the scheduler's HOST:PORT" in r.stderr, r.stderr
+    r = launch(["--join", "10.0.0.1:9000", "--local", "--workers", "1", "--", "true"], clean_env())
+    assert r.returncode == 2 and "different modes" in r.stderr, r.stderr
 
 
 def _stubbed(args):
