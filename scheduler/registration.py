@@ -26,6 +26,7 @@ class Registration:
         self.total_workers = None  # worker processes in the job, known once the first epoch starts
         self._pending_book = None  # (book, workers, servers yet to acknowledge) while an epoch starts
         self.servers_lost = 0     # servers removed from the job (elastic): later epochs start without them
+        self._workers_in_at = None  # when every worker of the starting epoch had registered (elastic)
 
     def _servers_needed(self):
         """Servers an epoch waits for: DMLC_NUM_SERVER, less those the job has lost (elastic)."""
@@ -43,6 +44,10 @@ class Registration:
         needed = self._servers_needed()
         if len(self.servers) < needed:
             missing.append(f"{needed - len(self.servers)} of {needed} servers")
+        return missing + self._missing_workers()
+
+    def _missing_workers(self):
+        missing = []
         have = {(i["worker_id"], i["local_rank"]) for i in self.workers.values()}
         sizes = self._local_sizes()
         for wid in range(self.cfg.num_worker):
@@ -208,6 +213,24 @@ class Registration:
         return not self.running and self.total_workers is not None and len(self.exited) >= self.total_workers
 
     def _check_startup(self, now):
-        if not self.running and self.idle_since is None and now - self.phase_start > self.cfg.timeout:
+        if self.running:
+            return
+        if self.cfg.elastic and self.servers and not self._missing_workers():
+            # Every worker is in. A server still absent BYTEPS_HEARTBEAT_TIMEOUT later is lost (killed before
+            # it could register, as a registered one is after that silence): start without it; if it comes
+            # after all, it joins the running job.
+            if self._workers_in_at is None:
+                self._workers_in_at = now
+            elif now - self._workers_in_at > self.cfg.heartbeat_timeout and len(self.servers) < self._servers_needed():
+                absent = self._servers_needed() - len(self.servers)
+                self.servers_lost += absent
+                logger.warning("%d server(s) did not register within %g s (BYTEPS_HEARTBEAT_TIMEOUT) of the last "
+                               "worker: the job starts with %d servers (a late one joins it)", absent,
+                               self.cfg.heartbeat_timeout, len(self.servers))
+                self._maybe_start()
+                return
+        else:
+            self._workers_in_at = None
+        if self.idle_since is None and now - self.phase_start > self.cfg.timeout:
             self._fail(f"startup timed out after {self.cfg.timeout:g} s (BYTEPS_TIMEOUT); never registered: "
                        + ", ".join(self._missing()))

@@ -314,6 +314,21 @@ def test_server_lost_during_registration(cluster):
 
 
 @pytest.mark.timeout(120)
+def test_server_that_never_registers(cluster):
+    """A server killed before it could register is unknown to the scheduler: once every worker is in,
+    the job waits BYTEPS_HEARTBEAT_TIMEOUT for it (the silence after which a registered one is lost),
+    then starts with the two that came."""
+    c = cluster(2, 3, env=STARTUP, start=False).start(servers=False)
+    c.start_server(0)
+    c.start_server(1)
+    c.run_workers("elastic_train", {"steps": 8, "sleep": 0.2})
+    codes = c.wait_workers(90)
+    res = _check(c, 2, codes)
+    assert "1 server(s) did not register within 3 s" in c.log("scheduler"), c.log("scheduler")
+    assert all(len([n for n in res[r]["value"]["bytes"][-1].values() if n > 0]) == 2 for r in range(2)), res
+
+
+@pytest.mark.timeout(120)
 def test_server_lost_before_acknowledging_the_address_book(cluster):
     """A server frozen (SIGSTOP) after it registered never acknowledges the address book: the scheduler
     removes it after its heartbeat time-out and gives the workers the book, with the loss; they do
@@ -342,6 +357,31 @@ def test_server_killed_while_workers_start(cluster, delay):
     time.sleep(delay)
     c.servers[0].send_signal(signal.SIGKILL)
     _check_startup_loss(c, servers_left=2)
+
+
+def _phase_of_loss(c):
+    """Where the job was when it lost its server, from the logs."""
+    if "before the job started" in c.log("scheduler") or "did not register within" in c.log("scheduler"):
+        return "registration"
+    if any("left the job during start-up" in c.log(f"worker{w}.0") for w in range(2)):
+        return "init"
+    return "training" if "removing server" in c.log("scheduler") else "after the last step"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", range(20))
+def test_server_killed_at_any_moment(cluster, seed):
+    """SIGKILL of a random server at a random moment from the processes' start to the end of training
+    (uniform over 0-7 s: registration, init() and about 3 s of training, on this machine): the job
+    never ends while another server lives, and the final parameters equal the undisturbed run's."""
+    rng = random.Random(seed)
+    c = cluster(2, 3, env=STARTUP)
+    c.run_workers("elastic_train", {"steps": 30, "sleep": 0.1})
+    time.sleep(rng.uniform(0, 7))
+    c.servers[rng.randrange(3)].send_signal(signal.SIGKILL)
+    _check(c, 2, c.wait_workers(90))
+    print(f"seed {seed}: server lost during {_phase_of_loss(c)}")
 
 
 @pytest.mark.timeout(120)

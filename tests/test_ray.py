@@ -38,7 +38,7 @@ def cluster():
         ray.init(address=c.address, log_to_driver=False)
         c.wait_for_nodes(timeout=60)
         ids = {n.node_id for n in gpu_nodes}
-        yield {"gpu": ids, "cpu": {c.head_node.node_id}}
+        yield {"gpu": ids, "cpu": {c.head_node.node_id}, "ray": c}
     finally:
         ray.shutdown()
         c.shutdown()
@@ -124,6 +124,38 @@ def push_pull_forever(seconds):
     while time.monotonic() < deadline:
         bps.push_pull(t, average=False, name="t")
     bps.shutdown()
+
+
+def elastic_rounds(outdir, min_rounds):
+    """push_pull rounds of integer-valued float32 tensors (exact in any order), checked against their
+    closed-form sum, until the driver writes OUTDIR/stop (agreed by a push_pull, so every rank stops
+    at the same round). Rank 0 writes the round and the servers (indices) it sent bytes to in it."""
+    import json
+
+    import byteps.torch as bps
+
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    bad, servers_per_round, step = [], [], 0
+    while True:
+        stop = os.path.exists(os.path.join(outdir, "stop"))
+        if bps.push_pull(torch.tensor([float(stop)]), average=False, name="stop").item() > 0 and step >= min_rounds:
+            break
+        before = {s["index"]: s["bytes_sent"] for s in bps.metrics()["servers"]}
+        for n in (1000, 300_000, 1_200_000):
+            base = torch.arange(n, dtype=torch.float32) % 7
+            got = bps.push_pull(base * (rank + 1) + step % 5, average=False, name=f"t{n}")
+            if not torch.equal(got, base * (size * (size + 1) // 2) + size * (step % 5)):
+                bad.append(f"t{n} round {step}")
+        used = sorted(s["index"] for s in bps.metrics()["servers"] if s["bytes_sent"] > before.get(s["index"], 0))
+        servers_per_round.append(used)
+        if rank == 0:
+            with open(os.path.join(outdir, "progress.tmp"), "w") as f:
+                json.dump({"round": step, "servers": used}, f)
+            os.replace(os.path.join(outdir, "progress.tmp"), os.path.join(outdir, "progress"))
+        step += 1
+    bps.shutdown()
+    return {"rounds": step, "bad": bad[:10], "servers_per_round": servers_per_round}
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -310,3 +342,99 @@ def test_torch_trainer_with_the_byteps_backend(cluster, tmp_path):
     # the services' placement group is gone with the run
     assert not [pg for pg in ray.util.placement_group_table().values()
                 if pg["name"].endswith("-services") and pg["state"] != "REMOVED"]
+
+
+def test_node_watcher_keeps_k_at_most_n():
+    """The watcher's policy on recorded node tables: CPU-only nodes get servers while k < n (Eq. 6: more
+    cannot help), a node that left is forgotten and a spare one takes its place. (The services object
+    here only records what it was asked; the real one is exercised by the test below.)"""
+    from byteps.ray.elastic import NodeWatcher
+
+    def node(i, alive=True, gpu=False):
+        return {"NodeID": f"n{i}", "Alive": alive, "NodeManagerAddress": f"10.0.0.{i}",
+                "Resources": {"CPU": 4, **({"gpu_node": 1} if gpu else {})}}
+
+    lay = layout.Layout(worker_nodes=("n0", "n1"), local_size=1, cpu_nodes=("n2",),
+                        hosts={"n0": "10.0.0.0", "n1": "10.0.0.1", "n2": "10.0.0.2"}, scheduler_node="n0")
+
+    class Services:
+        def __init__(self):
+            self.layout, self.timeout, self.serving = lay, 1, {"n2": "server 2 (standalone)"}
+
+        def standalone_nodes(self):
+            return set(self.serving)
+
+        def tag_of(self, node):
+            return self.serving.get(node)
+
+        def add_server(self, server):
+            self.serving[server.node_id] = f"+{server.node_id}@{server.host}"
+            return self.serving[server.node_id]
+
+        def drop_server(self, tag):
+            self.serving = {n: t for n, t in self.serving.items() if t != tag}
+
+    svc = Services()
+    w = NodeWatcher(svc, GPU)
+    base = [node(0, gpu=True), node(1, gpu=True), node(2)]
+    w.step(base)
+    assert w.events == [] and svc.standalone_nodes() == {"n2"}
+    w.step(base + [node(3), node(4)])  # k = 1 -> 2 = n: one of the two new nodes only
+    assert svc.standalone_nodes() == {"n2", "n3"} and w.events == [("joined", "n3", "+n3@10.0.0.3")]
+    w.step([node(0, gpu=True), node(1, gpu=True), node(2), node(3, alive=False), node(4)])  # n3 preempted
+    assert svc.standalone_nodes() == {"n2", "n4"}, svc.serving
+    assert w.events[1:] == [("left", "n3", "+n3@10.0.0.3"), ("joined", "n4", "+n4@10.0.0.4")]
+
+
+def _progress(path):
+    import json
+    try:
+        return json.loads((path / "progress").read_text())
+    except (OSError, ValueError):
+        return {"round": -1, "servers": []}
+
+
+def _await(what, cond, timeout=90):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(300)
+def test_cpu_server_nodes_join_and_leave_during_training(cluster, tmp_path):
+    """elastic_servers=True: a CPU-only node added to the Ray cluster mid-training gets a standalone
+    server (index 3) that joins the job. With k = n = 2, Eq. 1-2 give the two standalone servers the
+    whole model (a parameter server): the rounds move from servers [0, 1, 2] (1/4, 1/4, 2/4) to
+    [2, 3]. Removing that node takes its server away, and training goes on over [0, 1, 2] again.
+    Every round's sums are exact, so the results equal an undisturbed run's."""
+    ray_cluster = cluster["ray"]
+    ex = executor(elastic_servers=True, node_poll_s=0.5).start()
+    added = None
+    try:
+        assert len(ex.placement()["servers"]) == 3  # 2 colocated + the head's standalone (k = 1)
+        refs = ex.run_remote(elastic_rounds, [str(tmp_path), 10])
+        _await("3 rounds", lambda: _progress(tmp_path)["round"] >= 3)
+        assert ex.watcher.events == []  # no new CPU-only node yet
+        added = ray_cluster.add_node(num_cpus=1)
+        _await("the new node's server", lambda: any(e[0] == "joined" for e in ex.watcher.events))
+        _await("rounds over the standalone servers", lambda: _progress(tmp_path)["servers"] == [2, 3])
+        assert ex.watcher.events[0][1] == added.node_id and len(ex.placement()["servers"]) == 4
+        ray_cluster.remove_node(added)
+        added = None
+        _await("the node's departure", lambda: any(e[0] == "left" for e in ex.watcher.events))
+        mark = _progress(tmp_path)["round"]
+        _await("rounds over servers 0-2", lambda: _progress(tmp_path)["round"] > mark + 2
+               and _progress(tmp_path)["servers"] == [0, 1, 2])
+        (tmp_path / "stop").touch()
+        results = ray.get(refs, timeout=120)
+    finally:
+        (tmp_path / "stop").touch()
+        ex.shutdown()
+        if added is not None:
+            ray_cluster.remove_node(added)
+    for r, res in enumerate(results):
+        assert not res["bad"], (r, res["bad"])
+        used = res["servers_per_round"]
+        assert used[0] == [0, 1, 2] and [2, 3] in used and used[-1] == [0, 1, 2], used
+    assert len({res["rounds"] for res in results}) == 1

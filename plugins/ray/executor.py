@@ -22,6 +22,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from .elastic import NodeWatcher
 from .layout import plan_layout
 from .services import BytePSRayError, ServiceGroup, describe_failure, release, wait_placement_group
 
@@ -68,11 +69,16 @@ class RayExecutor:
         strategy: the workers' placement group strategy (num_workers mode).
         env_vars: extra environment for every byteps process (e.g. BYTEPS_* tuning).
         timeout_s: bound on each start-up step (placement groups, actors, the scheduler's port).
+        elastic_servers: an elastic Summation Service (BYTEPS_ELASTIC=1, byteps.ray.elastic): CPU-only
+            nodes that join the cluster get a standalone server that joins the running job (up to the
+            plan's k); a node that goes takes its server with it and the job goes on.
+        node_poll_s: how often the elastic servers' watcher looks at the cluster's nodes.
     """
 
     def __init__(self, num_workers=None, num_hosts=None, num_workers_per_host=1, cpus_per_worker=1.0,
                  use_gpu=False, gpus_per_worker=None, resources_per_worker=None, cpus_per_server=1.0,
-                 num_cpu_servers=None, strategy="PACK", env_vars=None, timeout_s=120.0):
+                 num_cpu_servers=None, strategy="PACK", env_vars=None, timeout_s=120.0, elastic_servers=False,
+                 node_poll_s=1.0):
         if (num_workers is None) == (num_hosts is None):
             raise ValueError("give either num_workers, or num_hosts with num_workers_per_host")
         if num_hosts is not None and (num_hosts < 1 or num_workers_per_host < 1):
@@ -88,6 +94,10 @@ class RayExecutor:
         self.cpus_per_server = cpus_per_server
         self.num_cpu_servers = num_cpu_servers
         self.env_vars = dict(env_vars or {})
+        if elastic_servers:
+            self.env_vars["BYTEPS_ELASTIC"] = "1"
+        self.elastic_servers, self.node_poll_s = elastic_servers, node_poll_s
+        self.watcher = None     #: the NodeWatcher of elastic servers
         self.timeout = timeout_s
         self.job_id = f"ray-{secrets.token_hex(6)}"
         self.workers = []       #: WorkerActor handles in byteps rank order
@@ -112,6 +122,8 @@ class RayExecutor:
             self.worker_nodes = [self.worker_nodes[i] for i in order]
             self.services = ServiceGroup(self.layout, self.cpus_per_server, self.env_vars, self.timeout,
                                          self.job_id).start()
+            if self.elastic_servers:
+                self.watcher = NodeWatcher(self.services, self.per_worker, self.node_poll_s).start()
             self._send_env()
             if executable_cls is not None:
                 self._wait([w.create.remote(executable_cls, executable_args or [], executable_kwargs or {})
@@ -146,6 +158,9 @@ class RayExecutor:
 
     def shutdown(self):
         """Stop every process and remove every actor and placement group of the job. Idempotent."""
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
         release(self.workers, self._pg)
         self.workers, self.worker_nodes, self._pg = [], [], None
         if self.services is not None:
@@ -230,5 +245,6 @@ class RayExecutor:
     def placement(self):
         """Where everything runs: {"workers": [node id per rank], "servers": [(node id, host, role)],
         "scheduler": node id} (the tests check it against the cluster's resources)."""
+        servers = self.layout.servers if self.services is None else list(self.services.servers.values())
         return {"workers": list(self.worker_nodes), "scheduler": self.layout.scheduler_node,
-                "servers": [(s.node_id, s.host, s.role) for s in self.layout.servers]}
+                "servers": [(s.node_id, s.host, s.role) for s in servers]}

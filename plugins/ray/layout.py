@@ -47,6 +47,15 @@ class Layout:
     cpu_nodes: tuple      #: node ids of the standalone servers' nodes
     hosts: dict           #: node id -> address the byteps processes of that node bind to and announce
     scheduler_node: str
+    loopback: bool = False  #: one machine emulating several nodes: each node has its own 127.0.0.x
+
+    def host_for(self, node):
+        """The address of a node that joins the job (an elastic server's, byteps.ray.elastic): its own
+        127.0.0.x on an emulated cluster, else the node's address (``node``: a ``ray.nodes()`` entry)."""
+        if self.loopback:
+            used = set(self.hosts.values())
+            return next(f"127.0.0.{i}" for i in range(1, 255) if f"127.0.0.{i}" not in used)
+        return node.get("NodeManagerAddress", "127.0.0.1")
 
     @property
     def servers(self):
@@ -124,10 +133,7 @@ def plan_layout(nodes, node_per_worker, worker_resources=None, num_cpu_servers=N
     if missing:
         raise ValueError(f"worker node(s) {', '.join(m[:8] for m in missing)} are not alive in the cluster")
     special = accelerator_keys(worker_resources)
-    cpu_only = [n for n in alive if n["NodeID"] not in worker_nodes
-                and not any(n.get("Resources", {}).get(k) for k in special)]
-    # prefer the nodes with the most CPUs (summation is CPU work), then a stable order
-    cpu_only.sort(key=lambda n: (-n.get("Resources", {}).get("CPU", 0), n["NodeID"]))
+    cpu_only = cpu_only_nodes(alive, worker_nodes, special)
     if num_cpu_servers is None:
         k = useful_extra(len(worker_nodes), len(cpu_only))
     else:
@@ -138,14 +144,24 @@ def plan_layout(nodes, node_per_worker, worker_resources=None, num_cpu_servers=N
     cpu_nodes = tuple(n["NodeID"] for n in cpu_only[:k])
     job_nodes = list(worker_nodes) + list(cpu_nodes)
     addresses = [by_id[n].get("NodeManagerAddress", "127.0.0.1") for n in job_nodes]
-    if len(job_nodes) > 1 and len(set(addresses)) == 1:
+    loopback = len(job_nodes) > 1 and len(set(addresses)) == 1
+    if loopback:
         # one machine pretending to be several (see the module docstring): loopback has 127.0.0.0/8
         hosts = {n: f"127.0.0.{i + 1}" for i, n in enumerate(job_nodes)}
     else:
         hosts = dict(zip(job_nodes, addresses))
     layout = Layout(worker_nodes=worker_nodes, local_size=local_size, cpu_nodes=cpu_nodes, hosts=hosts,
-                    scheduler_node=worker_nodes[0])
+                    scheduler_node=worker_nodes[0], loopback=loopback)
     return layout, order
+
+
+def cpu_only_nodes(alive, worker_nodes, special):
+    """The alive nodes a standalone server may use: no worker of the job, none of the workers' special
+    resources; the ones with the most CPUs first (summation is CPU work), then a stable order."""
+    cpu_only = [n for n in alive if n["NodeID"] not in worker_nodes
+                and not any(n.get("Resources", {}).get(k) for k in special)]
+    cpu_only.sort(key=lambda n: (-n.get("Resources", {}).get("CPU", 0), n["NodeID"]))
+    return cpu_only
 
 
 def expected_shares(layout):

@@ -18,9 +18,10 @@ import threading
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from byteps import port_file
+from byteps import config, port_file
+from byteps.log import logger
 from byteps.procctl import make_preexec
 
 from .layout import Layout
@@ -140,8 +141,14 @@ class ServiceGroup:
         self.job_id = job_id or f"ray-{secrets.token_hex(6)}"
         # every connection of the job proves it knows this secret (core/auth.py)
         self.secret = self.extra_env.pop("BYTEPS_JOB_SECRET", None) or secrets.token_hex(32)
+        # BYTEPS_ELASTIC=1: a server that goes (its node preempted or scaled down) is the job's to survive,
+        # and servers join on nodes that come (byteps.ray.elastic)
+        self.elastic = config._bool(self.extra_env, "BYTEPS_ELASTIC")
         self.pg = None
-        self.actors = []  #: [(tag, actor, node id)], scheduler first
+        self.actors = []   #: [(tag, actor, node id)], scheduler first
+        self.servers = {}  #: tag -> its Server (layout.Server)
+        self._lock = threading.Lock()  # actors and servers: the elastic node watcher adds and drops servers
+        self._joined = 0
         self.port = None
 
     # -- naming, for errors
@@ -165,27 +172,75 @@ class ServiceGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             ).remote()
             self.actors.append((tag, actor, node))
+        self.servers.update(zip(tags[1:], servers))
         self.restart()
         return self
+
+    def _snapshot(self):
+        with self._lock:
+            return list(self.actors)
+
+    def _server_env(self, server):
+        return dict(self.extra_env, **self.layout.base_env(self.port, self.job_id, self.secret),
+                    **self.layout.server_env(server))
 
     def restart(self):
         """Start (again) the service processes: the scheduler on a fresh port, then the servers."""
         lay = self.layout
+        actors = self._snapshot()
         env = dict(self.extra_env, **lay.base_env(0, self.job_id, self.secret))
-        tag, sched, node = self.actors[0]
+        tag, sched, node = actors[0]
         env_s = dict(env, DMLC_ROLE="scheduler", DMLC_NODE_HOST=lay.hosts[node])
         self.port = self._get(tag, node, sched.start.remote(tag, "byteps.scheduler", env_s, self.timeout))
-        env = dict(self.extra_env, **lay.base_env(self.port, self.job_id, self.secret))
-        refs = [(tag, node, actor.start.remote(tag, "byteps.server", dict(env, **lay.server_env(s)), self.timeout))
-                for (tag, actor, node), s in zip(self.actors[1:], lay.servers)]
+        refs = [(tag, node, actor.start.remote(tag, "byteps.server", self._server_env(self.servers[tag]),
+                                               self.timeout))
+                for tag, actor, node in actors[1:]]
         for tag, node, ref in refs:
             self._get(tag, node, ref)
 
     def relaunch(self):
         """The job ended (every worker left and stayed idle): stop what is left and start it again."""
-        for tag, actor, node in self.actors:
+        for tag, actor, node in self._snapshot():
             self._get(tag, node, actor.stop.remote())
         self.restart()
+
+    # -- elastic servers (byteps.ray.elastic): servers that join and leave the running job
+    def standalone_nodes(self):
+        """Nodes running a standalone server now."""
+        with self._lock:
+            return {s.node_id for tag, s in self.servers.items() if s.role == "standalone"}
+
+    def add_server(self, server):
+        """Start a standalone server on ``server.node_id`` that joins the running job (BYTEPS_ELASTIC=1)."""
+        with self._lock:
+            tag = f"server +{self._joined} ({server.role}, joined)"
+            self._joined += 1
+        actor = ServiceActor.options(
+            num_cpus=self.cpus_per_server,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(server.node_id, soft=False)).remote()
+        try:
+            self._get(tag, server.node_id, actor.start.remote(tag, "byteps.server", self._server_env(server),
+                                                              self.timeout))
+        except BaseException:
+            release([actor], None)
+            raise
+        with self._lock:
+            self.layout.hosts[server.node_id] = server.host
+            self.actors.append((tag, actor, server.node_id))
+            self.servers[tag] = server
+        return tag
+
+    def drop_server(self, tag):
+        """Forget a server that went (its node left, or its process died): the job has lost it."""
+        with self._lock:
+            gone = [a for t, a, _ in self.actors if t == tag]
+            self.actors = [e for e in self.actors if e[0] != tag]
+            self.servers.pop(tag, None)
+        release(gone, None)
+
+    def tag_of(self, node_id):
+        with self._lock:
+            return next((t for t, s in self.servers.items() if s.node_id == node_id), None)
 
     def worker_env(self, rank):
         """Everything worker ``rank`` needs in its environment to join this job."""
@@ -201,13 +256,24 @@ class ServiceGroup:
     def check(self, allow_clean_exit=False):
         """Raise :class:`BytePSRayError` for a service that died or exited with an error; return True when
         every service is running, False when they all ended cleanly (the job ended; see :meth:`restart`)."""
-        refs = [(tag, node, actor.poll.remote()) for tag, actor, node in self.actors]
-        states = [(tag, node, self._get(tag, node, ref)) for tag, node, ref in refs]
+        refs = [(tag, node, actor.poll.remote()) for tag, actor, node in self._snapshot()]
         ended = 0
-        for tag, node, state in states:
+        for tag, node, ref in refs:
+            elastic_server = self.elastic and tag in self.servers
+            try:
+                state = self._get(tag, node, ref)
+            except BytePSRayError as e:
+                if not elastic_server:
+                    raise
+                state = (None, str(e))
             if state is None:
                 continue
             code, tail = state
+            if elastic_server and code != 0:  # the job survives it (docs/elastic.md) or reports why not
+                logger.warning("%s on node %s is gone (%s); the job goes on without it", tag, node[:12],
+                               tail.splitlines()[-1] if tail else f"exit code {code}")
+                self.drop_server(tag)
+                continue
             if code != 0 or not allow_clean_exit:
                 raise BytePSRayError(tag, node, self.host(node), f"the {tag.split()[0]} process exited with code "
                                      f"{code}; its last output:\n{tail}")
@@ -216,12 +282,12 @@ class ServiceGroup:
 
     def pids(self):
         """Process ids of the running service processes (tests check that none outlives stop())."""
-        return [p for _, a, _ in self.actors for p in [ray.get(a.pid.remote(), timeout=self.timeout)] if p]
+        return [p for _, a, _ in self._snapshot() for p in [ray.get(a.pid.remote(), timeout=self.timeout)] if p]
 
     def stop(self):
         """Stop the processes, kill the actors and free the bundles. Idempotent; never raises."""
         refs = []
-        for _, actor, _ in self.actors:
+        for _, actor, _ in self._snapshot():
             try:
                 refs.append(actor.stop.remote())
             except Exception:  # noqa: BLE001 -- the actor may already be gone
