@@ -293,11 +293,12 @@ def probe(send_recv, sizes=(64, 1 << 20), repeats=5, budget_s=1.0, clock=time.pe
                      f"machine's load, not the link")
 
 
-def zmq_echo(sock, node_id=0, timeout_s=5.0):
+def zmq_echo(sock, node_id=0, timeout_s=5.0, idle=None):
     """A ``send_recv`` for :func:`probe` over an authenticated DEALER socket to a server.
 
     Call it where the socket's owner runs (ZeroMQ sockets are not thread-safe), before the
-    data plane carries partitions: replies are matched by order, anything else is an error."""
+    data plane carries partitions: replies are matched by order, anything else is an error.
+    ``idle``: called every 100 ms while an echo is awaited (the engine's heartbeats to the scheduler)."""
     import zmq
 
     from byteps.core import wire
@@ -308,8 +309,12 @@ def zmq_echo(sock, node_id=0, timeout_s=5.0):
     def send_recv(payload):
         seq[0] += 1
         sock.send_multipart([wire.pack(wire.Cmd.PROBE, sender=node_id, round=seq[0], length=len(payload)), payload])
-        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise BytePSTimeoutError(f"no PROBE echo within {timeout_s:g} s")
+        deadline = time.monotonic() + timeout_s
+        while not sock.poll(max(1, min(100, int((deadline - time.monotonic()) * 1000))), zmq.POLLIN):
+            if time.monotonic() >= deadline:
+                raise BytePSTimeoutError(f"no PROBE echo within {timeout_s:g} s")
+            if idle is not None:
+                idle()
         frames = sock.recv_multipart(copy=False)
         header = wire.unpack(frames[0].bytes)
         if header.cmd != wire.Cmd.PROBE or header.round != seq[0]:

@@ -36,6 +36,8 @@ cdef extern from "core/pipeline/bps_stages.h":
 cdef extern from "core/pipeline/bps_worker.h" nogil:
     const int BPS_TO_ROUTER
     const size_t BPS_RING_REGION
+    const uint64_t BPS_STAGE_THREAD_MIN_BYTES
+    const int64_t BPS_CREDIT_STALL_MS
 
     ctypedef struct BpsDescriptor:
         int32_t pid
@@ -193,6 +195,10 @@ def ucx_registrations():
 #: Python's ``send`` target for the local ROUTER (to one identity); local rank n is ``-2 - n``
 TO_ROUTER = BPS_TO_ROUTER
 RING_REGION_BYTES = BPS_RING_REGION  # a local link's shared-memory rings (core/transport/bps_link.h BpsShmLink)
+#: sums and copies at least this large run on the stage thread byteps-reduce, smaller ones inline
+STAGE_THREAD_MIN_BYTES = BPS_STAGE_THREAD_MIN_BYTES
+#: the send queue's head goes past the credit after this long without a reply or a send
+CREDIT_STALL_S = BPS_CREDIT_STALL_MS / 1000.0
 
 bps_cpu_init()  # the local reduce's kernels (core/kernels/bps_reduce.h): this module's own copy of the dispatch
 

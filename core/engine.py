@@ -39,11 +39,6 @@ from .threads import name_native
 
 from . import _worker_core
 
-#: the send queue's head goes past the credit after this long without progress (no partition sent or
-#: answered): only workers that disagree on a tensor's priority ever need it (core/pipeline/bps_queue.h
-#: BPS_CREDIT_STALL_MS)
-CREDIT_STALL_S = 1.0
-
 Cmd = wire.Cmd
 #: plain ints: pyzmq's flag enums cost a microsecond per operation
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -470,7 +465,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self._stall_noted = True
         logger.info("tensor %s went past the scheduling credit: what was in flight had no reply for %.0f s (a "
                     "slow peer, or workers that give a tensor different priorities; logged once)", name,
-                    CREDIT_STALL_S)
+                    _worker_core.CREDIT_STALL_S)
 
     # ---------------------------------------------------------------- topology executor ranges
 

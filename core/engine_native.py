@@ -13,7 +13,7 @@ import numpy as np
 from byteps.errors import BytePSError, BytePSTimeoutError, ProtocolError, TensorMismatchError
 from byteps.log import logger
 
-from . import dtypes, stages, wire
+from . import dtypes, stages, table_rows, wire
 from .ops import Op
 from .stages import Stage
 from .threads import name_native
@@ -22,9 +22,6 @@ from . import _worker_core
 
 
 Cmd = wire.Cmd
-#: the native core's stage thread takes copies and sums of at least this many bytes (smaller ones run
-#: inline on byteps-net: core/pipeline/stage_thread.h BPS_STAGE_THREAD_MIN_BYTES; logged at start)
-STAGE_THREAD_MIN_BYTES = 256 << 10
 
 #: the operation kinds of core/stages.py and of tensor declarations (the scheduler compares them)
 KINDS = {Cmd.PUSHPULL: "push_pull", Cmd.BROADCAST: "broadcast", Cmd.ASYNC_PUSHPULL: "async push_pull"}
@@ -109,20 +106,19 @@ class NativePlane:
         local = self.local is not None and op.cmd == Cmd.PUSHPULL and op.pset is None
         parts = membership["placement"].partitions(tkey, op.nbytes, dtypes.itemsize(op.dtype))
         ids, members = membership["ids"], membership["members"]
-        rows = np.zeros((len(parts), 12), dtype=np.int64)
-        rows[:, 9] = -1
+        rows = table_rows.new(len(parts))
         for row, (i, off, length, at) in enumerate(parts):
             server = ids[at]  # placement numbers the membership's servers 0..S-1; the core, the job's
             key = wire.make_key(tkey, wire.member_partition(i, members))
-            rows[row, :4] = (key, off, length, server)
-            rows[row, 11] = self._compresses(op.codec, op.dtype, op.nbytes, length, server)
+            table_rows.place(rows, row, key, off, length, server,
+                             self._compresses(op.codec, op.dtype, op.nbytes, length, server))
             if local:  # every partition has a shared region: the owner sums into it, the others copy into it
-                view, (pid, fd, inode, base) = self._region(key, length)
-                rows[row, 4:11] = (view.ctypes.data, pid, fd, inode, base, self.local.owner(tkey, i),
-                                   self.colocated[server])
+                view, desc = self._region(key, length)
+                table_rows.stage(rows, row, view.ctypes.data, desc)
+                table_rows.reduce_locally(rows, row, self.local.owner(tkey, i), self.colocated[server])
             elif self.stages_of(op, i, server)[0] == Stage.STAGE and length:
-                view, (pid, fd, inode, base) = self._region(key, length)
-                rows[row, 4:9] = (view.ctypes.data, pid, fd, inode, base)
+                view, desc = self._region(key, length)
+                table_rows.stage(rows, row, view.ctypes.data, desc)
         return rows
 
     def _wire_codec(self, op):
@@ -319,21 +315,20 @@ class NativePlane:
         entry = self._native_parts.get(ident)
         if entry is None:
             ids = self._memberships[-1]["ids"]  # placement positions -> the job's server indices
-            rows = np.zeros((len(parts), 12), dtype=np.int64)
-            rows[:, 9] = -1
+            rows = table_rows.new(len(parts))
             base_addr = rop.buf.ctypes.data if len(parts) else 0
             for row, (j, off, length, at) in enumerate(parts):
                 server = ids[at]
                 key = wire.make_key(rop.tkey, rop.range_index << 16 | j)
-                rows[row, :4] = (key, off, length, server)
-                rows[row, 11] = self._compresses(rop.codec, rop.dtype, rop.buf.nbytes, length, server)
+                table_rows.place(rows, row, key, off, length, server,
+                                 self._compresses(rop.codec, rop.dtype, rop.buf.nbytes, length, server))
                 if self.colocated[server] and length:
                     if rop.shared is not None:
                         pid, fd, inode, base = rop.shared
-                        rows[row, 4:9] = (base_addr + off, pid, fd, inode, base + off)
+                        table_rows.stage(rows, row, base_addr + off, (pid, fd, inode, base + off))
                     else:
                         view, desc = self._region(key, length)
-                        rows[row, 4:9] = (view.ctypes.data, *desc)
+                        table_rows.stage(rows, row, view.ctypes.data, desc)
             with self._native_lock:
                 table = self._native.add_table(rop.name, rows, self._codec_settings(rop.codec))
                 entry = self._native_parts[ident] = (table, len(parts))
@@ -383,9 +378,11 @@ class NativePlane:
         entry = self._native_parts.get(ident)
         if entry is None:
             server = self.placement.server(tkey, part)
-            rows = np.zeros((1, 11), dtype=np.int64)
+            rows = table_rows.new(1)
             view, desc = self._region(key, nbytes)
-            rows[0] = (key, 0, nbytes, server, view.ctypes.data, *desc, self.cfg.local_rank, self.colocated[server])
+            table_rows.place(rows, 0, key, 0, nbytes, server)
+            table_rows.stage(rows, 0, view.ctypes.data, desc)
+            table_rows.reduce_locally(rows, 0, self.cfg.local_rank, self.colocated[server])
             with self._native_lock:
                 entry = self._native_parts[ident] = (self._native.add_table(f"join.{tkey}.{part}", rows), 1)
         zeros = self._owed_zeros.get(nbytes)

@@ -27,8 +27,6 @@ from .stages import Stage
 
 from . import _worker_core
 
-from .engine_native import STAGE_THREAD_MIN_BYTES
-
 
 Cmd = wire.Cmd
 
@@ -69,7 +67,7 @@ class EngineSetup:
             self._native_local = True
             logger.info("native local reduce: %d processes on this machine, sums >= %d bytes on thread "
                         "byteps-reduce, %d of %d local peers over direct links (%d through shared-memory "
-                        "rings)", self.local.size, STAGE_THREAD_MIN_BYTES, core.local_links_up,
+                        "rings)", self.local.size, _worker_core.STAGE_THREAD_MIN_BYTES, core.local_links_up,
                         len(self._local_peers), core.local_stats()["rings_up"])
         if timeline.recorder is not None:
             timeline.recorder.add_native(_worker_core.trace_buffer())
@@ -100,6 +98,7 @@ class EngineSetup:
         answers, limit = {}, min(self.cfg.timeout, 10.0)
         deadline = time.monotonic() + limit
         while asked and time.monotonic() < deadline:
+            self.control.tick()  # the scheduler must not take our wait for a server's answer for our loss
             for sock, _ in poller.poll(timeout=100):
                 if sock is self.control.sock:
                     self._drain(sock, lambda _: self._on_control())
@@ -413,7 +412,8 @@ class EngineSetup:
             return None
         who = f"server {server} ({self.book['servers'][server]['host']}:{self.book['servers'][server]['port']})"
         try:
-            echo = autotune.zmq_echo(self.servers[server], self.control.node_id, min(5.0, self.cfg.timeout))
+            echo = autotune.zmq_echo(self.servers[server], self.control.node_id, min(5.0, self.cfg.timeout),
+                                     idle=self.control.tick)
             return autotune.probe(echo, autotune.PROBE_SIZES, autotune.PROBE_REPEATS, autotune.PROBE_BUDGET_S)
         except (BytePSError, ValueError) as e:
             logger.warning("could not probe the link to %s (%s); proposing no partition size", who, e)

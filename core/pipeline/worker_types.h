@@ -28,7 +28,7 @@ enum BpsErrorKind {
 };
 
 /* Partitions at least this large are summed / copied on the stage thread, smaller ones inline (the
- * hand-off costs more than the work): core/engine.py STAGE_THREAD_MIN_BYTES. */
+ * hand-off costs more than the work): core/_worker_core.pyx STAGE_THREAD_MIN_BYTES. */
 static const uint64_t BPS_STAGE_THREAD_MIN_BYTES = 256 << 10;
 
 /* A synchronous call of one partition up to this size may run its round trip on the caller's thread
