@@ -1,6 +1,8 @@
 """Horovod's build queries, with their meaning for byteps: which of Horovod's controllers and GPU
-libraries this build uses. byteps has no MPI, Gloo, NCCL, DDL or oneCCL controller and needs none;
-GPU tensors are staged through host memory. Re-exported by every framework plugin."""
+libraries this build uses. byteps has no MPI, Gloo, DDL or oneCCL controller and needs none. It is
+not compiled against CUDA or NCCL either: core/gpu.py loads the CUDA runtime and NCCL when first used
+(the ones a CUDA build of PyTorch ships), so :func:`cuda_built` and :func:`nccl_built` answer for this
+process, as Horovod's do for its build. Re-exported by every framework plugin."""
 
 
 def mpi_threads_supported():
@@ -24,8 +26,14 @@ def gloo_built():
 
 
 def nccl_built():
-    """0: byteps does not use NCCL (Horovod returns the NCCL version here)."""
-    return 0
+    """NCCL's version as an integer (2.21.5 -> 22105), as Horovod returns it, when NCCL loads here (the GPU
+    stages' collectives among a machine's GPUs use it: core/gpu_stages.py); 0 otherwise."""
+    from byteps.core import gpu
+
+    try:
+        return gpu.nccl().version()
+    except gpu.GpuError:
+        return 0
 
 
 def ddl_built():
@@ -37,8 +45,15 @@ def ccl_built():
 
 
 def cuda_built():
-    """False: byteps has no GPU kernels; CUDA tensors are staged through host memory."""
-    return False
+    """Whether the CUDA runtime loads here, so that CUDA tensors take byteps's GPU path (Horovod: built
+    with CUDA)."""
+    from byteps.core import gpu
+
+    try:
+        gpu.cuda()
+        return True
+    except gpu.GpuError:
+        return False
 
 
 def rocm_built():

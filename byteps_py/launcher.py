@@ -60,14 +60,20 @@ def _visible_device_count(env):
     return None
 
 
-def _thread_env(env, procs):
-    """Default OMP_NUM_THREADS to CPUs / worker processes on this machine, as torchrun does.
+def _worker_defaults(env, procs):
+    """Defaults for the worker processes, each only where the user set nothing:
 
-    Each worker's framework thread pool otherwise sizes itself to the whole machine; on the
-    2-core CI machine that made the example job 20x slower.
+    * OMP_NUM_THREADS = CPUs / worker processes on this machine, as torchrun does. Each worker's
+      framework thread pool otherwise sizes itself to the whole machine; on the 2-core CI machine
+      that made the example job 20x slower.
+    * CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA numbers the GPUs as NVML and the PCIe tree do, which is how
+      byteps maps GPUs to PCIe switches and NVLink groups (topology/detect.py); CUDA's own default
+      order (fastest first) may differ from it.
     """
     if not env.get("OMP_NUM_THREADS", "").strip():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // procs))
+    if not env.get("CUDA_DEVICE_ORDER", "").strip():
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
 
 
 def _plan_local(opts, command):
@@ -88,7 +94,7 @@ def _plan_local(opts, command):
                 DMLC_NODE_HOST="127.0.0.1", BYTEPS_JOB_ID=job_id, PYTHONUNBUFFERED="1")
     # every connection of the job proves it knows this secret (core/auth.py); never printed
     base.setdefault("BYTEPS_JOB_SECRET", secrets.token_hex(32))
-    _thread_env(base, nw * nl)
+    _worker_defaults(base, nw * nl)
 
     def worker_env(i, j, port):
         return dict(base, DMLC_ROLE="worker", DMLC_PS_ROOT_PORT=str(port), DMLC_WORKER_ID=str(i),
@@ -162,7 +168,7 @@ def _plan_role(opts, command):
     if not command:
         raise ConfigError("DMLC_ROLE=worker needs a command to run (bpslaunch [options] CMD ...)")
 
-    _thread_env(env, cfg.local_size)
+    _worker_defaults(env, cfg.local_size)
 
     def run_workers(job):
         for j in range(cfg.local_size):
@@ -208,7 +214,7 @@ def _plan_slurm(opts, command):
 
     if task.local_ranks:
         config.load(worker_env(task.local_ranks[0]))  # fail here, once, naming the bad variable
-        _thread_env(base, int(task.env["BYTEPS_LOCAL_SIZE"]))
+        _worker_defaults(base, int(task.env["BYTEPS_LOCAL_SIZE"]))
     else:
         config.load(dict(base, DMLC_ROLE="server"))
     host = task.hosts[task.node]

@@ -283,6 +283,20 @@ def fake(monkeypatch):
     return fg
 
 
+def test_build_queries_answer_for_the_loaded_libraries(fake, monkeypatch):
+    """cuda_built() / nccl_built() (Horovod's names) say whether the CUDA runtime and NCCL load in this
+    process, and NCCL's version; where they do not load, False and 0."""
+    from byteps import build_info
+
+    assert build_info.cuda_built() is True and build_info.nccl_built() == 22105  # the fake's ncclGetVersion
+
+    def missing(*_):
+        raise gpu.GpuError("libcudart not found")
+    monkeypatch.setattr(gpu, "cuda", missing)
+    monkeypatch.setattr(gpu, "nccl", missing)
+    assert build_info.cuda_built() is False and build_info.nccl_built() == 0
+
+
 def _in_thread(name, fn, *args):
     """Run ``fn`` in a new thread called ``name`` (a thread whose current CUDA device is unset)."""
     out = {}
