@@ -98,7 +98,7 @@ def run_join(args):
 def run_spot(args):
     n, extra = 3, ["x0", "x1"]
     changes = [("join", "x0"), ("join", "x1"), ("leave", "x1"), ("leave", "x0")]
-    steps = args.phase * (len(changes) + 1) + 6 * len(changes)  # a change takes a few steps to commit
+    steps = args.phase * (len(changes) + 1) + 5 * len(changes)  # a change takes a few steps to commit
     with netns.Network(["w0", "w1", "w2", *extra, "sched"], rate_mbit=args.rate_mbit) as net:
         job = ElasticJob(net, tempfile.mkdtemp(prefix="bench-elastic-spot-"), ["w0", "w1", "w2"],
                          ["w0", "w1", "w2"], {"steps": steps})
@@ -118,14 +118,15 @@ def run_spot(args):
     t = {kk: placement.plan(n, kk, 1 << 20, 1.0).t_opt for kk in range(len(extra) + 1)}
     print(f"spot: {args.rate_mbit:g} Mbit/s, n={n} with colocated servers; extra CPU servers join, then are killed "
           f"(every phase {args.phase} steps after the change is committed)")
-    print("  | phase | k | steps | median step s | vs k=0 | the plan: t_opt(k)/t_opt(0) |")
+    print("  | phase | k | steps | median step s | vs k=0 | the plan: t_opt(k)/t_opt(0) | bytes sent to each server |")
     base = None
     for i, (first, kk) in enumerate(bounds):
         last = bounds[i + 1][0] - 2 if i + 1 < len(bounds) else steps - 1
         times = [slowest(results, s) for s in range(max(first, 2), last + 1)]
         med = statistics.median(times)
         base = base or med
-        print(f"  | {i} | {kk} | {max(first, 2)}-{last} | {med:.3f} | {med / base:.3f} | {t[kk] / t[0]:.3f} |")
+        shares = ", ".join(f"{s}: {x:.3f}" for s, x in byte_shares(results, last).items())
+        print(f"  | {i} | {kk} | {max(first, 2)}-{last} | {med:.3f} | {med / base:.3f} | {t[kk] / t[0]:.3f} | {shares} |")
     print("  every step's sums and the final parameters exact on every worker")
 
 

@@ -176,8 +176,8 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
     else:
         partition = _pow2(target, MIN_PARTITION, MAX_PARTITION)
     cut = min_cut_bytes if placement == "balanced" else 0
-    if partition < cut:  # the power of two at or above the cut bound
-        partition = _pow2(2 ** math.ceil(math.log2(cut)), MIN_PARTITION, MAX_PARTITION)
+    if partition < cut:
+        partition = at_least_cut(partition, cut)
         bound = f"the cut bound {_human(cut)} (smaller partitions are not cut over the servers)"
     bdp = b_eff * rtt_s
     credit = credit_for(b_eff, rtt_s, partition)
@@ -189,6 +189,16 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
               f"{GRANULARITY_S * 1e3:g} ms on the wire <= {_human(p_time)}; {bound} -> {_human(partition)}; "
               f"bandwidth-delay product {_human(bdp)} -> credit {credit}")
     return Choice(partition, credit, reason)
+
+
+def at_least_cut(partition_bytes, min_cut_bytes):
+    """``partition_bytes``, or the power of two at or above ``min_cut_bytes`` when it is smaller: a balanced
+    placement cuts a partition over its servers only from ``Placement.min_cut`` up, and whole partitions
+    spread by hash miss the shares (the start-up choice above, and each new server membership:
+    core/engine_elastic.py)."""
+    if partition_bytes >= min_cut_bytes:
+        return partition_bytes
+    return _pow2(2 ** math.ceil(math.log2(min_cut_bytes)), MIN_PARTITION, MAX_PARTITION)
 
 
 def effective_bandwidth(bandwidth_Bps, colocated_fraction):

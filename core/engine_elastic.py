@@ -5,6 +5,7 @@ import time
 
 import zmq
 
+from byteps import autotune
 from byteps.errors import BytePSError, BytePSTimeoutError, ProtocolError
 from byteps.log import logger
 from byteps.placement import Placement
@@ -15,6 +16,18 @@ from .stages import Stage
 
 
 Cmd = wire.Cmd
+
+
+def membership_placement(book, mode, partition_bytes, rank):
+    """The placement of a new server membership. Its partitions are the job's, or larger where the new
+    shares need it: a membership with more servers, or smaller shares, cuts a partition over its servers
+    only from a larger size (``Placement.min_cut``), and whole partitions spread by hash miss the Eq. 1-2
+    shares (on the emulated cluster with n = 3 and k = 2, 128 KB partitions sent one standalone server
+    0.51 of the bytes instead of 0.36). Every worker computes the same size from the same book."""
+    placement = Placement.from_book(book, mode, partition_bytes, rank)
+    if mode != "balanced" or placement.min_cut <= partition_bytes:
+        return placement
+    return Placement.from_book(book, mode, autotune.at_least_cut(partition_bytes, placement.min_cut), rank)
 
 
 class ElasticServers:
@@ -52,7 +65,7 @@ class ElasticServers:
         self._change = None
         servers = body["servers"]
         self.book = dict(self.book, servers=servers)
-        self.placement = Placement.from_book(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
+        self.placement = membership_placement(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
         m = {"members": body["members"], "placement": self.placement, "cuts": body.get("cuts", {}),
              "ids": [info["index"] for info in servers]}
         self._memberships.append(m)
@@ -64,9 +77,9 @@ class ElasticServers:
                 segments.append((table, m["cuts"].get(spec.cut_name, 0), rows))
                 self._native_parts[ident] = (table, len(rows))
             self._native.commit(m["ids"], segments)
-        logger.warning("servers changed (membership %d, %s): servers %s; %s; this worker switched in %.3f s",
-                    m["members"], prepared.get("reason", "?"), m["ids"], self.placement.describe(),
-                    time.monotonic() - began)
+        logger.warning("servers changed (membership %d, %s): servers %s; %s; partitions of %d bytes; this worker "
+                       "switched in %.3f s", m["members"], prepared.get("reason", "?"), m["ids"],
+                       self.placement.describe(), self.placement.partition_bytes, time.monotonic() - began)
 
     def _join_server(self, info):
         """Connect to a server that joins the running job: authenticate, open its direct link, and hand

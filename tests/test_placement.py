@@ -146,6 +146,32 @@ def test_describe_names_servers_by_their_index():
     assert "server 0 (" in text and "server 2 (" in text and "server 5 (" in text and "server 1 (" not in text, text
 
 
+def test_a_new_membership_cuts_its_partitions_by_the_shares():
+    """Elastic servers: the job's 128 KB partitions are too small to cut over n = 3 colocated servers and
+    k = 2 standalone ones (shares 1/11 and 4/11: each piece would be under MIN_PIECE), so whole
+    partitions spread by hash gave one standalone server 0.47 of the bytes. The membership's
+    placement takes the power of two at or above its cut bound instead, and the bytes follow Eq. 1-2."""
+    from byteps.core.engine_elastic import membership_placement
+
+    b = paper_book(3, 2)
+    tensors = [4000, 1_200_000, 4_800_000, 64, 4000]  # tests/scenarios_elastic.py's step
+
+    def shares(p):
+        per = [0] * len(b["servers"])
+        for tkey, n in enumerate(tensors, start=1):
+            for _, _, length, server in p.partitions(tkey, n, 4):
+                per[server] += length
+        return [x / sum(per) for x in per]
+    whole = placement.Placement.from_book(b, "balanced", 128 << 10)
+    assert max(shares(whole)) > 0.45  # the imbalance the bench found
+    p = membership_placement(b, "balanced", 128 << 10, 0)
+    assert p.partition_bytes == 256 << 10 and p.min_cut <= p.partition_bytes
+    want = [Fraction(w, sum(p.weights)) for w in p.weights]
+    assert all(abs(got - float(w)) < 0.02 for got, w in zip(shares(p), want)), (shares(p), want)
+    assert membership_placement(b, "balanced", 4 << 20, 0).partition_bytes == 4 << 20  # large enough: kept
+    assert membership_placement(b, "hash", 128 << 10, 0).partition_bytes == 128 << 10  # hash never cuts
+
+
 # ------------------------------------------------------------------------------- placements
 
 def check_cover(parts, nbytes):
