@@ -264,6 +264,39 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         ValueError: a push_pull of the same name is already in flight in this process.
     """
     job = _require()
+    try:
+        op = _make_op(job, name, buf, dtype, shape, broadcast_root, priority, asynchronous, compression, process_set,
+                      average_by)
+    except ValueError as e:
+        # refused here, before its declaration: the other ranks must not wait for ours (core/engine.py abandon)
+        if job.engine is not None:
+            job.engine.abandon(name, process_set, str(e))
+        raise
+    process_set = op.pset
+    handle = next(job.next_handle)
+    job.handles[handle] = (op, finalize)
+    if job.engine is None or (process_set is not None and len(process_set[1]) == 1):
+        op._finish()  # alone: the sum over one worker is the tensor itself
+        return handle
+    with job.inflight_lock:
+        if name in job.inflight:  # another thread started it meanwhile
+            del job.handles[handle]
+            raise ValueError(f"a push_pull or broadcast named {name!r} is already in flight; synchronize it "
+                             "before starting another one with the same name")
+        job.inflight[name] = op
+    op.callbacks.append(lambda done: _leave_inflight(job, done))
+    try:
+        job.engine.submit(op, sync)
+    except BaseException:
+        _leave_inflight(job, op)
+        del job.handles[handle]
+        raise
+    return handle
+
+
+def _make_op(job, name, buf, dtype, shape, broadcast_root, priority, asynchronous, compression, process_set,
+             average_by):
+    """submit()'s Op, once its arguments are checked (ValueError naming the tensor)."""
     if name in job.inflight:
         raise ValueError(f"a push_pull or broadcast named {name!r} is already in flight; synchronize it before "
                          "starting another one with the same name")
@@ -296,25 +329,7 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         op.codec = _compression.resolve(compression)
     elif cmd == Cmd.PUSHPULL:
         op.codec = job.default_codec
-    handle = next(job.next_handle)
-    job.handles[handle] = (op, finalize)
-    if job.engine is None or (process_set is not None and len(process_set[1]) == 1):
-        op._finish()  # alone: the sum over one worker is the tensor itself
-        return handle
-    with job.inflight_lock:
-        if name in job.inflight:  # another thread started it meanwhile
-            del job.handles[handle]
-            raise ValueError(f"a push_pull or broadcast named {name!r} is already in flight; synchronize it "
-                             "before starting another one with the same name")
-        job.inflight[name] = op
-    op.callbacks.append(lambda done: _leave_inflight(job, done))
-    try:
-        job.engine.submit(op, sync)
-    except BaseException:
-        _leave_inflight(job, op)
-        del job.handles[handle]
-        raise
-    return handle
+    return op
 
 
 def _leave_inflight(job, op):

@@ -156,6 +156,12 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self._wake()
         return rop
 
+    def abandon(self, name, process_set, reason):
+        """A call this rank refused before declaring ``name`` (common.submit): say so in its place (any
+        thread), so that the ranks that declare it get an error naming us at once (_abandon)."""
+        self._inbox.append(("abandon", name, None, (process_set, reason)))
+        self._wake()
+
     def request(self, kind, name="", value=None):
         """Run a control-plane collective ("barrier" or "leave"); return an event set on release.
 
@@ -417,6 +423,9 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
                     timeline.recorder.flush_due = True
                     ev.set()
                     continue
+                if kind == "abandon":
+                    self._abandon(name, *value)
+                    continue
                 self._requests[(kind, name)] = ev
                 cmd = {"barrier": Cmd.BARRIER, "leave": Cmd.LEAVE, "join": Cmd.JOIN}[kind]
                 self.control.send(cmd, {"name": name} if value is None else {"name": name, "value": value})
@@ -444,6 +453,25 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
                     body.update(set_id=set_id, members=list(op.pset[1]))
                 self.control.send(Cmd.DECLARE, body)
             self._declaring[waiting].append(op)
+
+    def _abandon(self, name, pset, reason):
+        """Declare ``name`` abandoned, with the reason: in the declaration this rank would have made (the
+        same per-name count, so later declarations stay in step), which the scheduler answers with an
+        error naming us on every rank that declares it. Not for a name this rank has declared before:
+        the others then reuse its key without declaring, and the servers' rounds time out as usual."""
+        set_id, members = 0, None
+        if pset is not None:
+            set_id, members = int(pset[0]), sorted(int(r) for r in pset[1])
+            if self.rank not in members:  # the members do not wait for a non-member
+                return
+        if any(n == name for n, _ in self._keys) or any(n == name for n, _ in self._decl_pending):
+            return
+        seq = self._decl_seq[(name, set_id)]
+        self._decl_seq[(name, set_id)] += 1
+        body = {"name": name, "seq": seq, "abandoned": reason}
+        if members is not None:
+            body.update(set_id=set_id, members=members)
+        self.control.send(Cmd.DECLARE, body)
 
     def _dispatch(self, op, tkey):
         """Hand the op, now keyed, to the native core (or the topology executor, which owns it)."""

@@ -47,6 +47,8 @@ class Declarations:
         """Collect one tensor declaration per worker; answer all of them once everyone has declared."""
         name = body.get("name")
         spec = {"shape": body.get("shape"), "dtype": body.get("dtype"), "kind": body.get("kind")}
+        if "abandoned" in body:  # the rank refused the call before declaring it (core/engine.py _abandon)
+            spec = {"abandoned": str(body["abandoned"])}
         if not isinstance(name, str):
             self._send(ident, Cmd.DECLARE, {"error": "declaration without a tensor name"}, arg=1)
             return
@@ -56,6 +58,11 @@ class Declarations:
         set_id, members = body.get("set_id", 0), body.get("members")
         if set_id:
             self._on_set_declare(ident, name, seq, spec, set_id, members)
+            return
+        if "abandoned" in spec:
+            pending = self.declares.setdefault((name, seq), {"since": time.monotonic(), "specs": {}})
+            pending["specs"][ident] = spec
+            self._maybe_declared(name, seq)
             return
         if spec["kind"] == "broadcast" and self.joined:
             self._refuse([ident], name, seq, f"broadcast of {name!r} is not supported while ranks "
@@ -87,6 +94,8 @@ class Declarations:
             return
         del self.set_declares[(name, seq, set_id)]
         specs = pending["specs"]
+        if self._refuse_abandoned(specs, name, seq, set_id):
+            return
         distinct = {(tuple(s["shape"]), s["dtype"], s["kind"], tuple(s["members"])) for s in specs.values()}
         if len(distinct) != 1:
             detail = "; ".join(f"rank {self.workers[i]['rank']}: {s['dtype']}{list(s['shape'])} in a {s['kind']} "
@@ -130,7 +139,20 @@ class Declarations:
             del self.declares[(name, seq)]
             self._answer_declare(name, seq, pending["specs"])
 
+    def _refuse_abandoned(self, specs, name, seq, set_id=None):
+        """If a rank abandoned the call (refused it before declaring), fail it on every rank, naming who
+        and why; True if so."""
+        abandoned = sorted((self.workers[i]["rank"], s["abandoned"]) for i, s in specs.items() if "abandoned" in s)
+        if not abandoned:
+            return False
+        msg = f"tensor {name!r}: " + "; ".join(f"rank {r} refused the call ({why})" for r, why in abandoned)
+        logger.warning(msg)
+        self._refuse(specs, name, seq, msg, set_id)
+        return True
+
     def _answer_declare(self, name, seq, specs):
+        if self._refuse_abandoned(specs, name, seq):
+            return
         distinct = {(tuple(s["shape"]), s["dtype"], s["kind"]) for s in specs.values()}
         if len(distinct) == 1:
             spec = distinct.pop()
@@ -208,7 +230,9 @@ class Declarations:
                 self._refuse(pending["specs"], name, seq, msg, set_id)
                 del self.set_declares[(name, seq, set_id)]
         for (name, seq), pending in list(self.declares.items()):
-            if now - pending["since"] > self.cfg.timeout:
+            if now - pending["since"] > self.cfg.timeout and stalls.abandoned_only(pending):
+                del self.declares[(name, seq)]  # no rank declared it but those that refused it: nobody waits
+            elif now - pending["since"] > self.cfg.timeout:
                 have = sorted(self.workers[i]["rank"] for i in pending["specs"])
                 lacking = sorted(self.workers[i]["rank"] for i in self._active_workers() if i not in pending["specs"])
                 msg = (f"tensor {name!r} was declared by ranks {have} but not by ranks {lacking} within "

@@ -24,10 +24,14 @@ def find_deadlock(active, rank_of, barriers, declares, set_declares):
         return None
     stuck = []
     for (name, _seq), pending in declares.items():
+        if abandoned_only(pending):  # only ranks that refused the call declared it: nobody waits on it
+            continue
         lacking = sorted(rank_of[i] for i in active - set(pending["specs"]) if i in blocked)
         if lacking:
             stuck.append(f"tensor {name!r} declared by ranks {sorted(rank_of[i] for i in pending['specs'])}")
     for (name, _seq, set_id), pending in set_declares.items():
+        if abandoned_only(pending):
+            continue
         if any(i in blocked for i in pending["members"] - set(pending["specs"])):
             stuck.append(f"tensor {name!r} of process set {set_id} declared by ranks "
                          f"{sorted(rank_of[i] for i in pending['specs'])}")
@@ -43,3 +47,8 @@ def signature(barriers, declares, set_declares):
     return (frozenset((n, frozenset(g)) for n, g in barriers.items()),
             frozenset((k, frozenset(p["specs"])) for k, p in declares.items()),
             frozenset((k, frozenset(p["specs"])) for k, p in set_declares.items()))
+
+
+def abandoned_only(pending):
+    """A declaration made only by ranks that refused the call (core/engine.py _abandon)."""
+    return all("abandoned" in spec for spec in pending["specs"].values())

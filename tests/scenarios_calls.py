@@ -132,3 +132,23 @@ def metrics_snapshot(out, args):
         got = bps.push_pull(t, average=False, name="metrics.t")
         exact &= torch.equal(got, torch.full_like(t, float(sum(range(n)) + n * step)))
     return dict(bps.metrics(), exact=bool(exact))
+
+
+@scenario
+def abandoned_call(out, args):
+    """Rank 1 refuses a broadcast locally (its root rank is out of range) before declaring it; rank 0
+    declared it and must get an error naming rank 1 at once, not after BYTEPS_TIMEOUT. Then an unnamed
+    push_pull on both ranks: the automatic names and the declarations are still in step."""
+    import time
+
+    r, n = bps.rank(), bps.size()
+    t = torch.ones(4)
+    began = time.monotonic()
+    try:
+        bps.broadcast(t, root_rank=0 if r == 0 else n, name="b")
+        first = "no error"
+    except Exception as e:  # noqa: BLE001 -- the scenario reports what it got
+        first = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - began
+    after = bps.synchronize(bps.push_pull_async(torch.full((5,), float(r + 1)), average=False)).tolist()
+    return {"first": first, "seconds": seconds, "after": after}
