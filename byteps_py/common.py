@@ -268,9 +268,7 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         op = _make_op(job, name, buf, dtype, shape, broadcast_root, priority, asynchronous, compression, process_set,
                       average_by)
     except ValueError as e:
-        # refused here, before its declaration: the other ranks must not wait for ours (core/engine.py abandon)
-        if job.engine is not None:
-            job.engine.abandon(name, process_set, str(e))
+        abandon(name, process_set, e)
         raise
     process_set = op.pset
     handle = next(job.next_handle)
@@ -292,6 +290,14 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         del job.handles[handle]
         raise
     return handle
+
+
+def abandon(name, process_set, error):
+    """This rank refused the call named ``name`` before its declaration (``error``): the other ranks must
+    not wait for ours (core/engine.py Engine.abandon). For the plugins' own argument checks too."""
+    job = _require()
+    if job.engine is not None:
+        job.engine.abandon(name, process_set, f"{type(error).__name__}: {error}")
 
 
 def _make_op(job, name, buf, dtype, shape, broadcast_root, priority, asynchronous, compression, process_set,

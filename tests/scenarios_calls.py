@@ -150,5 +150,12 @@ def abandoned_call(out, args):
     except Exception as e:  # noqa: BLE001 -- the scenario reports what it got
         first = f"{type(e).__name__}: {e}"
     seconds = time.monotonic() - began
+    began = time.monotonic()
+    try:  # the plugin's own check: a dtype byteps does not move (complex) on rank 1 only
+        bps.push_pull(torch.zeros(4, dtype=torch.float32 if r == 0 else torch.complex64), name="c")
+        second = "no error"
+    except Exception as e:  # noqa: BLE001
+        second = f"{type(e).__name__}: {e}"
+    seconds = max(seconds, time.monotonic() - began)
     after = bps.synchronize(bps.push_pull_async(torch.full((5,), float(r + 1)), average=False)).tolist()
-    return {"first": first, "seconds": seconds, "after": after}
+    return {"first": first, "second": second, "seconds": seconds, "after": after}

@@ -26,9 +26,10 @@ def test_mismatch_raises_on_every_rank_and_job_survives(cluster, kind):
 
 @pytest.mark.timeout(60)
 def test_a_call_one_rank_refused_fails_promptly_on_the_others(cluster):
-    """Rank 1 refuses a broadcast before declaring it (its root is out of range); rank 0, which declared
-    it, gets an error naming rank 1 and the reason within seconds (BYTEPS_TIMEOUT is 30 s here), and
-    the next unnamed push_pull is exact on both: names and declarations stayed in step."""
+    """Rank 1 refuses a broadcast before declaring it (its root is out of range), then a push_pull (a
+    complex tensor); rank 0, which declared both, gets an error naming rank 1 and the reason within
+    seconds each time (BYTEPS_TIMEOUT is 30 s here), and the next unnamed push_pull is exact on both:
+    names and declarations stayed in step."""
     c = cluster(2, 1)
     c.run_workers("abandoned_call")
     codes, scodes, sched = c.wait_all(50)
@@ -37,8 +38,9 @@ def test_a_call_one_rank_refused_fails_promptly_on_the_others(cluster):
     mine = res[1]["value"]["first"]
     assert mine.startswith("ValueError") and "root rank 2" in mine and "outside 0..1" in mine, mine
     theirs = res[0]["value"]
-    assert theirs["first"].startswith("TensorMismatchError") and "rank 1 refused the call" in theirs["first"] \
+    assert theirs["first"].startswith("TensorMismatchError") and "rank 1 refused the call (ValueError" in theirs["first"] \
         and "outside 0..1" in theirs["first"], theirs
+    assert "rank 1 refused the call (UnsupportedTypeError" in theirs["second"] and "complex64" in theirs["second"], theirs
     assert theirs["seconds"] < 10, theirs
     for rank in (0, 1):
         assert res[rank]["value"]["after"] == [3.0] * 5, res[rank]

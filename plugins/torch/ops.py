@@ -146,9 +146,13 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
     None (every rank) or a process set's ``(id, ranks)``."""
     if name is None:  # numbered per prefix, and per process set (whose members alone count its operations)
         name = common.auto_name(prefix, 0 if pset is None else pset[0])
-    code = dtype_code(tensor, name, move=root is not None)
-    work, write_back, buf = _buffers(tensor, push_pull=root is None and not asynchronous and pset is None,
-                                     name=name)
+    try:
+        code = dtype_code(tensor, name, move=root is not None)
+        work, write_back, buf = _buffers(tensor, push_pull=root is None and not asynchronous and pset is None,
+                                         name=name)
+    except ValueError as e:  # refused here: the other ranks must not wait for our declaration
+        common.abandon(name, pset, e)
+        raise
     size = common.size() if pset is None else len(pset[1])
     average_by = _average_by(work, size) if average and root is None and not asynchronous else 1
 
