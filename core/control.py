@@ -83,9 +83,11 @@ class ControlClient:
         if timeline.recorder is not None and self.node_id != wire.NO_SENDER:  # registered: the scheduler answers
             timeline.probe_clock(self)
         silent = now - self._last_heard
-        # a message waiting unread means the silence was ours (a process frozen with SIGSTOP and resumed):
-        # the caller reads it next (it may be the scheduler's TERMINATE with the reason)
-        if self._heard_once and silent > self.cfg.heartbeat_timeout and not self.sock.poll(0):
+        # a message waiting unread means the silence was ours (a process frozen with SIGSTOP and resumed:
+        # ZeroMQ's I/O thread may need a moment to read what the kernel kept): the caller reads it next
+        # (it may be the scheduler's TERMINATE with the reason)
+        if (self._heard_once and silent > self.cfg.heartbeat_timeout
+                and not self.sock.poll(int(min(self.cfg.heartbeat_interval, 1.0) * 1000))):
             raise PeerLostError(f"lost the scheduler at {self.cfg.scheduler_endpoint}: no message for {silent:.1f} s "
                                 f"(BYTEPS_HEARTBEAT_TIMEOUT={self.cfg.heartbeat_timeout:g})")
         if not self._heard_once and silent > self.cfg.timeout:

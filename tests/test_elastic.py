@@ -36,6 +36,7 @@ def _check(c, n, codes):
     assert codes == [0] * n, c.all_logs()
     res = c.results()
     for r in range(n):
+        assert "value" in res[r], (r, res[r], c.all_logs())
         v = res[r]["value"]
         assert not v["bad"] and v["final_exact"], (r, v["bad"], c.all_logs())
     return res
