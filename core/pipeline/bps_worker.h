@@ -39,8 +39,9 @@
  * (key, round), ...) to Python's queue, waking the engine through its pipe.
  * Rounds of every wire key are counted here, for both paths.
  *
- * Transport seam (core/transport/bps_link.h): a message to a server is a BpsFrames, sent by send_server()
- * over the server's direct TCP link (BpsLink, once Python set one up: add_link) or its ZeroMQ DEALER;
+ * Transport seam (core/transport/bps_link.h): a message to a server is a BpsFrames, sent by
+ * BpsServerLinks::send() (server_links.h) over the server's direct TCP link (BpsLink, once Python set
+ * one up: add_link) or its ZeroMQ DEALER;
  * for a colocated server the body is a shared-memory descriptor (core/transport/bps_wire.h). Replies come back
  * on either, whole, as a BpsMessage. A link is a BpsConn: a TCP socket (BpsLink) or a UCX endpoint
  * (BpsUcxLink, core/transport/bps_ucx.h: BYTEPS_TRANSPORT=ucx), both polled in run() like the sockets.
@@ -50,7 +51,6 @@
  *
  *     worker_stages.h        each partition's stage list, and advance(): the one place it moves on
  *     worker_loop.h          byteps-net: start/stop, submit, run(), the inbox, PULL (on_message, receive)
- *     worker_links.h         server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback
  *     worker_send_queue.h    PUSH from the send queue (BpsSendQueue, send_queue.h), Python's raw sends
  *     worker_completions.h   the op table, errors, lazy delivery, waits and time-outs
  *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread
@@ -95,6 +95,7 @@
 #include "core/transport/bps_wire.h"
 #include "core/transport/bps_zmq.h"
 #include "core/pipeline/send_queue.h"
+#include "core/pipeline/server_links.h"
 #include "core/pipeline/stage_thread.h"
 #include "core/pipeline/worker_types.h"
 
@@ -113,21 +114,25 @@ class BpsWorkerCore {
     uint64_t next_round(uint64_t key);
     void reset_rounds();
 
-    /* server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback (worker_links.h) */
-    bool add_server(void *sock);
-    bool add_server_live(void *sock, int fd);
-    void set_colocated(int server, bool on);
-    void lost_links(std::vector<int> *out);
+    /* server links (BpsServerLinks, server_links.h): set up by Python, counters for byteps.metrics() */
+    bool add_server(void *sock) { return servers_.add(sock); }
+    bool add_server_live(void *sock, int fd) { /* elastic: byteps-net adopts it at its next turn */
+        if (!servers_.add_live(sock, fd)) return false;
+        wake();
+        return true;
+    }
+    void set_colocated(int server, bool on) { servers_.set_colocated(server, on); }
+    void lost_links(std::vector<int> *out) { servers_.lost(out); }
     std::string add_ucx_link(int server, const std::string &host, int port, const std::string &token,
-                             const std::string &ident, double timeout);
-    std::string link_transport(int server);
-    int links_up() const;
-    int nservers() const { return nservers_.load(); }
-    /* A direct TCP link to server ``server`` (before start()): a connected socket whose token the server
-     * accepted (core/engine.py _open_links). This thread owns and closes it; ZeroMQ stays the fallback. */
-    void add_link(int server, int fd) { links_.at((size_t)server).reset(new BpsLink(fd)); }
-    uint64_t bytes_sent(int server) { return server < (int)sent_.size() ? sent_[server].load() : 0; }
-    uint64_t bytes_received(int server) { return server < (int)received_.size() ? received_[server].load() : 0; }
+                             const std::string &ident, double timeout) {
+        return servers_.add_ucx_link(server, host, port, token, ident, timeout);
+    }
+    std::string link_transport(int server) { return servers_.transport(server); }
+    int links_up() const { return servers_.up(); }
+    int nservers() const { return servers_.count(); }
+    void add_link(int server, int fd) { servers_.add_link(server, fd); }
+    uint64_t bytes_sent(int server) { return servers_.bytes_sent(server); }
+    uint64_t bytes_received(int server) { return servers_.bytes_received(server); }
 
     /* the send queue (BpsSendQueue, send_queue.h): PUSH, Python's raw sends (worker_send_queue.h) */
     uint64_t credit_stalls(std::string *first);
@@ -272,11 +277,6 @@ class BpsWorkerCore {
     void take_reply(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m);
     void local_broadcast_result(BpsOp *op, int i);
 
-    /* server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback (worker_links.h) */
-    BpsConn *live_link(int server);
-    int send_server(int server, BpsFrames &f);
-    void cork_links(bool on);
-
     /* the send queue (BpsSendQueue, send_queue.h): PUSH, Python's raw sends (worker_send_queue.h) */
     void send_raw_now(BpsRawSend *m);
     void send_ready();
@@ -339,15 +339,9 @@ class BpsWorkerCore {
     int nthreads_;
     int notify_fd_;
     int wake_fd_, done_fd_;
-    std::vector<void *> socks_;
-    std::unique_ptr<BpsUcxWorker> ucx_;           /* this thread's UCP worker (UCX links); outlives links_ */
-    std::mutex ucx_mu_; /* the UCP worker's user: byteps-net, or while it polls a direct caller (submit_direct) */
-    std::vector<std::unique_ptr<BpsConn>> links_; /* per server: its direct link (TCP or UCX), or NULL */
-    std::vector<std::unique_ptr<std::mutex>> link_mu_; /* per server: who writes or reads its link now */
-    std::deque<std::atomic<bool>> direct_owned_;      /* per server: a direct caller holds its link */
+    BpsServerLinks servers_; /* DEALERs, direct links, the UCP worker, per-server state (own mutexes) */
     std::atomic<uint64_t> direct_calls_{0}, direct_adopted_{0};
     std::atomic<uint64_t> compressed_pushes_{0}; /* pushes byteps-net encoded (send_push) */
-    std::deque<std::atomic<uint64_t>> sent_, received_;
     std::thread thread_;
     std::atomic<bool> stopping_{false};
 
@@ -383,13 +377,8 @@ class BpsWorkerCore {
     std::mutex retain_mu_;
     std::unordered_map<uint64_t, BpsRetained> retained_;
     std::atomic<uint64_t> results_sent_{0};
-    std::vector<std::pair<void *, int>> new_servers_;     /* (DEALER, link fd) of servers that joined */
-    std::vector<int> lost_;                               /* servers whose link broke, for Python */
-    std::atomic<int> nservers_{0};
-    std::deque<std::atomic<bool>> colocated_;             /* per server: on this machine (shared memory) */
     std::atomic<uint64_t> holds_{0};                      /* hold() calls */
     uint64_t commits_ = 0;                                /* commit() calls */
-    std::deque<std::atomic<bool>> dead_;                  /* per server: left the job */
 
     std::mutex rounds_mu_;
     std::unordered_map<uint64_t, uint64_t> rounds_;
@@ -404,7 +393,6 @@ class BpsWorkerCore {
     uint64_t commits_net_ = 0;              /* commit()s byteps-net has taken (awaiting_commit()) */
     std::vector<int> alive_net_;            /* commit()'s membership */
     std::vector<BpsQueued> stranded_;       /* partitions waiting for a dead server's replacement */
-    std::vector<bool> reported_;            /* per server: its broken link was reported */
     bool have_done_ = false;
 
     /* local reduce: set up by add_local() before start(); then network-thread state */
@@ -445,7 +433,6 @@ class BpsWorkerCore {
 /* The member functions, one header per part (each includes this one) */
 #include "core/pipeline/worker_stages.h"
 #include "core/pipeline/worker_loop.h"
-#include "core/pipeline/worker_links.h"
 #include "core/pipeline/worker_send_queue.h"
 #include "core/pipeline/worker_completions.h"
 #include "core/pipeline/worker_local_reduce.h"

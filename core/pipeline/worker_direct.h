@@ -36,16 +36,15 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
     if (local)
         return submit_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor);
     server = part.server;
-    if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= nservers_.load() || !links_[(size_t)server] ||
-        dead_[(size_t)server].load())
+    if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= servers_.count() ||
+        servers_.link(server) == nullptr || servers_.dead(server))
         return false;
     /* A UCX endpoint is driven by its thread's UCP worker, which every endpoint shares: the caller
-     * takes the whole worker (ucx_mu_, which byteps-net holds except while it sleeps in poll), then
+     * takes the whole worker (lock_ucx(), which byteps-net holds except while it sleeps in poll), then
      * the link, in the order byteps-net takes them. A TCP link needs only its own lock. */
-    std::unique_lock<std::mutex> ucx_lock(ucx_mu_, std::defer_lock);
-    if (ucx_) ucx_lock.lock();
-    std::unique_lock<std::mutex> link_lock(*link_mu_[(size_t)server]);
-    BpsConn *l = links_[(size_t)server].get();
+    std::unique_lock<std::mutex> ucx_lock = servers_.lock_ucx();
+    std::unique_lock<std::mutex> link_lock(servers_.link_mu(server));
+    BpsConn *l = servers_.link(server);
     if (l == nullptr || (strcmp(l->kind(), "tcp") != 0 && !ucx_lock.owns_lock())) return false;
     if (l->dead() || l->wants_write() || l->pending_input()) return false;
     BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
@@ -67,7 +66,7 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         op->seq = t.count++;
         ops_[id] = op;
     }
-    direct_owned_[(size_t)server].store(true);
+    servers_.set_direct_owned(server, true);
     BpsPart &p = op->parts[0];
     uint64_t rnd = next_round(p.key);
     p.rnd = rnd;
@@ -82,7 +81,7 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
     bool replied = false, strays = false;
     p.trace_t = bps_span_start(); /* PUSH: until the reply (direct_wait, or byteps-net if it adopts it) */
     if (l->send(f) == 0) {
-        sent_[(size_t)server] += sizeof h + body_len;
+        servers_.count_sent(server, sizeof h + body_len);
         replied = direct_wait(op, server, l, rnd, &strays);
     } else {
         set_error(op, BPS_ERR_PROTOCOL, "tensor '" + name + "': sending to server " + std::to_string(server) +
@@ -93,7 +92,7 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         std::lock_guard<std::mutex> lock(mu_);
         end_direct(op, replied, rnd, &adopt_in_); /* adopted: as if byteps-net had sent it */
     }
-    direct_owned_[(size_t)server].store(false);
+    servers_.set_direct_owned(server, false);
     bool more = l->pending_input() || l->dead(); /* UCX: other endpoints' messages came meanwhile */
     link_lock.unlock();
     if (ucx_lock.owns_lock()) ucx_lock.unlock();
@@ -426,7 +425,7 @@ inline bool BpsWorkerCore::direct_wait(BpsOp *op, int server, BpsConn *l, uint64
                 *strays = true;
                 continue;
             }
-            received_[(size_t)server] += msg.size(0) + (msg.count > 1 ? msg.size(1) : 0);
+            servers_.count_received(server, msg.size(0) + (msg.count > 1 ? msg.size(1) : 0));
             uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
             bps_span_to(BPS_STAGE_PUSH, p.trace_t, t_reply, p.key, rnd, p.length, server, op->priority);
             take_reply(op, p, server, h, &msg); /* PULL */
@@ -495,7 +494,7 @@ inline void BpsWorkerCore::take_direct() {
     for (auto &a : adopt) { /* its PUSH is out: wait for the reply here */
         resume(a.op, a.part, BPS_STAGE_PUSH);
         BpsPart &p = a.op->parts[(size_t)a.part];
-        if (dead_[(size_t)p.server].load() && !abort) { /* elastic: its server went while the caller waited */
+        if (servers_.dead(p.server) && !abort) { /* elastic: its server went while the caller waited */
             a.seq = p.qseq = seq_++;
             if (awaiting_commit()) stranded_.push_back(a);
             else push(a.op, a.part); /* to the replacement, in its round, past the credit (see commit) */

@@ -14,8 +14,7 @@ inline std::vector<uint64_t> BpsWorkerCore::hold(const std::vector<int> &dead) {
         std::lock_guard<std::mutex> lock(mu_);
         holding_ = true;
         holds_.fetch_add(1); /* before any server reads as dead: see awaiting_commit() */
-        for (int d : dead)
-            if (d >= 0 && d < BPS_MAX_SERVERS) dead_[(size_t)d].store(true);
+        for (int d : dead) servers_.set_dead(d);
         dead_in_ = true;
         for (auto &t : tables_) counts.push_back(t.count);
     }
@@ -33,7 +32,7 @@ inline void BpsWorkerCore::commit(const std::vector<int> &alive, const std::vect
         alive_ = alive;
         std::set<int> dead;
         for (int i = 0; i < BPS_MAX_SERVERS; ++i)
-            if (dead_[(size_t)i].load()) dead.insert(i);
+            if (servers_.dead(i)) dead.insert(i);
         reroutes_.push_back(std::make_pair(dead, alive));
         for (auto &t : tables_) {
             reroute(t.parts, dead, alive);
@@ -75,7 +74,7 @@ inline void BpsWorkerCore::reroute(std::vector<BpsPart> &parts, const std::set<i
 /* A partition goes to server ``to`` instead: through shared memory only if ``to`` is on this machine. */
 inline void BpsWorkerCore::move_part(BpsPart &p, int to) {
     p.server = to;
-    bool shared = to >= 0 && colocated_[(size_t)to].load();
+    bool shared = servers_.colocated(to);
     if (p.owner >= 0) p.colocated = shared; /* local reduce: the owner's region, as a descriptor or bytes */
     else if (!shared) p.staging = nullptr;  /* the bytes go from the tensor */
 }
@@ -88,10 +87,10 @@ inline void BpsWorkerCore::replay_reroutes(std::vector<BpsPart> &parts) {
  * messages it sent before it went are taken. */
 inline void BpsWorkerCore::strand_dead() {
     BpsMessage msg;
-    for (size_t s = 0; s < socks_.size(); ++s) {
-        if (!dead_[s].load()) continue;
+    for (size_t s = 0; s < servers_.size(); ++s) {
+        if (!servers_.dead((int)s)) continue;
         for (int k = 0; k < 4096; ++k) { /* what ZeroMQ already holds from it */
-            if (bps_recv_message(socks_[s], &msg) <= 0) break;
+            if (bps_recv_message(servers_.sock(s), &msg) <= 0) break;
             on_message((int)s, &msg);
         }
     }
@@ -99,7 +98,7 @@ inline void BpsWorkerCore::strand_dead() {
         BpsOp *op = it->second.first;
         int index = it->second.second;
         BpsPart &p = op->parts[(size_t)index];
-        if (!dead_[(size_t)p.server].load()) {
+        if (!servers_.dead(p.server)) {
             ++it;
             continue;
         }
@@ -129,15 +128,15 @@ inline void BpsWorkerCore::send_results() {
     std::lock_guard<std::mutex> lock(retain_mu_);
     for (auto &kv : retained_) {
         BpsRetained &r = kv.second;
-        if (r.server < 0 || !dead_[(size_t)r.server].load()) continue;
+        if (r.server < 0 || !servers_.dead(r.server)) continue;
         int to = bps_replacement(alive_net_, kv.first);
         if (to < 0) continue;
         BpsHeader h = bps_header(BPS_CMD_RESULT, node_id_, kv.first, r.round, r.data.size(), r.dtype, 0, 0);
         BpsFrames f;
         f.copy(&h, sizeof h);
         f.copy(r.data.data(), r.data.size());
-        send_server(to, f);
-        sent_[(size_t)to] += sizeof h + r.data.size();
+        servers_.send(to, f);
+        servers_.count_sent(to, sizeof h + r.data.size());
         r.server = to;
         results_sent_.fetch_add(1);
     }
