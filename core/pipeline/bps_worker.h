@@ -94,6 +94,7 @@
 #include "core/transport/bps_ucx.h"
 #include "core/transport/bps_wire.h"
 #include "core/transport/bps_zmq.h"
+#include "core/pipeline/local_peers.h"
 #include "core/pipeline/send_queue.h"
 #include "core/pipeline/server_links.h"
 #include "core/pipeline/stage_thread.h"
@@ -156,10 +157,16 @@ class BpsWorkerCore {
     static bool local_header(BpsMessage &msg, BpsHeader *h);
     void stray_local(BpsMessage &msg, bool *strays);
     void add_local(void *router, std::vector<void *> peers, int local_rank, bool open);
-    std::string add_local_link(int r, int fd, const std::string &ident, int ring_fd = -1, bool low = false);
-    int local_rings_up() const;
-    int local_links_up() const;
-    void allow_local(const std::string &identity);
+    /* local links and admission (BpsLocalPeers, local_peers.h) */
+    std::string add_local_link(int r, int fd, const std::string &ident, int ring_fd = -1, bool low = false) {
+        return local_.add_link(r, fd, ident, ring_fd, low);
+    }
+    int local_rings_up() const { return local_.rings_up(); }
+    int local_links_up() const { return local_.links_up(); }
+    void allow_local(const std::string &identity) { /* byteps-net admits it at its next turn */
+        local_.allow(identity);
+        wake();
+    }
     void set_local_joined(uint64_t mask);
     /* join() ended ``ends`` times: LOCAL_READYs carry the parity, so that a peer still in join() tells
      * the copies of our next op (rounds restarted at 0) from a joined rank's partitions */
@@ -175,8 +182,8 @@ class BpsWorkerCore {
     /* The job has one worker machine (before start()): its local reduce is the whole sum, so an owner
      * broadcasts it at once instead of a round trip through a server (core/stages.py, "one machine"). */
     void set_lone_machine(bool on) { lone_machine_ = on; }
-    uint64_t local_link_sent() const { return local_link_sent_.load(); }
-    uint64_t local_link_received() const { return local_link_received_.load(); }
+    uint64_t local_link_sent() const { return local_.sent(); }
+    uint64_t local_link_received() const { return local_.received(); }
     /* Partitions reduced natively (all, and on the stage thread), and copies handed to owners. */
     uint64_t local_reduced() { return local_reduced_.load(); }
     uint64_t local_reduced_on_thread() { return local_threaded_.load(); }
@@ -309,8 +316,6 @@ class BpsWorkerCore {
     void owner_pulled(BpsOp *op, int i, int server, const BpsHeader &h, BpsMessage *m);
     void local_failed(BpsOp *op, int i, int kind, const std::string &text);
     void local_broadcast(BpsOp *op, int i, const void *desc, const std::string &error_body);
-    BpsConn *live_local_link(int r);
-    int send_local(int r, const BpsHeader *h, const void *body, size_t n);
     void on_local(BpsMessage *m, bool linked = false);
     int view_shared(const void *body, size_t n, unsigned char **ptr, uint64_t *len, std::string *err);
     void ask_owed(const Ident &id, const BpsHeader &h);
@@ -340,6 +345,7 @@ class BpsWorkerCore {
     int notify_fd_;
     int wake_fd_, done_fd_;
     BpsServerLinks servers_; /* DEALERs, direct links, the UCP worker, per-server state (own mutexes) */
+    BpsLocalPeers local_;    /* the local ROUTER, DEALERs and links, admission (own mutexes) */
     std::atomic<uint64_t> direct_calls_{0}, direct_adopted_{0};
     std::atomic<uint64_t> compressed_pushes_{0}; /* pushes byteps-net encoded (send_push) */
     std::thread thread_;
@@ -362,7 +368,6 @@ class BpsWorkerCore {
     std::vector<BpsQueued> local_adopt_in_;     /* direct local partitions handed over (seq: their round) */
     std::vector<BpsMessage *> local_strays_in_; /* local-link messages direct callers read for others */
     std::set<std::pair<uint64_t, uint64_t>> local_direct_ids_; /* (key, round) a direct local caller waits for */
-    std::vector<std::string> allow_in_;                   /* identities Python admitted */
     std::vector<std::vector<std::string>> forward_local_; /* local messages for Python */
     bool self_joined_ = false;                            /* set_self_joined() */
     std::vector<BpsOwed> owed_out_;                       /* partitions a joined owner asks Python about */
@@ -396,12 +401,8 @@ class BpsWorkerCore {
     bool have_done_ = false;
 
     /* local reduce: set up by add_local() before start(); then network-thread state */
-    void *router_ = nullptr;
-    std::vector<void *> peers_;
     int local_rank_ = 0, local_size_ = 1;
-    bool auth_open_ = false;
     BpsStageThread *stage_ = nullptr;
-    std::set<std::string> allowed_;
     std::map<Ident, Group> groups_;
     std::map<Ident, Await> awaiting_;
     std::map<Ident, std::vector<std::vector<std::string>>> early_; /* LOCAL_READYs before their op */
@@ -416,17 +417,10 @@ class BpsWorkerCore {
     std::atomic<bool> join_epoch_{false}; /* set_join_ends(): an odd number of join()s ended */
     std::atomic<bool> recheck_{false};
     std::atomic<uint64_t> local_reduced_{0}, local_threaded_{0}, local_coordinated_{0}, owed_submitted_{0};
-    std::vector<std::unique_ptr<BpsConn>> local_links_; /* per local rank: its direct link, or NULL */
-    /* per local rank: who writes or reads its link now (recursive: byteps-net sends on a link while it
-     * reads it), and whether a direct caller holds it (then byteps-net does not poll it) */
-    std::vector<std::unique_ptr<std::recursive_mutex>> local_link_mu_;
-    std::deque<std::atomic<bool>> local_direct_owned_;
     /* byteps-net: a LOCAL_DONE / ERROR that reached the ROUTER for a partition a direct caller still held
      * (kept until it is handed over), with whether it came on a link */
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsMessage *, bool>> early_done_;
     std::mutex maps_mu_; /* maps_: byteps-net and direct local callers read results through it */
-    std::vector<std::string> local_link_ident_;         /* per local rank: its DEALER identity (frame 0) */
-    std::atomic<uint64_t> local_link_sent_{0}, local_link_received_{0};
     std::string first_stall_; /* the first send queue stall's tensor (guarded by mu_) */
 };
 

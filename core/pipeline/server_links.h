@@ -3,8 +3,8 @@
  * machine, left the job, link broken, bytes each way).
  *
  * Threads: Python's, before start() (add, add_link, add_ucx_link) and for the counters at any time;
- * byteps-net, which polls and sends (BpsWorkerCore::run, send_server); a direct caller
- * (BpsWorkerCore::submit_direct), which holds one server's link for a round trip: it takes ucx_mu()
+ * byteps-net, which polls and sends (BpsWorkerCore::run, send()); a direct caller
+ * (BpsWorkerCore::submit_direct), which holds one server's link for a round trip: it takes lock_ucx()
  * (when there is a UCP worker) and then link_mu(server), in the order byteps-net takes them, and marks
  * the link direct_owned() so that byteps-net does not poll it meanwhile.
  *

@@ -191,17 +191,17 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
                                                int64_t priority, unsigned char *buf, uint64_t nbytes,
                                                uint32_t divisor) {
     int owner = part.owner;
-    if (cmd != BPS_CMD_PUSHPULL || owner < 0 || owner == local_rank_ || (size_t)owner >= local_links_.size() ||
+    if (cmd != BPS_CMD_PUSHPULL || owner < 0 || owner == local_rank_ || (size_t)owner >= local_.size() ||
         part.staging == nullptr || part.length > BPS_DIRECT_MAX_BYTES || part.offset + part.length > nbytes)
         return false;
-    std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)owner]);
-    BpsConn *l = live_local_link(owner);
+    std::unique_lock<std::recursive_mutex> link_lock(local_.link_mu(owner));
+    BpsConn *l = local_.live(owner);
     if (l == nullptr || strcmp(l->kind(), "ucx") == 0 || l->wants_write() || l->pending_input()) return false;
     BpsOp *op = begin_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor,
                                    true);
     if (op == nullptr) return false;
     BpsPart &p = op->parts[0];
-    local_direct_owned_[(size_t)owner].store(true);
+    local_.set_direct_owned(owner, true);
     memcpy(p.staging, buf + p.offset, p.length); /* COORDINATE: our copy into our shared region */
     BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, dtype, (uint32_t)local_rank_,
                              BPS_FLAG_SHM | join_epoch_flag());
@@ -211,7 +211,7 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
     bool replied = false, strays = false;
     BpsPollingLinks polling({l}, direct_spin_s_ > 0); /* a ring: its bell waits until we stop polling */
     if (l->send(f) == 0) {
-        local_link_sent_.fetch_add(1);
+        local_.count_sent();
         local_coordinated_++;
         replied = local_direct_wait(op, owner, l, &strays);
     } else {
@@ -224,7 +224,7 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
         local_direct_ids_.erase(Ident(p.key, p.rnd));
         end_direct(op, replied, p.rnd, &local_adopt_in_); /* adopted: byteps-net waits for its LOCAL_DONE */
     }
-    local_direct_owned_[(size_t)owner].store(false);
+    local_.set_direct_owned(owner, false);
     polling.stop(); /* first: what comes after this rings a bell, what came before is pending_input */
     bool more = l->pending_input() || l->dead();
     link_lock.unlock();
@@ -246,7 +246,7 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
                                                int64_t priority, unsigned char *buf, uint64_t nbytes,
                                                uint32_t divisor) {
     if (cmd != BPS_CMD_PUSHPULL || !lone_machine_ || local_size_ < 2 || local_size_ > 64 ||
-        (size_t)local_size_ != local_links_.size() || part.staging == nullptr ||
+        (size_t)local_size_ != local_.size() || part.staging == nullptr ||
         part.length > BPS_DIRECT_MAX_BYTES || part.offset + part.length > nbytes || joined_mask_.load() != 0)
         return false;
     /* every other local rank's link, or nothing: a direct caller of this process may hold one */
@@ -254,8 +254,8 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
     std::vector<int> peers;
     for (int r = 0; r < local_size_; ++r) {
         if (r == local_rank_) continue;
-        std::unique_lock<std::recursive_mutex> lk(*local_link_mu_[(size_t)r], std::try_to_lock);
-        BpsConn *l = lk ? live_local_link(r) : nullptr;
+        std::unique_lock<std::recursive_mutex> lk(local_.link_mu(r), std::try_to_lock);
+        BpsConn *l = lk ? local_.live(r) : nullptr;
         if (l == nullptr || strcmp(l->kind(), "ucx") == 0 || l->wants_write()) return false;
         link_locks.push_back(std::move(lk));
         peers.push_back(r);
@@ -265,7 +265,7 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
     if (op == nullptr) return false;
     BpsPart &p = op->parts[0];
     Ident me(p.key, p.rnd);
-    for (int r : peers) local_direct_owned_[(size_t)r].store(true);
+    for (int r : peers) local_.set_direct_owned(r, true);
     std::vector<std::vector<std::string>> copies; /* [identity, header, body] of each LOCAL_READY */
     {
         std::lock_guard<std::mutex> lock(early_mu_); /* the copies that reached byteps-net first */
@@ -291,7 +291,7 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
             local_reduced_++;
             BpsHeader h = bps_header(BPS_CMD_LOCAL_DONE, node_id_, p.key, p.rnd, p.length, BPS_NO_DTYPE,
                                      (uint32_t)local_rank_, BPS_FLAG_SHM);
-            for (int r : peers) send_local(r, &h, &p.desc, BPS_DESCRIPTOR_SIZE); /* LOCAL_BROADCAST */
+            for (int r : peers) local_.send(r, &h, &p.desc, BPS_DESCRIPTOR_SIZE); /* LOCAL_BROADCAST */
             BpsStageTask out{priority, 0, BPS_TASK_COPY_OUT, op, 0, buf + p.offset, {p.staging}, p.length, dtype, 0};
             bps_run_task(out, 1);
             owner_direct_++;
@@ -311,8 +311,8 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
     }
     bool more = false;
     for (int r : peers) {
-        local_direct_owned_[(size_t)r].store(false);
-        BpsConn *l = local_links_[(size_t)r].get();
+        local_.set_direct_owned(r, false);
+        BpsConn *l = local_.link(r);
         more |= l->pending_input() || l->dead();
     }
     link_locks.clear();
@@ -328,15 +328,14 @@ inline bool BpsWorkerCore::owner_direct_wait(const BpsPart &p, const std::vector
     double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
     std::vector<struct pollfd> pfds(peers.size());
     std::vector<BpsConn *> links;
-    for (int r : peers) links.push_back(local_links_[(size_t)r].get());
+    for (int r : peers) links.push_back(local_.link(r));
     BpsPollingLinks polling(links, direct_spin_s_ > 0); /* until we sleep or return */
     BpsMessage msg;
     for (;;) {
         for (size_t k = 0; k < peers.size(); ++k) {
             int r = peers[k];
-            BpsConn *l = local_links_[(size_t)r].get();
-            while (copies->size() < peers.size() && l->recv(&msg, &local_link_ident_[(size_t)r]) > 0) {
-                local_link_received_.fetch_add(1);
+            BpsConn *l = local_.link(r);
+            while (copies->size() < peers.size() && local_.recv(r, &msg) > 0) {
                 BpsHeader h;
                 if (!local_header(msg, &h) || h.cmd != BPS_CMD_LOCAL_READY || h.key != p.key || h.round != p.rnd) {
                     stray_local(msg, strays);
@@ -357,7 +356,7 @@ inline bool BpsWorkerCore::owner_direct_wait(const BpsPart &p, const std::vector
         }
         bool came = false;
         for (size_t k = 0; k < peers.size(); ++k) {
-            BpsConn *l = local_links_[(size_t)peers[k]].get();
+            BpsConn *l = local_.link(peers[k]);
             if (l->wants_write()) l->flush();
             came |= l->arm_to_sleep(); /* a ring's bytes that came without a bell */
             pfds[k] = pollfd{l->fd(), (short)(POLLIN | (l->poll_for_write() ? POLLOUT : 0)), 0};
@@ -376,8 +375,7 @@ inline bool BpsWorkerCore::local_direct_wait(BpsOp *op, int owner, BpsConn *l, b
     double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
     BpsMessage msg;
     for (;;) {
-        while (l->recv(&msg, &local_link_ident_[(size_t)owner]) > 0) { /* [identity, header, body] */
-            local_link_received_.fetch_add(1);
+        while (local_.recv(owner, &msg) > 0) { /* [identity, header, body]: ``l`` */
             BpsHeader h;
             if (!local_header(msg, &h) || h.key != p.key || h.round != p.rnd ||
                 (h.cmd != BPS_CMD_LOCAL_DONE && h.cmd != BPS_CMD_ERROR)) {

@@ -23,64 +23,10 @@ inline void BpsWorkerCore::stray_local(BpsMessage &msg, bool *strays) {
 /* The machine's local reduce (before start()): our ROUTER, a DEALER per other local rank (NULL for
  * ourselves), authenticated by Python; ``open`` when the job has no secret (every peer admitted). */
 inline void BpsWorkerCore::add_local(void *router, std::vector<void *> peers, int local_rank, bool open) {
-    router_ = router;
-    peers_ = std::move(peers);
     local_rank_ = local_rank;
-    local_size_ = (int)peers_.size();
-    local_links_.resize(peers_.size());
-    local_link_ident_.resize(peers_.size());
-    for (size_t r = 0; r < peers_.size(); ++r) local_link_mu_.emplace_back(new std::recursive_mutex());
-    local_direct_owned_.resize(peers_.size());
-    auth_open_ = open;
+    local_size_ = (int)peers.size();
+    local_.setup(router, std::move(peers), open);
     stage_ = new BpsStageThread(nthreads_, wake_fd_);
-}
-
-/* A direct link to local rank ``r`` (before start(), after add_local()): a connected socket whose
- * one-time token was checked (core/engine.py _open_local_links). ``ident`` is r's DEALER identity
- * toward our ROUTER: its messages on the link are taken as from that identity. This thread owns
- * and closes the fd; the DEALER stays the fallback. ``ring_fd`` >= 0: the pair's shared-memory
- * rings (BPS_RING_REGION bytes; BpsShmLink carries the bytes, the socket only bells), ``low``: we are
- * the lower local rank. The caller keeps ``ring_fd`` (a mapping outlives it). "" or why the ring
- * could not be mapped: the socket is then closed, so that the peer's end of the link dies too and
- * both sides use the DEALER. */
-inline std::string BpsWorkerCore::add_local_link(int r, int fd, const std::string &ident, int ring_fd, bool low) {
-    if (ring_fd >= 0) {
-        void *region = mmap(nullptr, BPS_RING_REGION, PROT_READ | PROT_WRITE, MAP_SHARED, ring_fd, 0);
-        if (region == MAP_FAILED) {
-            std::string why = std::string("mmap: ") + strerror(errno);
-            ::close(fd);
-            return why;
-        }
-        local_links_.at((size_t)r).reset(new BpsShmLink(fd, region, low));
-    } else {
-        local_links_.at((size_t)r).reset(new BpsLink(fd));
-    }
-    local_link_ident_.at((size_t)r) = ident;
-    return "";
-}
-
-/* Local ranks whose link runs over shared-memory rings (tests check the path really ran). */
-inline int BpsWorkerCore::local_rings_up() const {
-    int n = 0;
-    for (auto &l : local_links_) n += l && !l->dead() && strcmp(l->kind(), "shm") == 0;
-    return n;
-}
-
-/* Local ranks reached over a working link, and messages sent / received on local links (tests
- * check the path really ran). */
-inline int BpsWorkerCore::local_links_up() const {
-    int n = 0;
-    for (auto &l : local_links_) n += l && !l->dead();
-    return n;
-}
-
-/* A peer that passed Python's handshake on our ROUTER (core/auth.py Gate). */
-inline void BpsWorkerCore::allow_local(const std::string &identity) {
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        allow_in_.push_back(identity);
-    }
-    wake();
 }
 
 /* join(): local ranks (bit n: local rank n) that joined; owners stop waiting for their copies. */
@@ -235,7 +181,7 @@ inline void BpsWorkerCore::after_task(BpsStageTask &t) {
     if (t.kind == BPS_TASK_COPY_IN) {
         BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, op->dtype,
                                  (uint32_t)local_rank_, BPS_FLAG_SHM | join_epoch_flag());
-        if (send_local(p.owner, &h, &p.desc, sizeof p.desc) != 0) {
+        if (local_.send(p.owner, &h, &p.desc, sizeof p.desc) != 0) {
             fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': sending to local rank " +
                                            std::to_string(p.owner) + " failed: " + strerror(errno));
             return;
@@ -387,36 +333,10 @@ inline void BpsWorkerCore::local_broadcast(BpsOp *op, int i, const void *desc, c
     for (int r = 0; r < local_size_; ++r) {
         if (r == local_rank_) continue;
         if (desc)
-            send_local(r, &h, desc, BPS_DESCRIPTOR_SIZE);
+            local_.send(r, &h, desc, BPS_DESCRIPTOR_SIZE);
         else
-            send_local(r, &h, error_body.data(), error_body.size());
+            local_.send(r, &h, error_body.data(), error_body.size());
     }
-}
-
-/* Local rank ``r``'s direct link while it works, else NULL (its DEALER then). */
-inline BpsConn *BpsWorkerCore::live_local_link(int r) {
-    if (r < 0 || (size_t)r >= local_links_.size()) return nullptr;
-    BpsConn *l = local_links_[(size_t)r].get();
-    return l != nullptr && !l->dead() ? l : nullptr;
-}
-
-inline int BpsWorkerCore::send_local(int r, const BpsHeader *h, const void *body, size_t n) {
-    std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)r]); /* a direct caller may hold it briefly */
-    BpsConn *l = live_local_link(r);
-    if (l != nullptr) {
-        BpsFrames f;
-        f.copy(h, sizeof *h);
-        f.copy(body, n);
-        if (l->send(f) == 0) {
-            local_link_sent_.fetch_add(1);
-            return 0;
-        }
-        /* it broke just now: the DEALER takes this one */
-    }
-    void *sock = peers_[r];
-    int rc = bps_send_copy(sock, h, sizeof *h, true);
-    if (rc == 0) rc = bps_send_copy(sock, body, n, false);
-    return rc;
 }
 
 /* A message on our local ROUTER, or on a local link (``linked``: authenticated by its token, the
@@ -428,7 +348,7 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
         return;
     }
     std::string ident((const char *)m->data(0), m->size(0));
-    if ((!auth_open_ && !linked && allowed_.count(ident) == 0) || !bps_parse_header(m->data(1), m->size(1), &h)) {
+    if (!local_.admitted(ident, linked) || !bps_parse_header(m->data(1), m->size(1), &h)) {
         forward_local(m); /* handshakes, strangers, malformed: Python answers, refuses or logs */
         return;
     }

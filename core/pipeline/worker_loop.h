@@ -125,11 +125,12 @@ inline void BpsWorkerCore::run() {
             nsocks = servers_.size();
             wake_at = nsocks, router_at = nsocks + 1, links_at = nsocks + 2;
             local_at = links_at + nsocks;
-            items.assign(local_at + local_links_.size(), bps_zmq_pollitem{nullptr, -1, 0, 0});
+            items.assign(local_at + local_.size(), bps_zmq_pollitem{nullptr, -1, 0, 0});
             for (size_t i = 0; i < nsocks; ++i) items[i] = bps_zmq_pollitem{servers_.sock(i), 0, BPS_ZMQ_POLLIN, 0};
             items[wake_at] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
             /* the local ROUTER, if any (a NULL socket with fd -1 is never ready) */
-            items[router_at] = bps_zmq_pollitem{router_, -1, (short)(router_ ? BPS_ZMQ_POLLIN : 0), 0};
+            void *router = local_.router();
+            items[router_at] = bps_zmq_pollitem{router, -1, (short)(router ? BPS_ZMQ_POLLIN : 0), 0};
         }
         bool buffered = false;
         for (size_t i = 0; i < nsocks; ++i) { /* a dead link, or one a direct caller holds: not polled */
@@ -138,8 +139,8 @@ inline void BpsWorkerCore::run() {
             items[links_at + i] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
             buffered |= l != nullptr && l->pending_input(); /* whole messages in hand: no sleep */
         }
-        for (size_t r = 0; r < local_links_.size(); ++r) {
-            BpsConn *l = local_direct_owned_[r].load() ? nullptr : live_local_link((int)r);
+        for (size_t r = 0; r < local_.size(); ++r) {
+            BpsConn *l = local_.direct_owned((int)r) ? nullptr : local_.live((int)r);
             short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->poll_for_write() ? BPS_ZMQ_POLLOUT : 0));
             items[local_at + r] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
             buffered |= l != nullptr && l->pending_input();
@@ -157,27 +158,26 @@ inline void BpsWorkerCore::run() {
         take_direct();
         take_stage_done();
         if (nsocks != servers_.size()) continue; /* a server joined: poll it too before reading */
-        if (router_ != nullptr && items[router_at].revents) {
+        if (local_.router() != nullptr && items[router_at].revents) {
             for (int k = 0; k < 256; ++k) {
-                int got = bps_recv_message(router_, &msg);
+                int got = bps_recv_message(local_.router(), &msg);
                 if (got <= 0) break;
                 on_local(&msg);
             }
         }
-        for (size_t r = 0; r < local_links_.size(); ++r) {
+        for (size_t r = 0; r < local_.size(); ++r) {
             short ev = items[local_at + r].revents;
-            BpsConn *l = live_local_link((int)r);
+            BpsConn *l = local_.live((int)r);
             if (l == nullptr || (!ev && !l->pending_input())) continue;
-            std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[r], std::try_to_lock);
+            std::unique_lock<std::recursive_mutex> link_lock(local_.link_mu((int)r), std::try_to_lock);
             if (!link_lock) continue; /* a direct caller reads it now */
             take_direct();            /* what it handed over comes before what we read next */
             if (ev & BPS_ZMQ_POLLOUT) l->flush();
             for (int k = 0; k < 256 && !l->dead(); ++k) {
-                if (l->recv(&msg, &local_link_ident_[r]) <= 0) break; /* [identity, header, body], as on the ROUTER */
-                local_link_received_.fetch_add(1);
+                if (local_.recv((int)r, &msg) <= 0) break; /* [identity, header, body], as on the ROUTER */
                 on_local(&msg, true);
             }
-            /* a link that broke (its peer went): live_local_link() is NULL now, its DEALER carries what follows */
+            /* a link that broke (its peer went): local_.live() is NULL now, its DEALER carries what follows */
         }
         for (size_t i = 0; i < nsocks; ++i) {
             if (!items[i].revents) continue;
@@ -214,13 +214,11 @@ inline void BpsWorkerCore::run() {
 inline void BpsWorkerCore::take_inbox() {
     std::vector<BpsQueued> in;
     std::vector<std::unique_ptr<BpsRawSend>> raw;
-    std::vector<std::string> allow;
     bool abort, self_joined, dead_now, commit_now;
     {
         std::lock_guard<std::mutex> lock(mu_);
         in.swap(inbox_);
         raw.swap(raw_);
-        allow.swap(allow_in_);
         abort = abort_;
         self_joined = self_joined_;
         dead_now = dead_in_;
@@ -231,7 +229,7 @@ inline void BpsWorkerCore::take_inbox() {
             commits_net_ = commits_;
         }
     }
-    for (auto &a : allow) allowed_.insert(a);
+    local_.take_allowed();
     servers_.adopt_joined(); /* elastic: servers that joined (after the above: a commit() naming them) */
     if (dead_now) strand_dead();
     if (commit_now) { /* results first, then stranded partitions go to their replacements, in their rounds */

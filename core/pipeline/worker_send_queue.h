@@ -30,21 +30,9 @@ inline void BpsWorkerCore::send_raw_now(BpsRawSend *m) {
     if (m->server >= 0) {
         servers_.send(m->server, f);
     } else if (m->server == BPS_TO_ROUTER) {
-        bps_zmq_send_frames(router_, f, &m->ident);
+        local_.send_router(f, m->ident);
     } else {
-        int r = -2 - m->server; /* the same path as ours, so that one peer's messages stay in order */
-        std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)r]);
-        BpsConn *l = live_local_link(r);
-        if (l == nullptr) {
-            bps_zmq_send_frames(peers_[(size_t)r], f);
-        } else if (l->send(f) == 0) {
-            local_link_sent_.fetch_add(1);
-        } else if (m->zc_data == nullptr) { /* it broke just now: the DEALER takes a copied body */
-            BpsFrames again;
-            again.copy(m->header.data(), m->header.size());
-            again.copy(m->body.data(), m->body.size());
-            bps_zmq_send_frames(peers_[(size_t)r], again);
-        }
+        local_.send_raw(-2 - m->server, f, *m);
     }
     /* Python counts its own messages (Engine.bytes_sent); a failed send released the body */
 }
