@@ -94,6 +94,7 @@
 #include "core/transport/bps_ucx.h"
 #include "core/transport/bps_wire.h"
 #include "core/transport/bps_zmq.h"
+#include "core/pipeline/elastic_router.h"
 #include "core/pipeline/local_peers.h"
 #include "core/pipeline/send_queue.h"
 #include "core/pipeline/server_links.h"
@@ -233,13 +234,10 @@ class BpsWorkerCore {
     void commit(const std::vector<int> &alive, const std::vector<int64_t> &tables, const std::vector<uint64_t> &from,
                 std::vector<std::vector<BpsPart>> segs);
     void add_segment(int64_t table, uint64_t from, std::vector<BpsPart> parts);
-    void reroute(std::vector<BpsPart> &parts, const std::set<int> &dead, const std::vector<int> &alive);
-    void move_part(BpsPart &p, int to);
-    void replay_reroutes(std::vector<BpsPart> &parts);
     /* BYTEPS_ELASTIC=1 (before start()): keep each key's latest result for a lost server's replacement. */
-    void set_elastic(bool on) { retain_ = on; }
+    void set_elastic(bool on) { elastic_.set_retain(on); }
     /* RESULTs sent to lost servers' replacements (tests check the path ran). */
-    uint64_t results_sent() const { return results_sent_.load(); }
+    uint64_t results_sent() const { return elastic_.results_sent(); }
 
   private:
     /* the local reduce's partitions: (wire key, round), an owner's LOCAL_REDUCE, a non-owner's wait */
@@ -330,11 +328,6 @@ class BpsWorkerCore {
 
     /* elastic routing: hold / commit, replacements of lost servers, retained results (worker_elastic.h) */
     void strand_dead();
-    void retain(const BpsPart &p, uint64_t round, uint8_t dtype, const void *data, size_t n);
-    void send_results();
-    /* Elastic (network thread): a server reads as dead from hold() on, but its replacement is known only
-     * once byteps-net has taken the commit() that follows; until then its partitions wait (stranded). */
-    bool awaiting_commit() const { return commits_net_ < holds_.load(); }
 
     uint32_t node_id_;
     BpsSendQueue sendq_; /* network-thread state: partitions waiting for the credit, bytes in flight */
@@ -346,6 +339,7 @@ class BpsWorkerCore {
     int wake_fd_, done_fd_;
     BpsServerLinks servers_; /* DEALERs, direct links, the UCP worker, per-server state (own mutexes) */
     BpsLocalPeers local_;    /* the local ROUTER, DEALERs and links, admission (own mutexes) */
+    BpsElasticRouter elastic_; /* hold / commit, reroutes, stranded partitions, retained results (mu_) */
     std::atomic<uint64_t> direct_calls_{0}, direct_adopted_{0};
     std::atomic<uint64_t> compressed_pushes_{0}; /* pushes byteps-net encoded (send_push) */
     std::thread thread_;
@@ -371,19 +365,7 @@ class BpsWorkerCore {
     std::vector<std::vector<std::string>> forward_local_; /* local messages for Python */
     bool self_joined_ = false;                            /* set_self_joined() */
     std::vector<BpsOwed> owed_out_;                       /* partitions a joined owner asks Python about */
-    /* elastic servers (hold() / commit()) */
-    bool holding_ = false;                                /* ops submitted now wait in held_ */
-    std::vector<BpsOp *> held_;
-    bool dead_in_ = false, commit_in_ = false;            /* for byteps-net's next turn */
-    std::vector<int> alive_;                              /* the membership's servers, in order */
-    std::vector<std::pair<std::set<int>, std::vector<int>>> reroutes_; /* each commit(): (dead, alive) */
-    bool retain_ = false;                                 /* set_elastic(): keep each key's latest result */
     bool lone_machine_ = false;                           /* set_lone_machine(): no server round trip */
-    std::mutex retain_mu_;
-    std::unordered_map<uint64_t, BpsRetained> retained_;
-    std::atomic<uint64_t> results_sent_{0};
-    std::atomic<uint64_t> holds_{0};                      /* hold() calls */
-    uint64_t commits_ = 0;                                /* commit() calls */
 
     std::mutex rounds_mu_;
     std::unordered_map<uint64_t, uint64_t> rounds_;
@@ -395,9 +377,6 @@ class BpsWorkerCore {
     uint64_t seq_ = 0;
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsOp *, int>> pending_;
     BpsPeerMaps maps_;
-    uint64_t commits_net_ = 0;              /* commit()s byteps-net has taken (awaiting_commit()) */
-    std::vector<int> alive_net_;            /* commit()'s membership */
-    std::vector<BpsQueued> stranded_;       /* partitions waiting for a dead server's replacement */
     bool have_done_ = false;
 
     /* local reduce: set up by add_local() before start(); then network-thread state */

@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/pipeline/worker_types.h"
 #include "core/transport/bps_link.h"
 #include "core/transport/bps_ucx.h"
 #include "core/transport/bps_wire.h"

@@ -26,7 +26,7 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         const std::vector<BpsPart> &parts = t.parts_for(seq);
         /* a compressed table's partitions are encoded and decoded by byteps-net alone, which keeps their
          * codec state (worker_codec.h): never on a caller's thread */
-        if (parts.size() != 1 || holding_ || commit_in_ || t.codec) return false;
+        if (parts.size() != 1 || elastic_.changing() || t.codec) return false;
         local = t.local;
         part = parts[0];
         name = t.name;
@@ -57,7 +57,7 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         std::lock_guard<std::mutex> lock(mu_);
         BpsTable &t = tables_.at((size_t)table);
         /* another thread submitted on this table meanwhile, or the servers are changing: the normal path */
-        if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
+        if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
             t.count != seq) {
             delete op;
             return false;
@@ -166,7 +166,7 @@ inline BpsOp *BpsWorkerCore::begin_local_direct(int64_t id, int64_t table, uint6
     BpsPart &p = op->parts[0];
     std::lock_guard<std::mutex> lock(mu_);
     BpsTable &t = tables_.at((size_t)table);
-    if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
+    if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
         self_joined_ || t.count != seq) {
         delete op;
         return nullptr;
@@ -494,7 +494,7 @@ inline void BpsWorkerCore::take_direct() {
         BpsPart &p = a.op->parts[(size_t)a.part];
         if (servers_.dead(p.server) && !abort) { /* elastic: its server went while the caller waited */
             a.seq = p.qseq = seq_++;
-            if (awaiting_commit()) stranded_.push_back(a);
+            if (elastic_.awaiting_commit()) elastic_.strand(a);
             else push(a.op, a.part); /* to the replacement, in its round, past the credit (see commit) */
             continue;
         }

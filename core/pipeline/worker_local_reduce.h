@@ -309,7 +309,7 @@ inline void BpsWorkerCore::owner_pulled(BpsOp *op, int i, int server, const BpsH
         local_failed(op, i, BPS_ERR_PROTOCOL, err);
         return;
     }
-    retain(p, h.round, op->dtype, src, p.length);
+    elastic_.retain(p, h.round, op->dtype, src, p.length);
     p.result = src;
     p.result_desc = desc; /* read by LOCAL_BROADCAST within this call */
     advance(op, i);

@@ -6,7 +6,7 @@
 
 inline BpsWorkerCore::BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
     : node_id_(node_id), sendq_(credit), timeout_(timeout), nthreads_(nthreads), notify_fd_(notify_fd),
-      servers_(node_id) {
+      servers_(node_id), elastic_(servers_, node_id) {
     wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     done_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 }
@@ -43,7 +43,7 @@ inline int64_t BpsWorkerCore::add_table(const std::string &name, std::vector<Bps
         wire_codec = std::make_shared<BpsTableCodec>(*codec);
         wire_codec->parts.assign(parts.size(), BpsCodecState());
     }
-    replay_reroutes(parts); /* a tensor first used after servers were lost: as if it had been there */
+    elastic_.replay(parts); /* a tensor first used after servers were lost: as if it had been there */
     tables_.push_back(BpsTable{name, std::move(parts), local, std::move(wire_codec)});
     return (int64_t)tables_.size() - 1;
 }
@@ -62,11 +62,11 @@ inline void BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, 
         op->codec = t.codec.get();
         op->table = table;
         op->seq = t.count++;
-        if (holding_) { /* the servers are changing: which partitions it uses is known at commit() */
+        if (elastic_.holding()) { /* the servers are changing: which partitions it uses is known at commit() */
             op->started = bps_now();
             ops_[op->id] = op;
             net_ops_++;
-            held_.push_back(op);
+            elastic_.hold_op(op);
             return;
         }
         op->parts = t.parts_for(op->seq);
@@ -221,21 +221,14 @@ inline void BpsWorkerCore::take_inbox() {
         raw.swap(raw_);
         abort = abort_;
         self_joined = self_joined_;
-        dead_now = dead_in_;
-        commit_now = commit_in_;
-        dead_in_ = commit_in_ = false;
-        if (commit_now) {
-            alive_net_ = alive_;
-            commits_net_ = commits_;
-        }
+        elastic_.take_turn(&dead_now, &commit_now);
     }
     local_.take_allowed();
     servers_.adopt_joined(); /* elastic: servers that joined (after the above: a commit() naming them) */
     if (dead_now) strand_dead();
     if (commit_now) { /* results first, then stranded partitions go to their replacements, in their rounds */
-        send_results();
-        std::vector<BpsQueued> back;
-        back.swap(stranded_);
+        elastic_.send_results();
+        std::vector<BpsQueued> back = elastic_.take_stranded();
         /* Sent at once, past the credit, in their first order: each had been let through the credit
          * before, so what each worker has in flight becomes again what it had before the loss (a
          * prefix of the order every worker sends in). Queued behind partitions sent after them, they
@@ -265,7 +258,7 @@ inline void BpsWorkerCore::take_inbox() {
             if (!op->done.load() && !op->direct.load()) fail(op, BPS_ERR_ABORT, "");
         }
         pending_.clear();
-        stranded_.clear();
+        elastic_.take_stranded(); /* dropped: their ops failed above */
         sendq_.clear_credit();
         groups_.clear();
         awaiting_.clear();
@@ -349,7 +342,7 @@ inline void BpsWorkerCore::receive(BpsOp *op, BpsPart &p, int server, const BpsH
                                                 std::to_string(expect));
             return;
         }
-        retain(p, h.round, op->dtype, src, p.length); /* the sum, not an average */
+        elastic_.retain(p, h.round, op->dtype, src, p.length); /* the sum, not an average */
         /* a lone pushing machine gets its own region back: the sum is what the tensor holds */
         if (op->divisor > 1 || !(p.staging != nullptr && src == p.staging)) bps_result_into(op, dst, src, len, true);
         return;
@@ -361,7 +354,7 @@ inline void BpsWorkerCore::receive(BpsOp *op, BpsPart &p, int server, const BpsH
         return;
     }
     /* the sum, not an average; a broadcast's root: its own data, the result */
-    retain(p, h.round, op->dtype, got ? m->data(1) : dst, p.length);
+    elastic_.retain(p, h.round, op->dtype, got ? m->data(1) : dst, p.length);
     if (got) bps_result_into(op, dst, m->data(1), got, false);
 }
 

@@ -64,11 +64,11 @@ inline void BpsWorkerCore::send_ready() {
 inline void BpsWorkerCore::push(BpsOp *op, int index) {
     BpsPart &p = op->parts[index];
     if (servers_.dead(p.server)) { /* elastic: its server is gone */
-        if (awaiting_commit()) { /* its replacement is known at commit() */
-            stranded_.push_back(BpsQueued{op->priority, p.qseq, op, index});
+        if (elastic_.awaiting_commit()) { /* its replacement is known at commit() */
+            elastic_.strand(BpsQueued{op->priority, p.qseq, op, index});
             return;
         }
-        move_part(p, bps_replacement(alive_net_, p.key));
+        elastic_.move_part(p, elastic_.replacement(p.key));
         if (p.server < 0) { /* cannot happen: the scheduler never removes the last server */
             fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': no server left to take over a lost one");
             return;
