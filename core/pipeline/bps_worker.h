@@ -30,8 +30,8 @@
  * after Python authenticated them; the handshakes of late peers still reach Python (forwarded).
  * Local links: a direct link (BpsLink on 127.0.0.1) per other local rank,
  * opened by Python after that handshake (core/engine.py _open_local_links: a one-time token offered over
- * the authenticated ZeroMQ plane) and handed over with add_local_link. send_local() uses it while it
- * works, else the DEALER; what comes in on it is taken as if it came on the ROUTER from that peer's
+ * the authenticated ZeroMQ plane) and handed over with add_local_link. BpsLocalPeers::send() uses it
+ * while it works, else the DEALER; what comes in on it is taken as if it came on the ROUTER from that peer's
  * DEALER identity, so the messages Python gets (forwarded) look the same either way.
  *
  * Python's own partitions (the slow paths above) still go through this thread's sockets: it sends
@@ -46,21 +46,37 @@
  * on either, whole, as a BpsMessage. A link is a BpsConn: a TCP socket (BpsLink) or a UCX endpoint
  * (BpsUcxLink, core/transport/bps_ucx.h: BYTEPS_TRANSPORT=ucx), both polled in run() like the sockets.
  *
- * The class is declared here; its member functions live in one header per part, each included at
- * the end of this one:
+ * BpsWorkerCore is the coordinator: byteps-net's loop (run), submit, advance(), the op table and its
+ * completions, the local reduce's groups, the hand-overs from direct callers. The state of each part
+ * with a seam of its own lives in a class it owns, in its own header, with its own locks and a comment
+ * at its top on what it owns and which threads call it:
+ *
+ *     BpsServerLinks    server_links.h    per server: its DEALER, its direct link (TCP or UCX) and that
+ *                                         link's lock, the UCP worker, byte counters, colocated / dead,
+ *                                         broken links for Python, servers that joined
+ *     BpsLocalPeers     local_peers.h     the local ROUTER, a DEALER and a direct link per local rank
+ *                                         (locks, identities, counters), admission of local peers
+ *     BpsElasticRouter  elastic_router.h  hold / commit, each change's reroute, stranded partitions,
+ *                                         retained results (its membership side is guarded by mu_)
+ *     BpsEarlyCopies    early_copies.h    LOCAL_READYs that came before their op
+ *     BpsSendQueue      send_queue.h      partitions waiting for the byte credit, bytes in flight
+ *     BpsStageThread    stage_thread.h    byteps-reduce: the local reduce's big sums and copies
+ *
+ * BpsWorkerCore's member functions live in one header per part, each included at the end of this one:
  *
  *     worker_stages.h        each partition's stage list, and advance(): the one place it moves on
  *     worker_loop.h          byteps-net: start/stop, submit, run(), the inbox, PULL (on_message, receive)
  *     worker_send_queue.h    PUSH from the send queue (BpsSendQueue, send_queue.h), Python's raw sends
  *     worker_completions.h   the op table, errors, lazy delivery, waits and time-outs
- *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread
+ *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread
  *     worker_direct.h        direct calls: submit_direct, submit_local_direct, submit_owner_direct
- *     worker_elastic.h       elastic routing: hold / commit, replacements, retained results
+ *     worker_elastic.h       elastic: hold / commit on the tables and ops, a dead server's partitions
  *     worker_codec.h         wire compression: a table's codec and state, a push's encoding, a reply's decoding
  *     worker_types.h         the records (BpsOp, BpsPart, BpsTable, ...); stage_thread.h: byteps-reduce
  *
- * The data members stay in one list below, in their original order (it is their order of construction
- * and destruction: a UCP worker outlives its links), each mutex with what it guards.
+ * The data members are listed below, each mutex with what it guards. Their order is their order of
+ * construction and destruction: servers_ comes before elastic_, which keeps a reference to it (and
+ * within BpsServerLinks the UCP worker outlives its links).
  */
 #ifndef BPS_WORKER_H
 #define BPS_WORKER_H
@@ -94,6 +110,7 @@
 #include "core/transport/bps_ucx.h"
 #include "core/transport/bps_wire.h"
 #include "core/transport/bps_zmq.h"
+#include "core/pipeline/early_copies.h"
 #include "core/pipeline/elastic_router.h"
 #include "core/pipeline/local_peers.h"
 #include "core/pipeline/send_queue.h"
@@ -154,7 +171,7 @@ class BpsWorkerCore {
     static void zc_free(void *, void *hint);
     int done_fd() const { return done_fd_; }
 
-    /* the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread (worker_local_reduce.h) */
+    /* the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread (worker_local_reduce.h) */
     static bool local_header(BpsMessage &msg, BpsHeader *h);
     void stray_local(BpsMessage &msg, bool *strays);
     void add_local(void *router, std::vector<void *> peers, int local_rank, bool open);
@@ -229,7 +246,8 @@ class BpsWorkerCore {
     /* Partitions this process owned and reduced on the caller's thread (submit_owner_direct). */
     uint64_t local_owner_direct() { return owner_direct_.load(); }
 
-    /* elastic routing: hold / commit, replacements of lost servers, retained results (worker_elastic.h) */
+    /* elastic servers: hold / commit, replacements of lost servers, retained results (worker_elastic.h,
+     * BpsElasticRouter: elastic_router.h) */
     std::vector<uint64_t> hold(const std::vector<int> &dead);
     void commit(const std::vector<int> &alive, const std::vector<int64_t> &tables, const std::vector<uint64_t> &from,
                 std::vector<std::vector<BpsPart>> segs);
@@ -300,7 +318,7 @@ class BpsWorkerCore {
     void check_timeouts(double now);
     void part_done(BpsOp *op);
 
-    /* the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread (worker_local_reduce.h) */
+    /* the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread (worker_local_reduce.h) */
     void local_reduce(BpsOp *op, int i);
     void coordinate(BpsOp *op, int i);
     void take_early(Group &g, const Ident &id);
@@ -326,7 +344,7 @@ class BpsWorkerCore {
     void take_direct();
     bool held_direct(const Ident &id);
 
-    /* elastic routing: hold / commit, replacements of lost servers, retained results (worker_elastic.h) */
+    /* elastic servers: a dead server's partitions wait for its replacement (worker_elastic.h) */
     void strand_dead();
 
     uint32_t node_id_;
@@ -345,7 +363,7 @@ class BpsWorkerCore {
     std::thread thread_;
     std::atomic<bool> stopping_{false};
 
-    std::mutex mu_; /* guards everything Python touches below */
+    std::mutex mu_; /* guards everything Python touches below, and elastic_'s membership side */
     std::condition_variable done_cv_;
     std::unordered_map<int64_t, BpsOp *> ops_;
     std::deque<BpsTable> tables_;
@@ -384,8 +402,7 @@ class BpsWorkerCore {
     BpsStageThread *stage_ = nullptr;
     std::map<Ident, Group> groups_;
     std::map<Ident, Await> awaiting_;
-    std::map<Ident, std::vector<std::vector<std::string>>> early_; /* LOCAL_READYs before their op */
-    std::mutex early_mu_; /* early_: byteps-net, and a direct owner taking its copies (submit_owner_direct) */
+    BpsEarlyCopies early_; /* LOCAL_READYs before their op (own mutex: a direct owner takes its copies) */
     /* partitions a direct owner handed to byteps-net, with the copies it had taken (mu_) */
     std::vector<std::pair<BpsOp *, std::vector<std::vector<std::string>>>> owner_adopt_in_;
     std::atomic<uint64_t> owner_direct_{0};

@@ -266,15 +266,8 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
     BpsPart &p = op->parts[0];
     Ident me(p.key, p.rnd);
     for (int r : peers) local_.set_direct_owned(r, true);
-    std::vector<std::vector<std::string>> copies; /* [identity, header, body] of each LOCAL_READY */
-    {
-        std::lock_guard<std::mutex> lock(early_mu_); /* the copies that reached byteps-net first */
-        auto e = early_.find(me);
-        if (e != early_.end()) {
-            copies = std::move(e->second);
-            early_.erase(e);
-        }
-    }
+    /* [identity, header, body] of each LOCAL_READY: those that reached byteps-net first */
+    std::vector<std::vector<std::string>> copies = early_.take(me);
     bool strays = false;
     bool all_in = owner_direct_wait(p, peers, &copies, &strays);
     bool replied = false;

@@ -1,4 +1,5 @@
-/* BpsWorkerCore, elastic routing: hold / commit, replacements of lost servers, retained results. */
+/* BpsWorkerCore, elastic servers: hold / commit on the tables and ops, a dead server's partitions
+ * stranded until its replacement is known. BpsElasticRouter (elastic_router.h) keeps the routing. */
 #ifndef BPS_WORKER_ELASTIC_H
 #define BPS_WORKER_ELASTIC_H
 

@@ -1,4 +1,5 @@
-/* BpsWorkerCore, the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread.
+/* BpsWorkerCore, the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread (the local
+ * ROUTER, DEALERs and links are BpsLocalPeers: local_peers.h).
  *
  * One partition, in the order it happens (core/local.py); every step runs on byteps-net except the sums
  * and big copies, which run on the stage thread and come back through take_stage_done(). */
@@ -98,17 +99,7 @@ inline void BpsWorkerCore::self_joined_turn(bool on) {
     self_joined_net_ = on;
     owed_asked_.clear();
     if (!on) return;
-    std::vector<BpsHeader> firsts;
-    {
-        std::lock_guard<std::mutex> lock(early_mu_);
-        for (auto &kv : early_) {
-            BpsHeader h;
-            if (kv.second.empty()) continue;
-            memcpy(&h, kv.second[0][1].data(), sizeof h);
-            firsts.push_back(h);
-        }
-    }
-    for (auto &h : firsts) ask_owed(Ident(h.key, h.round), h);
+    for (auto &h : early_.first_headers()) ask_owed(Ident(h.key, h.round), h);
 }
 
 /* Local messages this thread does not own: [identity, header, body] each. */
@@ -140,15 +131,7 @@ inline void BpsWorkerCore::coordinate(BpsOp *op, int i) {
 
 /* The copies of partition ``id`` that came before its op (early_), into its group. */
 inline void BpsWorkerCore::take_early(Group &g, const Ident &id) {
-    std::vector<std::vector<std::string>> held;
-    {
-        std::lock_guard<std::mutex> lock(early_mu_);
-        auto e = early_.find(id);
-        if (e == early_.end()) return;
-        held = std::move(e->second);
-        early_.erase(e);
-    }
-    for (auto &frames : held) add_copy(g, frames[1], frames[2]);
+    for (auto &frames : early_.take(id)) add_copy(g, frames[1], frames[2]);
 }
 
 /* Run a copy or sum inline (small) or on the stage thread (>= 256 KB); then after_task(). */
@@ -361,10 +344,7 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
             maybe_reduce(id);
             return;
         }
-        {
-            std::lock_guard<std::mutex> lock(early_mu_);
-            early_[id].push_back({ident, header, body}); /* before our op: held until it starts (or its direct owner takes it) */
-        }
+        early_.hold(id, {ident, header, body}); /* before our op: held until it starts (or its direct owner takes it) */
         if (self_joined_net_) ask_owed(id, h); /* no op of ours will start: we reduce it for our peers */
         return;
     }

@@ -262,10 +262,7 @@ inline void BpsWorkerCore::take_inbox() {
         sendq_.clear_credit();
         groups_.clear();
         awaiting_.clear();
-        {
-            std::lock_guard<std::mutex> lock(early_mu_);
-            early_.clear();
-        }
+        early_.clear();
     }
 }
 
