@@ -30,8 +30,8 @@
  * after Python authenticated them; the handshakes of late peers still reach Python (forwarded).
  * Local links: a direct link (BpsLink on 127.0.0.1) per other local rank,
  * opened by Python after that handshake (core/engine.py _open_local_links: a one-time token offered over
- * the authenticated ZeroMQ plane) and handed over with add_local_link. send_local() uses it while it
- * works, else the DEALER; what comes in on it is taken as if it came on the ROUTER from that peer's
+ * the authenticated ZeroMQ plane) and handed over with add_local_link. BpsLocalPeers::send() uses it
+ * while it works, else the DEALER; what comes in on it is taken as if it came on the ROUTER from that peer's
  * DEALER identity, so the messages Python gets (forwarded) look the same either way.
  *
  * Python's own partitions (the slow paths above) still go through this thread's sockets: it sends
@@ -39,28 +39,44 @@
  * (key, round), ...) to Python's queue, waking the engine through its pipe.
  * Rounds of every wire key are counted here, for both paths.
  *
- * Transport seam (core/transport/bps_link.h): a message to a server is a BpsFrames, sent by send_server()
- * over the server's direct TCP link (BpsLink, once Python set one up: add_link) or its ZeroMQ DEALER;
+ * Transport seam (core/transport/bps_link.h): a message to a server is a BpsFrames, sent by
+ * BpsServerLinks::send() (server_links.h) over the server's direct TCP link (BpsLink, once Python set
+ * one up: add_link) or its ZeroMQ DEALER;
  * for a colocated server the body is a shared-memory descriptor (core/transport/bps_wire.h). Replies come back
  * on either, whole, as a BpsMessage. A link is a BpsConn: a TCP socket (BpsLink) or a UCX endpoint
  * (BpsUcxLink, core/transport/bps_ucx.h: BYTEPS_TRANSPORT=ucx), both polled in run() like the sockets.
  *
- * The class is declared here; its member functions live in one header per part, each included at
- * the end of this one:
+ * BpsWorkerCore is the coordinator: byteps-net's loop (run), submit, advance(), the op table and its
+ * completions, the local reduce's groups, the hand-overs from direct callers. The state of each part
+ * with a seam of its own lives in a class it owns, in its own header, with its own locks and a comment
+ * at its top on what it owns and which threads call it:
+ *
+ *     BpsServerLinks    server_links.h    per server: its DEALER, its direct link (TCP or UCX) and that
+ *                                         link's lock, the UCP worker, byte counters, colocated / dead,
+ *                                         broken links for Python, servers that joined
+ *     BpsLocalPeers     local_peers.h     the local ROUTER, a DEALER and a direct link per local rank
+ *                                         (locks, identities, counters), admission of local peers
+ *     BpsElasticRouter  elastic_router.h  hold / commit, each change's reroute, stranded partitions,
+ *                                         retained results (its membership side is guarded by mu_)
+ *     BpsEarlyCopies    early_copies.h    LOCAL_READYs that came before their op
+ *     BpsSendQueue      send_queue.h      partitions waiting for the byte credit, bytes in flight
+ *     BpsStageThread    stage_thread.h    byteps-reduce: the local reduce's big sums and copies
+ *
+ * BpsWorkerCore's member functions live in one header per part, each included at the end of this one:
  *
  *     worker_stages.h        each partition's stage list, and advance(): the one place it moves on
  *     worker_loop.h          byteps-net: start/stop, submit, run(), the inbox, PULL (on_message, receive)
- *     worker_links.h         server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback
  *     worker_send_queue.h    PUSH from the send queue (BpsSendQueue, send_queue.h), Python's raw sends
  *     worker_completions.h   the op table, errors, lazy delivery, waits and time-outs
- *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread
+ *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread
  *     worker_direct.h        direct calls: submit_direct, submit_local_direct, submit_owner_direct
- *     worker_elastic.h       elastic routing: hold / commit, replacements, retained results
+ *     worker_elastic.h       elastic: hold / commit on the tables and ops, a dead server's partitions
  *     worker_codec.h         wire compression: a table's codec and state, a push's encoding, a reply's decoding
  *     worker_types.h         the records (BpsOp, BpsPart, BpsTable, ...); stage_thread.h: byteps-reduce
  *
- * The data members stay in one list below, in their original order (it is their order of construction
- * and destruction: a UCP worker outlives its links), each mutex with what it guards.
+ * The data members are listed below, each mutex with what it guards. Their order is their order of
+ * construction and destruction: servers_ comes before elastic_, which keeps a reference to it (and
+ * within BpsServerLinks the UCP worker outlives its links).
  */
 #ifndef BPS_WORKER_H
 #define BPS_WORKER_H
@@ -94,7 +110,11 @@
 #include "core/transport/bps_ucx.h"
 #include "core/transport/bps_wire.h"
 #include "core/transport/bps_zmq.h"
+#include "core/pipeline/early_copies.h"
+#include "core/pipeline/elastic_router.h"
+#include "core/pipeline/local_peers.h"
 #include "core/pipeline/send_queue.h"
+#include "core/pipeline/server_links.h"
 #include "core/pipeline/stage_thread.h"
 #include "core/pipeline/worker_types.h"
 
@@ -113,21 +133,25 @@ class BpsWorkerCore {
     uint64_t next_round(uint64_t key);
     void reset_rounds();
 
-    /* server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback (worker_links.h) */
-    bool add_server(void *sock);
-    bool add_server_live(void *sock, int fd);
-    void set_colocated(int server, bool on);
-    void lost_links(std::vector<int> *out);
+    /* server links (BpsServerLinks, server_links.h): set up by Python, counters for byteps.metrics() */
+    bool add_server(void *sock) { return servers_.add(sock); }
+    bool add_server_live(void *sock, int fd) { /* elastic: byteps-net adopts it at its next turn */
+        if (!servers_.add_live(sock, fd)) return false;
+        wake();
+        return true;
+    }
+    void set_colocated(int server, bool on) { servers_.set_colocated(server, on); }
+    void lost_links(std::vector<int> *out) { servers_.lost(out); }
     std::string add_ucx_link(int server, const std::string &host, int port, const std::string &token,
-                             const std::string &ident, double timeout);
-    std::string link_transport(int server);
-    int links_up() const;
-    int nservers() const { return nservers_.load(); }
-    /* A direct TCP link to server ``server`` (before start()): a connected socket whose token the server
-     * accepted (core/engine.py _open_links). This thread owns and closes it; ZeroMQ stays the fallback. */
-    void add_link(int server, int fd) { links_.at((size_t)server).reset(new BpsLink(fd)); }
-    uint64_t bytes_sent(int server) { return server < (int)sent_.size() ? sent_[server].load() : 0; }
-    uint64_t bytes_received(int server) { return server < (int)received_.size() ? received_[server].load() : 0; }
+                             const std::string &ident, double timeout) {
+        return servers_.add_ucx_link(server, host, port, token, ident, timeout);
+    }
+    std::string link_transport(int server) { return servers_.transport(server); }
+    int links_up() const { return servers_.up(); }
+    int nservers() const { return servers_.count(); }
+    void add_link(int server, int fd) { servers_.add_link(server, fd); }
+    uint64_t bytes_sent(int server) { return servers_.bytes_sent(server); }
+    uint64_t bytes_received(int server) { return servers_.bytes_received(server); }
 
     /* the send queue (BpsSendQueue, send_queue.h): PUSH, Python's raw sends (worker_send_queue.h) */
     uint64_t credit_stalls(std::string *first);
@@ -147,14 +171,20 @@ class BpsWorkerCore {
     static void zc_free(void *, void *hint);
     int done_fd() const { return done_fd_; }
 
-    /* the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread (worker_local_reduce.h) */
+    /* the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread (worker_local_reduce.h) */
     static bool local_header(BpsMessage &msg, BpsHeader *h);
     void stray_local(BpsMessage &msg, bool *strays);
     void add_local(void *router, std::vector<void *> peers, int local_rank, bool open);
-    std::string add_local_link(int r, int fd, const std::string &ident, int ring_fd = -1, bool low = false);
-    int local_rings_up() const;
-    int local_links_up() const;
-    void allow_local(const std::string &identity);
+    /* local links and admission (BpsLocalPeers, local_peers.h) */
+    std::string add_local_link(int r, int fd, const std::string &ident, int ring_fd = -1, bool low = false) {
+        return local_.add_link(r, fd, ident, ring_fd, low);
+    }
+    int local_rings_up() const { return local_.rings_up(); }
+    int local_links_up() const { return local_.links_up(); }
+    void allow_local(const std::string &identity) { /* byteps-net admits it at its next turn */
+        local_.allow(identity);
+        wake();
+    }
     void set_local_joined(uint64_t mask);
     /* join() ended ``ends`` times: LOCAL_READYs carry the parity, so that a peer still in join() tells
      * the copies of our next op (rounds restarted at 0) from a joined rank's partitions */
@@ -170,8 +200,8 @@ class BpsWorkerCore {
     /* The job has one worker machine (before start()): its local reduce is the whole sum, so an owner
      * broadcasts it at once instead of a round trip through a server (core/stages.py, "one machine"). */
     void set_lone_machine(bool on) { lone_machine_ = on; }
-    uint64_t local_link_sent() const { return local_link_sent_.load(); }
-    uint64_t local_link_received() const { return local_link_received_.load(); }
+    uint64_t local_link_sent() const { return local_.sent(); }
+    uint64_t local_link_received() const { return local_.received(); }
     /* Partitions reduced natively (all, and on the stage thread), and copies handed to owners. */
     uint64_t local_reduced() { return local_reduced_.load(); }
     uint64_t local_reduced_on_thread() { return local_threaded_.load(); }
@@ -216,18 +246,16 @@ class BpsWorkerCore {
     /* Partitions this process owned and reduced on the caller's thread (submit_owner_direct). */
     uint64_t local_owner_direct() { return owner_direct_.load(); }
 
-    /* elastic routing: hold / commit, replacements of lost servers, retained results (worker_elastic.h) */
+    /* elastic servers: hold / commit, replacements of lost servers, retained results (worker_elastic.h,
+     * BpsElasticRouter: elastic_router.h) */
     std::vector<uint64_t> hold(const std::vector<int> &dead);
     void commit(const std::vector<int> &alive, const std::vector<int64_t> &tables, const std::vector<uint64_t> &from,
                 std::vector<std::vector<BpsPart>> segs);
     void add_segment(int64_t table, uint64_t from, std::vector<BpsPart> parts);
-    void reroute(std::vector<BpsPart> &parts, const std::set<int> &dead, const std::vector<int> &alive);
-    void move_part(BpsPart &p, int to);
-    void replay_reroutes(std::vector<BpsPart> &parts);
     /* BYTEPS_ELASTIC=1 (before start()): keep each key's latest result for a lost server's replacement. */
-    void set_elastic(bool on) { retain_ = on; }
+    void set_elastic(bool on) { elastic_.set_retain(on); }
     /* RESULTs sent to lost servers' replacements (tests check the path ran). */
-    uint64_t results_sent() const { return results_sent_.load(); }
+    uint64_t results_sent() const { return elastic_.results_sent(); }
 
   private:
     /* the local reduce's partitions: (wire key, round), an owner's LOCAL_REDUCE, a non-owner's wait */
@@ -272,11 +300,6 @@ class BpsWorkerCore {
     void take_reply(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m);
     void local_broadcast_result(BpsOp *op, int i);
 
-    /* server links: DEALERs, direct links (TCP or UCX), the ZeroMQ fallback (worker_links.h) */
-    BpsConn *live_link(int server);
-    int send_server(int server, BpsFrames &f);
-    void cork_links(bool on);
-
     /* the send queue (BpsSendQueue, send_queue.h): PUSH, Python's raw sends (worker_send_queue.h) */
     void send_raw_now(BpsRawSend *m);
     void send_ready();
@@ -295,7 +318,7 @@ class BpsWorkerCore {
     void check_timeouts(double now);
     void part_done(BpsOp *op);
 
-    /* the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread (worker_local_reduce.h) */
+    /* the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread (worker_local_reduce.h) */
     void local_reduce(BpsOp *op, int i);
     void coordinate(BpsOp *op, int i);
     void take_early(Group &g, const Ident &id);
@@ -309,8 +332,6 @@ class BpsWorkerCore {
     void owner_pulled(BpsOp *op, int i, int server, const BpsHeader &h, BpsMessage *m);
     void local_failed(BpsOp *op, int i, int kind, const std::string &text);
     void local_broadcast(BpsOp *op, int i, const void *desc, const std::string &error_body);
-    BpsConn *live_local_link(int r);
-    int send_local(int r, const BpsHeader *h, const void *body, size_t n);
     void on_local(BpsMessage *m, bool linked = false);
     int view_shared(const void *body, size_t n, unsigned char **ptr, uint64_t *len, std::string *err);
     void ask_owed(const Ident &id, const BpsHeader &h);
@@ -323,13 +344,8 @@ class BpsWorkerCore {
     void take_direct();
     bool held_direct(const Ident &id);
 
-    /* elastic routing: hold / commit, replacements of lost servers, retained results (worker_elastic.h) */
+    /* elastic servers: a dead server's partitions wait for its replacement (worker_elastic.h) */
     void strand_dead();
-    void retain(const BpsPart &p, uint64_t round, uint8_t dtype, const void *data, size_t n);
-    void send_results();
-    /* Elastic (network thread): a server reads as dead from hold() on, but its replacement is known only
-     * once byteps-net has taken the commit() that follows; until then its partitions wait (stranded). */
-    bool awaiting_commit() const { return commits_net_ < holds_.load(); }
 
     uint32_t node_id_;
     BpsSendQueue sendq_; /* network-thread state: partitions waiting for the credit, bytes in flight */
@@ -339,19 +355,15 @@ class BpsWorkerCore {
     int nthreads_;
     int notify_fd_;
     int wake_fd_, done_fd_;
-    std::vector<void *> socks_;
-    std::unique_ptr<BpsUcxWorker> ucx_;           /* this thread's UCP worker (UCX links); outlives links_ */
-    std::mutex ucx_mu_; /* the UCP worker's user: byteps-net, or while it polls a direct caller (submit_direct) */
-    std::vector<std::unique_ptr<BpsConn>> links_; /* per server: its direct link (TCP or UCX), or NULL */
-    std::vector<std::unique_ptr<std::mutex>> link_mu_; /* per server: who writes or reads its link now */
-    std::deque<std::atomic<bool>> direct_owned_;      /* per server: a direct caller holds its link */
+    BpsServerLinks servers_; /* DEALERs, direct links, the UCP worker, per-server state (own mutexes) */
+    BpsLocalPeers local_;    /* the local ROUTER, DEALERs and links, admission (own mutexes) */
+    BpsElasticRouter elastic_; /* hold / commit, reroutes, stranded partitions, retained results (mu_) */
     std::atomic<uint64_t> direct_calls_{0}, direct_adopted_{0};
     std::atomic<uint64_t> compressed_pushes_{0}; /* pushes byteps-net encoded (send_push) */
-    std::deque<std::atomic<uint64_t>> sent_, received_;
     std::thread thread_;
     std::atomic<bool> stopping_{false};
 
-    std::mutex mu_; /* guards everything Python touches below */
+    std::mutex mu_; /* guards everything Python touches below, and elastic_'s membership side */
     std::condition_variable done_cv_;
     std::unordered_map<int64_t, BpsOp *> ops_;
     std::deque<BpsTable> tables_;
@@ -368,28 +380,10 @@ class BpsWorkerCore {
     std::vector<BpsQueued> local_adopt_in_;     /* direct local partitions handed over (seq: their round) */
     std::vector<BpsMessage *> local_strays_in_; /* local-link messages direct callers read for others */
     std::set<std::pair<uint64_t, uint64_t>> local_direct_ids_; /* (key, round) a direct local caller waits for */
-    std::vector<std::string> allow_in_;                   /* identities Python admitted */
     std::vector<std::vector<std::string>> forward_local_; /* local messages for Python */
     bool self_joined_ = false;                            /* set_self_joined() */
     std::vector<BpsOwed> owed_out_;                       /* partitions a joined owner asks Python about */
-    /* elastic servers (hold() / commit()) */
-    bool holding_ = false;                                /* ops submitted now wait in held_ */
-    std::vector<BpsOp *> held_;
-    bool dead_in_ = false, commit_in_ = false;            /* for byteps-net's next turn */
-    std::vector<int> alive_;                              /* the membership's servers, in order */
-    std::vector<std::pair<std::set<int>, std::vector<int>>> reroutes_; /* each commit(): (dead, alive) */
-    bool retain_ = false;                                 /* set_elastic(): keep each key's latest result */
     bool lone_machine_ = false;                           /* set_lone_machine(): no server round trip */
-    std::mutex retain_mu_;
-    std::unordered_map<uint64_t, BpsRetained> retained_;
-    std::atomic<uint64_t> results_sent_{0};
-    std::vector<std::pair<void *, int>> new_servers_;     /* (DEALER, link fd) of servers that joined */
-    std::vector<int> lost_;                               /* servers whose link broke, for Python */
-    std::atomic<int> nservers_{0};
-    std::deque<std::atomic<bool>> colocated_;             /* per server: on this machine (shared memory) */
-    std::atomic<uint64_t> holds_{0};                      /* hold() calls */
-    uint64_t commits_ = 0;                                /* commit() calls */
-    std::deque<std::atomic<bool>> dead_;                  /* per server: left the job */
 
     std::mutex rounds_mu_;
     std::unordered_map<uint64_t, uint64_t> rounds_;
@@ -401,23 +395,14 @@ class BpsWorkerCore {
     uint64_t seq_ = 0;
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsOp *, int>> pending_;
     BpsPeerMaps maps_;
-    uint64_t commits_net_ = 0;              /* commit()s byteps-net has taken (awaiting_commit()) */
-    std::vector<int> alive_net_;            /* commit()'s membership */
-    std::vector<BpsQueued> stranded_;       /* partitions waiting for a dead server's replacement */
-    std::vector<bool> reported_;            /* per server: its broken link was reported */
     bool have_done_ = false;
 
     /* local reduce: set up by add_local() before start(); then network-thread state */
-    void *router_ = nullptr;
-    std::vector<void *> peers_;
     int local_rank_ = 0, local_size_ = 1;
-    bool auth_open_ = false;
     BpsStageThread *stage_ = nullptr;
-    std::set<std::string> allowed_;
     std::map<Ident, Group> groups_;
     std::map<Ident, Await> awaiting_;
-    std::map<Ident, std::vector<std::vector<std::string>>> early_; /* LOCAL_READYs before their op */
-    std::mutex early_mu_; /* early_: byteps-net, and a direct owner taking its copies (submit_owner_direct) */
+    BpsEarlyCopies early_; /* LOCAL_READYs before their op (own mutex: a direct owner takes its copies) */
     /* partitions a direct owner handed to byteps-net, with the copies it had taken (mu_) */
     std::vector<std::pair<BpsOp *, std::vector<std::vector<std::string>>>> owner_adopt_in_;
     std::atomic<uint64_t> owner_direct_{0};
@@ -428,24 +413,16 @@ class BpsWorkerCore {
     std::atomic<bool> join_epoch_{false}; /* set_join_ends(): an odd number of join()s ended */
     std::atomic<bool> recheck_{false};
     std::atomic<uint64_t> local_reduced_{0}, local_threaded_{0}, local_coordinated_{0}, owed_submitted_{0};
-    std::vector<std::unique_ptr<BpsConn>> local_links_; /* per local rank: its direct link, or NULL */
-    /* per local rank: who writes or reads its link now (recursive: byteps-net sends on a link while it
-     * reads it), and whether a direct caller holds it (then byteps-net does not poll it) */
-    std::vector<std::unique_ptr<std::recursive_mutex>> local_link_mu_;
-    std::deque<std::atomic<bool>> local_direct_owned_;
     /* byteps-net: a LOCAL_DONE / ERROR that reached the ROUTER for a partition a direct caller still held
      * (kept until it is handed over), with whether it came on a link */
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsMessage *, bool>> early_done_;
     std::mutex maps_mu_; /* maps_: byteps-net and direct local callers read results through it */
-    std::vector<std::string> local_link_ident_;         /* per local rank: its DEALER identity (frame 0) */
-    std::atomic<uint64_t> local_link_sent_{0}, local_link_received_{0};
     std::string first_stall_; /* the first send queue stall's tensor (guarded by mu_) */
 };
 
 /* The member functions, one header per part (each includes this one) */
 #include "core/pipeline/worker_stages.h"
 #include "core/pipeline/worker_loop.h"
-#include "core/pipeline/worker_links.h"
 #include "core/pipeline/worker_send_queue.h"
 #include "core/pipeline/worker_completions.h"
 #include "core/pipeline/worker_local_reduce.h"

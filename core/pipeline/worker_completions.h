@@ -228,9 +228,9 @@ inline void BpsWorkerCore::check_timeouts(double now) {
             bool held = false, stranded = false;
             {
                 std::lock_guard<std::mutex> lock(mu_);
-                for (BpsOp *h : held_) held |= h == op;
+                held = elastic_.is_held(op);
             }
-            for (auto &q : stranded_) stranded |= q.op == op;
+            stranded = elastic_.is_stranded(op);
             if (held) who = "a change of the servers (it was submitted during one, which never completed)";
             else if (stranded) who = "a lost server's replacement (the change of the servers never completed)";
             else {

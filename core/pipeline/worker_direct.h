@@ -26,7 +26,7 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         const std::vector<BpsPart> &parts = t.parts_for(seq);
         /* a compressed table's partitions are encoded and decoded by byteps-net alone, which keeps their
          * codec state (worker_codec.h): never on a caller's thread */
-        if (parts.size() != 1 || holding_ || commit_in_ || t.codec) return false;
+        if (parts.size() != 1 || elastic_.changing() || t.codec) return false;
         local = t.local;
         part = parts[0];
         name = t.name;
@@ -36,16 +36,15 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
     if (local)
         return submit_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor);
     server = part.server;
-    if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= nservers_.load() || !links_[(size_t)server] ||
-        dead_[(size_t)server].load())
+    if (part.length > BPS_DIRECT_MAX_BYTES || server < 0 || server >= servers_.count() ||
+        servers_.link(server) == nullptr || servers_.dead(server))
         return false;
     /* A UCX endpoint is driven by its thread's UCP worker, which every endpoint shares: the caller
-     * takes the whole worker (ucx_mu_, which byteps-net holds except while it sleeps in poll), then
+     * takes the whole worker (lock_ucx(), which byteps-net holds except while it sleeps in poll), then
      * the link, in the order byteps-net takes them. A TCP link needs only its own lock. */
-    std::unique_lock<std::mutex> ucx_lock(ucx_mu_, std::defer_lock);
-    if (ucx_) ucx_lock.lock();
-    std::unique_lock<std::mutex> link_lock(*link_mu_[(size_t)server]);
-    BpsConn *l = links_[(size_t)server].get();
+    std::unique_lock<std::mutex> ucx_lock = servers_.lock_ucx();
+    std::unique_lock<std::mutex> link_lock(servers_.link_mu(server));
+    BpsConn *l = servers_.link(server);
     if (l == nullptr || (strcmp(l->kind(), "tcp") != 0 && !ucx_lock.owns_lock())) return false;
     if (l->dead() || l->wants_write() || l->pending_input()) return false;
     BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
@@ -58,7 +57,7 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         std::lock_guard<std::mutex> lock(mu_);
         BpsTable &t = tables_.at((size_t)table);
         /* another thread submitted on this table meanwhile, or the servers are changing: the normal path */
-        if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
+        if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
             t.count != seq) {
             delete op;
             return false;
@@ -67,7 +66,7 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         op->seq = t.count++;
         ops_[id] = op;
     }
-    direct_owned_[(size_t)server].store(true);
+    servers_.set_direct_owned(server, true);
     BpsPart &p = op->parts[0];
     uint64_t rnd = next_round(p.key);
     p.rnd = rnd;
@@ -82,7 +81,7 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
     bool replied = false, strays = false;
     p.trace_t = bps_span_start(); /* PUSH: until the reply (direct_wait, or byteps-net if it adopts it) */
     if (l->send(f) == 0) {
-        sent_[(size_t)server] += sizeof h + body_len;
+        servers_.count_sent(server, sizeof h + body_len);
         replied = direct_wait(op, server, l, rnd, &strays);
     } else {
         set_error(op, BPS_ERR_PROTOCOL, "tensor '" + name + "': sending to server " + std::to_string(server) +
@@ -93,7 +92,7 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         std::lock_guard<std::mutex> lock(mu_);
         end_direct(op, replied, rnd, &adopt_in_); /* adopted: as if byteps-net had sent it */
     }
-    direct_owned_[(size_t)server].store(false);
+    servers_.set_direct_owned(server, false);
     bool more = l->pending_input() || l->dead(); /* UCX: other endpoints' messages came meanwhile */
     link_lock.unlock();
     if (ucx_lock.owns_lock()) ucx_lock.unlock();
@@ -167,7 +166,7 @@ inline BpsOp *BpsWorkerCore::begin_local_direct(int64_t id, int64_t table, uint6
     BpsPart &p = op->parts[0];
     std::lock_guard<std::mutex> lock(mu_);
     BpsTable &t = tables_.at((size_t)table);
-    if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || holding_ || commit_in_ ||
+    if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
         self_joined_ || t.count != seq) {
         delete op;
         return nullptr;
@@ -192,17 +191,17 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
                                                int64_t priority, unsigned char *buf, uint64_t nbytes,
                                                uint32_t divisor) {
     int owner = part.owner;
-    if (cmd != BPS_CMD_PUSHPULL || owner < 0 || owner == local_rank_ || (size_t)owner >= local_links_.size() ||
+    if (cmd != BPS_CMD_PUSHPULL || owner < 0 || owner == local_rank_ || (size_t)owner >= local_.size() ||
         part.staging == nullptr || part.length > BPS_DIRECT_MAX_BYTES || part.offset + part.length > nbytes)
         return false;
-    std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)owner]);
-    BpsConn *l = live_local_link(owner);
+    std::unique_lock<std::recursive_mutex> link_lock(local_.link_mu(owner));
+    BpsConn *l = local_.live(owner);
     if (l == nullptr || strcmp(l->kind(), "ucx") == 0 || l->wants_write() || l->pending_input()) return false;
     BpsOp *op = begin_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor,
                                    true);
     if (op == nullptr) return false;
     BpsPart &p = op->parts[0];
-    local_direct_owned_[(size_t)owner].store(true);
+    local_.set_direct_owned(owner, true);
     memcpy(p.staging, buf + p.offset, p.length); /* COORDINATE: our copy into our shared region */
     BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, dtype, (uint32_t)local_rank_,
                              BPS_FLAG_SHM | join_epoch_flag());
@@ -212,7 +211,7 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
     bool replied = false, strays = false;
     BpsPollingLinks polling({l}, direct_spin_s_ > 0); /* a ring: its bell waits until we stop polling */
     if (l->send(f) == 0) {
-        local_link_sent_.fetch_add(1);
+        local_.count_sent();
         local_coordinated_++;
         replied = local_direct_wait(op, owner, l, &strays);
     } else {
@@ -225,7 +224,7 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
         local_direct_ids_.erase(Ident(p.key, p.rnd));
         end_direct(op, replied, p.rnd, &local_adopt_in_); /* adopted: byteps-net waits for its LOCAL_DONE */
     }
-    local_direct_owned_[(size_t)owner].store(false);
+    local_.set_direct_owned(owner, false);
     polling.stop(); /* first: what comes after this rings a bell, what came before is pending_input */
     bool more = l->pending_input() || l->dead();
     link_lock.unlock();
@@ -247,7 +246,7 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
                                                int64_t priority, unsigned char *buf, uint64_t nbytes,
                                                uint32_t divisor) {
     if (cmd != BPS_CMD_PUSHPULL || !lone_machine_ || local_size_ < 2 || local_size_ > 64 ||
-        (size_t)local_size_ != local_links_.size() || part.staging == nullptr ||
+        (size_t)local_size_ != local_.size() || part.staging == nullptr ||
         part.length > BPS_DIRECT_MAX_BYTES || part.offset + part.length > nbytes || joined_mask_.load() != 0)
         return false;
     /* every other local rank's link, or nothing: a direct caller of this process may hold one */
@@ -255,8 +254,8 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
     std::vector<int> peers;
     for (int r = 0; r < local_size_; ++r) {
         if (r == local_rank_) continue;
-        std::unique_lock<std::recursive_mutex> lk(*local_link_mu_[(size_t)r], std::try_to_lock);
-        BpsConn *l = lk ? live_local_link(r) : nullptr;
+        std::unique_lock<std::recursive_mutex> lk(local_.link_mu(r), std::try_to_lock);
+        BpsConn *l = lk ? local_.live(r) : nullptr;
         if (l == nullptr || strcmp(l->kind(), "ucx") == 0 || l->wants_write()) return false;
         link_locks.push_back(std::move(lk));
         peers.push_back(r);
@@ -266,16 +265,9 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
     if (op == nullptr) return false;
     BpsPart &p = op->parts[0];
     Ident me(p.key, p.rnd);
-    for (int r : peers) local_direct_owned_[(size_t)r].store(true);
-    std::vector<std::vector<std::string>> copies; /* [identity, header, body] of each LOCAL_READY */
-    {
-        std::lock_guard<std::mutex> lock(early_mu_); /* the copies that reached byteps-net first */
-        auto e = early_.find(me);
-        if (e != early_.end()) {
-            copies = std::move(e->second);
-            early_.erase(e);
-        }
-    }
+    for (int r : peers) local_.set_direct_owned(r, true);
+    /* [identity, header, body] of each LOCAL_READY: those that reached byteps-net first */
+    std::vector<std::vector<std::string>> copies = early_.take(me);
     bool strays = false;
     bool all_in = owner_direct_wait(p, peers, &copies, &strays);
     bool replied = false;
@@ -292,7 +284,7 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
             local_reduced_++;
             BpsHeader h = bps_header(BPS_CMD_LOCAL_DONE, node_id_, p.key, p.rnd, p.length, BPS_NO_DTYPE,
                                      (uint32_t)local_rank_, BPS_FLAG_SHM);
-            for (int r : peers) send_local(r, &h, &p.desc, BPS_DESCRIPTOR_SIZE); /* LOCAL_BROADCAST */
+            for (int r : peers) local_.send(r, &h, &p.desc, BPS_DESCRIPTOR_SIZE); /* LOCAL_BROADCAST */
             BpsStageTask out{priority, 0, BPS_TASK_COPY_OUT, op, 0, buf + p.offset, {p.staging}, p.length, dtype, 0};
             bps_run_task(out, 1);
             owner_direct_++;
@@ -312,8 +304,8 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
     }
     bool more = false;
     for (int r : peers) {
-        local_direct_owned_[(size_t)r].store(false);
-        BpsConn *l = local_links_[(size_t)r].get();
+        local_.set_direct_owned(r, false);
+        BpsConn *l = local_.link(r);
         more |= l->pending_input() || l->dead();
     }
     link_locks.clear();
@@ -329,15 +321,14 @@ inline bool BpsWorkerCore::owner_direct_wait(const BpsPart &p, const std::vector
     double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
     std::vector<struct pollfd> pfds(peers.size());
     std::vector<BpsConn *> links;
-    for (int r : peers) links.push_back(local_links_[(size_t)r].get());
+    for (int r : peers) links.push_back(local_.link(r));
     BpsPollingLinks polling(links, direct_spin_s_ > 0); /* until we sleep or return */
     BpsMessage msg;
     for (;;) {
         for (size_t k = 0; k < peers.size(); ++k) {
             int r = peers[k];
-            BpsConn *l = local_links_[(size_t)r].get();
-            while (copies->size() < peers.size() && l->recv(&msg, &local_link_ident_[(size_t)r]) > 0) {
-                local_link_received_.fetch_add(1);
+            BpsConn *l = local_.link(r);
+            while (copies->size() < peers.size() && local_.recv(r, &msg) > 0) {
                 BpsHeader h;
                 if (!local_header(msg, &h) || h.cmd != BPS_CMD_LOCAL_READY || h.key != p.key || h.round != p.rnd) {
                     stray_local(msg, strays);
@@ -358,7 +349,7 @@ inline bool BpsWorkerCore::owner_direct_wait(const BpsPart &p, const std::vector
         }
         bool came = false;
         for (size_t k = 0; k < peers.size(); ++k) {
-            BpsConn *l = local_links_[(size_t)peers[k]].get();
+            BpsConn *l = local_.link(peers[k]);
             if (l->wants_write()) l->flush();
             came |= l->arm_to_sleep(); /* a ring's bytes that came without a bell */
             pfds[k] = pollfd{l->fd(), (short)(POLLIN | (l->poll_for_write() ? POLLOUT : 0)), 0};
@@ -377,8 +368,7 @@ inline bool BpsWorkerCore::local_direct_wait(BpsOp *op, int owner, BpsConn *l, b
     double deadline = bps_now() + BPS_DIRECT_WINDOW_S, spin_until = bps_now() + direct_spin_s_;
     BpsMessage msg;
     for (;;) {
-        while (l->recv(&msg, &local_link_ident_[(size_t)owner]) > 0) { /* [identity, header, body] */
-            local_link_received_.fetch_add(1);
+        while (local_.recv(owner, &msg) > 0) { /* [identity, header, body]: ``l`` */
             BpsHeader h;
             if (!local_header(msg, &h) || h.key != p.key || h.round != p.rnd ||
                 (h.cmd != BPS_CMD_LOCAL_DONE && h.cmd != BPS_CMD_ERROR)) {
@@ -426,7 +416,7 @@ inline bool BpsWorkerCore::direct_wait(BpsOp *op, int server, BpsConn *l, uint64
                 *strays = true;
                 continue;
             }
-            received_[(size_t)server] += msg.size(0) + (msg.count > 1 ? msg.size(1) : 0);
+            servers_.count_received(server, msg.size(0) + (msg.count > 1 ? msg.size(1) : 0));
             uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
             bps_span_to(BPS_STAGE_PUSH, p.trace_t, t_reply, p.key, rnd, p.length, server, op->priority);
             take_reply(op, p, server, h, &msg); /* PULL */
@@ -495,9 +485,9 @@ inline void BpsWorkerCore::take_direct() {
     for (auto &a : adopt) { /* its PUSH is out: wait for the reply here */
         resume(a.op, a.part, BPS_STAGE_PUSH);
         BpsPart &p = a.op->parts[(size_t)a.part];
-        if (dead_[(size_t)p.server].load() && !abort) { /* elastic: its server went while the caller waited */
+        if (servers_.dead(p.server) && !abort) { /* elastic: its server went while the caller waited */
             a.seq = p.qseq = seq_++;
-            if (awaiting_commit()) stranded_.push_back(a);
+            if (elastic_.awaiting_commit()) elastic_.strand(a);
             else push(a.op, a.part); /* to the replacement, in its round, past the credit (see commit) */
             continue;
         }

@@ -1,4 +1,5 @@
-/* BpsWorkerCore, the local reduce: LOCAL_READY / LOCAL_DONE, local links, the stage thread.
+/* BpsWorkerCore, the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread (the local
+ * ROUTER, DEALERs and links are BpsLocalPeers: local_peers.h).
  *
  * One partition, in the order it happens (core/local.py); every step runs on byteps-net except the sums
  * and big copies, which run on the stage thread and come back through take_stage_done(). */
@@ -23,64 +24,10 @@ inline void BpsWorkerCore::stray_local(BpsMessage &msg, bool *strays) {
 /* The machine's local reduce (before start()): our ROUTER, a DEALER per other local rank (NULL for
  * ourselves), authenticated by Python; ``open`` when the job has no secret (every peer admitted). */
 inline void BpsWorkerCore::add_local(void *router, std::vector<void *> peers, int local_rank, bool open) {
-    router_ = router;
-    peers_ = std::move(peers);
     local_rank_ = local_rank;
-    local_size_ = (int)peers_.size();
-    local_links_.resize(peers_.size());
-    local_link_ident_.resize(peers_.size());
-    for (size_t r = 0; r < peers_.size(); ++r) local_link_mu_.emplace_back(new std::recursive_mutex());
-    local_direct_owned_.resize(peers_.size());
-    auth_open_ = open;
+    local_size_ = (int)peers.size();
+    local_.setup(router, std::move(peers), open);
     stage_ = new BpsStageThread(nthreads_, wake_fd_);
-}
-
-/* A direct link to local rank ``r`` (before start(), after add_local()): a connected socket whose
- * one-time token was checked (core/engine.py _open_local_links). ``ident`` is r's DEALER identity
- * toward our ROUTER: its messages on the link are taken as from that identity. This thread owns
- * and closes the fd; the DEALER stays the fallback. ``ring_fd`` >= 0: the pair's shared-memory
- * rings (BPS_RING_REGION bytes; BpsShmLink carries the bytes, the socket only bells), ``low``: we are
- * the lower local rank. The caller keeps ``ring_fd`` (a mapping outlives it). "" or why the ring
- * could not be mapped: the socket is then closed, so that the peer's end of the link dies too and
- * both sides use the DEALER. */
-inline std::string BpsWorkerCore::add_local_link(int r, int fd, const std::string &ident, int ring_fd, bool low) {
-    if (ring_fd >= 0) {
-        void *region = mmap(nullptr, BPS_RING_REGION, PROT_READ | PROT_WRITE, MAP_SHARED, ring_fd, 0);
-        if (region == MAP_FAILED) {
-            std::string why = std::string("mmap: ") + strerror(errno);
-            ::close(fd);
-            return why;
-        }
-        local_links_.at((size_t)r).reset(new BpsShmLink(fd, region, low));
-    } else {
-        local_links_.at((size_t)r).reset(new BpsLink(fd));
-    }
-    local_link_ident_.at((size_t)r) = ident;
-    return "";
-}
-
-/* Local ranks whose link runs over shared-memory rings (tests check the path really ran). */
-inline int BpsWorkerCore::local_rings_up() const {
-    int n = 0;
-    for (auto &l : local_links_) n += l && !l->dead() && strcmp(l->kind(), "shm") == 0;
-    return n;
-}
-
-/* Local ranks reached over a working link, and messages sent / received on local links (tests
- * check the path really ran). */
-inline int BpsWorkerCore::local_links_up() const {
-    int n = 0;
-    for (auto &l : local_links_) n += l && !l->dead();
-    return n;
-}
-
-/* A peer that passed Python's handshake on our ROUTER (core/auth.py Gate). */
-inline void BpsWorkerCore::allow_local(const std::string &identity) {
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        allow_in_.push_back(identity);
-    }
-    wake();
 }
 
 /* join(): local ranks (bit n: local rank n) that joined; owners stop waiting for their copies. */
@@ -152,17 +99,7 @@ inline void BpsWorkerCore::self_joined_turn(bool on) {
     self_joined_net_ = on;
     owed_asked_.clear();
     if (!on) return;
-    std::vector<BpsHeader> firsts;
-    {
-        std::lock_guard<std::mutex> lock(early_mu_);
-        for (auto &kv : early_) {
-            BpsHeader h;
-            if (kv.second.empty()) continue;
-            memcpy(&h, kv.second[0][1].data(), sizeof h);
-            firsts.push_back(h);
-        }
-    }
-    for (auto &h : firsts) ask_owed(Ident(h.key, h.round), h);
+    for (auto &h : early_.first_headers()) ask_owed(Ident(h.key, h.round), h);
 }
 
 /* Local messages this thread does not own: [identity, header, body] each. */
@@ -194,15 +131,7 @@ inline void BpsWorkerCore::coordinate(BpsOp *op, int i) {
 
 /* The copies of partition ``id`` that came before its op (early_), into its group. */
 inline void BpsWorkerCore::take_early(Group &g, const Ident &id) {
-    std::vector<std::vector<std::string>> held;
-    {
-        std::lock_guard<std::mutex> lock(early_mu_);
-        auto e = early_.find(id);
-        if (e == early_.end()) return;
-        held = std::move(e->second);
-        early_.erase(e);
-    }
-    for (auto &frames : held) add_copy(g, frames[1], frames[2]);
+    for (auto &frames : early_.take(id)) add_copy(g, frames[1], frames[2]);
 }
 
 /* Run a copy or sum inline (small) or on the stage thread (>= 256 KB); then after_task(). */
@@ -235,7 +164,7 @@ inline void BpsWorkerCore::after_task(BpsStageTask &t) {
     if (t.kind == BPS_TASK_COPY_IN) {
         BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, op->dtype,
                                  (uint32_t)local_rank_, BPS_FLAG_SHM | join_epoch_flag());
-        if (send_local(p.owner, &h, &p.desc, sizeof p.desc) != 0) {
+        if (local_.send(p.owner, &h, &p.desc, sizeof p.desc) != 0) {
             fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': sending to local rank " +
                                            std::to_string(p.owner) + " failed: " + strerror(errno));
             return;
@@ -363,7 +292,7 @@ inline void BpsWorkerCore::owner_pulled(BpsOp *op, int i, int server, const BpsH
         local_failed(op, i, BPS_ERR_PROTOCOL, err);
         return;
     }
-    retain(p, h.round, op->dtype, src, p.length);
+    elastic_.retain(p, h.round, op->dtype, src, p.length);
     p.result = src;
     p.result_desc = desc; /* read by LOCAL_BROADCAST within this call */
     advance(op, i);
@@ -387,36 +316,10 @@ inline void BpsWorkerCore::local_broadcast(BpsOp *op, int i, const void *desc, c
     for (int r = 0; r < local_size_; ++r) {
         if (r == local_rank_) continue;
         if (desc)
-            send_local(r, &h, desc, BPS_DESCRIPTOR_SIZE);
+            local_.send(r, &h, desc, BPS_DESCRIPTOR_SIZE);
         else
-            send_local(r, &h, error_body.data(), error_body.size());
+            local_.send(r, &h, error_body.data(), error_body.size());
     }
-}
-
-/* Local rank ``r``'s direct link while it works, else NULL (its DEALER then). */
-inline BpsConn *BpsWorkerCore::live_local_link(int r) {
-    if (r < 0 || (size_t)r >= local_links_.size()) return nullptr;
-    BpsConn *l = local_links_[(size_t)r].get();
-    return l != nullptr && !l->dead() ? l : nullptr;
-}
-
-inline int BpsWorkerCore::send_local(int r, const BpsHeader *h, const void *body, size_t n) {
-    std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)r]); /* a direct caller may hold it briefly */
-    BpsConn *l = live_local_link(r);
-    if (l != nullptr) {
-        BpsFrames f;
-        f.copy(h, sizeof *h);
-        f.copy(body, n);
-        if (l->send(f) == 0) {
-            local_link_sent_.fetch_add(1);
-            return 0;
-        }
-        /* it broke just now: the DEALER takes this one */
-    }
-    void *sock = peers_[r];
-    int rc = bps_send_copy(sock, h, sizeof *h, true);
-    if (rc == 0) rc = bps_send_copy(sock, body, n, false);
-    return rc;
 }
 
 /* A message on our local ROUTER, or on a local link (``linked``: authenticated by its token, the
@@ -428,7 +331,7 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
         return;
     }
     std::string ident((const char *)m->data(0), m->size(0));
-    if ((!auth_open_ && !linked && allowed_.count(ident) == 0) || !bps_parse_header(m->data(1), m->size(1), &h)) {
+    if (!local_.admitted(ident, linked) || !bps_parse_header(m->data(1), m->size(1), &h)) {
         forward_local(m); /* handshakes, strangers, malformed: Python answers, refuses or logs */
         return;
     }
@@ -441,10 +344,7 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
             maybe_reduce(id);
             return;
         }
-        {
-            std::lock_guard<std::mutex> lock(early_mu_);
-            early_[id].push_back({ident, header, body}); /* before our op: held until it starts (or its direct owner takes it) */
-        }
+        early_.hold(id, {ident, header, body}); /* before our op: held until it starts (or its direct owner takes it) */
         if (self_joined_net_) ask_owed(id, h); /* no op of ours will start: we reduce it for our peers */
         return;
     }

@@ -5,20 +5,10 @@
 #include "core/pipeline/bps_worker.h"
 
 inline BpsWorkerCore::BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
-    : node_id_(node_id), sendq_(credit), timeout_(timeout), nthreads_(nthreads), notify_fd_(notify_fd) {
+    : node_id_(node_id), sendq_(credit), timeout_(timeout), nthreads_(nthreads), notify_fd_(notify_fd),
+      servers_(node_id), elastic_(servers_, node_id) {
     wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     done_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    /* Per-server state is sized once: a server that joins mid-job (elastic) never moves what other
-     * threads (direct callers, stats) are reading. */
-    socks_.reserve(BPS_MAX_SERVERS);
-    links_.resize(BPS_MAX_SERVERS);
-    for (int i = 0; i < BPS_MAX_SERVERS; ++i) link_mu_.emplace_back(new std::mutex());
-    direct_owned_.resize(BPS_MAX_SERVERS);
-    sent_.resize(BPS_MAX_SERVERS);
-    received_.resize(BPS_MAX_SERVERS);
-    dead_.resize(BPS_MAX_SERVERS);
-    colocated_.resize(BPS_MAX_SERVERS);
-    reported_.resize(BPS_MAX_SERVERS, false);
 }
 
 inline BpsWorkerCore::~BpsWorkerCore() {
@@ -53,7 +43,7 @@ inline int64_t BpsWorkerCore::add_table(const std::string &name, std::vector<Bps
         wire_codec = std::make_shared<BpsTableCodec>(*codec);
         wire_codec->parts.assign(parts.size(), BpsCodecState());
     }
-    replay_reroutes(parts); /* a tensor first used after servers were lost: as if it had been there */
+    elastic_.replay(parts); /* a tensor first used after servers were lost: as if it had been there */
     tables_.push_back(BpsTable{name, std::move(parts), local, std::move(wire_codec)});
     return (int64_t)tables_.size() - 1;
 }
@@ -72,11 +62,11 @@ inline void BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, 
         op->codec = t.codec.get();
         op->table = table;
         op->seq = t.count++;
-        if (holding_) { /* the servers are changing: which partitions it uses is known at commit() */
+        if (elastic_.holding()) { /* the servers are changing: which partitions it uses is known at commit() */
             op->started = bps_now();
             ops_[op->id] = op;
             net_ops_++;
-            held_.push_back(op);
+            elastic_.hold_op(op);
             return;
         }
         op->parts = t.parts_for(op->seq);
@@ -130,34 +120,34 @@ inline void BpsWorkerCore::run() {
     while (!stopping_) {
         /* UCX links: their UCP worker is this thread's except while it sleeps in poll, when a direct
          * caller may take it (submit_direct) */
-        std::unique_lock<std::mutex> ucx_lock(ucx_mu_, std::defer_lock);
-        if (ucx_) ucx_lock.lock();
-        if (nsocks != socks_.size()) { /* at start, and when a server joined (elastic: take_inbox) */
-            nsocks = socks_.size();
+        std::unique_lock<std::mutex> ucx_lock = servers_.lock_ucx();
+        if (nsocks != servers_.size()) { /* at start, and when a server joined (elastic: take_inbox) */
+            nsocks = servers_.size();
             wake_at = nsocks, router_at = nsocks + 1, links_at = nsocks + 2;
             local_at = links_at + nsocks;
-            items.assign(local_at + local_links_.size(), bps_zmq_pollitem{nullptr, -1, 0, 0});
-            for (size_t i = 0; i < nsocks; ++i) items[i] = bps_zmq_pollitem{socks_[i], 0, BPS_ZMQ_POLLIN, 0};
+            items.assign(local_at + local_.size(), bps_zmq_pollitem{nullptr, -1, 0, 0});
+            for (size_t i = 0; i < nsocks; ++i) items[i] = bps_zmq_pollitem{servers_.sock(i), 0, BPS_ZMQ_POLLIN, 0};
             items[wake_at] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
             /* the local ROUTER, if any (a NULL socket with fd -1 is never ready) */
-            items[router_at] = bps_zmq_pollitem{router_, -1, (short)(router_ ? BPS_ZMQ_POLLIN : 0), 0};
+            void *router = local_.router();
+            items[router_at] = bps_zmq_pollitem{router, -1, (short)(router ? BPS_ZMQ_POLLIN : 0), 0};
         }
         bool buffered = false;
         for (size_t i = 0; i < nsocks; ++i) { /* a dead link, or one a direct caller holds: not polled */
-            BpsConn *l = direct_owned_[i].load() ? nullptr : live_link((int)i);
+            BpsConn *l = servers_.direct_owned((int)i) ? nullptr : servers_.live((int)i);
             short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->poll_for_write() ? BPS_ZMQ_POLLOUT : 0));
             items[links_at + i] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
             buffered |= l != nullptr && l->pending_input(); /* whole messages in hand: no sleep */
         }
-        for (size_t r = 0; r < local_links_.size(); ++r) {
-            BpsConn *l = local_direct_owned_[r].load() ? nullptr : live_local_link((int)r);
+        for (size_t r = 0; r < local_.size(); ++r) {
+            BpsConn *l = local_.direct_owned((int)r) ? nullptr : local_.live((int)r);
             short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->poll_for_write() ? BPS_ZMQ_POLLOUT : 0));
             items[local_at + r] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
             buffered |= l != nullptr && l->pending_input();
         }
         if (ucx_lock.owns_lock()) ucx_lock.unlock();
         int rc = bps_zmq.poll(items.data(), (int)items.size(), buffered ? 0 : 100);
-        if (ucx_) ucx_lock.lock();
+        if (servers_.has_ucx()) ucx_lock.lock();
         if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
         if (items[wake_at].revents) {
             uint64_t n;
@@ -167,42 +157,41 @@ inline void BpsWorkerCore::run() {
         take_inbox();
         take_direct();
         take_stage_done();
-        if (nsocks != socks_.size()) continue; /* a server joined: poll it too before reading */
-        if (router_ != nullptr && items[router_at].revents) {
+        if (nsocks != servers_.size()) continue; /* a server joined: poll it too before reading */
+        if (local_.router() != nullptr && items[router_at].revents) {
             for (int k = 0; k < 256; ++k) {
-                int got = bps_recv_message(router_, &msg);
+                int got = bps_recv_message(local_.router(), &msg);
                 if (got <= 0) break;
                 on_local(&msg);
             }
         }
-        for (size_t r = 0; r < local_links_.size(); ++r) {
+        for (size_t r = 0; r < local_.size(); ++r) {
             short ev = items[local_at + r].revents;
-            BpsConn *l = live_local_link((int)r);
+            BpsConn *l = local_.live((int)r);
             if (l == nullptr || (!ev && !l->pending_input())) continue;
-            std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[r], std::try_to_lock);
+            std::unique_lock<std::recursive_mutex> link_lock(local_.link_mu((int)r), std::try_to_lock);
             if (!link_lock) continue; /* a direct caller reads it now */
             take_direct();            /* what it handed over comes before what we read next */
             if (ev & BPS_ZMQ_POLLOUT) l->flush();
             for (int k = 0; k < 256 && !l->dead(); ++k) {
-                if (l->recv(&msg, &local_link_ident_[r]) <= 0) break; /* [identity, header, body], as on the ROUTER */
-                local_link_received_.fetch_add(1);
+                if (local_.recv((int)r, &msg) <= 0) break; /* [identity, header, body], as on the ROUTER */
                 on_local(&msg, true);
             }
-            /* a link that broke (its peer went): live_local_link() is NULL now, its DEALER carries what follows */
+            /* a link that broke (its peer went): local_.live() is NULL now, its DEALER carries what follows */
         }
         for (size_t i = 0; i < nsocks; ++i) {
             if (!items[i].revents) continue;
             for (int k = 0; k < 256; ++k) { /* drain, bounded so the others get a turn */
-                int got = bps_recv_message(socks_[i], &msg);
+                int got = bps_recv_message(servers_.sock(i), &msg);
                 if (got <= 0) break;
                 on_message((int)i, &msg);
             }
         }
         for (size_t i = 0; i < nsocks; ++i) {
             short ev = items[links_at + i].revents;
-            BpsConn *l = live_link((int)i);
+            BpsConn *l = servers_.live((int)i);
             if (l == nullptr || (!ev && !l->pending_input())) continue;
-            std::unique_lock<std::mutex> link_lock(*link_mu_[i], std::try_to_lock);
+            std::unique_lock<std::mutex> link_lock(servers_.link_mu((int)i), std::try_to_lock);
             if (!link_lock) continue; /* a direct caller reads it now */
             take_direct();            /* what it handed over comes before what we read next */
             if (ev & BPS_ZMQ_POLLOUT) l->flush();
@@ -211,16 +200,7 @@ inline void BpsWorkerCore::run() {
                 on_message((int)i, &msg);
             }
         }
-        for (size_t i = 0; i < nsocks; ++i) { /* links that broke here or under a direct caller */
-            BpsConn *l = links_[i].get();
-            if (l == nullptr || !l->dead() || reported_[i]) continue;
-            reported_[i] = true; /* the server went (or closed it): Python tells the scheduler (elastic) */
-            {
-                std::lock_guard<std::mutex> lock(mu_);
-                lost_.push_back((int)i);
-            }
-            notify_python();
-        }
+        if (servers_.report_broken()) notify_python(); /* links that broke here or under a direct caller */
         send_ready();
         double now = bps_now();
         if (now >= next_check) {
@@ -234,37 +214,21 @@ inline void BpsWorkerCore::run() {
 inline void BpsWorkerCore::take_inbox() {
     std::vector<BpsQueued> in;
     std::vector<std::unique_ptr<BpsRawSend>> raw;
-    std::vector<std::string> allow;
-    std::vector<std::pair<void *, int>> joined;
     bool abort, self_joined, dead_now, commit_now;
     {
         std::lock_guard<std::mutex> lock(mu_);
         in.swap(inbox_);
         raw.swap(raw_);
-        allow.swap(allow_in_);
-        joined.swap(new_servers_);
         abort = abort_;
         self_joined = self_joined_;
-        dead_now = dead_in_;
-        commit_now = commit_in_;
-        dead_in_ = commit_in_ = false;
-        if (commit_now) {
-            alive_net_ = alive_;
-            commits_net_ = commits_;
-        }
+        elastic_.take_turn(&dead_now, &commit_now);
     }
-    for (auto &a : allow) allowed_.insert(a);
-    for (auto &j : joined) { /* elastic: a server joined; it is polled from the next turn on */
-        size_t i = socks_.size();
-        if (j.second >= 0) links_[i].reset(new BpsLink(j.second));
-        socks_.push_back(j.first);
-        nservers_.store((int)socks_.size());
-    }
+    local_.take_allowed();
+    servers_.adopt_joined(); /* elastic: servers that joined (after the above: a commit() naming them) */
     if (dead_now) strand_dead();
     if (commit_now) { /* results first, then stranded partitions go to their replacements, in their rounds */
-        send_results();
-        std::vector<BpsQueued> back;
-        back.swap(stranded_);
+        elastic_.send_results();
+        std::vector<BpsQueued> back = elastic_.take_stranded();
         /* Sent at once, past the credit, in their first order: each had been let through the credit
          * before, so what each worker has in flight becomes again what it had before the loss (a
          * prefix of the order every worker sends in). Queued behind partitions sent after them, they
@@ -294,14 +258,11 @@ inline void BpsWorkerCore::take_inbox() {
             if (!op->done.load() && !op->direct.load()) fail(op, BPS_ERR_ABORT, "");
         }
         pending_.clear();
-        stranded_.clear();
+        elastic_.take_stranded(); /* dropped: their ops failed above */
         sendq_.clear_credit();
         groups_.clear();
         awaiting_.clear();
-        {
-            std::lock_guard<std::mutex> lock(early_mu_);
-            early_.clear();
-        }
+        early_.clear();
     }
 }
 
@@ -340,7 +301,7 @@ inline void BpsWorkerCore::on_message(int server, BpsMessage *m) {
     uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
     bps_span_to(BPS_STAGE_PUSH, p.trace_t, t_reply, p.key, h.round, p.length, server, op->priority);
     op->owed[server]--;
-    received_[server] += m->size(0) + (m->count > 1 ? m->size(1) : 0);
+    servers_.count_received(server, m->size(0) + (m->count > 1 ? m->size(1) : 0));
     if (op->done.load()) return;
     reply_ = BpsReply{server, &h, m}; /* PULL's input, for this call */
     advance(op, index);               /* PUSH ends: PULL */
@@ -378,7 +339,7 @@ inline void BpsWorkerCore::receive(BpsOp *op, BpsPart &p, int server, const BpsH
                                                 std::to_string(expect));
             return;
         }
-        retain(p, h.round, op->dtype, src, p.length); /* the sum, not an average */
+        elastic_.retain(p, h.round, op->dtype, src, p.length); /* the sum, not an average */
         /* a lone pushing machine gets its own region back: the sum is what the tensor holds */
         if (op->divisor > 1 || !(p.staging != nullptr && src == p.staging)) bps_result_into(op, dst, src, len, true);
         return;
@@ -390,7 +351,7 @@ inline void BpsWorkerCore::receive(BpsOp *op, BpsPart &p, int server, const BpsH
         return;
     }
     /* the sum, not an average; a broadcast's root: its own data, the result */
-    retain(p, h.round, op->dtype, got ? m->data(1) : dst, p.length);
+    elastic_.retain(p, h.round, op->dtype, got ? m->data(1) : dst, p.length);
     if (got) bps_result_into(op, dst, m->data(1), got, false);
 }
 

@@ -28,23 +28,11 @@ inline void BpsWorkerCore::send_raw_now(BpsRawSend *m) {
     else
         f.copy(m->body.data(), m->body.size());
     if (m->server >= 0) {
-        send_server(m->server, f);
+        servers_.send(m->server, f);
     } else if (m->server == BPS_TO_ROUTER) {
-        bps_zmq_send_frames(router_, f, &m->ident);
+        local_.send_router(f, m->ident);
     } else {
-        int r = -2 - m->server; /* the same path as ours, so that one peer's messages stay in order */
-        std::unique_lock<std::recursive_mutex> link_lock(*local_link_mu_[(size_t)r]);
-        BpsConn *l = live_local_link(r);
-        if (l == nullptr) {
-            bps_zmq_send_frames(peers_[(size_t)r], f);
-        } else if (l->send(f) == 0) {
-            local_link_sent_.fetch_add(1);
-        } else if (m->zc_data == nullptr) { /* it broke just now: the DEALER takes a copied body */
-            BpsFrames again;
-            again.copy(m->header.data(), m->header.size());
-            again.copy(m->body.data(), m->body.size());
-            bps_zmq_send_frames(peers_[(size_t)r], again);
-        }
+        local_.send_raw(-2 - m->server, f, *m);
     }
     /* Python counts its own messages (Engine.bytes_sent); a failed send released the body */
 }
@@ -60,7 +48,7 @@ inline void BpsWorkerCore::send_ready() {
             first_stall_ = sendq_.top().op->name;
         }
     }
-    cork_links(true); /* a burst of pushes leaves in as few writes as the sockets take */
+    servers_.cork(true); /* a burst of pushes leaves in as few writes as the sockets take */
     while (!sendq_.empty() && (stalled || sendq_.fits(sendq_.top()))) {
         BpsQueued q = sendq_.pop();
         BpsOp *op = q.op;
@@ -68,19 +56,19 @@ inline void BpsWorkerCore::send_ready() {
         push(op, q.part);
         stalled = false; /* one past the credit per stall */
     }
-    cork_links(false);
+    servers_.cork(false);
 }
 
 /* A partition the credit lets go (or one whose server was lost, again): its round, then STAGE if it
  * is in that stage (the copy, and advance() into PUSH), else PUSH. */
 inline void BpsWorkerCore::push(BpsOp *op, int index) {
     BpsPart &p = op->parts[index];
-    if (dead_[(size_t)p.server].load()) { /* elastic: its server is gone */
-        if (awaiting_commit()) { /* its replacement is known at commit() */
-            stranded_.push_back(BpsQueued{op->priority, p.qseq, op, index});
+    if (servers_.dead(p.server)) { /* elastic: its server is gone */
+        if (elastic_.awaiting_commit()) { /* its replacement is known at commit() */
+            elastic_.strand(BpsQueued{op->priority, p.qseq, op, index});
             return;
         }
-        move_part(p, bps_replacement(alive_net_, p.key));
+        elastic_.move_part(p, elastic_.replacement(p.key));
         if (p.server < 0) { /* cannot happen: the scheduler never removes the last server */
             fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': no server left to take over a lost one");
             return;
@@ -140,13 +128,13 @@ inline void BpsWorkerCore::send_push(BpsOp *op, int index) {
         op->zero_copy.fetch_add(1);
         f.zero_copy((void *)data, body_len, &BpsWorkerCore::zc_free, new BpsZcHint{this, op, -1});
     }
-    int rc = send_server(p.server, f);
+    int rc = servers_.send(p.server, f);
     if (rc != 0) {
         fail(op, BPS_ERR_PROTOCOL, std::string("tensor '") + op->name + "': sending to server " +
                                        std::to_string(p.server) + " failed: " + strerror(errno));
         return;
     }
-    sent_[p.server] += sizeof h + body_len;
+    servers_.count_sent(p.server, sizeof h + body_len);
     pending_[std::make_pair(p.key, rnd)] = std::make_pair(op, index);
     op->owed[p.server]++;
     sendq_.take(op, index);

@@ -152,7 +152,7 @@ static inline int bps_replacement(const std::vector<int> &alive, uint64_t key) {
     return alive.empty() ? -1 : alive[(size_t)(x % alive.size())];
 }
 
-/* Elastic servers: a key's latest result and the server it came from (BpsWorkerCore::retain). */
+/* Elastic servers: a key's latest result and the server it came from (BpsElasticRouter::retain). */
 struct BpsRetained {
     uint64_t round = 0;
     int server = -1;

@@ -92,8 +92,9 @@ static inline int bps_zmq_send_frames(void *sock, BpsFrames &m, const std::strin
 }
 
 /* What the native threads need of a link to one peer, whatever carries it: a direct TCP socket
- * (BpsLink, below) or a UCX endpoint (BpsUcxLink, core/transport/bps_ucx.h). The worker's send_server() and the
- * server's send_to() / serve_link() / link_hello() are written against this alone. */
+ * (BpsLink, below) or a UCX endpoint (BpsUcxLink, core/transport/bps_ucx.h). The worker's
+ * BpsServerLinks::send() and the server's send_to() / serve_link() / link_hello() are written against
+ * this alone. */
 class BpsConn {
   public:
     virtual ~BpsConn() {}
