@@ -355,6 +355,10 @@ class BpsWorkerCore {
     int nthreads_;
     int notify_fd_;
     int wake_fd_, done_fd_;
+    /* zero-copy sends Python queued and a link released (zc_free): declared before the links, since a
+     * link destroyed with such frames still queued releases them as it goes */
+    std::mutex zc_mu_;
+    std::vector<int64_t> released_;
     BpsServerLinks servers_; /* DEALERs, direct links, the UCP worker, per-server state (own mutexes) */
     BpsLocalPeers local_;    /* the local ROUTER, DEALERs and links, admission (own mutexes) */
     BpsElasticRouter elastic_; /* hold / commit, reroutes, stranded partitions, retained results (mu_) */
@@ -387,9 +391,6 @@ class BpsWorkerCore {
 
     std::mutex rounds_mu_;
     std::unordered_map<uint64_t, uint64_t> rounds_;
-
-    std::mutex zc_mu_;
-    std::vector<int64_t> released_;
 
     /* network-thread state */
     uint64_t seq_ = 0;
