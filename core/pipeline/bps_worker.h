@@ -1,7 +1,8 @@
 /* The worker's native data plane: one thread that sends partitions and takes replies without the GIL.
  *
  * core/engine.py (Python) keeps what is per tensor or rare: declarations, the control plane,
- * authentication, join(), the topology executor's plan.
+ * authentication, join()'s bookkeeping (which partitions a joined process owes: owed()), the topology
+ * executor's plan.
  * Once a tensor's key is known, a plain push_pull or broadcast is handed over whole with
  * BpsWorkerCore::submit() (on the caller's thread, under a mutex; no Python object crosses). From then
  * on, the network thread ("byteps-net") moves each partition through its list of stages, built when
@@ -34,10 +35,10 @@
  * while it works, else the DEALER; what comes in on it is taken as if it came on the ROUTER from that peer's
  * DEALER identity, so the messages Python gets (forwarded) look the same either way.
  *
- * Python's own partitions (the slow paths above) still go through this thread's sockets: it sends
- * what Python queues with send_raw() and forwards every message it does not own (an unknown
- * (key, round), ...) to Python's queue, waking the engine through its pipe.
- * Rounds of every wire key are counted here, for both paths.
+ * Python moves no partition. Its few messages on the data sockets (the answers to late local peers'
+ * handshakes) go through this thread: it sends what Python queues with send_raw(), and forwards every
+ * message it does not own (a handshake, a link offer, a reply for an unknown (key, round), ...) to
+ * Python's queue, waking the engine through its pipe. Rounds of every wire key are counted here.
  *
  * Transport seam (core/transport/bps_link.h): a message to a server is a BpsFrames, sent by
  * BpsServerLinks::send() (server_links.h) over the server's direct TCP link (BpsLink, once Python set
