@@ -278,17 +278,10 @@ class EngineSetup:
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.control.register()
-        deadline = time.monotonic() + self.cfg.timeout
-        while self.book is None:
-            if self._stopped.is_set():
-                raise BytePSError("init() was interrupted")
-            if self.poller.poll(timeout=min(self.cfg.heartbeat_interval, 1.0) * 1000):
-                self._on_control()
-            self.control.tick()
-            if time.monotonic() > deadline:
-                raise BytePSTimeoutError(f"the scheduler at {self.cfg.scheduler_endpoint} did not start the job "
-                                         f"within {self.cfg.timeout:g} s (BYTEPS_TIMEOUT); its log names the "
-                                         "nodes that never registered")
+        self._serve_control_until(lambda: self.book is not None, self.cfg.timeout,
+                                  f"the scheduler at {self.cfg.scheduler_endpoint} did not start the job within "
+                                  f"{self.cfg.timeout:g} s (BYTEPS_TIMEOUT); its log names the nodes that never "
+                                  "registered")
         self._place_on_cpus()
         for info in self.book["servers"]:
             sock = self.ctx.socket(zmq.DEALER)
@@ -336,14 +329,20 @@ class EngineSetup:
     def _await_membership_without(self, lost):
         """Servers were lost during start-up: the scheduler removes them as soon as every worker is ready
         (scheduler/elastic.py). Wait for that membership, so that no op is cut for a server that has gone."""
-        deadline = time.monotonic() + self.cfg.timeout
-        while any(i in self._memberships[-1]["ids"] for i in lost):
+        self._serve_control_until(lambda: not any(i in self._memberships[-1]["ids"] for i in lost), self.cfg.timeout,
+                                  f"init() waited {self.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the scheduler at "
+                                  f"{self.cfg.scheduler_endpoint} to remove servers {sorted(lost)}, lost during "
+                                  "start-up; its log says which worker did not answer the change")
+
+    def _serve_control_until(self, done, limit, late):
+        """Take the scheduler's messages and send our heartbeats until ``done()``; BytePSTimeoutError(``late``)
+        after ``limit`` seconds."""
+        deadline = time.monotonic() + limit
+        while not done():
             if self._stopped.is_set():
                 raise BytePSError("init() was interrupted")
             if time.monotonic() > deadline:
-                raise BytePSTimeoutError(f"init() waited {self.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the scheduler at "
-                                         f"{self.cfg.scheduler_endpoint} to remove servers {sorted(lost)}, lost during "
-                                         "start-up; its log says which worker did not answer the change")
+                raise BytePSTimeoutError(late)
             if self.control.sock.poll(100):
                 self._drain(self.control.sock, lambda _: self._on_control())
             self.control.tick()

@@ -262,23 +262,27 @@ class ServiceGroup:
             elastic_server = self.elastic and tag in self.servers
             try:
                 state = self._get(tag, node, ref)
-            except BytePSRayError as e:
+            except BytePSRayError as e:  # its actor died (with its node, usually)
                 if not elastic_server:
                     raise
-                state = (None, str(e))
+                self._lost_server(tag, node, str(e))
+                continue
             if state is None:
                 continue
             code, tail = state
-            if elastic_server and code != 0:  # the job survives it (docs/elastic.md) or reports why not
-                logger.warning("%s on node %s is gone (%s); the job goes on without it", tag, node[:12],
-                               tail.splitlines()[-1] if tail else f"exit code {code}")
-                self.drop_server(tag)
+            if elastic_server and code != 0:
+                self._lost_server(tag, node, tail.splitlines()[-1] if tail else f"exit code {code}")
                 continue
             if code != 0 or not allow_clean_exit:
                 raise BytePSRayError(tag, node, self.host(node), f"the {tag.split()[0]} process exited with code "
                                      f"{code}; its last output:\n{tail}")
             ended += 1
         return ended == 0
+
+    def _lost_server(self, tag, node, why):
+        """An elastic job's server is gone: the job survives it (docs/elastic.md) or reports why not."""
+        logger.warning("%s on node %s is gone (%s); the job goes on without it", tag, node[:12], why)
+        self.drop_server(tag)
 
     def pids(self):
         """Process ids of the running service processes (tests check that none outlives stop())."""
