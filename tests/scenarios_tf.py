@@ -9,6 +9,7 @@ without byteps, and returns it beside the distributed result.
 TensorFlow is imported inside the scenario, so the torch scenarios never pay for it.
 """
 import sys
+import time
 
 import numpy as np
 
@@ -180,6 +181,15 @@ def tf_api(out, args):
         value = tf.cast(tf.constant(mine, dtype=tf.int64), getattr(tf, dtype))
         res[f"bc.moved.{dtype}"] = _as_list(tf.cast(bps.broadcast(value, 0, name=f"bc.moved.{dtype}"), tf.int64))
     res["after_bad"] = _as_list(bps.push_pull(tf.constant([float(r)]), op=bps.Sum, name="after_bad"))
+    # refused on rank 1 only (BYTEPS_TIMEOUT is 30 s): rank 0 fails at once, naming rank 1, and the
+    # automatic names stay in step (the unnamed push_pull after them pairs up)
+    began = time.monotonic()
+    mine = tf.constant([1.0]) if r == 0 else tf.constant([1j], dtype=tf.complex64)
+    res["one_refused.unnamed"] = _err(lambda: bps.push_pull(mine))
+    res["one_refused.allgather"] = _err(lambda: bps.allgather(mine, name="ag.refused"))
+    res["one_refused.max"] = _err(lambda: bps.allreduce(mine, op=bps.Max))
+    res["one_refused.seconds"] = time.monotonic() - began
+    res["one_refused.after"] = _as_list(bps.push_pull(tf.constant([float(r + 1)]), op=bps.Sum))
 
     # ---------------------------------------------------------------- DistributedGradientTape
     w1 = tf.Variable(make_array(0, "float64", (6, 5), 12) / 8)
@@ -354,8 +364,7 @@ def tf_average(out, args):
 
     bps.init()
     rank, size = bps.rank(), bps.size()
-    engine = common._require().engine
-    averaged0 = engine.native_averaged
+    averaged0 = common.metrics()["native"]["averaged"]
     wrong = []
     for dtype in ("float32", "float64", "float16", "bfloat16", "int32"):
         tf_dtype = getattr(tf, dtype)
@@ -370,4 +379,4 @@ def tf_average(out, args):
         for how, value in got.items():
             if value.numpy().tobytes() != want.tobytes():
                 wrong.append(f"{how} {dtype}: got {value.numpy()[:4]}, want {want[:4]}")
-    return {"wrong": wrong, "native_averaged": engine.native_averaged - averaged0}
+    return {"wrong": wrong, "native_averaged": common.metrics()["native"]["averaged"] - averaged0}

@@ -177,6 +177,15 @@ def test_unsupported_dtype_names_the_tensor(tfjob):
         for dtype, values in want.items():
             assert v[f"bc.moved.{dtype}"] == values, (r, dtype, v[f"bc.moved.{dtype}"])
         np.testing.assert_array_equal(v["after_bad"], [sum(range(N))])  # the job carries on
+    # refused on rank 1 only: rank 0's calls fail within seconds naming rank 1's reason (not after
+    # BYTEPS_TIMEOUT), and the next unnamed push_pull still pairs up
+    for key in ("unnamed", "allgather", "max"):
+        mine, theirs = tfjob.value(1)[f"one_refused.{key}"], tfjob.value(0)[f"one_refused.{key}"]
+        assert mine.startswith("TypeError") and "complex64" in mine, (key, mine)
+        assert "rank 1 refused the call (TypeError" in theirs and "complex64" in theirs, (key, theirs)
+    for r in range(N):
+        assert tfjob.value(r)["one_refused.seconds"] < 10, tfjob.value(r)["one_refused.seconds"]
+        np.testing.assert_array_equal(tfjob.value(r)["one_refused.after"], [sum(range(1, N + 1))])
 
 
 @TIMEOUT

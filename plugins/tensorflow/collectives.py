@@ -30,7 +30,7 @@ from byteps.splits import send_table, splits_row
 
 from .compression import Compression
 from .ops import (Average, Max, Min, Product, Sum, _display_name, _reduce_group, _resolve_op, _scale,
-                  as_tf_error, check_global_set, dtype_code, graph_call, graph_name, wire_shape)
+                  as_tf_error, check_dtypes, check_global_set, dtype_code, graph_call, graph_name, wire_shape)
 
 
 # --------------------------------------------------------------------------------- numpy level
@@ -119,7 +119,7 @@ def _named(prefix, name):
 
 def _allgather_raw(tensor, name=None):
     tensor = tf.convert_to_tensor(tensor)
-    dtype_code(tensor.dtype, name or "allgather", move=True)
+    check_dtypes([tensor], [name], "tf.allgather", move=True, first_ops=lambda n: [f"{n}.sizes"])
     namer, what = _named("tf.allgather", name)
     out, = _run(lambda x: [gather_np(x, namer())[0]], [tensor], [tensor.dtype], "BytePSAllgather", what)
     if tensor.shape.rank is not None:
@@ -160,8 +160,9 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=N
 def gather_reduce(tensor, op, name, prescale_factor=1.0, postscale_factor=1.0):
     """allreduce with Min, Max or Product (not differentiable, as in Horovod)."""
     tensor = _scale(tf.convert_to_tensor(tensor), prescale_factor)
-    dtype_code(tensor.dtype, name or "allreduce")
-    namer, what = _named(f"tf.{op.lower()}", name)
+    prefix = f"tf.{op.lower()}"
+    check_dtypes([tensor], [name], prefix, first_ops=lambda n: [f"{n}.{r}" for r in range(common.size())])
+    namer, what = _named(prefix, name)
     out, = _run(lambda x: [_gather_reduce_np(x, op, namer())], [tensor], [tensor.dtype], f"BytePS{op}", what)
     out.set_shape(tensor.shape)
     return _scale(out, postscale_factor)
@@ -197,7 +198,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     only when splits are given). Differentiable for floats."""
     check_global_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    dtype_code(tensor.dtype, name or "alltoall", move=True)
+    check_dtypes([tensor], [name], "tf.alltoall", move=True, first_ops=lambda n: [f"{n}.splits.sizes"])
     if not tensor.dtype.is_floating:
         out, received = _alltoall_raw(tensor, splits, name)
         return out if splits is None else (out, received)
@@ -300,7 +301,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     if op in (Min, Max, Product):
         return gather_reduce(tensor, op, name, prescale_factor, postscale_factor)
     tensor = tf.convert_to_tensor(tensor)
-    dtype_code(tensor.dtype, _display_name(tensor, name))
+    check_dtypes([tensor], [name], "tf.push_pull")
 
     def reduce(x, nm):
         return _reduce_group([x], [nm], op, prescale_factor, postscale_factor, compression)[0]

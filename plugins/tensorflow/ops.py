@@ -160,6 +160,24 @@ def as_tf_error(error):
     return error
 
 
+def check_dtypes(tensors, names, prefix, move=False, first_ops=None):
+    """Refuse a call whose tensors byteps cannot move (TypeError naming the tensor), on every rank:
+    this rank declares the operations the call would have started abandoned, under the names they
+    would have had (an unnamed eager call is numbered now, as when it runs; a graph's by build order),
+    so the ranks that make the call fail at once naming this one (common.abandon), and automatic names
+    stay in step. ``first_ops(name)``: the names of the operations a collective of several steps
+    starts first (default: ``[name]``)."""
+    try:
+        for t, n in zip(tensors, names):
+            dtype_code(t.dtype, _display_name(t, n), move=move)
+    except TypeError as e:
+        for n in names:
+            full = graph_name(prefix, n) or common.auto_name(prefix)
+            for op_name in (first_ops(full) if first_ops else [full]):
+                common.abandon(op_name, None, e)
+        raise
+
+
 def _display_name(tensor, name):
     if name is not None:
         return name
@@ -212,8 +230,7 @@ def _submit(value, name, root, asynchronous=False, codec=None, average_by=1):
 def _run_eager(values, names, root, prefix, asynchronous=False, codec=None, average_by=1):
     """Submit every tensor, then wait for all of them; returns eager tensors in the same order."""
     names = [n if n is not None else common.auto_name(prefix) for n in names]
-    for v, n in zip(values, names):  # refuse bad dtypes before anything is in flight
-        dtype_code(v.dtype, n, move=root is not None)
+    check_dtypes(values, names, prefix, move=root is not None)  # before anything is in flight
     handles, error = [], None
     try:
         for v, n in zip(values, names):
@@ -278,8 +295,7 @@ def _divide(tensor, n):
 def _reduce_group(tensors, names, op, prescale, postscale, compression, prefix="tf.push_pull"):
     """push_pull a list of tensors (no gradient): compress, prescale, sum, average, postscale, decompress."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    for t, n in zip(tensors, names):
-        dtype_code(t.dtype, _display_name(t, n))
+    check_dtypes(tensors, names, prefix)
     size = common.size()
     compressed, ctxs = [], []
     for t in tensors:
@@ -318,8 +334,7 @@ def broadcast_group(tensors, root_rank, names=None, prefix="tf.broadcast"):
     """Broadcast several tensors from ``root_rank`` at once; returns new tensors (not differentiable)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     names = list(names) if names is not None else [None] * len(tensors)
-    for t, n in zip(tensors, names):
-        dtype_code(t.dtype, _display_name(t, n), move=True)
+    check_dtypes(tensors, names, prefix, move=True)
     if not 0 <= root_rank < common.size():
         raise ValueError(f"byteps: root rank {root_rank} is outside 0..{common.size() - 1}")
     return _transfer(tensors, names, root_rank, prefix, "BytePSBroadcast")
@@ -334,7 +349,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     """
     check_global_set(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    dtype_code(tensor.dtype, _display_name(tensor, name), move=True)
+    check_dtypes([tensor], [name], "tf.broadcast", move=True)
     if not tensor.dtype.is_floating:
         return broadcast_group([tensor], root_rank, [name])[0]
 
