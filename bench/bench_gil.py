@@ -294,7 +294,7 @@ def worker_main(args):
             return 0
         res = measure(args, ops, torch, lambda: pin_training_thread(args.train_core, args.comm_core))
         from byteps import common
-        res["local_stats"] = common._require().engine.native_local_stats() if args.local_size > 1 else None
+        res["local_stats"] = common.metrics()["native"]["local_reduce"] if args.local_size > 1 else None
         bps.shutdown()
     else:
         import torch.distributed as dist

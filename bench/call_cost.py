@@ -55,9 +55,9 @@ def main():
     t = torch.ones(args.bytes // 4)
     for _ in range(100):
         bps.push_pull_inplace(t, average=False, name="call_cost")
-    engine = common._job.engine  # None in a job of one process: only byteps' Python runs
-    native = engine._native if engine is not None else None
-    direct0, adopted0 = (native.direct_calls, native.direct_adopted) if native is not None else (0, 0)
+    m0 = common.metrics()  # a job of one process has no data plane: only byteps' Python runs
+    native0 = m0.get("native", {})
+    direct0, adopted0 = native0.get("direct_calls", 0), native0.get("direct_adopted", 0)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     h0 = _host_cpu()
     w0 = time.perf_counter()
@@ -84,10 +84,12 @@ def main():
     host = [b - a for a, b in zip(h0, _host_cpu())]
     user = (r1.ru_utime - r0.ru_utime) / args.calls
     system = (r1.ru_stime - r0.ru_stime) / args.calls
-    direct = native.direct_calls - direct0 if native is not None else 0
-    adopted = native.direct_adopted - adopted0 if native is not None else 0
-    link = native.link_transport(0) if native is not None else "none"
-    rings = native.local_stats()["rings_up"] if native is not None and engine._native_local else 0
+    m = common.metrics()
+    native = m.get("native", {})
+    direct = native.get("direct_calls", 0) - direct0
+    adopted = native.get("direct_adopted", 0) - adopted0
+    link = m["servers"][0]["transport"] if m["servers"] else "none"
+    rings = (native.get("local_reduce") or {}).get("rings_up", 0)
     print(f"rank {bps.rank()}: {args.bytes} B, median {statistics.median(times) * 1e6:.0f} us, wall/call "
           f"{wall * 1e6:.0f} us, cpu/call {(user + system) * 1e6:.1f} us (user {user * 1e6:.1f}), voluntary "
           f"switches/call {(r1.ru_nvcsw - r0.ru_nvcsw) / args.calls:.1f}, on the caller's thread {direct}, "

@@ -192,8 +192,8 @@ def worker(args):
     result = {"rank": rank, "times": times, "correct": correct}
     if args.system != "gloo":
         result["tuning"] = common.tuning()  # the partition size and credit this worker used
-        engine = common._job.engine  # what carried each server's data: "tcp", "ucx: ..." or "" (ZeroMQ)
-        result["links"] = engine.native_link_transports if engine is not None else []
+        # what carried each server's data: "tcp", "ucx: ..." or "" (ZeroMQ)
+        result["links"] = [("" if s["transport"] == "zeromq" else s["transport"]) for s in common.metrics()["servers"]]
     if args.system != "gloo" and rank == 0:
         result["placed"] = _placed_bytes(common, names, tensors, fusion)
     with open(os.path.join(args.rundir, f"result.{rank}.json"), "w") as f:
@@ -207,7 +207,7 @@ def worker(args):
 def _placed_bytes(common, names, tensors, fusion):
     """Bytes each server summed per step under the placement the engine really used (its keys)."""
     engine = common._job.engine
-    keys = {name: key for (name, _), key in engine._keys.items()}
+    keys = common.metrics()["tensors"]
     if fusion is not None:
         items = [(keys[f"grads.buffer.{b}"], nbytes, 4) for b, (_, nbytes) in enumerate(fusion.layout.buffers)]
     else:

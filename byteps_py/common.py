@@ -453,9 +453,9 @@ def metrics():
     """A snapshot of what this worker's data plane did so far, as plain data (JSON-ready).
 
     Keys: ``rank``, ``size``, ``local_rank``, ``local_size``; ``servers`` (per server: ``index``,
-    ``colocated``, ``role``, ``weight`` (its share of the k/n plan), ``transport`` ("tcp", "ucx: ...",
+    ``host``, ``colocated``, ``role``, ``weight`` (its share of the k/n plan), ``transport`` ("tcp", "ucx: ...",
     "zeromq"), ``bytes_sent``, ``bytes_received``); ``partition_bytes`` and ``credit_bytes`` as agreed
-    at start-up; ``tensors`` (declared name -> tensor key); ``native`` (ops the native pipeline ran
+    at start-up; ``placement_mode`` (how keys map to servers: byteps_py/placement.py); ``tensors`` (declared name -> tensor key); ``native`` (ops the native pipeline ran
     whole, averages it divided, synchronous calls run on the caller's thread, direct links up, the
     local reduce's counters, ``stages``: partitions it moved into each stage of their lists,
     ``compressed_pushes``: partitions it pushed encoded by their wire compressor; the local reduce's

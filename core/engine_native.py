@@ -280,7 +280,8 @@ class NativePlane:
         memberships = getattr(self, "_memberships", None)  # set once the address book is in
         ids = memberships[-1]["ids"] if memberships else list(range(len(self.servers)))
         place = {sid: pos for pos, sid in enumerate(ids)} if placement is not None else {}
-        servers = [{"index": i, "colocated": bool(self.colocated[i]),
+        hosts = [s["host"] for s in self.book["servers"]] if self.book else []
+        servers = [{"index": i, "host": hosts[i] if i < len(hosts) else None, "colocated": bool(self.colocated[i]),
                     "role": placement.roles[place[i]] if i in place else "removed",
                     "weight": placement.weights[place[i]] if i in place else 0,
                     "transport": (links[i] if i < len(links) else "") or "zeromq",
@@ -290,6 +291,7 @@ class NativePlane:
         return {
             "servers": servers,
             "partition_bytes": placement.partition_bytes if placement is not None else None,
+            "placement_mode": placement.mode if placement is not None else None,
             "credit_bytes": self.cfg.scheduling_credit * self.cfg.partition_bytes,
             "tensors": {name: tkey for (name, _), tkey in self._keys.items()},
             "native": {"ops": self.native_submitted, "averaged": self.native_averaged,

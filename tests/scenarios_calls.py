@@ -20,7 +20,7 @@ def torch_calls(out, args):
     n = args.get("elements", 1 << 18)  # 1 MB of float32: pooled out-of-place results
     res = {}
     # unnamed synchronous calls: one name per dtype and shape, whatever the number of calls
-    keys_before = len(common._require().engine._keys)
+    keys_before = len(common.metrics()["tensors"])
     outs = []
     for step in range(4):
         t = torch.full((n,), float(rank + 1 + step))
@@ -30,7 +30,7 @@ def torch_calls(out, args):
     # every result still holds its own sum: a pooled block is never handed out while in use
     res["oop"] = [float(o[0]) for o in outs] + [float(o[-1]) for o in outs]
     res["distinct_storage"] = len({o.data_ptr() for o in outs}) == len(outs)
-    res["new_keys"] = len(common._require().engine._keys) - keys_before  # 8 calls, 1 name (dtype, shape)
+    res["new_keys"] = len(common.metrics()["tensors"]) - keys_before  # 8 calls, 1 name (dtype, shape)
     res["sync_name"] = common.sync_name("push_pull", "float32", (n,))
     # a warm loop of dropped out-of-place results reuses blocks and takes no page faults
     t = torch.full((n,), 1.0)
@@ -95,8 +95,8 @@ def torch_average(out, args):
     (one partition: the caller's direct path) and large (several partitions, from 1 MB: the streamed
     copy), against the locally computed sum divided by ``size`` with torch's own ``div_``, bit for bit."""
     rank, size = bps.rank(), bps.size()
-    engine = common._require().engine
-    res = {"native_before": engine.native_submitted, "averaged_before": engine.native_averaged, "wrong": []}
+    native = common.metrics()["native"]
+    res = {"native_before": native["ops"], "averaged_before": native["averaged"], "wrong": []}
     for dtype in AVERAGE_DTYPES:
         for n in args["elements"]:
             mine = _rank_data(rank, n, dtype)
@@ -117,8 +117,9 @@ def torch_average(out, args):
                     bad = (value.view(-1) != want).nonzero().view(-1)[:3].tolist()
                     res["wrong"].append(f"{pattern} {dtype} n={n}: at {bad}: got {value.view(-1)[bad].tolist()}, "
                                         f"want {want[bad].tolist()}")
-    res["native"] = engine.native_submitted - res.pop("native_before")
-    res["native_averaged"] = engine.native_averaged - res.pop("averaged_before")
+    native = common.metrics()["native"]
+    res["native"] = native["ops"] - res.pop("native_before")
+    res["native_averaged"] = native["averaged"] - res.pop("averaged_before")
     return res
 
 

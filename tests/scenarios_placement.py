@@ -24,8 +24,9 @@ def seeded(rank, shape, dtype, salt=0):
 
 
 def _engine_info():
-    e = bps_common._job.engine
-    return {"weights": e.placement.weights, "mode": e.placement.mode, "roles": e.placement.roles}
+    m = bps_common.metrics()
+    return {"weights": [s["weight"] for s in m["servers"]], "mode": m["placement_mode"],
+            "roles": [s["role"] for s in m["servers"]]}
 
 
 @scenario

@@ -159,4 +159,4 @@ def crossed_orders(out, args):
             bps.synchronize(h)
             want = float(sum(q + 1 + (name == "y") for q in range(n)))
             assert torch.equal(tensors[name], torch.full((numel,), want)), (step, name, tensors[name][:4])
-    return {"steps": steps, "credit_stalls": common._job.engine.credit_stalls()}
+    return {"steps": steps, "credit_stalls": common.metrics()["credit_stalls"]}

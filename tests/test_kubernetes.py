@@ -172,7 +172,8 @@ from byteps import common
 bps.init()
 t = (torch.arange(100_003) % 13 - 6).double() * (bps.rank() + 1)
 out = {"rank": bps.rank(), "sum": bps.push_pull(t, average=False, name="t").tolist()[:13],
-       "roles": list(common._job.engine.placement.roles), "weights": list(common._job.engine.placement.weights)}
+       "roles": [s["role"] for s in common.metrics()["servers"]],
+       "weights": [s["weight"] for s in common.metrics()["servers"]]}
 bps.shutdown()
 json.dump(out, open(os.path.join(sys.argv[1], f"w{out['rank']}.json"), "w"))
 """

@@ -63,9 +63,9 @@ def exact_sums(rounds):
             g = torch.Generator().manual_seed(1000 * bps.rank() + step)
             t = torch.randint(-8, 9, (n,), generator=g).to(dtype)
             out[f"{dtype}.{n}.{step}"] = bps.push_pull(t, average=False, name=f"{dtype}.{n}").tolist()
-    e = common._job.engine
-    info = {"rank": bps.rank(), "size": bps.size(), "sums": out, "weights": list(e.placement.weights),
-            "roles": list(e.placement.roles), "server_hosts": [s["host"] for s in e.book["servers"]]}
+    servers = common.metrics()["servers"]
+    info = {"rank": bps.rank(), "size": bps.size(), "sums": out, "weights": [s["weight"] for s in servers],
+            "roles": [s["role"] for s in servers], "server_hosts": [s["host"] for s in servers]}
     bps.shutdown()
     return info
 

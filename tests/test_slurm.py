@@ -239,9 +239,9 @@ res = {}
 for name, n, dtype in (("a", 3, torch.float32), ("b", 200_001, torch.float64), ("c", 70_000, torch.int32)):
     t = (torch.arange(n) % 17 - 8).to(dtype) * (r + 1)
     res[name] = bps.push_pull(t, average=False, name=name).tolist()
-e = common._job.engine
+servers = common.metrics()["servers"]
 info = {"rank": r, "size": bps.size(), "local_rank": bps.local_rank(), "sums": res,
-        "weights": list(e.placement.weights), "roles": list(e.placement.roles),
+        "weights": [s["weight"] for s in servers], "roles": [s["role"] for s in servers],
         "env": {k: os.environ[k] for k in ("DMLC_WORKER_ID", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "BYTEPS_JOB_ID")}}
 bps.shutdown()
 with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w") as f:
