@@ -78,8 +78,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from bench_users import bpslaunch_argv, clean_env, free_port, machine_meta, parse_env  # noqa: E402
-from users_common import spread  # noqa: E402
+from users_common import (  # noqa: E402
+    bpslaunch_argv,
+    clean_env,
+    free_port,
+    machine_meta,
+    parse_env,
+    spread,  # noqa: E402
+)
 
 CASES = {"64MB": (1, 64 << 20), "256x64KB": (256, 64 << 10)}
 MIN_CHUNKS = 10  #: work chunks after the last start needed to report the thread's speed
