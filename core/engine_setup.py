@@ -464,6 +464,9 @@ class EngineSetup:
                     except auth.AuthError as e:
                         raise PeerLostError(str(e)) from None
                     sock.send_multipart(wire.control(Cmd.AUTH, self.control.node_id, {"mac": mac}))
+                elif self._server_index.get(sock) in self._lost_at_start:  # removed, yet it had sent something:
+                    sock.recv()  # dropped, or it would stay readable and this wait would spin
+                    self._discard(sock)
             self.control.tick()
         for sock in self._local_peers.values():
             self.poller.unregister(sock)
