@@ -1,4 +1,4 @@
-"""Wire-compression scenarios for tests/test_compression.py (run by tests/scenarios.py).
+"""Wire-compression scenarios for tests/test_compression_jobs.py (run by tests/scenarios.py).
 
 Each returns raw data (result digests, tensor keys, partition layouts, transport byte counts,
 losses, error texts); the test rebuilds every rank's input with :func:`make_input` and computes
