@@ -97,6 +97,9 @@ inline bool BpsWorkerCore::forget(int64_t id) {
     auto it = ops_.find(id);
     if (it == ops_.end()) return true;
     if (!it->second->done.load() || it->second->zero_copy.load() > 0 || it->second->tasks.load() > 0) return false;
+    bool waiting = false; /* a failed CUDA tensor's slots: free now that nothing reads them */
+    for (BpsPart &p : it->second->parts) waiting |= gpu_.release(p);
+    if (waiting) wake();
     delete it->second;
     ops_.erase(it);
     return true;
@@ -169,6 +172,7 @@ inline void BpsWorkerCore::fail(BpsOp *op, int kind, const std::string &text) {
         for (auto it = awaiting_.begin(); it != awaiting_.end();)
             it = it->second.op == op ? awaiting_.erase(it) : std::next(it);
     }
+    if (op->gpu) gpu_.drop_waiters(op); /* its slots come back when Python forgets it (forget) */
     complete(op);
 }
 
@@ -269,7 +273,12 @@ inline void BpsWorkerCore::check_timeouts(double now) {
 
 inline void BpsWorkerCore::part_done(BpsOp *op) {
     if (op->done.load()) return;
-    if (--op->parts_left <= 0) complete(op);
+    if (--op->parts_left > 0) return;
+    if (op->gpu) { /* the caller's stream waits for this event: after the op's last copy */
+        std::string err = gpu_.record_done(op);
+        if (!err.empty()) set_error(op, BPS_ERR_CUDA, "tensor '" + op->name + "': " + err);
+    }
+    complete(op);
 }
 
 #endif
