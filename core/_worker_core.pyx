@@ -111,6 +111,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
                         uint64_t done_event, cbool lazy, uint32_t divisor)
         uint64_t gpu_peak_slots()
         uint64_t gpu_copies()
+        uint64_t gpu_grown()
         cbool add_server(void *sock)
         cbool add_server_live(void *sock, int fd)
         int nservers()
@@ -502,8 +503,10 @@ cdef class WorkerCore:
                              ready_event, done_event, lazy, divisor)
 
     def gpu_stats(self):
-        """{"copies": COPYD2H and COPYH2D issued, "peak_slots": most staging slots held at once}."""
-        return {"copies": self.core.gpu_copies(), "peak_slots": self.core.gpu_peak_slots()}
+        """{"copies": COPYD2H and COPYH2D issued, "peak_slots": most staging slots held at once, "grown":
+        slots added to the ring because partitions waited for one with none coming back}."""
+        return {"copies": self.core.gpu_copies(), "peak_slots": self.core.gpu_peak_slots(),
+                "grown": self.core.gpu_grown()}
 
     def submit_direct(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
                       bint root_self, buf, uint32_t divisor=1):

@@ -14,7 +14,8 @@ needed to build or import byteps.
 import ctypes.util
 import glob
 import os
-import sys
+
+from .gpu import pip_lib_dirs
 
 
 class DeviceBuffer:
@@ -41,9 +42,9 @@ def cudart_path(configured=""):
     when there is none (CUDA tensors then fail naming why)."""
     if configured:
         return configured
-    for entry in sys.path:
-        found = sorted(glob.glob(os.path.join(entry, "nvidia", "cuda_runtime", "lib", "libcudart.so*")), reverse=True)
-        if found:
+    for lib_dir in pip_lib_dirs():
+        found = sorted(glob.glob(os.path.join(lib_dir, "libcudart.so*")), reverse=True)
+        if found and os.path.basename(os.path.dirname(lib_dir)) == "cuda_runtime":
             return found[0]
     return ctypes.util.find_library("cudart")
 

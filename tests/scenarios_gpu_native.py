@@ -152,6 +152,65 @@ def gpu_order(out, args):
 
 
 @scenario
+def gpu_crossed(out, args):
+    """Two push_pulls of 2 partitions each, of equal priority, once in the same order on every rank (which
+    declares them), then in opposite orders on odd and even ranks: with 2 staging slots each rank holds
+    both for the tensor the other has not started, until the ring grows by a slot (no deadlock); exact."""
+    cuda = FakeCuda()
+    cuda.lib.fake_set_copy_delay_us(args.get("copy_delay_us", 0))
+    r, n = bps.rank(), bps.size()
+    ok = []
+    for rnd, names in enumerate((["x", "y"], ["x", "y"] if r % 2 == 0 else ["y", "x"])):
+        running = []
+        for name in names:
+            values = contribution(r, 2 * 1024, np.float32, rnd)
+            h, ptr, done = _submit(cuda, name, values, 0)
+            running.append((h, ptr, done, sum(contribution(q, 2 * 1024, np.float32, rnd) for q in range(n))))
+        for h, ptr, done, want in running:
+            common.synchronize(h)
+        ok += [bool(np.array_equal(cuda.read(ptr, want, done), want)) for h, ptr, done, want in running]
+    return {"ok": ok, "gpu": bps.metrics()["native"]["gpu"]}
+
+
+@scenario
+def gpu_torch(out, args):
+    """Real torch CUDA tensors (a GPU machine): each written by a copy queued behind a sleeping kernel on
+    torch's current stream just before its push_pull, which must wait for both on the GPU; exact sums."""
+    import torch
+
+    dev = torch.device("cuda", bps.local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    r, n = bps.rank(), bps.size()
+    ok = {}
+    for rnd in range(2):
+        running = []
+        for name, numel in args["tensors"]:
+            src = torch.from_numpy(contribution(r, numel, np.float32, rnd)).pin_memory()
+            want = torch.from_numpy(sum(contribution(q, numel, np.float32, rnd) for q in range(n)))
+            t = torch.zeros(numel, device=dev)
+            torch.cuda._sleep(20_000_000)  # a late producer: some ms of GPU time before the copy that writes t
+            t.copy_(src, non_blocking=True)
+            running.append((f"{name}@{rnd}", bps.push_pull_async_inplace(t, average=False, name=name), want))
+        for key, h, want in running:
+            ok[key] = bool(torch.equal(bps.synchronize(h).cpu(), want))
+    return {"ok": ok, "gpu": bps.metrics()["native"]["gpu"]}
+
+
+@scenario
+def gpu_stuck(out, args):
+    """The producer's kernel never ends (in the job's time): the op times out (BYTEPS_TIMEOUT) naming its
+    copies, and the process still shuts down."""
+    cuda = FakeCuda()
+    values = contribution(bps.rank(), 3000, np.float32, 0)
+    h, _, _ = _submit(cuda, "stuck", values, 600 * 10 ** 6)
+    try:
+        common.synchronize(h)
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@scenario
 def gpu_copy_fails(out, args):
     """The first copy off the GPU fails (the fake's cudaMemcpyAsync returns an illegal-address error): the
     op fails at once naming the tensor and CUDA's error; the next push_pull still works (its slots came

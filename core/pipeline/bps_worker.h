@@ -137,13 +137,14 @@ class BpsWorkerCore {
     /* CUDA tensors (BpsGpuCopier, gpu_copier.h): load the runtime before start(), then submit_gpu() an op
      * of device memory whose partitions are copied off the GPU and back per partition */
     std::string enable_gpu(const std::string &cudart, uint64_t slot_bytes, int slots) {
-        return gpu_.load(cudart, slot_bytes, slots, wake_fd_);
+        return gpu_->load(cudart, slot_bytes, slots, wake_fd_);
     }
     void submit_gpu(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                     bool root_self, uint64_t dev_ptr, int device, uint64_t nbytes, uint64_t ready_event,
                     uint64_t done_event, bool lazy, uint32_t divisor);
-    uint64_t gpu_peak_slots() const { return gpu_.peak_slots(); }
-    uint64_t gpu_copies() const { return gpu_.copies(); }
+    uint64_t gpu_peak_slots() const { return gpu_->peak_slots(); }
+    uint64_t gpu_copies() const { return gpu_->copies(); }
+    uint64_t gpu_grown() const { return gpu_->grown(); }
     uint64_t next_round(uint64_t key);
     void reset_rounds();
 
@@ -419,7 +420,9 @@ class BpsWorkerCore {
     /* local reduce: set up by add_local() before start(); then network-thread state */
     int local_rank_ = 0, local_size_ = 1;
     BpsStageThread *stage_ = nullptr;
-    BpsGpuCopier gpu_; /* COPYD2H / COPYH2D: the staging ring, the byteps streams, byteps-gpu (own mutexes) */
+    /* COPYD2H / COPYH2D: the staging ring, the byteps streams, byteps-gpu (own mutexes); left allocated
+     * if a copy never completed (its thread still waits for it: BpsGpuCopier::stop) */
+    BpsGpuCopier *gpu_ = new BpsGpuCopier();
     std::map<Ident, Group> groups_;
     std::map<Ident, Await> awaiting_;
     BpsEarlyCopies early_; /* LOCAL_READYs before their op (own mutex: a direct owner takes its copies) */

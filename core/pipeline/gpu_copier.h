@@ -8,7 +8,10 @@
  *   - the staging ring: ``slots`` page-locked buffers of ``slot_bytes`` each (cudaHostAlloc, allocated on
  *     first use and kept): a partition of a CUDA tensor holds one from its first stage to its last, its
  *     host bytes (BpsPart::host). When none is free, partitions wait for one, handed out by priority
- *     (then arrival) as slots come back: the bound on pinned memory is slots * slot_bytes;
+ *     (then arrival) as slots come back: the bound on pinned memory is slots * slot_bytes, except where
+ *     partitions waited BPS_SLOT_STALL_S with no slot coming back (workers that hold slots for
+ *     partitions the others have not reached, all of them waiting for each other): then the ring grows
+ *     by one slot (counted: grown()), as the send queue goes past its credit after a stall;
  *   - the completion thread "byteps-gpu": it waits for each copy's event in issue order with
  *     cudaEventSynchronize (a blocking-sync event: it sleeps, no polling) and hands the copy back to
  *     byteps-net through ``done`` and byteps-net's wake eventfd, like the stage thread.
@@ -34,6 +37,9 @@
 #include "core/pipeline/bps_trace.h"
 #include "core/pipeline/cuda_runtime.h"
 #include "core/pipeline/worker_types.h"
+
+/* Partitions that waited this long for a staging slot while none came back: the ring grows by one. */
+static const double BPS_SLOT_STALL_S = 1.0;
 
 /* One copy in flight: which partition, which way, the event that marks its end, when it was issued. */
 struct BpsGpuCopy {
@@ -68,13 +74,20 @@ class BpsGpuCopier {
         if (enabled()) thread_ = std::thread([this] { run(); });
     }
 
-    void stop() {
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (!thread_.joinable()) return;
-            stopping_ = true;
-        }
+    /* Stop byteps-gpu once the copies in flight are done, waiting at most ``wait_s``. False: a copy never
+     * completed (the GPU, or a producer's event, is stuck) and the thread is left waiting for it,
+     * detached: then this object must never be freed (BpsWorkerCore leaks it), nor its memory. */
+    bool stop(double wait_s = 5.0) {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (!thread_.joinable()) return !stuck_;
+        stopping_ = true;
         cv_.notify_all();
+        if (!exited_cv_.wait_for(lock, std::chrono::microseconds((int64_t)(wait_s * 1e6)), [this] { return exited_; })) {
+            thread_.detach();
+            stuck_ = true;
+            return false;
+        }
+        lock.unlock();
         thread_.join();
         for (auto &kv : devices_) {
             cuda_.SetDevice(kv.first);
@@ -83,6 +96,7 @@ class BpsGpuCopier {
         }
         for (unsigned char *s : slots_)
             if (s != nullptr) cuda_.FreeHost(s);
+        return true;
     }
 
     /* byteps-net: a staging slot for partition ``i`` of ``op`` (its host bytes), or false: it waits for
@@ -96,6 +110,7 @@ class BpsGpuCopier {
         }
         std::lock_guard<std::mutex> lock(ring_mu_);
         if (free_.empty() || !waiters_.empty()) {
+            if (waiters_.empty()) waiting_since_ = bps_now();
             op->tasks++; /* its op stays alive while it waits */
             waiters_.push(BpsQueued{op->priority, seq, op, i});
             return false;
@@ -128,7 +143,21 @@ class BpsGpuCopier {
         p.slot = -1;
         p.host = nullptr;
         in_use_--;
+        last_release_ = bps_now();
         return !waiters_.empty();
+    }
+
+    /* byteps-net, now and then: partitions waited BPS_SLOT_STALL_S for a slot and none came back: one
+     * more slot (true: grant_slots() has one to hand out). */
+    bool unstall(double now) {
+        std::lock_guard<std::mutex> lock(ring_mu_);
+        if (waiters_.empty() || !free_.empty() || now - std::max(last_release_, waiting_since_) < BPS_SLOT_STALL_S)
+            return false;
+        slots_.push_back(nullptr);
+        free_.push_back((int)slots_.size() - 1);
+        grown_++;
+        last_release_ = now;
+        return true;
     }
 
     /* byteps-net: issue partition ``i``'s copy (device -> its slot, or back) on the device's stream,
@@ -199,6 +228,7 @@ class BpsGpuCopier {
     }
 
     uint64_t peak_slots() const { return peak_.load(); }
+    uint64_t grown() const { return grown_.load(); }
     uint64_t copies() const { return copies_.load(); }
     int slots() const { return (int)slots_.size(); }
 
@@ -257,7 +287,11 @@ class BpsGpuCopier {
         std::unique_lock<std::mutex> lock(mu_);
         for (;;) {
             cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-            if (queue_.empty()) return; /* stopping, nothing in flight */
+            if (queue_.empty()) { /* stopping, nothing in flight */
+                exited_ = true;
+                exited_cv_.notify_all();
+                return;
+            }
             BpsGpuCopy c = queue_.front();
             queue_.pop_front();
             lock.unlock();
@@ -284,13 +318,14 @@ class BpsGpuCopier {
     std::vector<int> free_;
     std::priority_queue<BpsQueued, std::vector<BpsQueued>, BpsByPriority<BpsQueued>> waiters_;
     int in_use_ = 0;
-    std::atomic<uint64_t> peak_{0}, copies_{0};
+    double last_release_ = 0, waiting_since_ = 0; /* a slot came back; the first of the waiters began */
+    std::atomic<uint64_t> peak_{0}, copies_{0}, grown_{0};
 
     std::mutex mu_; /* the completion thread's queues */
-    std::condition_variable cv_;
+    std::condition_variable cv_, exited_cv_;
     std::deque<BpsGpuCopy> queue_;
     std::vector<BpsGpuCopy> done_;
-    bool stopping_ = false;
+    bool stopping_ = false, exited_ = false, stuck_ = false;
     std::thread thread_;
 };
 

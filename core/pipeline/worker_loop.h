@@ -14,6 +14,7 @@ inline BpsWorkerCore::BpsWorkerCore(uint32_t node_id, int64_t credit, double tim
 inline BpsWorkerCore::~BpsWorkerCore() {
     stop();
     if (stage_ != nullptr) delete stage_;
+    if (gpu_->stop()) delete gpu_;
     for (auto &kv : ops_) delete kv.second;
     ::close(wake_fd_);
     ::close(done_fd_);
@@ -22,7 +23,7 @@ inline BpsWorkerCore::~BpsWorkerCore() {
 inline void BpsWorkerCore::start() {
     std::lock_guard<std::mutex> lock(mu_); /* the full barrier that hands the sockets over */
     if (stage_ != nullptr) stage_->start();
-    gpu_.start();
+    gpu_->start();
     thread_ = std::thread([this] { run(); });
 }
 
@@ -32,7 +33,7 @@ inline void BpsWorkerCore::stop() {
     wake();
     thread_.join();
     if (stage_ != nullptr) stage_->stop();
-    gpu_.stop();
+    gpu_->stop();
 }
 
 /* Register a tensor's partition table once (per tensor, not per call); returns its id. */
@@ -227,6 +228,7 @@ inline void BpsWorkerCore::run() {
         send_ready();
         double now = bps_now();
         if (now >= next_check) {
+            if (gpu_->unstall(now)) grant_slots();
             check_timeouts(now);
             next_check = now + 0.1;
         }

@@ -49,7 +49,7 @@ inline void BpsWorkerCore::start(BpsOp *op, int i) {
     if (op->local && !op->adds_nothing) p.rnd = next_round(p.key); /* a joined owner's: its peers' round */
     if (op->gpu) {
         std::string err;
-        if (!gpu_.take_slot(op, i, seq_++, &err)) {
+        if (!gpu_->take_slot(op, i, seq_++, &err)) {
             if (!err.empty()) fail(op, BPS_ERR_CUDA, err);
             return;
         }
@@ -60,7 +60,7 @@ inline void BpsWorkerCore::start(BpsOp *op, int i) {
 /* Partitions of CUDA tensors that waited for a staging slot and have one now: into their first stage. */
 inline void BpsWorkerCore::grant_slots() {
     std::vector<std::pair<BpsQueued, std::string>> got;
-    gpu_.granted(&got);
+    gpu_->granted(&got);
     for (auto &g : got) {
         if (!g.second.empty()) fail(g.first.op, BPS_ERR_CUDA, g.second);
         else advance(g.first.op, g.first.part);
@@ -110,7 +110,7 @@ inline void BpsWorkerCore::advance(BpsOp *op, int i) {
             gpu_copy(op, i, false);
             return;
         default: { /* done: a CUDA tensor's slot goes to the next partition that waits for one */
-            bool waiting = op->gpu && gpu_.release(p);
+            bool waiting = op->gpu && gpu_->release(p);
             part_done(op);
             if (waiting) grant_slots();
         }
@@ -120,15 +120,15 @@ inline void BpsWorkerCore::advance(BpsOp *op, int i) {
 /* COPYD2H / COPYH2D: the copy is issued on the device's byteps stream; its event ends the stage
  * (take_gpu_done). */
 inline void BpsWorkerCore::gpu_copy(BpsOp *op, int i, bool d2h) {
-    std::string err = gpu_.copy(op, i, d2h);
+    std::string err = gpu_->copy(op, i, d2h);
     if (!err.empty()) fail(op, BPS_ERR_CUDA, "tensor '" + op->name + "': " + err);
 }
 
 /* Copies whose events completed (byteps-gpu): their spans, and their partitions on to the next stage. */
 inline void BpsWorkerCore::take_gpu_done() {
-    if (!gpu_.enabled()) return;
+    if (!gpu_->enabled()) return;
     std::vector<BpsGpuCopy> done;
-    gpu_.done(&done);
+    gpu_->done(&done);
     for (BpsGpuCopy &c : done) {
         BpsOp *op = c.op;
         if (op->done.load()) { /* failed meanwhile: Python may free it once its tasks are 0 */
