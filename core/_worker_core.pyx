@@ -485,9 +485,9 @@ cdef class WorkerCore:
                                       divisor)
 
     def enable_gpu(self, str cudart, uint64_t slot_bytes, int slots):
-        """Before :meth:`start`: load the CUDA runtime at ``cudart`` for :meth:`submit_gpu`, with a staging
-        ring of ``slots`` page-locked buffers of ``slot_bytes`` (core/pipeline/gpu_copier.h). Raises
-        RuntimeError saying why it cannot be loaded."""
+        """Once, before the first :meth:`submit_gpu` (any time, from one thread): load the CUDA runtime at
+        ``cudart``, with a staging ring of ``slots`` page-locked buffers of ``slot_bytes``
+        (core/pipeline/gpu_copier.h). Raises RuntimeError saying why it cannot be loaded."""
         cdef string why = self.core.enable_gpu(cudart.encode(), slot_bytes, slots)
         if why.size():
             raise RuntimeError(why.decode(errors="replace"))

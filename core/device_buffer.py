@@ -7,9 +7,9 @@ stages, and copies the result back (COPYH2D), per partition, so copies overlap t
 (core/pipeline/gpu_copier.h). The op's completion records the done event on byteps' stream, for the
 caller's stream to wait on (no host block). Python never touches the partitions' bytes.
 
-The CUDA runtime is loaded by the native core at start (:func:`cudart_path`): ``BYTEPS_CUDART``, else
-the libcudart of PyTorch's CUDA wheels (``nvidia/cuda_runtime/lib``), else the system's; nothing CUDA is
-needed to build or import byteps.
+The CUDA runtime is loaded by the native core at the first CUDA tensor (:func:`cudart_path`):
+``BYTEPS_CUDART``, else the libcudart of PyTorch's CUDA wheels (``nvidia/cuda_runtime/lib``), else the
+system's; nothing CUDA is needed to build or import byteps.
 """
 import ctypes.util
 import glob

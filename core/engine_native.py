@@ -14,6 +14,7 @@ from byteps.errors import BytePSError, BytePSTimeoutError, ProtocolError, Tensor
 from byteps.log import logger
 
 from . import dtypes, stages, table_rows, wire
+from . import device_buffer
 from .device_buffer import DeviceBuffer
 from .ops import Op
 from .stages import Stage
@@ -158,8 +159,8 @@ class NativePlane:
             op._finish()
             return
         gpu = isinstance(op.buf, DeviceBuffer)  # copied off the GPU and back per partition, never on this thread
-        if gpu and self.gpu_unavailable is not None:
-            op.fail(BytePSError(f"push_pull of CUDA tensor {op.name!r}: {self.gpu_unavailable}"))
+        if gpu and self._gpu_unavailable():
+            op.fail(BytePSError(f"push_pull of CUDA tensor {op.name!r}: {self._gpu}"))
             return
         nid = next(self._native_ids)
         op.parts_left = count
@@ -182,6 +183,23 @@ class NativePlane:
         # only now: the native side reads an id it does not hold as "finished and forgotten", so a
         # poll() or synchronize() that saw the id before submit() would finish the op with no data
         op.native_id = nid
+
+    def _gpu_unavailable(self):
+        """Load the CUDA runtime for CUDA tensors' copy stages at the first one (core/device_buffer.py), with
+        a staging ring of BYTEPS_GPU_STAGING_BYTES in slots of one partition; why they cannot run here
+        (kept in ``self._gpu``), or "" once loaded."""
+        with self._native_lock:
+            if self._gpu is None:
+                path = device_buffer.cudart_path(self.cfg.cudart)
+                slot = max(self.cfg.partition_bytes, self.placement.partition_bytes)
+                try:
+                    if path is None:
+                        raise RuntimeError("no CUDA runtime library was found (BYTEPS_CUDART names one)")
+                    self._native.enable_gpu(path, slot, device_buffer.staging_slots(self.cfg.gpu_staging_bytes, slot))
+                    self._gpu = ""
+                except RuntimeError as e:
+                    self._gpu = f"{e} (BYTEPS_CUDART={self.cfg.cudart})" if self.cfg.cudart else str(e)
+            return self._gpu
 
     def credit_stalls(self):
         """Times the send queue's head went past a stalled credit (core/pipeline/bps_queue.h)."""

@@ -16,11 +16,11 @@ import time
 import zmq
 
 from byteps import autotune, config, timeline
-from byteps.errors import BytePSError, BytePSTimeoutError, ConfigError, PeerLostError, ProtocolError
+from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, ProtocolError
 from byteps.log import logger
 from byteps.placement import Placement
 
-from . import auth, device_buffer, shm, transport, wire
+from . import auth, shm, transport, wire
 from .control import ControlClient
 from .local import LocalPlan
 from .stages import Stage
@@ -34,22 +34,6 @@ Cmd = wire.Cmd
 class EngineSetup:
     """Start-up of :class:`~byteps.core.engine.Engine` (a mixin: its methods run on the engine thread)."""
 
-    def _enable_gpu(self, core):
-        """Load the CUDA runtime for CUDA tensors' copy stages (core/device_buffer.py), with a staging
-        ring of BYTEPS_GPU_STAGING_BYTES in slots of one partition. Without one, CUDA tensors fail
-        naming why (``self.gpu_unavailable``); a BYTEPS_CUDART that does not load fails init()."""
-        path = device_buffer.cudart_path(self.cfg.cudart)
-        if path is None:
-            self.gpu_unavailable = "no CUDA runtime library was found (BYTEPS_CUDART names one)"
-            return
-        slot = max(self.cfg.partition_bytes, self.placement.partition_bytes)
-        try:
-            core.enable_gpu(path, slot, device_buffer.staging_slots(self.cfg.gpu_staging_bytes, slot))
-        except RuntimeError as e:
-            if self.cfg.cudart:
-                raise ConfigError(f"BYTEPS_CUDART={self.cfg.cudart}: {e}") from None
-            self.gpu_unavailable = str(e)
-
     def _start_native(self):
         """Hand the authenticated server sockets to the native thread (core/pipeline/bps_worker.h)."""
         if not _worker_core.available:
@@ -60,7 +44,6 @@ class EngineSetup:
         core = _worker_core.WorkerCore(self.control.node_id, self.cfg.scheduling_credit * self.cfg.partition_bytes,
                                        self.cfg.timeout, get_num_threads(), self._wake_w)
         core.set_direct_spin(self.cfg.spin_us * 1e-6)
-        self._enable_gpu(core)
         for sock in self.servers:
             self.poller.unregister(sock)
             core.add_server(sock)

@@ -23,8 +23,9 @@ class FakeCuda:
     """The fake runtime's calls this process makes: device memory, a producer's stream and late kernel,
     events, and reading a result back the way a consumer would (after the done event)."""
 
-    def __init__(self):
+    def __init__(self, device=0):
         self.lib = lib = ctypes.CDLL(os.environ["BYTEPS_CUDART"])
+        self.device = device
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         for name, args in {"cudaMalloc": [ctypes.POINTER(vp), sz], "cudaHostAlloc": [ctypes.POINTER(vp), sz, ctypes.c_uint],
                            "cudaStreamCreateWithFlags": [ctypes.POINTER(vp), ctypes.c_uint],
@@ -36,6 +37,7 @@ class FakeCuda:
                            "fake_stats": [ctypes.POINTER(ctypes.c_longlong)], "cudaSetDevice": [ctypes.c_int]}.items():
             getattr(lib, name).argtypes = args
         lib.fake_log.restype = sz
+        assert lib.cudaSetDevice(device) == 0  # this thread's: memory, streams and events are made on it
         self.producer = self._handle(lib.cudaStreamCreateWithFlags, 1)
 
     def _handle(self, fn, *args):
@@ -87,7 +89,7 @@ def contribution(rank, numel, dtype, salt):
 def _submit(cuda, name, values, delay_us, broadcast_root=None, priority=0, ready=True):
     ptr, ready_event = cuda.device_array(values, delay_us)
     done = cuda.event()
-    buf = DeviceBuffer(ptr, values.nbytes, 0, ready_event if ready else 0, done)
+    buf = DeviceBuffer(ptr, values.nbytes, cuda.device, ready_event if ready else 0, done)
     handle = common.submit(name, buf, dtypes.from_name(values.dtype.name), values.shape, broadcast_root=broadcast_root,
                            priority=priority)
     return handle, ptr, done
@@ -103,8 +105,9 @@ def _result(cuda):
 def gpu_sums(out, args):
     """Tensors of several partitions through COPYD2H -> host stages -> COPYH2D, the producer's kernel late
     (``kernel_delay_us``): every result exact; one push_pull submitted without its ready event (its
-    copies do not wait for the kernel) and a broadcast from rank 0."""
-    cuda = FakeCuda()
+    copies do not wait for the kernel) and a broadcast from rank 0. A machine's processes use devices 0
+    and 1 (the core's copies must run on the tensor's device)."""
+    cuda = FakeCuda(device=bps.local_rank() % 2)
     cuda.lib.fake_set_copy_delay_us(args.get("copy_delay_us", 0))
     r, n = bps.rank(), bps.size()
     res = {"ok": {}, "ptrs": {}}
@@ -208,6 +211,23 @@ def gpu_stuck(out, args):
         return None
     except Exception as e:
         return f"{type(e).__name__}: {e}"
+
+
+@scenario
+def gpu_no_runtime(out, args):
+    """BYTEPS_CUDART names no library: a CUDA tensor's push_pull fails naming the tensor and the library
+    (its device memory is never touched); host tensors still work."""
+    buf = DeviceBuffer(0x1000, 4000, 0)
+    try:
+        common.synchronize(common.submit("dev", buf, dtypes.FLOAT32, (1000,)))
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    import torch
+
+    t = torch.ones(1000)
+    bps.push_pull_inplace(t, average=False, name="host")
+    return {"error": error, "host_ok": bool(torch.equal(t, torch.full((1000,), float(bps.size()))))}
 
 
 @scenario

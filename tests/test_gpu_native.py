@@ -268,6 +268,18 @@ def test_torch_cuda_tensors_through_the_copy_stages(cluster, tmp_path, machines,
 
 
 @pytest.mark.timeout(120)
+def test_missing_runtime_fails_cuda_tensors_only(cluster, tmp_path):
+    """BYTEPS_CUDART names a library that is not there: the CUDA tensor's op fails at once naming the
+    tensor and the library; host tensors are not affected."""
+    missing = str(tmp_path / "libcudart.so.99")
+    res = run(cluster, missing, "gpu_no_runtime", {})
+    for rank, r in res.items():
+        v = r["value"]
+        assert v["error"].startswith("BytePSError") and "'dev'" in v["error"] and missing in v["error"], v
+        assert v["host_ok"], rank
+
+
+@pytest.mark.timeout(120)
 def test_stuck_producer_times_out_naming_the_copies(cluster, fake_cudart):
     """A producer whose kernel never ends: the op fails after BYTEPS_TIMEOUT saying it waited for its
     copies between the GPU and host memory, and the workers still exit (byteps-gpu, blocked on the copy's

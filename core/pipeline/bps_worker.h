@@ -134,8 +134,8 @@ class BpsWorkerCore {
                       bool root_self, unsigned char *buf, uint64_t nbytes, bool lazy = false, uint32_t divisor = 1);
     void submit(BpsOp *op);
     void submit_locked(BpsOp *op);
-    /* CUDA tensors (BpsGpuCopier, gpu_copier.h): load the runtime before start(), then submit_gpu() an op
-     * of device memory whose partitions are copied off the GPU and back per partition */
+    /* CUDA tensors (BpsGpuCopier, gpu_copier.h): load the runtime once before the first submit_gpu() of
+     * an op of device memory, whose partitions are copied off the GPU and back per partition */
     std::string enable_gpu(const std::string &cudart, uint64_t slot_bytes, int slots) {
         return gpu_->load(cudart, slot_bytes, slots, wake_fd_);
     }

@@ -40,7 +40,8 @@ struct BpsCudart {
 
     /* dlopen ``path`` and look up every function; "" on success, else why not */
     std::string load(const std::string &path) {
-        lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+        /* local: its symbols must not stand in for another CUDA runtime that a framework loads later */
+        lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
         if (lib == nullptr) {
             const char *why = dlerror();
             return "cannot load the CUDA runtime " + path + ": " + (why ? why : "dlopen failed");

@@ -2,7 +2,8 @@
  * pipeline, section 6.1: while partition i is pushed, partition i+1 is copied off the GPU).
  *
  * What it owns, and which threads call it:
- *   - the CUDA runtime (cuda_runtime.h), loaded before start() by load();
+ *   - the CUDA runtime (cuda_runtime.h), loaded by load() (once, on the first CUDA tensor's submission:
+ *     a job without CUDA tensors never loads it), which also starts byteps-gpu;
  *   - one byteps stream per device (non-blocking), on which every copy of that device runs in the order
  *     byteps-net issues them, and per device a pool of events that mark each copy's end;
  *   - the staging ring: ``slots`` page-locked buffers of ``slot_bytes`` each (cudaHostAlloc, allocated on
@@ -56,23 +57,29 @@ class BpsGpuCopier {
   public:
     ~BpsGpuCopier() { stop(); }
 
-    /* Before start(): load the runtime at ``path`` and size the ring; copies that complete are announced
-     * on ``wake_fd`` (byteps-net's). "" on success, else why not. */
+    /* Once, before the first CUDA tensor's op is submitted (byteps-net may run): load the runtime at
+     * ``path``, size the ring and start byteps-gpu; copies that complete are announced on ``wake_fd``
+     * (byteps-net's). "" on success, else why not. */
     std::string load(const std::string &path, uint64_t slot_bytes, int slots, int wake_fd) {
+        if (enabled()) return "";
         if (slot_bytes == 0 || slots < 1) return "the GPU staging ring needs at least one slot of at least one byte";
-        wake_fd_ = wake_fd;
         std::string err = cuda_.load(path);
         if (!err.empty()) return err;
+        wake_fd_ = wake_fd;
         slot_bytes_ = slot_bytes;
-        slots_.assign((size_t)slots, nullptr);
-        for (int s = slots - 1; s >= 0; --s) free_.push_back(s);
+        {
+            std::lock_guard<std::mutex> lock(ring_mu_);
+            slots_.assign((size_t)slots, nullptr);
+            for (int s = slots - 1; s >= 0; --s) free_.push_back(s);
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            thread_ = std::thread([this] { run(); });
+        }
+        enabled_.store(true);
         return "";
     }
-    bool enabled() const { return cuda_.loaded(); }
-
-    void start() {
-        if (enabled()) thread_ = std::thread([this] { run(); });
-    }
+    bool enabled() const { return enabled_.load(); }
 
     /* Stop byteps-gpu once the copies in flight are done, waiting at most ``wait_s``. False: a copy never
      * completed (the GPU, or a producer's event, is stuck) and the thread is left waiting for it,
@@ -308,6 +315,7 @@ class BpsGpuCopier {
         }
     }
 
+    std::atomic<bool> enabled_{false};
     int wake_fd_ = -1;
     BpsCudart cuda_;
     uint64_t slot_bytes_ = 0;

@@ -23,7 +23,6 @@ inline BpsWorkerCore::~BpsWorkerCore() {
 inline void BpsWorkerCore::start() {
     std::lock_guard<std::mutex> lock(mu_); /* the full barrier that hands the sockets over */
     if (stage_ != nullptr) stage_->start();
-    gpu_->start();
     thread_ = std::thread([this] { run(); });
 }
 
