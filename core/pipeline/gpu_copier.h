@@ -180,15 +180,14 @@ class BpsGpuCopier {
             if (!err.empty()) return err;
         }
         op->gpu_waited = true;
+        bps_cuda_event e = nullptr; /* first: a copy is issued only with the event that tells when it is done */
+        err = event(d, &e);
+        if (!err.empty()) return err;
         unsigned char *dev = (unsigned char *)op->dev_ptr + p.offset;
         err = cuda_.check(d2h ? cuda_.MemcpyAsync(p.host, dev, p.length, BPS_CUDA_MEMCPY_D2H, d->stream)
                               : cuda_.MemcpyAsync(dev, p.host, p.length, BPS_CUDA_MEMCPY_H2D, d->stream),
                           d2h ? "cudaMemcpyAsync (device to host)" : "cudaMemcpyAsync (host to device)");
-        if (!err.empty()) return err;
-        bps_cuda_event e = nullptr;
-        err = event(op->device, d, &e);
-        if (!err.empty()) return err;
-        err = cuda_.check(cuda_.EventRecord(e, d->stream), "cudaEventRecord");
+        if (err.empty()) err = cuda_.check(cuda_.EventRecord(e, d->stream), "cudaEventRecord");
         if (!err.empty()) {
             d->events.push_back(e);
             return err;
@@ -278,8 +277,8 @@ class BpsGpuCopier {
         return "";
     }
 
-    std::string event(int dev, Device *d, bps_cuda_event *e) {
-        (void)dev;
+    /* a free event of device ``d`` (its pool), or a new one */
+    std::string event(Device *d, bps_cuda_event *e) {
         if (!d->events.empty()) {
             *e = d->events.back();
             d->events.pop_back();
