@@ -163,17 +163,18 @@ def test_copies_overlap_the_network_in_a_bounded_ring(cluster, fake_cudart, tmp_
         assert not interleaved(whole_tensor_log(base, numel * 4), base, numel * 4)
         assert v["gpu"]["peak_slots"] == 4, v["gpu"]
         assert v["fake"]["pinned_allocs"] == 4 and v["fake"]["pinned_peak"] == 4 * PART, v["fake"]
-    check_overlap(report.load(trace_path), 64)
+    check_overlap(report.load(trace_path), "big", 64)
 
 
-def check_overlap(trace, partitions):
-    """Each worker's timeline has a COPYD2H and a COPYH2D span per partition of the job's one tensor
-    (round 0), and some partition's COPYD2H overlaps the PUSH span of the partition before it."""
+def check_overlap(trace, tensor, partitions):
+    """Each worker's timeline has a COPYD2H and a COPYH2D span per partition of ``tensor``'s first op,
+    and some partition's COPYD2H overlaps the PUSH span of the partition before it. (A COPYD2H span
+    comes before the partition's round is taken, at its push: the first op's spans are the earliest.)"""
     for pid in {s["pid"] for s in trace.spans if trace.role(s["pid"]) == "worker"}:
         spans = {}
-        for s in trace.spans:
-            if s["pid"] == pid and s["name"] in ("COPYD2H", "PUSH", "COPYH2D") and s["args"]["round"] == 0:
-                spans[(s["name"], s["args"]["partition"])] = s
+        for s in sorted(trace.spans, key=lambda s: s["ts"]):
+            if s["pid"] == pid and s["name"] in ("COPYD2H", "PUSH", "COPYH2D") and s["args"]["tensor"] == tensor:
+                spans.setdefault((s["name"], s["args"]["partition"]), s)
         assert sum(k[0] == "COPYD2H" for k in spans) == partitions, (pid, sorted(spans))
         assert sum(k[0] == "COPYH2D" for k in spans) == partitions, (pid, sorted(spans))
         overlapping = [i for i in range(partitions - 1) if ("PUSH", i) in spans and
@@ -264,7 +265,7 @@ def test_torch_cuda_tensors_through_the_copy_stages(cluster, tmp_path, machines,
         assert all(v["ok"].values()) and len(v["ok"]) == 4, (rank, v["ok"])
         assert v["gpu"]["copies"] >= 2 * 9, (rank, v["gpu"])
     if machines == 2:
-        check_overlap(report.load(trace_path), 8)
+        check_overlap(report.load(trace_path), "t8", 8)
 
 
 @pytest.mark.timeout(120)
