@@ -5,6 +5,7 @@ setuptools' `package_dir` maps them under one import name. Cython does not follo
 `package_dir`, so `cython_include_tree()` builds a symlinked `byteps/` tree for cimports
 (a `cimport byteps.core...` must find the .pxd/.pyx files under a folder named like the package).
 """
+import glob
 import os
 
 from setuptools import Extension, find_packages, setup
@@ -98,9 +99,11 @@ def extensions():
         Extension(  # the worker's native data plane (libzmq through core/transport/bps_zmq.h, as _transport)
             "byteps.core._worker_core",
             ["core/_worker_core.pyx"],
+            # its C++ is all headers: a change to any of them rebuilds it (Cython sees only those it names)
+            depends=sorted(glob.glob(os.path.join("core", "**", "*.h"), recursive=True)),
             include_dirs=[HERE] + ucx_includes,
             define_macros=ucx_macros,
-            libraries=ucx_libs,
+            libraries=["dl"],  # dlopen: libzmq, the CUDA runtime (core/pipeline/cuda_runtime.h) and UCX
             language="c++",
             # the local reduce's sums (bps_reduce.h) are compiled as in _reduce, and the wire codecs
             # (bps_codecs.h, encoded and decoded by byteps-net) round once per operation as there

@@ -48,6 +48,7 @@ step tests
 PYTHONPATH=tests${PYTHONPATH:+:$PYTHONPATH} "$PY" -m pytest -q -p no:cacheprovider --timeout 300 -rs \
     tests/test_gpu_stages.py tests/test_local_exec.py::test_gpu_engine_path_cuda_tensors \
     tests/test_local_exec.py::test_cuda_tensors_on_the_default_path \
+    tests/test_gpu_native.py \
     2>&1 | tee "$OUTDIR/tests.log" | tail -25
 tests=${PIPESTATUS[0]}
 fi

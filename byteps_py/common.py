@@ -235,7 +235,9 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
 
     Args:
         name: the tensor's name, the same on every worker.
-        buf: a writable, C-contiguous uint8 numpy view of the tensor's memory (input and output).
+        buf: a writable, C-contiguous uint8 numpy view of the tensor's memory (input and output), or for
+            a CUDA tensor its device memory as a :class:`byteps.core.device_buffer.DeviceBuffer` (the
+            native core copies it off the GPU and back per partition).
         dtype: a code from :mod:`byteps.core.dtypes`.
         shape: the tensor's shape (compared across workers).
         broadcast_root: None for a sum, or the rank whose data every worker receives.

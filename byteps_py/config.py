@@ -49,6 +49,8 @@ VARIABLES = {
     "BYTEPS_TRANSPORT": ("auto", "what carries a worker's direct links to servers: tcp (core/transport/bps_link.h), ucx (UCP Active Messages, core/transport/bps_ucx.h: verbs on an RDMA NIC) or auto (ucx when this machine has an RDMA device and UCX loads, else tcp); docs/ucx.md"),
     "BYTEPS_UCX_PEER_ERRORS": ("1", "with BYTEPS_TRANSPORT=ucx: 1 asks UCX to detect dead peers (endpoint error handling), which rules out its shared-memory transports; 0 lets UCX use sm too (a dead peer is then reported by the scheduler alone); docs/ucx.md"),
     "BYTEPS_SPIN_US": ("auto", "microseconds a synchronous call of one small partition polls for its reply (yielding its core between polls) before it sleeps; auto: 50 where this process may run on 2 or more CPUs, 200 where the job's worker processes on this host also outnumber those CPUs, else 0 (core/pipeline/bps_worker.h set_direct_spin)"),
+    "BYTEPS_CUDART": (None, "path of the CUDA runtime library the native core copies CUDA tensors with (default: the libcudart of PyTorch's CUDA wheels, else the system's)"),
+    "BYTEPS_GPU_STAGING_BYTES": ("67108864", "page-locked host memory for CUDA tensors' partitions in flight: slots of one partition each"),
     "BYTEPS_CPU_BIND": ("auto", "auto | 1 | 0: bind each worker process's training thread (the one that called init()) to one CPU, the host's i-th worker process of the job to the i-th CPU it may use; auto: only where the job's worker processes on this host (2 or more) are at least as many as those CPUs, so that threads that poll (BYTEPS_SPIN_US) are not left sharing one CPU by the kernel's scheduler (byteps/cpus.py)"),
     # the job timeline (docs/timeline.md)
     "BYTEPS_TIMELINE": ("", "path of one Chrome/Perfetto trace of the whole job, written by the scheduler (empty: off)"),
@@ -235,6 +237,8 @@ class Config:
     spin_us: int = 0
     spin_auto: bool = False
     cpu_bind: str = "auto"
+    cudart: str = ""
+    gpu_staging_bytes: int = 64 << 20
 
     @property
     def distributed(self):
@@ -343,6 +347,8 @@ def load(env=None, role=None):
         spin_us=spin_us,
         spin_auto=spin_auto,
         cpu_bind=_choice(env, "BYTEPS_CPU_BIND", ["auto", "1", "0"]),
+        cudart=_get(env, "BYTEPS_CUDART", ""),
+        gpu_staging_bytes=_int(env, "BYTEPS_GPU_STAGING_BYTES", 64 << 20, minimum=1),
     )
 
 

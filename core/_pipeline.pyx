@@ -22,7 +22,8 @@ cdef extern from "core/pipeline/bps_stages.h" nogil:
     cdef cppclass BpsStageList:
         int32_t n
         int32_t stage[12]
-    BpsStageList bps_stage_list(int32_t kind, cbool owner, cbool local_reduce, cbool colocated, cbool lone_machine)
+    BpsStageList bps_stage_list(int32_t kind, cbool owner, cbool local_reduce, cbool colocated, cbool lone_machine,
+                                cbool gpu, cbool root)
 
 #: operation kinds of bps_stages.h BpsOpKind, by the names tensor declarations use
 OP_KINDS = {"push_pull": 0, "broadcast": 1, "async push_pull": 2}
@@ -33,9 +34,11 @@ def stage_names():
     return {BPS_STAGE_NAMES[i].code: BPS_STAGE_NAMES[i].name.decode() for i in range(BPS_STAGE_COUNT)}
 
 
-def stage_codes(kind, bint owner, bint local_reduce, bint colocated, bint lone_machine):
-    """The stage codes of one partition, in order, by bps_stage_list(): the rule the native core runs."""
-    cdef BpsStageList got = bps_stage_list(OP_KINDS[kind], owner, local_reduce, colocated, lone_machine)
+def stage_codes(kind, bint owner, bint local_reduce, bint colocated, bint lone_machine, bint gpu=False,
+                bint root=False):
+    """The stage codes of one partition, in order, by bps_stage_list(): the rule the native core runs
+    (``gpu``: a CUDA tensor's; ``root``: this process is a broadcast's root)."""
+    cdef BpsStageList got = bps_stage_list(OP_KINDS[kind], owner, local_reduce, colocated, lone_machine, gpu, root)
     return tuple(got.stage[i] for i in range(got.n))
 
 

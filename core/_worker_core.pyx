@@ -105,6 +105,13 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         int64_t add_table(const string &name, vector[BpsPart] parts, const BpsTableCodec *codec)
         void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                            cbool root_self, unsigned char *buf, uint64_t nbytes, cbool lazy, uint32_t divisor)
+        string enable_gpu(const string &cudart, uint64_t slot_bytes, int slots)
+        void submit_gpu(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+                        cbool root_self, uint64_t dev_ptr, int device, uint64_t nbytes, uint64_t ready_event,
+                        uint64_t done_event, cbool lazy, uint32_t divisor)
+        uint64_t gpu_peak_slots()
+        uint64_t gpu_copies()
+        uint64_t gpu_grown()
         cbool add_server(void *sock)
         cbool add_server_live(void *sock, int fd)
         int nservers()
@@ -168,7 +175,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         uint64_t bytes_received(int server)
 
 #: error kinds of a completed op (core/pipeline/bps_worker.h BpsErrorKind)
-OK, ERR_SERVER, ERR_PROTOCOL, ERR_TIMEOUT, ERR_ABORT = 0, 1, 2, 3, 4
+OK, ERR_SERVER, ERR_PROTOCOL, ERR_TIMEOUT, ERR_ABORT, ERR_CUDA = 0, 1, 2, 3, 4, 5
 #: bodies at least this large are sent zero-copy (Python keeps them alive until released())
 ZERO_COPY_MIN = 65536
 
@@ -476,6 +483,30 @@ cdef class WorkerCore:
         # releasing the GIL here would let another Python thread take it for up to a switch interval
         self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes, lazy,
                                       divisor)
+
+    def enable_gpu(self, str cudart, uint64_t slot_bytes, int slots):
+        """Once, before the first :meth:`submit_gpu` (any time, from one thread): load the CUDA runtime at
+        ``cudart``, with a staging ring of ``slots`` page-locked buffers of ``slot_bytes``
+        (core/pipeline/gpu_copier.h). Raises RuntimeError saying why it cannot be loaded."""
+        cdef string why = self.core.enable_gpu(cudart.encode(), slot_bytes, slots)
+        if why.size():
+            raise RuntimeError(why.decode(errors="replace"))
+
+    def submit_gpu(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
+                   bint root_self, uint64_t dev_ptr, int device, uint64_t nbytes, uint64_t ready_event,
+                   uint64_t done_event, bint lazy=False, uint32_t divisor=1):
+        """:meth:`submit` for a CUDA tensor: ``nbytes`` of device memory at ``dev_ptr`` on ``device``,
+        copied off the GPU and back per partition after the producer's ``ready_event`` (a cudaEvent_t,
+        0: none); ``done_event`` (0: none) is recorded on byteps' stream after the last copy, for the
+        caller's stream to wait on. Python touches none of its bytes."""
+        self.core.submit_gpu(op_id, table, cmd, dtype, root, priority, root_self, dev_ptr, device, nbytes,
+                             ready_event, done_event, lazy, divisor)
+
+    def gpu_stats(self):
+        """{"copies": COPYD2H and COPYH2D issued, "peak_slots": most staging slots held at once, "grown":
+        slots added to the ring because partitions waited for one with none coming back}."""
+        return {"copies": self.core.gpu_copies(), "peak_slots": self.core.gpu_peak_slots(),
+                "grown": self.core.gpu_grown()}
 
     def submit_direct(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
                       bint root_self, buf, uint32_t divisor=1):

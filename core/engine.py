@@ -101,6 +101,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self._local_exec = None
         # the native data plane (core/pipeline/bps_worker.h): owns the server sockets once authenticated
         self._native = None
+        self._gpu = None  # CUDA tensors' copy stages: None (not loaded yet), "" (loaded) or why they cannot run
         self._native_ops = {}       # native id -> Op, until its completion is delivered
         self._native_ids = itertools.count(1)
         self._native_parts = {}     # (tkey, nbytes, cmd, root_self) -> (native table id, partitions)

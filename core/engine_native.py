@@ -14,6 +14,8 @@ from byteps.errors import BytePSError, BytePSTimeoutError, ProtocolError, Tensor
 from byteps.log import logger
 
 from . import dtypes, stages, table_rows, wire
+from . import device_buffer
+from .device_buffer import DeviceBuffer
 from .ops import Op
 from .stages import Stage
 from .threads import name_native
@@ -156,13 +158,21 @@ class NativePlane:
         if not count:  # an empty tensor: nothing to send
             op._finish()
             return
+        gpu = isinstance(op.buf, DeviceBuffer)  # copied off the GPU and back per partition, never on this thread
+        if gpu and self._gpu_unavailable():
+            op.fail(BytePSError(f"push_pull of CUDA tensor {op.name!r}: {self._gpu}"))
+            return
         nid = next(self._native_ids)
         op.parts_left = count
         self._native_ops[nid] = op  # before submit: the completion thread may deliver it at once
         root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
         op.divided = op.divisor > 1  # the native core divides as it copies each partition's sum in; set before
         # submit, which the completion thread may race to deliver
-        if not (sync and count == 1 and self._native.submit_direct(nid, table, op.cmd, op.dtype, op.root,
+        if gpu:
+            b = op.buf
+            self._native.submit_gpu(nid, table, op.cmd, op.dtype, op.root, op.priority, root_self, b.ptr, b.device,
+                                    b.nbytes, b.ready_event, b.done_event, lazy=lazy, divisor=op.divisor)
+        elif not (sync and count == 1 and self._native.submit_direct(nid, table, op.cmd, op.dtype, op.root,
                                                                    op.priority, root_self, op.buf, op.divisor)):
             self._native.submit(nid, table, op.cmd, op.dtype, op.root, op.priority, root_self, op.buf, lazy=lazy,
                                 divisor=op.divisor)
@@ -173,6 +183,23 @@ class NativePlane:
         # only now: the native side reads an id it does not hold as "finished and forgotten", so a
         # poll() or synchronize() that saw the id before submit() would finish the op with no data
         op.native_id = nid
+
+    def _gpu_unavailable(self):
+        """Load the CUDA runtime for CUDA tensors' copy stages at the first one (core/device_buffer.py), with
+        a staging ring of BYTEPS_GPU_STAGING_BYTES in slots of one partition; why they cannot run here
+        (kept in ``self._gpu``), or "" once loaded."""
+        with self._native_lock:
+            if self._gpu is None:
+                path = device_buffer.cudart_path(self.cfg.cudart)
+                slot = max(self.cfg.partition_bytes, self.placement.partition_bytes)
+                try:
+                    if path is None:
+                        raise RuntimeError("no CUDA runtime library was found (BYTEPS_CUDART names one)")
+                    self._native.enable_gpu(path, slot, device_buffer.staging_slots(self.cfg.gpu_staging_bytes, slot))
+                    self._gpu = ""
+                except RuntimeError as e:
+                    self._gpu = f"{e} (BYTEPS_CUDART={self.cfg.cudart})" if self.cfg.cudart else str(e)
+            return self._gpu
 
     def credit_stalls(self):
         """Times the send queue's head went past a stalled credit (core/pipeline/bps_queue.h)."""
@@ -230,6 +257,8 @@ class NativePlane:
                                       f"(BYTEPS_TIMEOUT={self.cfg.timeout:g}) for {late}")
         if kind == _worker_core.ERR_ABORT:
             return self.failure or BytePSError("the byteps engine stopped")
+        if kind == _worker_core.ERR_CUDA:
+            return BytePSError(f"push_pull of CUDA tensor {op.name!r} failed: {text}")
         return ProtocolError(text)
 
     def native_done(self, op):
@@ -297,6 +326,8 @@ class NativePlane:
             "native": {"ops": self.native_submitted, "averaged": self.native_averaged,
                        "direct_calls": self.native_direct_calls, "links_up": self.native_links,
                        "direct_adopted": native.direct_adopted if native is not None else 0,
+                       # CUDA tensors' copies issued and most staging slots held (core/pipeline/gpu_copier.h)
+                       "gpu": native.gpu_stats() if native is not None else None,
                        "results_sent": native.results_sent if native is not None else 0,
                        # partitions it pushed encoded by their wire compressor (core/pipeline/worker_codec.h)
                        "compressed_pushes": native.compressed_pushes if native is not None else 0,

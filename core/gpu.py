@@ -96,7 +96,7 @@ class ncclUniqueId(ctypes.Structure):
 # finding the libraries
 
 
-def _pip_lib_dirs():
+def pip_lib_dirs():
     """lib/ folders of the nvidia-* wheels (nvidia/cuda_runtime/lib, nvidia/nccl/lib, ...)."""
     dirs = []
     for entry in sys.path:
@@ -111,7 +111,7 @@ def _open(stem, sonames):
     found = ctypes.util.find_library(stem)
     if found:
         names.insert(0, found)
-    for d in _pip_lib_dirs():
+    for d in pip_lib_dirs():
         names += sorted(glob.glob(os.path.join(d, f"lib{stem}.so*")), reverse=True)
     for name in names:
         try:

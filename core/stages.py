@@ -29,10 +29,16 @@ PULL                 receive the reply into the tensor (``recv_into``    network
                      or a copy from the server's shared store)
 LOCAL_BROADCAST      the owner tells the others where the result is;     network
                      each copies it into its tensor
+COPYD2H              a CUDA tensor's partition into a page-locked        byteps-net issues it on
+                     staging slot (after the producer's ready event)     a byteps stream; the
+                                                                         thread ``byteps-gpu``
+                                                                         waits for its event
+COPYH2D              its result from the slot back into the tensor       (the same)
 ===================  =================================================  =====================
 
-GPU stages (COPYD2H, NCCL_REDUCE, PCIE_REDUCE, COPYH2D, NCCL_BROADCAST) come from the topology
-plan (byteps/topology, core/gpu.py) and are placed around this list for CUDA tensors.
+A CUDA tensor's partitions start with COPYD2H and end with COPYH2D around the host stages
+(``stage_list(device="cuda")``; core/pipeline/gpu_copier.h). With BYTEPS_LOCAL_STRATEGY=topology the
+plan's GPU stages (NCCL_REDUCE, PCIE_REDUCE, NCCL_BROADCAST) run instead (executor_stage_list).
 """
 import enum
 import os
@@ -80,8 +86,8 @@ OPTIONAL = {Stage.STAGE: "copy into shared memory for a colocated server (withou
             Stage.LOCAL_REDUCE: "sum a machine's copies first (without it: every process pushes its own)"}
 
 
-def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", device="cpu", gpu_stages=(),
-               machines=None):
+def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", device="cpu", machines=None,
+               root=False):
     """The ordered stages of one partition of a tensor on this process.
 
     Args:
@@ -90,14 +96,16 @@ def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", 
         local_reduce: the machine's processes sum locally first (BYTEPS_LOCAL_REDUCE and > 1 process).
         colocated: the partition's server is on this machine and shares memory with us.
         kind: "push_pull", "broadcast" or "async push_pull" (the last two never reduce locally).
-        device: "cpu" or "cuda"; for "cuda", ``gpu_stages`` = (before, after) from the topology plan.
+        device: "cpu" or "cuda": a CUDA tensor's partition is copied off the GPU first (COPYD2H) and its
+            result back last (COPYH2D), per partition (core/pipeline/gpu_copier.h).
         machines: worker machines in the job (DMLC_NUM_WORKER). With one, the local reduce is the whole
             sum: the owner broadcasts it at once, without a server round trip (as BytePS, which needs no
             server for one machine).
+        root: this process is a broadcast's root (a CUDA root copies nothing back, the others nothing off).
     """
-    before, after = gpu_stages if device == "cuda" and gpu_stages else ((), ())
-    host = _pipeline.stage_codes(kind, owner, bool(local_reduce and local_size > 1), colocated, machines == 1)
-    return tuple(before) + tuple(Stage(code) for code in host) + tuple(after)
+    codes = _pipeline.stage_codes(kind, owner, bool(local_reduce and local_size > 1), colocated, machines == 1,
+                                  device == "cuda", root)
+    return tuple(Stage(code) for code in codes)
 
 
 def executor_stage_list(plan, device="cpu", owner=True):
@@ -191,7 +199,8 @@ def situations_text(local_size=2, env=None):
     rows = situations(local_size, dropped)
     width = max(len(what) for what, _ in rows)
     lines = [head + ":"] + [f"  {what:<{width}}  {describe(st)}" for what, st in rows]
-    lines.append("  CUDA tensors add the topology plan's GPU stages around these (docs/topology.md); with "
+    lines.append("  CUDA tensors add COPYD2H before and COPYH2D after these (a broadcast's root copies nothing back, "
+                 "the other ranks nothing off the GPU); with "
                  "BYTEPS_LOCAL_STRATEGY=topology the plan's executor runs STAGE -> LOCAL_REDUCE [-> PCIE_REDUCE] -> "
                  "PUSH -> PULL -> LOCAL_BROADCAST per range (executor_stage_list)")
     return "\n".join(lines)

@@ -98,9 +98,9 @@ def cuda_default_path(out, args):
     b = torch.full((1001,), float(bps.rank() + 1), device=dev)
     res["broadcast"] = sorted(set(bps.broadcast(b, root_rank=0, name="cuda.bc").cpu().tolist()))
     res["device"] = str(dev)
-    # DistributedOptimizer on a CUDA model: gradients staged off autograd's thread (plugins/torch/staging.py).
+    # DistributedOptimizer on a CUDA model: gradients copied off the GPU per partition by the native core
+    # (COPYD2H / COPYH2D, core/pipeline/gpu_copier.h), autograd's thread only records an event.
     # loss = sum(W x) over 2 rows of (rank + 1): every gradient entry is 2 (rank + 1), their average n + 1
-    from byteps.torch import staging
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 300, bias=False), torch.nn.Linear(300, 5, bias=False)).to(dev)
     with torch.no_grad():
@@ -108,7 +108,7 @@ def cuda_default_path(out, args):
         model[1].weight.fill_(1.0)
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                    named_parameters=model.named_parameters())
-    staged = staging.stats["staged"]
+    copies = bps.metrics()["native"]["gpu"]["copies"]
     for _ in range(3):
         opt.zero_grad()
         x = torch.full((2, 300), float(bps.rank() + 1), device=dev)
@@ -116,7 +116,7 @@ def cuda_default_path(out, args):
         opt.step()
     res["weights"] = sorted(set(model[1].weight.detach().cpu().reshape(-1).tolist()))
     res["unused"] = sorted(set(model[0].weight.detach().cpu().reshape(-1).tolist()))
-    res["staged"] = staging.stats["staged"] - staged
+    res["copies"] = bps.metrics()["native"]["gpu"]["copies"] - copies
     res["ddp"] = _ddp_hook_on_cuda(out, dev)
     return res
 

@@ -183,9 +183,8 @@ def test_stage_lists_per_role():
     # broadcasts never reduce locally
     assert stage_list(owner=False, local_size=4, local_reduce=True, colocated=False, kind="broadcast") == \
         (S.PUSH, S.PULL)
-    gpu = ((S.COPYD2H,), (S.COPYH2D,))
-    assert stage_list(owner=True, local_size=1, local_reduce=False, colocated=False, device="cuda",
-                      gpu_stages=gpu) == (S.COPYD2H, S.PUSH, S.PULL, S.COPYH2D)
+    assert stage_list(owner=True, local_size=1, local_reduce=False, colocated=False, device="cuda") == \
+        (S.COPYD2H, S.PUSH, S.PULL, S.COPYH2D)
 
 
 @pytest.mark.parametrize("raw,needle", [("stage", "must name a stage to drop"), ("-bogus", "unknown stage 'bogus'"),

@@ -57,5 +57,24 @@ def test_stage_lists_come_from_the_native_rule():
                         assert got == want, (kind, owner, local, colocated, machines)
     # one process on its machine never reduces locally, and GPU stages go around the host stages
     assert stages.stage_list(owner=True, local_size=1, local_reduce=True, colocated=False) == (S.PUSH, S.PULL)
-    assert stages.stage_list(owner=True, local_size=1, local_reduce=False, colocated=False, device="cuda",
-                             gpu_stages=((S.COPYD2H,), (S.COPYH2D,))) == (S.COPYD2H, S.PUSH, S.PULL, S.COPYH2D)
+    assert stages.stage_list(owner=True, local_size=1, local_reduce=False, colocated=False,
+                             device="cuda") == (S.COPYD2H, S.PUSH, S.PULL, S.COPYH2D)
+
+
+def test_cuda_stage_lists_copy_around_the_host_stages():
+    """A CUDA tensor's partition: COPYD2H first and COPYH2D last around the host stages for every role,
+    except a broadcast's root (nothing comes back) and its other ranks (nothing to send)."""
+    S = Stage
+    for kind in ("push_pull", "broadcast", "async push_pull"):
+        for owner in (True, False):
+            for local in (True, False):
+                for colocated in (True, False):
+                    for machines in (1, 2):
+                        for root in (True, False):
+                            args = dict(owner=owner, local_size=2, local_reduce=local, colocated=colocated, kind=kind,
+                                        machines=machines, root=root)
+                            host = stages.stage_list(**args)
+                            got = stages.stage_list(device="cuda", **args)
+                            before = () if kind == "broadcast" and not root else (S.COPYD2H,)
+                            after = () if kind == "broadcast" and root else (S.COPYH2D,)
+                            assert got == before + host + after, args

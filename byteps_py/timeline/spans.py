@@ -28,11 +28,11 @@ MEANING = {
     "SUM": "server: one summation into the round's store",
     "ROUND": "server: from a round's first push until all pushes are in and summed",
     "REPLY": "server: the round's replies handed to the transport",
-    "COPYD2H": "GPU to page-locked host buffer",
+    "COPYD2H": "GPU to page-locked host buffer (a partition's copy: issued -> its event seen by byteps-gpu)",
     "NCCL_REDUCE": "the GPUs of a local group reduce over NCCL",
     "PCIE_REDUCE": "the CPU sums the local groups' copies",
     "NCCL_BROADCAST": "the result to every GPU of the group over NCCL",
-    "COPYH2D": "page-locked host buffer to GPU",
+    "COPYH2D": "page-locked host buffer to GPU (a partition's result: issued -> its event seen by byteps-gpu)",
 }
 
 #: core/pipeline/bps_trace.h BpsSpan, byte for byte

@@ -55,21 +55,20 @@ struct BpsStageList {
     void add(int32_t s) { stage[n++] = s; }
 };
 
-/* The host stages of one partition on this process.
+/* The host stages of one partition on this process, appended to ``l``.
  *   owner:        this process reduces and pushes the partition for its machine
  *   local_reduce: the machine's processes sum locally first (several processes, not switched off)
  *   colocated:    the partition's server is on this machine and shares memory with this process
  *   lone_machine: the job has one worker machine: the local sum is the whole sum, so the owner
  *                 broadcasts it at once, without a server round trip (BytePS needs no server there)
  * Broadcasts and asynchronous push_pulls never reduce locally. */
-static inline BpsStageList bps_stage_list(int32_t kind, bool owner, bool local_reduce, bool colocated,
-                                          bool lone_machine) {
-    BpsStageList l;
+static inline void bps_host_stages(BpsStageList &l, int32_t kind, bool owner, bool local_reduce, bool colocated,
+                                   bool lone_machine) {
     if (kind == BPS_OP_PUSH_PULL && local_reduce) {
         if (!owner) {
             l.add(BPS_STAGE_COORDINATE);
             l.add(BPS_STAGE_LOCAL_BROADCAST);
-            return l;
+            return;
         }
         l.add(BPS_STAGE_LOCAL_REDUCE);  /* the sum is already in the owner's shared region: no STAGE */
         if (!lone_machine) {
@@ -77,11 +76,23 @@ static inline BpsStageList bps_stage_list(int32_t kind, bool owner, bool local_r
             l.add(BPS_STAGE_PULL);
         }
         l.add(BPS_STAGE_LOCAL_BROADCAST);
-        return l;
+        return;
     }
     if (colocated)
         l.add(BPS_STAGE_STAGE);
     l.add(BPS_STAGE_PUSH);
     l.add(BPS_STAGE_PULL);
+}
+
+/* One partition's stages on this process, in order: the host stages (above), and for a CUDA tensor
+ * (``gpu``) COPYD2H before them and COPYH2D after them (core/pipeline/gpu_copier.h), except where a
+ * broadcast needs no copy: a non-root sends nothing (no COPYD2H), the root gets nothing back (no
+ * COPYH2D); ``root``: this process is a broadcast's root. */
+static inline BpsStageList bps_stage_list(int32_t kind, bool owner, bool local_reduce, bool colocated,
+                                          bool lone_machine, bool gpu = false, bool root = false) {
+    BpsStageList l;
+    if (gpu && !(kind == BPS_OP_BROADCAST && !root)) l.add(BPS_STAGE_COPYD2H);
+    bps_host_stages(l, kind, owner, local_reduce, colocated, lone_machine);
+    if (gpu && !(kind == BPS_OP_BROADCAST && root)) l.add(BPS_STAGE_COPYH2D);
     return l;
 }

@@ -62,6 +62,8 @@
  *     BpsEarlyCopies    early_copies.h    LOCAL_READYs that came before their op
  *     BpsSendQueue      send_queue.h      partitions waiting for the byte credit, bytes in flight
  *     BpsStageThread    stage_thread.h    byteps-reduce: the local reduce's big sums and copies
+ *     BpsGpuCopier      gpu_copier.h      CUDA tensors: COPYD2H / COPYH2D per partition, the staging
+ *                                         ring, the byteps streams, byteps-gpu (waits for copies)
  *
  * BpsWorkerCore's member functions live in one header per part, each included at the end of this one:
  *
@@ -112,6 +114,7 @@
 #include "core/transport/bps_wire.h"
 #include "core/transport/bps_zmq.h"
 #include "core/pipeline/early_copies.h"
+#include "core/pipeline/gpu_copier.h"
 #include "core/pipeline/elastic_router.h"
 #include "core/pipeline/local_peers.h"
 #include "core/pipeline/send_queue.h"
@@ -131,6 +134,17 @@ class BpsWorkerCore {
                       bool root_self, unsigned char *buf, uint64_t nbytes, bool lazy = false, uint32_t divisor = 1);
     void submit(BpsOp *op);
     void submit_locked(BpsOp *op);
+    /* CUDA tensors (BpsGpuCopier, gpu_copier.h): load the runtime once before the first submit_gpu() of
+     * an op of device memory, whose partitions are copied off the GPU and back per partition */
+    std::string enable_gpu(const std::string &cudart, uint64_t slot_bytes, int slots) {
+        return gpu_->load(cudart, slot_bytes, slots, wake_fd_);
+    }
+    void submit_gpu(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
+                    bool root_self, uint64_t dev_ptr, int device, uint64_t nbytes, uint64_t ready_event,
+                    uint64_t done_event, bool lazy, uint32_t divisor);
+    uint64_t gpu_peak_slots() const { return gpu_->peak_slots(); }
+    uint64_t gpu_copies() const { return gpu_->copies(); }
+    uint64_t gpu_grown() const { return gpu_->grown(); }
     uint64_t next_round(uint64_t key);
     void reset_rounds();
 
@@ -296,6 +310,10 @@ class BpsWorkerCore {
     void start(BpsOp *op, int i);
     void resume(BpsOp *op, int i, int32_t stage);
     void advance(BpsOp *op, int i);
+    void gpu_copy(BpsOp *op, int i, bool d2h);
+    void take_gpu_done();
+    void grant_slots();
+    void submit_new(BpsOp *op, int64_t table);
     void queue(BpsOp *op, int i);
     void pull(BpsOp *op, int i);
     void take_reply(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m);
@@ -402,6 +420,9 @@ class BpsWorkerCore {
     /* local reduce: set up by add_local() before start(); then network-thread state */
     int local_rank_ = 0, local_size_ = 1;
     BpsStageThread *stage_ = nullptr;
+    /* COPYD2H / COPYH2D: the staging ring, the byteps streams, byteps-gpu (own mutexes); left allocated
+     * if a copy never completed (its thread still waits for it: BpsGpuCopier::stop) */
+    BpsGpuCopier *gpu_ = new BpsGpuCopier();
     std::map<Ident, Group> groups_;
     std::map<Ident, Await> awaiting_;
     BpsEarlyCopies early_; /* LOCAL_READYs before their op (own mutex: a direct owner takes its copies) */

@@ -126,7 +126,7 @@ inline void BpsWorkerCore::coordinate(BpsOp *op, int i) {
     BpsPart &p = op->parts[i];
     op->owed_local[p.owner]++;
     awaiting_[Ident(p.key, p.rnd)] = Await{op, i, p.owner};
-    stage_or_inline(BPS_TASK_COPY_IN, op, i, p.staging, {op->buf + p.offset});
+    stage_or_inline(BPS_TASK_COPY_IN, op, i, p.staging, {bps_host_bytes(op, p)});
 }
 
 /* The copies of partition ``id`` that came before its op (early_), into its group. */
@@ -241,7 +241,7 @@ inline void BpsWorkerCore::maybe_reduce(const Ident &id) {
         return;
     }
     std::vector<const void *> srcs;
-    if (!op->adds_nothing || g.copies.empty()) srcs.push_back(op->buf + p.offset);
+    if (!op->adds_nothing || g.copies.empty()) srcs.push_back(bps_host_bytes(op, p));
     srcs.insert(srcs.end(), g.copies.begin(), g.copies.end());
     stage_or_inline(BPS_TASK_SUM, op, g.part, p.staging, std::move(srcs));
 }

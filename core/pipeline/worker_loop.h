@@ -14,6 +14,7 @@ inline BpsWorkerCore::BpsWorkerCore(uint32_t node_id, int64_t credit, double tim
 inline BpsWorkerCore::~BpsWorkerCore() {
     stop();
     if (stage_ != nullptr) delete stage_;
+    if (gpu_->stop()) delete gpu_;
     for (auto &kv : ops_) delete kv.second;
     ::close(wake_fd_);
     ::close(done_fd_);
@@ -31,6 +32,7 @@ inline void BpsWorkerCore::stop() {
     wake();
     thread_.join();
     if (stage_ != nullptr) stage_->stop();
+    gpu_->stop();
 }
 
 /* Register a tensor's partition table once (per tensor, not per call); returns its id. */
@@ -54,6 +56,26 @@ inline void BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, 
                                         bool lazy, uint32_t divisor) {
     BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
     op->lazy = lazy;
+    submit_new(op, table);
+}
+
+/* A CUDA tensor's op: ``nbytes`` of device memory at ``dev_ptr`` on device ``device``; its first copy
+ * waits for the producer's ``ready_event``, its completion records ``done_event`` (0: none). */
+inline void BpsWorkerCore::submit_gpu(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root,
+                                      int64_t priority, bool root_self, uint64_t dev_ptr, int device, uint64_t nbytes,
+                                      uint64_t ready_event, uint64_t done_event, bool lazy, uint32_t divisor) {
+    BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, nullptr, nbytes, divisor);
+    op->lazy = lazy;
+    op->gpu = true;
+    op->dev_ptr = dev_ptr;
+    op->device = device;
+    op->ready_event = ready_event;
+    op->done_event = done_event;
+    submit_new(op, table);
+}
+
+/* A new op on table ``table``: its partitions (the membership's), then byteps-net starts it. */
+inline void BpsWorkerCore::submit_new(BpsOp *op, int64_t table) {
     {
         std::lock_guard<std::mutex> lock(mu_);
         BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
@@ -157,6 +179,7 @@ inline void BpsWorkerCore::run() {
         take_inbox();
         take_direct();
         take_stage_done();
+        take_gpu_done();
         if (nsocks != servers_.size()) continue; /* a server joined: poll it too before reading */
         if (local_.router() != nullptr && items[router_at].revents) {
             for (int k = 0; k < 256; ++k) {
@@ -204,6 +227,7 @@ inline void BpsWorkerCore::run() {
         send_ready();
         double now = bps_now();
         if (now >= next_check) {
+            if (gpu_->unstall(now)) grant_slots();
             check_timeouts(now);
             next_check = now + 0.1;
         }
@@ -310,7 +334,7 @@ inline void BpsWorkerCore::on_message(int server, BpsMessage *m) {
 
 inline void BpsWorkerCore::receive(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m) {
     uint64_t expect = op->root_self ? 0 : p.length;
-    unsigned char *dst = op->buf + p.offset;
+    unsigned char *dst = bps_host_bytes(op, p);
     std::string who = "tensor '" + op->name + "': server " + std::to_string(server);
     if (m->count < 2) {
         set_error(op, BPS_ERR_PROTOCOL, who + " replied without a body");

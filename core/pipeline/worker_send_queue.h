@@ -87,9 +87,9 @@ inline void BpsWorkerCore::push(BpsOp *op, int index) {
     }
     /* no copy where the tensor is in shared memory already (a topology executor's range), or where a
      * lost server's replacement elsewhere takes the bytes from the tensor */
-    if (p.staging != nullptr && p.staging != op->buf + p.offset) {
+    if (p.staging != nullptr && p.staging != bps_host_bytes(op, p)) {
         uint64_t t_stage = bps_span_start();
-        bps_copy_stream(p.staging, op->buf + p.offset, p.length); /* the server reads it on another core */
+        bps_copy_stream(p.staging, bps_host_bytes(op, p), p.length); /* the server reads it on another core */
         bps_span(BPS_STAGE_STAGE, t_stage, p.key, rnd, p.length, p.server, op->priority);
     }
     advance(op, index);
@@ -103,7 +103,7 @@ inline void BpsWorkerCore::send_push(BpsOp *op, int index) {
     uint64_t rnd = p.rnd;
     bool empty = op->cmd == BPS_CMD_BROADCAST && !op->root_self;
     uint8_t flags = 0;
-    const unsigned char *data = op->local ? p.staging : op->buf + p.offset;
+    const unsigned char *data = op->local ? p.staging : bps_host_bytes(op, p);
     if (op->local ? p.colocated : p.staging != nullptr && !empty) flags = BPS_FLAG_SHM;
     p.trace_t = bps_span_start(); /* PUSH: until the reply arrives (on_message) */
     uint64_t body_len = empty ? 0 : (flags ? BPS_DESCRIPTOR_SIZE : p.length);

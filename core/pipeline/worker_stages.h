@@ -36,17 +36,35 @@ inline void BpsWorkerCore::plan(BpsOp *op, int i) {
     /* a colocated server reads a plain partition from our staging region (a non-root broadcast has none) */
     bool colocated = local ? p.colocated : p.staging != nullptr;
     p.stages = bps_stage_list(bps_op_kind(op->cmd), !local || p.owner == local_rank_, local, colocated,
-                              lone_machine_);
+                              lone_machine_, op->gpu, op->root_self);
     p.at = -1;
 }
 
 /* A partition of an op byteps-net starts: its list, its round (a local reduce's ranks all take it
- * now), then its first stage. */
+ * now), (a CUDA tensor) its staging slot, then its first stage. A partition that waits for a slot
+ * comes back from grant_slots(). */
 inline void BpsWorkerCore::start(BpsOp *op, int i) {
     plan(op, i);
     BpsPart &p = op->parts[(size_t)i];
     if (op->local && !op->adds_nothing) p.rnd = next_round(p.key); /* a joined owner's: its peers' round */
+    if (op->gpu) {
+        std::string err;
+        if (!gpu_->take_slot(op, i, seq_++, &err)) {
+            if (!err.empty()) fail(op, BPS_ERR_CUDA, err);
+            return;
+        }
+    }
     advance(op, i);
+}
+
+/* Partitions of CUDA tensors that waited for a staging slot and have one now: into their first stage. */
+inline void BpsWorkerCore::grant_slots() {
+    std::vector<std::pair<BpsQueued, std::string>> got;
+    gpu_->granted(&got);
+    for (auto &g : got) {
+        if (!g.second.empty()) fail(g.first.op, BPS_ERR_CUDA, g.second);
+        else advance(g.first.op, g.first.part);
+    }
 }
 
 /* A partition a direct caller hands over, in stage ``stage`` of its list (its work under way). */
@@ -85,9 +103,46 @@ inline void BpsWorkerCore::advance(BpsOp *op, int i) {
         case BPS_STAGE_LOCAL_BROADCAST:
             local_broadcast_result(op, i);
             return;
-        default:
+        case BPS_STAGE_COPYD2H:
+            gpu_copy(op, i, true);
+            return;
+        case BPS_STAGE_COPYH2D:
+            gpu_copy(op, i, false);
+            return;
+        default: { /* done: a CUDA tensor's slot goes to the next partition that waits for one */
+            bool waiting = op->gpu && gpu_->release(p);
             part_done(op);
+            if (waiting) grant_slots();
+        }
     }
+}
+
+/* COPYD2H / COPYH2D: the copy is issued on the device's byteps stream; its event ends the stage
+ * (take_gpu_done). */
+inline void BpsWorkerCore::gpu_copy(BpsOp *op, int i, bool d2h) {
+    std::string err = gpu_->copy(op, i, d2h);
+    if (!err.empty()) fail(op, BPS_ERR_CUDA, "tensor '" + op->name + "': " + err);
+}
+
+/* Copies whose events completed (byteps-gpu): their spans, and their partitions on to the next stage. */
+inline void BpsWorkerCore::take_gpu_done() {
+    if (!gpu_->enabled()) return;
+    std::vector<BpsGpuCopy> done;
+    gpu_->done(&done);
+    for (BpsGpuCopy &c : done) {
+        BpsOp *op = c.op;
+        if (op->done.load()) { /* failed meanwhile: Python may free it once its tasks are 0 */
+            op->tasks--;
+            continue;
+        }
+        op->tasks--; /* not done: only this thread completes it, so it stays */
+        const BpsPart &p = op->parts[(size_t)c.part];
+        bps_span(c.d2h ? BPS_STAGE_COPYD2H : BPS_STAGE_COPYH2D, c.t_issued, p.key, p.rnd, p.length, p.server,
+                 op->priority);
+        if (!c.error.empty()) fail(op, BPS_ERR_CUDA, "tensor '" + op->name + "': " + c.error);
+        else advance(op, c.part);
+    }
+    grant_slots();
 }
 
 /* Wait for the send queue: by priority, within the byte credit (send_ready() calls push()). */
@@ -133,7 +188,7 @@ inline void BpsWorkerCore::local_broadcast_result(BpsOp *op, int i) {
         advance(op, i);
         return;
     }
-    stage_or_inline(BPS_TASK_COPY_OUT, op, i, op->buf + p.offset, {p.result});
+    stage_or_inline(BPS_TASK_COPY_OUT, op, i, bps_host_bytes(op, p), {p.result});
 }
 
 #endif

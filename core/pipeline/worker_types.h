@@ -25,6 +25,7 @@ enum BpsErrorKind {
     BPS_ERR_PROTOCOL = 2,  /* a reply that does not fit the partition */
     BPS_ERR_TIMEOUT = 3,   /* BYTEPS_TIMEOUT */
     BPS_ERR_ABORT = 4,     /* the engine failed (peer lost, ...): Python's failure stands */
+    BPS_ERR_CUDA = 5,      /* a CUDA call of the copy stages failed: detail names the tensor and the call */
 };
 
 /* Partitions at least this large are summed / copied on the stage thread, smaller ones inline (the
@@ -73,6 +74,10 @@ struct BpsPart {
      * result is, and (owner) the descriptor its LOCAL_DONE names (read within that event) */
     const unsigned char *result = nullptr;
     const void *result_desc = nullptr;
+    /* a CUDA tensor's partition: its page-locked staging slot (gpu_copier.h), its host bytes from its
+     * first stage to its last; -1 / NULL: none held */
+    int32_t slot = -1;
+    unsigned char *host = nullptr;
 
     int32_t stage() const { return at >= 0 && at < stages.n ? stages.stage[at] : 0; }
 };
@@ -107,7 +112,20 @@ struct BpsOp {
     BpsTableCodec *codec = nullptr; /* its table's wire codec (the table outlives it), or NULL */
     uint32_t divisor = 1;   /* an averaged float push_pull: each partition's sum is divided by this on its
                              * way into the tensor (bps_result_into), so the average costs no pass of its own */
+    /* a CUDA tensor (submit_gpu): its device memory, device ordinal, the producer's ready event (its
+     * first copy waits for it) and the caller's done event (recorded after its last copy), as CUDA
+     * handles; its partitions' host bytes are staging slots (BpsPart::host), ``buf`` is NULL */
+    bool gpu = false;
+    uint64_t dev_ptr = 0;
+    int device = 0;
+    uint64_t ready_event = 0, done_event = 0;
+    bool gpu_waited = false; /* byteps-net: its copies' stream waits for the ready event already */
 };
+
+/* Where partition ``p`` of ``op`` is in host memory: the tensor's bytes, or (a CUDA tensor) its slot. */
+static inline unsigned char *bps_host_bytes(const BpsOp *op, const BpsPart &p) {
+    return op->gpu ? p.host : op->buf + p.offset;
+}
 
 /* A partition's sum into the tensor at ``dst``: copied, or divided by the op's divisor on the way (an
  * average). ``stream``: a copy of 1 MB or more uses non-temporal stores (bps_copy_streamed). */

@@ -12,10 +12,10 @@ backward pass is never blocked. The byteps job must be the same set of processes
 (same size; ranks are not compared). ``state`` may be a string: it prefixes the tensor names,
 which is needed only when several DDP models in one process use the hook at the same time.
 
-A CUDA bucket is copied to page-locked host memory on DDP's thread, as any CUDA push_pull is
-(ops._host_buffer). Staging it off that thread instead, as ``DistributedOptimizer`` does
-(staging.py), was tried and measured slower on an H100: 0.46-0.97x DDP-gloo against 1.06-1.22x
-between 2 machines, five runs each (docs/benchmarks.md, "DDP communication hook on CUDA").
+A CUDA bucket goes to the native core as its device memory, as any CUDA push_pull does (plugins/torch/
+ops.py): the core copies it off the GPU and back partition by partition (COPYD2H / COPYH2D), so DDP's
+thread only records an event and the copies overlap the network. The future completes once the last
+partition is back on the GPU.
 """
 import torch
 

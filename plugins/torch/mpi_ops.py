@@ -35,8 +35,8 @@ from byteps.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, glo
 
 from . import completion
 from .compression import Compression, wire_codec
-from .ops import (_average_by, _broadcast_start, _buffers, _start, _written_back,
-                  broadcast_async_ as _bps_broadcast_async_, dtype_code)
+from .ops import (_after_device_copies, _average_by, _broadcast_start, _buffers, _ready_again, _start,
+                  _written_back, broadcast_async_ as _bps_broadcast_async_, dtype_code)
 from .process_sets import (ProcessSet, _check_process_set, _members, _wire_set, add_process_set,  # noqa: F401
                            global_process_set, remove_process_set)
 
@@ -200,11 +200,14 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
     # CUDA may stay on the GPU (BYTEPS_LOCAL_STRATEGY=topology), except in a process set
     work, write_back, buf = _buffers(tensor, push_pull=pset is None, name=full)
     size = _members(pset)[0]
-    _scale_(work, prescale_factor)
-    average_by = _average_by(work, size) if op == Average and postscale_factor == 1.0 else 1
+    if prescale_factor != 1.0:
+        _scale_(work, prescale_factor)
+        _ready_again(buf, work)
+    average_by = _average_by(work, size, buf) if op == Average and postscale_factor == 1.0 else 1
 
     @torch.no_grad()
     def finalize():
+        _after_device_copies(buf, work)
         if op == Average and size > 1 and average_by == 1:
             if work.dtype.is_floating_point:
                 _scale_(work, postscale_factor)

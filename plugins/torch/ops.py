@@ -1,17 +1,22 @@
-"""push_pull and broadcast on torch tensors (CPU; CUDA tensors are staged through host memory).
+"""push_pull and broadcast on torch tensors, CPU and CUDA.
 
-Tensors reach the core as a flat uint8 numpy view of their own memory, so nothing is copied
-for contiguous CPU tensors. Non-contiguous and CUDA tensors are worked on in a contiguous host
-copy (page-locked for CUDA tensors) that is written back when the handle is synchronized. Exception: with
-BYTEPS_LOCAL_STRATEGY=topology on a machine whose GPU stages work (core/local_exec.py), a CUDA
-push_pull stays on the GPU: the core gets the tensor's device memory (``__cuda_array_interface__``
-or DLPack, core/gpu.py) and the GPU stages move only the machine's sum through host memory.
+CPU tensors reach the core as a flat uint8 numpy view of their own memory, so nothing is copied for
+contiguous ones; a non-contiguous one is worked on in a contiguous copy written back when the handle
+is synchronized. A CUDA tensor reaches the native core as its device memory (core/device_buffer.py
+DeviceBuffer), with an event recorded on the caller's current stream after the work that produces it:
+the core copies each partition off the GPU after that event and its result back, partition by partition,
+overlapping the network (COPYD2H / COPYH2D, core/pipeline/gpu_copier.h), and ``synchronize`` makes the
+caller's current stream wait for the op's done event. With BYTEPS_LOCAL_STRATEGY=topology on a machine
+whose GPU stages work (core/local_exec.py), a CUDA push_pull goes to the topology plan's executor
+instead: the core gets the tensor's device memory (``__cuda_array_interface__`` or DLPack, core/gpu.py)
+and the GPU stages move only the machine's sum through host memory.
 """
 import torch
 
 from byteps import common
 from byteps.core import dtypes
 from byteps.core._reduce import byte_array
+from byteps.core.device_buffer import DeviceBuffer
 
 from . import completion
 
@@ -52,19 +57,12 @@ def _wire_shape(tensor):
 
 
 def _host_buffer(tensor):
-    """(work tensor, write_back): a contiguous CPU tensor sharing memory with ``tensor`` where it can, else a
-    contiguous host copy that ``finalize`` writes back into ``tensor``.
-
-    A CUDA tensor's copy goes into page-locked memory from torch's caching host allocator: both copies
-    run at DMA speed, and a warm loop gets the same blocks again (a fresh pageable 64 MB copy costs
-    16,384 page faults and a copy at a fraction of the PCIe rate). The copy to the host waits for the
-    work queued on the caller's current stream, which may still be writing ``tensor``."""
+    """(work tensor, write_back) of a tensor the core reads in host memory: a contiguous CPU tensor sharing
+    memory with ``tensor`` where it can, else a contiguous host copy that ``finalize`` writes back into
+    ``tensor`` (a CUDA tensor only for the topology executor's CPU path: the native core copies CUDA
+    tensors itself, per partition)."""
     if tensor.device.type == "cpu" and tensor.is_contiguous():
         return tensor, None
-    if tensor.is_cuda:
-        work = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        work.copy_(tensor.detach())  # not non_blocking: the core reads ``work`` as soon as this returns
-        return work, tensor
     work = tensor.detach().to("cpu", copy=True).contiguous()
     return work, tensor
 
@@ -74,32 +72,67 @@ def _byte_view(work):
     return byte_array(work.data_ptr(), work.numel() * work.element_size(), work)
 
 
-def _cuda_path():
-    """True when this process hands CUDA push_pulls to the GPU stages (core/local_exec.py)."""
+def _topology():
+    """None, or whether the topology plan's executor (BYTEPS_LOCAL_STRATEGY=topology, core/local_exec.py)
+    takes this process's CUDA push_pulls to its GPU stages (True) or only host memory (False)."""
     engine = common._require().engine
-    if engine is None:
-        return False
+    if engine is None or getattr(engine, "_local_exec", None) is None:
+        return None
     from byteps.core import local_exec
 
     return local_exec.takes_cuda(engine)
 
 
+
 def _buffers(tensor, push_pull=True, name=None):
-    """(work tensor, write_back, buffer for common.submit): ``_host_buffer`` and its byte view, or for a
-    CUDA push_pull on the GPU path the (contiguous) CUDA tensor and its device memory."""
-    if push_pull and tensor.is_cuda and _cuda_path():
+    """(work tensor, write_back, buffer for common.submit): ``_host_buffer`` and its byte view; for a CUDA
+    tensor the (contiguous) tensor and its device memory: a DeviceBuffer for the native copy stages, or
+    for a push_pull on the topology plan's GPU path a DeviceArray."""
+    topology = _topology() if push_pull and tensor.is_cuda else None
+    if not tensor.is_cuda or topology is False:  # (the topology executor's CPU path sums host memory)
+        work, write_back = _host_buffer(tensor)
+        return work, write_back, _byte_view(work)
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    write_back = None if work is tensor else tensor
+    if topology:
         from byteps.core import local_exec
-        from byteps.core.gpu import as_device_array
 
         expected = local_exec.cuda_device(common._require().engine)
         if tensor.device.index != expected:
             raise ValueError(f"byteps: CUDA tensor {name!r} is on {tensor.device}, but this process (local rank "
                              f"{common.local_rank()}) drives cuda:{expected} in the machine's topology plan "
                              "(BYTEPS_LOCAL_STRATEGY=topology); move it there")
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        return work, (None if work is tensor else tensor), _device_buffer(work)
-    work, write_back = _host_buffer(tensor)
-    return work, write_back, _byte_view(work)
+        return work, write_back, _device_buffer(work)
+    return work, write_back, _native_device_buffer(work)
+
+
+def _native_device_buffer(work):
+    """The DeviceBuffer of contiguous CUDA tensor ``work`` for the native copy stages: its device memory,
+    a ready event recorded now on the caller's current stream (the kernels that produce ``work`` may
+    still be queued there: the first copy waits for it on the GPU, the host does not), and a done event
+    the core records after the op's last copy, which ``synchronize`` makes the current stream wait for
+    (:func:`_after_device_copies`). The buffer keeps ``work`` and both events alive while the op runs."""
+    stream = torch.cuda.current_stream(work.device)
+    ready, done = torch.cuda.Event(), torch.cuda.Event()
+    ready.record(stream)
+    done.record(stream)  # torch creates an event at its first record: the core records it again, later
+    return DeviceBuffer(work.data_ptr(), work.numel() * work.element_size(), work.device.index, ready.cuda_event,
+                        done.cuda_event, keep=(work, ready, done))
+
+
+def _ready_again(buf, work):
+    """Work queued on CUDA tensor ``work`` after :func:`_buffers` (a prescale) must come before the copies
+    too: its ready event recorded again, now (the core waits for the latest record at its first copy)."""
+    if isinstance(buf, DeviceBuffer):
+        buf.keep[1].record(torch.cuda.current_stream(work.device))
+    elif work.is_cuda:  # the topology path's DeviceArray (_device_buffer)
+        buf.owner[1].record(torch.cuda.current_stream(work.device))
+
+
+def _after_device_copies(buf, work):
+    """At synchronize: the caller's current stream waits for the op's done event (no host block)."""
+    if isinstance(buf, DeviceBuffer):
+        torch.cuda.current_stream(work.device).wait_event(buf.keep[2])
 
 
 def _device_buffer(work):
@@ -122,11 +155,13 @@ def _device_buffer(work):
     return arr
 
 
-def _average_by(work, size):
+def _average_by(work, size, buf=None):
     """What common.submit's ``average_by`` takes for an average of ``work`` over ``size`` workers: ``size``
-    for a float tensor in host memory, whose sum is then divided as it is copied in (no pass of its
-    own); else 1, and the caller divides after synchronize."""
-    return size if size > 1 and work.is_floating_point() and work.device.type == "cpu" else 1
+    for a float tensor in host memory or one the native copy stages move (``buf`` a DeviceBuffer), whose
+    sum is then divided as it is copied in (no pass of its own); else 1, and the caller divides after
+    synchronize."""
+    native = work.device.type == "cpu" or isinstance(buf, DeviceBuffer)
+    return size if size > 1 and work.is_floating_point() and native else 1
 
 
 def _divide_(work, size):
@@ -154,9 +189,10 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
         common.abandon(name, pset, e)
         raise
     size = common.size() if pset is None else len(pset[1])
-    average_by = _average_by(work, size) if average and root is None and not asynchronous else 1
+    average_by = _average_by(work, size, buf) if average and root is None and not asynchronous else 1
 
     def finalize():
+        _after_device_copies(buf, work)
         if average and root is None and size > 1 and average_by == 1:
             _divide_(work, size)
         return _written_back(work, write_back)

@@ -6,7 +6,6 @@ import torch
 
 from byteps import common
 
-from . import staging
 from .compression import Compression, select, wire_codec
 from .ops import _divide_, dtype_code, push_pull_async_inplace, synchronize
 
@@ -88,13 +87,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._handles[p] = (None, compressed, ctx)
             return
         if self.op == Average and self.gradient_predivide_factor == 1.0 and self._pset is None:
-            codec = wire_codec(compressor)
-            if staging.applies(compressed):  # copied to host off autograd's thread (staging.py)
-                handle = staging.stager().stage(compressed, name, lambda host: push_pull_async_inplace(
-                    host, average=True, name=name, priority=priority, compression=codec))
-            else:
-                handle = push_pull_async_inplace(compressed, average=True, name=name, priority=priority,
-                                                 compression=codec)
+            # a CUDA gradient: the native core copies it off the GPU partition by partition after an event
+            # recorded here, so autograd's thread never waits for the GPU (plugins/torch/ops.py)
+            handle = push_pull_async_inplace(compressed, average=True, name=name, priority=priority,
+                                             compression=wire_codec(compressor))
         else:  # Horovod: prescale 1/f, postscale f (Average also divides by size)
             f = self.gradient_predivide_factor if self.op == Average else 1.0
             handle = _allreduce_start(compressed, name, self.op, 1.0 / f, f, priority=priority,
@@ -131,8 +127,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 out = compressed
                 if self.op == Average:
                     _divide_(out, common.size())
-            elif isinstance(handle, staging.Staged):
-                out = handle.wait_into(compressed)
             else:
                 out = synchronize(handle)
             out = select(self._compression, self._names[id(p)]).decompress(out if out is not None else compressed, ctx)

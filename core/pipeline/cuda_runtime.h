@@ -1,0 +1,86 @@
+/* The CUDA runtime, loaded at run time: byteps builds and imports without CUDA, and a GPU job loads the
+ * libcudart that its framework brings (BYTEPS_CUDART, default: torch's; core/gpu.py cudart_path()).
+ * Tests load a fake runtime with the same symbols (tests/fake_cudart/fake_cudart.c).
+ *
+ * Only what the copy stages use is looked up; the signatures and values are the CUDA runtime API's. */
+#ifndef BPS_CUDA_RUNTIME_H
+#define BPS_CUDA_RUNTIME_H
+
+#include <dlfcn.h>
+#include <stddef.h>
+
+#include <string>
+
+typedef int bps_cuda_error;                /* cudaError_t */
+typedef void *bps_cuda_stream;             /* cudaStream_t */
+typedef void *bps_cuda_event;              /* cudaEvent_t */
+
+static const int BPS_CUDA_SUCCESS = 0;
+static const int BPS_CUDA_MEMCPY_H2D = 1;  /* cudaMemcpyHostToDevice */
+static const int BPS_CUDA_MEMCPY_D2H = 2;  /* cudaMemcpyDeviceToHost */
+static const unsigned BPS_CUDA_STREAM_NON_BLOCKING = 0x01; /* cudaStreamNonBlocking: no sync with stream 0 */
+/* cudaEventBlockingSync | cudaEventDisableTiming: a waiting host thread sleeps instead of spinning */
+static const unsigned BPS_CUDA_EVENT_FLAGS = 0x01 | 0x02;
+static const unsigned BPS_CUDA_HOST_ALLOC_PORTABLE = 0x01; /* cudaHostAllocPortable: pinned for every context */
+
+struct BpsCudart {
+    void *lib = nullptr;
+    bps_cuda_error (*SetDevice)(int) = nullptr;
+    bps_cuda_error (*StreamCreateWithFlags)(bps_cuda_stream *, unsigned) = nullptr;
+    bps_cuda_error (*StreamDestroy)(bps_cuda_stream) = nullptr;
+    bps_cuda_error (*EventCreateWithFlags)(bps_cuda_event *, unsigned) = nullptr;
+    bps_cuda_error (*EventDestroy)(bps_cuda_event) = nullptr;
+    bps_cuda_error (*EventRecord)(bps_cuda_event, bps_cuda_stream) = nullptr;
+    bps_cuda_error (*EventSynchronize)(bps_cuda_event) = nullptr;
+    bps_cuda_error (*StreamWaitEvent)(bps_cuda_stream, bps_cuda_event, unsigned) = nullptr;
+    bps_cuda_error (*MemcpyAsync)(void *, const void *, size_t, int, bps_cuda_stream) = nullptr;
+    bps_cuda_error (*HostAlloc)(void **, size_t, unsigned) = nullptr;
+    bps_cuda_error (*FreeHost)(void *) = nullptr;
+    const char *(*GetErrorString)(bps_cuda_error) = nullptr;
+
+    /* dlopen ``path`` and look up every function; "" on success, else why not */
+    std::string load(const std::string &path) {
+        /* local: its symbols must not stand in for another CUDA runtime that a framework loads later */
+        lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+        if (lib == nullptr) {
+            const char *why = dlerror();
+            return "cannot load the CUDA runtime " + path + ": " + (why ? why : "dlopen failed");
+        }
+        std::string missing;
+        find(&SetDevice, "cudaSetDevice", &missing);
+        find(&StreamCreateWithFlags, "cudaStreamCreateWithFlags", &missing);
+        find(&StreamDestroy, "cudaStreamDestroy", &missing);
+        find(&EventCreateWithFlags, "cudaEventCreateWithFlags", &missing);
+        find(&EventDestroy, "cudaEventDestroy", &missing);
+        find(&EventRecord, "cudaEventRecord", &missing);
+        find(&EventSynchronize, "cudaEventSynchronize", &missing);
+        find(&StreamWaitEvent, "cudaStreamWaitEvent", &missing);
+        find(&MemcpyAsync, "cudaMemcpyAsync", &missing);
+        find(&HostAlloc, "cudaHostAlloc", &missing);
+        find(&FreeHost, "cudaFreeHost", &missing);
+        find(&GetErrorString, "cudaGetErrorString", &missing);
+        if (missing.empty()) return "";
+        dlclose(lib);
+        lib = nullptr;
+        return "the CUDA runtime " + path + " lacks" + missing;
+    }
+
+    bool loaded() const { return lib != nullptr; }
+
+    /* "" for cudaSuccess, else "<what> failed: <CUDA's error string> (error <n>)" */
+    std::string check(bps_cuda_error rc, const char *what) const {
+        if (rc == BPS_CUDA_SUCCESS) return "";
+        const char *text = GetErrorString != nullptr ? GetErrorString(rc) : nullptr;
+        return std::string(what) + " failed: " + (text ? text : "unknown CUDA error") + " (error " +
+               std::to_string(rc) + ")";
+    }
+
+  private:
+    template <typename F>
+    void find(F *fn, const char *name, std::string *missing) {
+        *fn = (F)dlsym(lib, name);
+        if (*fn == nullptr) *missing += std::string(" ") + name;
+    }
+};
+
+#endif
