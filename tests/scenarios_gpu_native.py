@@ -109,6 +109,8 @@ def gpu_sums(out, args):
     and 1 (the core's copies must run on the tensor's device)."""
     cuda = FakeCuda(device=bps.local_rank() % 2)
     cuda.lib.fake_set_copy_delay_us(args.get("copy_delay_us", 0))
+    if "slot_bytes" in args:  # a ring of slots smaller than the partitions, as after a membership that cuts larger ones
+        common._job.engine._native.enable_gpu(os.environ["BYTEPS_CUDART"], args["slot_bytes"], 2)
     r, n = bps.rank(), bps.size()
     res = {"ok": {}, "ptrs": {}}
     for rnd in range(args.get("rounds", 1)):

@@ -140,6 +140,19 @@ def test_cuda_sums_are_exact_per_partition(cluster, fake_cudart, machines, local
         assert r["stages"]["copyd2h"] > 0 and r["stages"]["copyh2d"] > 0, r["stages"]
 
 
+@pytest.mark.timeout(120)
+def test_slots_grow_to_a_longer_partition(cluster, fake_cudart):
+    """A staging ring whose slots are shorter than the partitions (a later server membership may cut
+    longer ones than the ring was sized for): each slot is reallocated to the partition's length, and
+    the sums are exact."""
+    tensors = [{"name": "a", "numel": 5000, "dtype": "float32"}, {"name": "b", "numel": 3000, "dtype": "int32"}]
+    res = run(cluster, fake_cudart, "gpu_sums", {"tensors": tensors, "rounds": 2, "slot_bytes": 1024})
+    for rank, r in res.items():
+        ok = r["value"]["ok"]
+        assert all(ok[f"{t}@{rnd}"] for t in ("a", "b") for rnd in (0, 1)), (rank, ok)
+        assert r["value"]["gpu"]["copies"] > 0, r["value"]["gpu"]
+
+
 @pytest.mark.timeout(200)
 def test_copies_overlap_the_network_in_a_bounded_ring(cluster, fake_cudart, tmp_path):
     """64 partitions, 4 staging slots, copies of 5 ms: a partition's result is back on the GPU before a

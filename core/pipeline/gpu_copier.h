@@ -70,6 +70,7 @@ class BpsGpuCopier {
         {
             std::lock_guard<std::mutex> lock(ring_mu_);
             slots_.assign((size_t)slots, nullptr);
+            slot_size_.assign((size_t)slots, 0);
             for (int s = slots - 1; s >= 0; --s) free_.push_back(s);
         }
         {
@@ -110,11 +111,6 @@ class BpsGpuCopier {
      * one and comes back from granted(). "" in *err unless allocating the slot failed. */
     bool take_slot(BpsOp *op, int i, uint64_t seq, std::string *err) {
         BpsPart &p = op->parts[(size_t)i];
-        if (p.length > slot_bytes_) {
-            *err = "tensor '" + op->name + "': a partition of " + std::to_string(p.length) +
-                   " bytes does not fit the GPU staging slots of " + std::to_string(slot_bytes_) + " bytes";
-            return false;
-        }
         std::lock_guard<std::mutex> lock(ring_mu_);
         if (free_.empty() || !waiters_.empty()) {
             if (waiters_.empty()) waiting_since_ = bps_now();
@@ -161,6 +157,7 @@ class BpsGpuCopier {
         if (waiters_.empty() || !free_.empty() || now - std::max(last_release_, waiting_since_) < BPS_SLOT_STALL_S)
             return false;
         slots_.push_back(nullptr);
+        slot_size_.push_back(0);
         free_.push_back((int)slots_.size() - 1);
         grown_++;
         last_release_ = now;
@@ -244,16 +241,22 @@ class BpsGpuCopier {
         std::vector<bps_cuda_event> events; /* free ones */
     };
 
-    /* (under ring_mu_) a free slot to partition ``p``, allocated on its first use */
+    /* (under ring_mu_) a free slot to partition ``p``, allocated on its first use; reallocated larger for
+     * a partition longer than it (a later server membership may cut larger partitions: elastic servers) */
     std::string assign(BpsOp *op, BpsPart &p) {
         int s = free_.back();
-        if (slots_[(size_t)s] == nullptr) {
+        if (slots_[(size_t)s] == nullptr || slot_size_[(size_t)s] < p.length) {
+            uint64_t size = std::max(slot_bytes_, p.length);
             void *mem = nullptr;
             std::string err = cuda_.check(cuda_.SetDevice(op->device), "cudaSetDevice");
+            if (err.empty() && slots_[(size_t)s] != nullptr)
+                err = cuda_.check(cuda_.FreeHost(slots_[(size_t)s]), "cudaFreeHost");
+            slots_[(size_t)s] = nullptr;
             if (err.empty())
-                err = cuda_.check(cuda_.HostAlloc(&mem, slot_bytes_, BPS_CUDA_HOST_ALLOC_PORTABLE), "cudaHostAlloc");
+                err = cuda_.check(cuda_.HostAlloc(&mem, size, BPS_CUDA_HOST_ALLOC_PORTABLE), "cudaHostAlloc");
             if (!err.empty()) return "tensor '" + op->name + "': " + err;
             slots_[(size_t)s] = (unsigned char *)mem;
+            slot_size_[(size_t)s] = size;
         }
         free_.pop_back();
         p.slot = s;
@@ -322,6 +325,7 @@ class BpsGpuCopier {
 
     std::mutex ring_mu_; /* the ring: slots, free ones, partitions waiting for one */
     std::vector<unsigned char *> slots_;
+    std::vector<uint64_t> slot_size_; /* bytes of each allocated slot */
     std::vector<int> free_;
     std::priority_queue<BpsQueued, std::vector<BpsQueued>, BpsByPriority<BpsQueued>> waiters_;
     int in_use_ = 0;
