@@ -83,7 +83,6 @@ def _topology():
     return local_exec.takes_cuda(engine)
 
 
-
 def _buffers(tensor, push_pull=True, name=None):
     """(work tensor, write_back, buffer for common.submit): ``_host_buffer`` and its byte view; for a CUDA
     tensor the (contiguous) tensor and its device memory: a DeviceBuffer for the native copy stages, or
