@@ -1,4 +1,6 @@
 """``bpslaunch --stages``: the stage lists core/stages.py builds, as core/stages.py's docstring promises."""
+import itertools
+
 from byteps import launcher
 from byteps.core import stages
 from byteps.core.stages import Stage
@@ -38,23 +40,26 @@ def test_one_numbering_for_native_core_python_and_timeline():
     assert set(spans.MEANING) == set(spans.STAGES.values())
 
 
+def _roles(**extra):
+    """Every combination of op kind, owner, local reduce, colocated server and machine count (and the
+    choices in ``extra``), as stage_list()'s keyword arguments on a machine of 2 processes."""
+    axes = {"kind": ("push_pull", "broadcast", "async push_pull"), "owner": (True, False),
+            "local_reduce": (True, False), "colocated": (True, False), "machines": (1, 2), **extra}
+    for values in itertools.product(*axes.values()):
+        yield dict(zip(axes, values), local_size=2)
+
+
 def test_stage_lists_come_from_the_native_rule():
     """stages.stage_list() is bps_stage_list(): every combination, against the rule written out here."""
     S = Stage
-    for kind in ("push_pull", "broadcast", "async push_pull"):
-        for owner in (True, False):
-            for local in (True, False):
-                for colocated in (True, False):
-                    for machines in (1, 2):
-                        got = stages.stage_list(owner=owner, local_size=2, local_reduce=local, colocated=colocated,
-                                                kind=kind, machines=machines)
-                        if kind == "push_pull" and local:
-                            want = ((S.COORDINATE, S.LOCAL_BROADCAST) if not owner else
-                                    (S.LOCAL_REDUCE,) + (() if machines == 1 else (S.PUSH, S.PULL))
-                                    + (S.LOCAL_BROADCAST,))
-                        else:
-                            want = ((S.STAGE,) if colocated else ()) + (S.PUSH, S.PULL)
-                        assert got == want, (kind, owner, local, colocated, machines)
+    for args in _roles():
+        got = stages.stage_list(**args)
+        if args["kind"] == "push_pull" and args["local_reduce"]:
+            want = ((S.COORDINATE, S.LOCAL_BROADCAST) if not args["owner"] else
+                    (S.LOCAL_REDUCE,) + (() if args["machines"] == 1 else (S.PUSH, S.PULL)) + (S.LOCAL_BROADCAST,))
+        else:
+            want = ((S.STAGE,) if args["colocated"] else ()) + (S.PUSH, S.PULL)
+        assert got == want, args
     # one process on its machine never reduces locally, and GPU stages go around the host stages
     assert stages.stage_list(owner=True, local_size=1, local_reduce=True, colocated=False) == (S.PUSH, S.PULL)
     assert stages.stage_list(owner=True, local_size=1, local_reduce=False, colocated=False,
@@ -65,16 +70,9 @@ def test_cuda_stage_lists_copy_around_the_host_stages():
     """A CUDA tensor's partition: COPYD2H first and COPYH2D last around the host stages for every role,
     except a broadcast's root (nothing comes back) and its other ranks (nothing to send)."""
     S = Stage
-    for kind in ("push_pull", "broadcast", "async push_pull"):
-        for owner in (True, False):
-            for local in (True, False):
-                for colocated in (True, False):
-                    for machines in (1, 2):
-                        for root in (True, False):
-                            args = dict(owner=owner, local_size=2, local_reduce=local, colocated=colocated, kind=kind,
-                                        machines=machines, root=root)
-                            host = stages.stage_list(**args)
-                            got = stages.stage_list(device="cuda", **args)
-                            before = () if kind == "broadcast" and not root else (S.COPYD2H,)
-                            after = () if kind == "broadcast" and root else (S.COPYH2D,)
-                            assert got == before + host + after, args
+    for args in _roles(root=(True, False)):
+        host = stages.stage_list(**args)
+        got = stages.stage_list(device="cuda", **args)
+        before = () if args["kind"] == "broadcast" and not args["root"] else (S.COPYD2H,)
+        after = () if args["kind"] == "broadcast" and args["root"] else (S.COPYH2D,)
+        assert got == before + host + after, args
