@@ -12,10 +12,8 @@ The CUDA runtime is loaded by the native core at the first CUDA tensor (:func:`c
 system's; nothing CUDA is needed to build or import byteps.
 """
 import ctypes.util
-import glob
-import os
 
-from .gpu import pip_lib_dirs
+from .gpu import wheel_libraries
 
 
 class DeviceBuffer:
@@ -42,11 +40,8 @@ def cudart_path(configured=""):
     when there is none (CUDA tensors then fail naming why)."""
     if configured:
         return configured
-    for lib_dir in pip_lib_dirs():
-        found = sorted(glob.glob(os.path.join(lib_dir, "libcudart.so*")), reverse=True)
-        if found and os.path.basename(os.path.dirname(lib_dir)) == "cuda_runtime":
-            return found[0]
-    return ctypes.util.find_library("cudart")
+    wheels = wheel_libraries("cudart")
+    return wheels[0] if wheels else ctypes.util.find_library("cudart")
 
 
 def staging_slots(budget_bytes, slot_bytes):

@@ -104,6 +104,11 @@ def pip_lib_dirs():
     return dirs
 
 
+def wheel_libraries(stem):
+    """lib<stem>.so* of the nvidia-* wheels (PyTorch's CUDA runtime, NCCL), newest name first per folder."""
+    return [path for d in pip_lib_dirs() for path in sorted(glob.glob(os.path.join(d, f"lib{stem}.so*")), reverse=True)]
+
+
 def _open(stem, sonames):
     """ctypes.CDLL of the first library that loads; GpuError listing what was tried."""
     tried = []
@@ -111,8 +116,7 @@ def _open(stem, sonames):
     found = ctypes.util.find_library(stem)
     if found:
         names.insert(0, found)
-    for d in pip_lib_dirs():
-        names += sorted(glob.glob(os.path.join(d, f"lib{stem}.so*")), reverse=True)
+    names += wheel_libraries(stem)
     for name in names:
         try:
             return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
