@@ -4,10 +4,12 @@ Each scenario runs in a real worker process (env set by tests/conftest.py) and w
 ``OUTDIR/result.<rank>.json``; the test compares it with a locally computed ground truth.
 Scenarios live here and in ``scenarios_*.py`` beside this file (registered with ``@scenario``).
 """
+import atexit
 import importlib
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -312,6 +314,20 @@ def main():
     result["cpus"] = sorted(os.sched_getaffinity(0))
     write_result(outdir, result["rank"], result)
     bps.shutdown()
+    exit_without_teardown()
+
+
+def exit_without_teardown():
+    """Exit as a normal exit would (non-daemon threads joined, atexit handlers run, output flushed),
+    but without the interpreter's teardown of torch's and TensorFlow's modules: 0.8-1.5 s of CPU per
+    process that no test looks at, and most of a small job's time on 2 cores."""
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

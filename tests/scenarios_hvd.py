@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from scenarios import digest, scenario, write_result  # tests/ is on sys.path also when run directly
+from scenarios import digest, exit_without_teardown, scenario, write_result  # tests/ is on sys.path also when run directly
 from scenarios import error_text as _err
 
 import byteps.torch as hvd
@@ -720,3 +720,4 @@ def _launcher_main(outdir):
 if __name__ == "__main__":
     if sys.argv[1] == "launcher":
         _launcher_main(sys.argv[2])
+        exit_without_teardown()
