@@ -17,11 +17,12 @@ machine j runs one standalone server; the scheduler has a host of its own. For e
 on the same emulated network:
 
 * ``default``: byteps as a user's job runs it, no placement, fusion or partition variable set:
-  gradients sent as ``DistributedOptimizer`` sends them by default (fused only where
-  ``BYTEPS_FUSION``'s default says so; today every tensor is its own push_pull);
+  the gradients of a ``DistributedOptimizer`` (its ``synchronize()`` timed), which tells the engine
+  the model's size (fused only where ``BYTEPS_FUSION``'s default says so; today every tensor is its
+  own push_pull);
 * ``balanced``: byteps, BYTEPS_PLACEMENT=balanced, gradients fused into balanced fusion buffers
   (byteps/fusion.py), each cut over all n + k servers in the Eq. 1-2 proportions;
-* ``hash``: byteps, BYTEPS_PLACEMENT=hash, every tensor push_pulled on its own, partitions hashed
+* ``hash``: byteps, BYTEPS_PLACEMENT=hash, every gradient push_pulled on its own, partitions hashed
   into the n² + kn - 2k slots (the paper's approximation);
 * ``plain-ps``: byteps as plain non-colocated PS: servers only on the k extra machines (k >= 1);
 * ``gloo``: torch.distributed all_reduce with gloo (ring) on the n worker machines, over DDP-style
@@ -29,7 +30,7 @@ on the same emulated network:
 
 A step is one push_pull (all_reduce) of every tensor of the model; its time is the slowest rank's
 (after a barrier); each result is the median over ``--reps`` steps after ``--warmup`` steps. Each
-step's sums are checked (every element must equal 1 + 2 + ... + n). Per-host bytes come from each
+step's sums are checked (every element must equal 1 + 2 + ... + n, or its average). Per-host bytes come from each
 host's link counters around the timed steps, divided by the steps, and are compared with the
 model's prediction: Eq. 1-2 (``plan``) and the placement the workers really used (``placed``). CPU:
 the machine's utilisation (all cores, other users included) and the job's own processes' CPU, in
@@ -162,6 +163,16 @@ def worker(args):
         fuse = args.fuse or (args.system == "default" and common.config().fusion)
         fusion = FusedPushPull("grads") if fuse else None
         views = [t.view(torch.uint8).numpy() for t in tensors]
+        optimizer = None
+        if fusion is None:
+            # unfused gradients go as users' do: DistributedOptimizer's push_pulls (averages), which also
+            # tell the engine the model's size (byteps.common.expect_model: its partition size)
+            params = [torch.nn.Parameter(t) for t in tensors]
+            for p in params:
+                p.grad = torch.empty_like(p)
+            tensors = [p.grad for p in params]
+            optimizer = bps.DistributedOptimizer(torch.optim.SGD(params, lr=0.0), named_parameters=zip(names, params))
+            want = float(n + 1) / 2  # the average of 1..n: exact in float32 for these n
 
         def step():
             for t in tensors:
@@ -173,9 +184,7 @@ def worker(args):
                     fusion.add(names[i], views[i], dtypes.FLOAT32)
                 fusion.synchronize()
             else:
-                handles = [bps.push_pull_async_inplace(tensors[i], average=False, name=names[i]) for i in backward]
-                for h in handles:
-                    bps.synchronize(h)
+                optimizer.synchronize()
             elapsed = time.perf_counter() - t0
             ok = all(bool((t == want).all()) for t in tensors)
             return elapsed, ok
@@ -210,9 +219,10 @@ def _placed_bytes(common, names, tensors, fusion):
     keys = common.metrics()["tensors"]
     if fusion is not None:
         items = [(keys[f"grads.buffer.{b}"], nbytes, 4) for b, (_, nbytes) in enumerate(fusion.layout.buffers)]
-    else:
-        items = [(keys[name], t.numel() * 4, 4) for name, t in zip(names, tensors)]
-    load = engine.placement.server_bytes(items)
+    else:  # DistributedOptimizer's names
+        items = [(keys[f"Gradient.{name}"], t.numel() * 4, 4) for name, t in zip(names, tensors)]
+    # the gradients were first used after the optimizer declared the model: cut to the partition size then
+    load = engine.placement.resized(common.metrics()["partition_bytes"]).server_bytes(items)
     return {"server_bytes": load, "server_hosts": [s["host"] for s in engine.book["servers"]],
             "worker_hosts": [w["host"] for w in engine.book["workers"]]}
 

@@ -35,21 +35,26 @@ The model (every constant is a module attribute, so tests and benchmarks can var
   has pushed it, so each step pays a fill and a drain of about ``FILL_DRAIN`` partitions' time on
   the wire (fitted to the measurements: 1.07x t_opt at 512 KB, 1.15x at 1 MB and 1.36x at 4 MB
   for 46.8 MB per step at 200 Mbit/s, and 1.13x at 4 MB for 96 MiB at 1 Gbit/s: the
-  excess is about 3.4 P / M whatever the rate). For that to stay under ``OVERHEAD`` of a step
-  that pushes M bytes, and for a partition to hold the wire at most ``GRANULARITY_S`` (an urgent
+  excess is about 3.4 P / M whatever the rate). For that to stay under ``FILL_SHARE`` of a step
+  that pushes M bytes (half the 5% the defaults aim for: fixed costs and the placement's balance
+  take the rest), and for a partition to hold the wire at most ``GRANULARITY_S`` (an urgent
   tensor waits behind the credit's partitions; priority scheduling needs them short)::
 
-      P_max = min(OVERHEAD * M / FILL_DRAIN, GRANULARITY_S * B_eff)
+      P_max = min(FILL_SHARE * M / FILL_DRAIN, GRANULARITY_S * B_eff)
 
-  M is ``model_bytes`` when the caller knows it, else ``DEFAULT_MODEL_BYTES`` (about 285 MB: the
+  M is ``model_bytes`` when the caller knows it, else ``DEFAULT_MODEL_BYTES`` (about 570 MB: the
   model whose fill-and-drain bound is BytePS's 4 MB partitions, which fast links then get).
+  ``init()`` cannot know M; the optimizers can. ``DistributedOptimizer`` (and the DDP wrapper)
+  tell the engine the bytes of the gradients they push, and every worker
+  recomputes the agreed choice from the same proposals with that M, so tensors first used after
+  that are cut to the model's size (a 30 MB model at 500 Mbit/s: 128 KB instead of 512 KB).
 * **Cut bound: balance.** ``balanced`` placement cuts a partition over the servers only when its
-  smallest piece (the server with the smallest share) is at least ``MIN_PIECE`` (16 KB,
+  smallest piece (the server with the smallest share) is at least ``MIN_PIECE`` (4 KB,
   byteps/placement.py); a smaller partition goes whole to one hashed server and the k/n balance
   that makes a step take t_opt is lost. So ``P >= min_cut = MIN_PIECE / (smallest share)``,
   rounded up to a power of two. Measured on the emulated cluster (n = 4, k = 3, 200 Mbit/s, where
-  the colocated servers' share is 1/22 and min_cut 352 KB): 256 KB partitions went whole and took
-  2.21x t_opt (bytes 16% off Eq. 1-2), like ``hash``; 512 KB ones are cut.
+  the colocated servers' share is 1/22 and min_cut was 352 KB with 16 KB pieces): 256 KB partitions
+  went whole and took 2.21x t_opt (bytes 16% off Eq. 1-2), like ``hash``; 512 KB ones are cut.
 * **The choice.** ``P = max(P_min, P_max)``: the largest partition the upper bound allows, or the
   fixed-cost bound when it is larger (throughput first). The upper bound is rounded down to a
   power of two at most ``OVERHEAD`` above it (the nearest one could exceed it by up to 41%: at 1 Gbit/s, n = 3, the 10 ms bound of
@@ -84,15 +89,17 @@ import typing
 PIECE_COST_PYTHON = 30e-6
 #: the same with the native core
 PIECE_COST_NATIVE = 5e-6
-#: fixed costs, and fill and drain, may each take at most this fraction of the time
+#: fixed costs may take at most this fraction of the wire time
 OVERHEAD = 0.05
+#: the pipeline's fill and drain may take at most this fraction of a step
+FILL_SHARE = 0.025
 #: longest time one partition should hold the wire (seconds)
 GRANULARITY_S = 0.010
 #: partitions' wire time a step pays to fill and drain the pipeline (fitted; see above)
 FILL_DRAIN = 3.4
 #: bytes a step pushes, when the caller cannot say: the model whose fill-and-drain bound is BytePS's
-#: 4 MB partitions (about 285 MB)
-DEFAULT_MODEL_BYTES = int((4 << 20) * FILL_DRAIN / OVERHEAD)
+#: 4 MB partitions (about 570 MB)
+DEFAULT_MODEL_BYTES = int((4 << 20) * FILL_DRAIN / FILL_SHARE)
 MIN_CREDIT = 4
 MAX_CREDIT = 64
 MIN_PARTITION = 64 << 10
@@ -164,7 +171,7 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
     b_eff = effective_bandwidth(bandwidth_Bps, colocated_fraction)
     model = DEFAULT_MODEL_BYTES if model_bytes is None else max(int(model_bytes), 1)
     p_min = pieces * piece_cost_s * b_eff / OVERHEAD
-    p_fill = OVERHEAD * model / FILL_DRAIN
+    p_fill = FILL_SHARE * model / FILL_DRAIN
     p_time = GRANULARITY_S * b_eff
     p_max = min(p_fill, p_time)
     if p_min > p_max:
@@ -184,7 +191,7 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
     reason = (f"link {_rate(bandwidth_Bps)}, rtt {rtt_s * 1e6:.0f} us, {num_servers} server(s), "
               f"{colocated_fraction:.0%} of bytes local -> effective {_rate(b_eff)}; "
               f"fixed cost {pieces} x {piece_cost_s * 1e6:.0f} us <= {OVERHEAD:.0%} of wire time needs "
-              f">= {_human(p_min)}; fill and drain <= {OVERHEAD:.0%} of a {_human(model)} step"
+              f">= {_human(p_min)}; fill and drain <= {FILL_SHARE:.1%} of a {_human(model)} step"
               f"{'' if model_bytes is not None else ' (assumed)'} needs <= {_human(p_fill)}, "
               f"{GRANULARITY_S * 1e3:g} ms on the wire <= {_human(p_time)}; {bound} -> {_human(partition)}; "
               f"bandwidth-delay product {_human(bdp)} -> credit {credit}")
@@ -410,19 +417,27 @@ def propose(measurement, shape, placement="balanced", piece_cost_s=PIECE_COST_PY
     part = _env_int(env, "BYTEPS_PARTITION_BYTES", 64)
     out = {"worker_id": worker_id, "partition": part, "source": "env" if part is not None else "none"}
     if measurement is not None:
-        out.update(bw=measurement.bandwidth_Bps, rtt=measurement.rtt_s)
+        # with what the choice took, so that every worker can choose again for a model (agree)
+        out.update(bw=measurement.bandwidth_Bps, rtt=measurement.rtt_s, shape=list(shape), piece_cost=piece_cost_s,
+                   placement=placement)
         if part is None:
-            out.update(partition=choose(measurement.bandwidth_Bps, measurement.rtt_s, shape[0], shape[1],
-                                        piece_cost_s, placement, min_cut_bytes=shape[2]).partition_bytes,
-                       source="probe")
+            out.update(partition=_proposed(out), source="probe")
     return out
 
 
-def agree(proposals, rank, shape, env=None):
+def _proposed(p, model_bytes=None):
+    """The partition size a worker's proposal ``p`` calls for, for a step of ``model_bytes``."""
+    servers, local, min_cut = p["shape"]
+    return choose(p["bw"], p["rtt"], servers, local, p["piece_cost"], p["placement"], model_bytes,
+                  min_cut).partition_bytes
+
+
+def agree(proposals, rank, shape, env=None, model_bytes=None):
     """The job-wide partition size and this worker's credit from every worker's :func:`propose`.
 
     Every worker calls this with the same ``proposals`` ({rank: proposal}, as the scheduler's release
-    carries them) and so gets the same partition size:
+    carries them) and the same ``model_bytes`` (None at ``init()``; the gradients' bytes once an
+    optimizer says: :func:`for_model`), and so gets the same partition size:
 
     * BYTEPS_PARTITION_BYTES wins where it is set; workers that set different values are a
       ConfigError naming them (their servers would see mismatched lengths), and a worker without it
@@ -452,11 +467,14 @@ def agree(proposals, rank, shape, env=None):
         if unset:
             why += f" (set on ranks {sorted(forced)}; ranks {unset} without it use it too)"
     elif probed:
+        if model_bytes is not None:  # each worker's link, chosen again for the model's step
+            probed = sorted((_proposed(props[r], model_bytes), r) for _, r in probed)
         partition, chosen = probed[(len(probed) - 1) // 2]
         source = "probe"
         p = props[chosen]
         why = (f"probed: {_rate(p['bw'])}, rtt {p['rtt'] * 1e6:.0f} us at rank {chosen}, the median of "
-               f"{len(probed)} worker(s)' choices {sorted({q for q, _ in probed})}")
+               f"{len(probed)} worker(s)' choices {sorted({q for q, _ in probed})}"
+               + (f", for a model of {_human(model_bytes)}" if model_bytes is not None else ""))
     else:
         partition, source, why = DEFAULT_PARTITION, "default", "nothing measured: the default"
     # the credit: this worker's own link, its machine's (local rank 0 probed it), or the job's median

@@ -27,6 +27,7 @@ class _Job:
         self.engine = engine
         self.rank = engine.rank if engine else 0
         self.size = engine.size if engine else 1
+        self.model_bytes = 0  # the largest model an optimizer declared (expect_model)
         self.handles = {}
         self.next_handle = itertools.count(1)
         self.inflight = {}          # name -> the op in flight under it
@@ -188,6 +189,20 @@ def local_size():
 def config():
     """The validated :class:`byteps.config.Config` of this process."""
     return _require().cfg
+
+
+def expect_model(model_bytes):
+    """Say that each training step pushes ``model_bytes`` of gradients. ``DistributedOptimizer`` and
+    ``DistributedDataParallel`` call it; so may a loop that calls push_pull itself. The job's partition
+    size is chosen again for a step of that size (byteps/autotune.py: a small model wants small
+    partitions, which ``init()`` could not know); tensors first used afterwards are cut to it. Every rank
+    must make the same calls at the same points of its program (data parallelism does). The largest
+    model declared so far counts; with BYTEPS_PARTITION_BYTES set nothing changes."""
+    job = _require()
+    if job.engine is None or model_bytes <= job.model_bytes:
+        return
+    job.model_bytes = int(model_bytes)
+    job.engine.expect_model(job.model_bytes)
 
 
 def tuning():

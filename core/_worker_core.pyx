@@ -144,6 +144,8 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         uint64_t local_link_sent()
         uint64_t local_link_received()
         uint64_t credit_stalls(string *first)
+        void set_credit(int64_t credit)
+        int64_t credit()
         void set_local_joined(uint64_t mask)
         void set_join_ends(uint64_t ends)
         void set_self_joined(cbool on)
@@ -432,6 +434,15 @@ cdef class WorkerCore:
                 "coordinated": self.core.local_coordinated(), "for_peers": self.core.owed_submitted(), "owner_direct": self.core.local_owner_direct(),
                 "links_up": self.core.local_links_up(), "rings_up": self.core.local_rings_up(),
                 "link_sent": self.core.local_link_sent(), "link_received": self.core.local_link_received()}
+
+    def set_credit(self, int64_t credit):
+        """The send queue's byte credit from now on (the job's partition size changed)."""
+        self.core.set_credit(credit)
+
+    @property
+    def credit(self):
+        """The send queue's byte credit."""
+        return self.core.credit()
 
     def credit_stalls(self):
         """(times the send queue's head went past a stalled credit, the first such tensor's name)."""

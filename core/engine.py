@@ -63,6 +63,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self.rank = self.size = None
         self.tuning = None          # autotune.Agreement: the job's partition size and this worker's credit
         self._agreed = None         # the scheduler's release of the agreement (see _tune)
+        self.partition_bytes = None  # a new tensor's partition size, once a model's size changed it (expect_model)
         self._lost_at_start = set()  # indices of servers lost while init() ran (elastic): not waited for
         self._thread = threading.Thread(target=self._main, name="byteps-engine", daemon=True)
         # engine-thread state
@@ -137,6 +138,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         op may run its round trip on this thread (BpsWorkerCore::submit_direct)."""
         if self.failure is not None:
             raise self.failure
+        op.partition_bytes = self.partition_bytes
         if self._local_exec is not None and self._local_exec.takes(op):
             self._local_exec.enqueue(op)  # in submission order; it runs once the key is known
         elif not self._inbox and self._native_eligible(op):

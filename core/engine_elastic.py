@@ -5,7 +5,6 @@ import time
 
 import zmq
 
-from byteps import autotune
 from byteps.errors import BytePSError, BytePSTimeoutError, ProtocolError
 from byteps.log import logger
 from byteps.placement import Placement
@@ -19,15 +18,10 @@ Cmd = wire.Cmd
 
 
 def membership_placement(book, mode, partition_bytes, rank):
-    """The placement of a new server membership. Its partitions are the job's, or larger where the new
-    shares need it: a membership with more servers, or smaller shares, cuts a partition over its servers
-    only from a larger size (``Placement.min_cut``), and whole partitions spread by hash miss the Eq. 1-2
-    shares (on the emulated cluster with n = 3 and k = 2, 128 KB partitions sent one standalone server
-    0.51 of the bytes instead of 0.36). Every worker computes the same size from the same book."""
-    placement = Placement.from_book(book, mode, partition_bytes, rank)
-    if mode != "balanced" or placement.min_cut <= partition_bytes:
-        return placement
-    return Placement.from_book(book, mode, autotune.at_least_cut(partition_bytes, placement.min_cut), rank)
+    """The placement of a new server membership: the job's partitions, or larger ones where the new shares
+    need them (a membership with more servers, or smaller shares, cuts a partition over its servers only
+    from a larger size: ``Placement.resized``). Every worker computes the same size from the same book."""
+    return Placement.from_book(book, mode, partition_bytes, rank).resized(partition_bytes)
 
 
 class ElasticServers:

@@ -40,6 +40,7 @@ class _TableSpec:
     root: int
     pset: object = None
     codec: object = None  # the wire compressor of its push_pulls (byteps.compression.WireCompressor), or None
+    partition_bytes: int = None  # its partitions' size: the job's when its first op was submitted
 
     @property
     def cut_name(self):
@@ -89,24 +90,35 @@ class NativePlane:
         entry = self._native_parts.get(ident)
         if entry is not None:
             return entry
-        spec = _TableSpec(op.name, tkey, op.buf.nbytes, op.dtype, op.cmd, op.root, op.pset, codec)
+        spec = _TableSpec(op.name, tkey, op.buf.nbytes, op.dtype, op.cmd, op.root, op.pset, codec, op.partition_bytes)
         with self._native_lock:  # the staging allocator is shared with the engine thread
             first, *later = self._memberships
             table = self._native.add_table(op.name, self._table_rows(spec, first), self._codec_settings(codec))
             for m in later:
                 self._native.add_segment(table, m["cuts"].get(spec.cut_name, 0), self._table_rows(spec, m))
             count = len(self._table_rows(spec, self._memberships[-1])) if later else None
-            entry = (table, count if count is not None else len(first["placement"].partitions(
+            entry = (table, count if count is not None else len(self._placement_of(first, spec).partitions(
                 tkey, op.buf.nbytes, dtypes.itemsize(op.dtype))))
             self._native_parts[ident] = entry
             self._native_specs[table] = spec
         return entry
 
+    @staticmethod
+    def _placement_of(membership, spec):
+        """A server membership's placement, for partitions of the size the tensor (a _TableSpec) is cut to."""
+        placement = membership["placement"]
+        if spec.partition_bytes is None or spec.partition_bytes == placement.partition_bytes:
+            return placement
+        sized = membership.setdefault("resized", {})
+        if spec.partition_bytes not in sized:
+            sized[spec.partition_bytes] = placement.resized(spec.partition_bytes)
+        return sized[spec.partition_bytes]
+
     def _table_rows(self, op, membership):
         """The native table rows of a tensor (a _TableSpec) under one server membership (see _native_table)."""
         tkey = op.tkey
         local = self.local is not None and op.cmd == Cmd.PUSHPULL and op.pset is None
-        parts = membership["placement"].partitions(tkey, op.nbytes, dtypes.itemsize(op.dtype))
+        parts = self._placement_of(membership, op).partitions(tkey, op.nbytes, dtypes.itemsize(op.dtype))
         ids, members = membership["ids"], membership["members"]
         rows = table_rows.new(len(parts))
         for row, (i, off, length, at) in enumerate(parts):
@@ -319,9 +331,10 @@ class NativePlane:
         native = self._native
         return {
             "servers": servers,
-            "partition_bytes": placement.partition_bytes if placement is not None else None,
+            # what a tensor first used now is cut to (an optimizer's model may have changed it: expect_model)
+            "partition_bytes": self.partition_bytes or (placement.partition_bytes if placement is not None else None),
             "placement_mode": placement.mode if placement is not None else None,
-            "credit_bytes": self.cfg.scheduling_credit * self.cfg.partition_bytes,
+            "credit_bytes": native.credit if native is not None else None,
             "tensors": {name: tkey for (name, _), tkey in self._keys.items()},
             "native": {"ops": self.native_submitted, "averaged": self.native_averaged,
                        "direct_calls": self.native_direct_calls, "links_up": self.native_links,

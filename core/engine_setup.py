@@ -397,6 +397,7 @@ class EngineSetup:
             self.control.tick()
         if "error" in self._agreed:
             raise BytePSTimeoutError(f"the job's partition size was not agreed: {self._agreed['error']}")
+        self._tune_shape = shape
         tuning = autotune.agree(self._agreed["values"], self.rank, shape, env)
         self.tuning = tuning = tuning._replace(took_s=time.monotonic() - started)
         self.cfg = dataclasses.replace(self.cfg, partition_bytes=tuning.partition_bytes,
@@ -404,6 +405,23 @@ class EngineSetup:
         # nothing is cut yet: the placement with the agreed partition size
         self.placement = Placement.from_book(self.book, self.cfg.placement, tuning.partition_bytes, self.rank)
         logger.info("%s; %.0f ms", tuning.text, tuning.took_s * 1e3)
+
+    def expect_model(self, model_bytes):
+        """An optimizer pushes ``model_bytes`` of gradients per step (any thread; every rank makes the same
+        call at the same point of its program). Choose the partition size again for that step, from the
+        proposals every worker holds (byteps/autotune.py ``agree``), so that every rank cuts alike;
+        tensors first used from now on get it (ops carry it from ``submit``), those cut before keep
+        theirs. Nothing changes where BYTEPS_PARTITION_BYTES is set or nothing was measured."""
+        if self.tuning is None or self.tuning.source != "probe" or self._agreed is None:
+            return
+        tuning = autotune.agree(self._agreed["values"], self.rank, self._tune_shape, model_bytes=model_bytes)
+        if tuning.partition_bytes == (self.partition_bytes or self.cfg.partition_bytes):
+            return
+        self.tuning = tuning._replace(took_s=self.tuning.took_s)
+        self.partition_bytes = tuning.partition_bytes  # read by submit() on the callers' threads
+        if self._native is not None:
+            self._native.set_credit(tuning.credit * tuning.partition_bytes)
+        logger.info("%s; tensors first used from now on", tuning.text)
 
     def _probe(self, server):
         """Time PROBE echoes to one server (autotune.probe); None, with a warning, if it fails."""

@@ -54,7 +54,7 @@ class Op:
 
     __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey", "parts_left",
                  "servers", "error", "done", "started", "callbacks", "codec", "native_id", "pset", "divisor",
-                 "divided")
+                 "divided", "partition_bytes")
 
     def __init__(self, name, buf, dtype, shape, cmd=Cmd.PUSHPULL, root=0, priority=0, pset=None):
         self.name = name
@@ -79,6 +79,8 @@ class Op:
         self.native_id = None       # its id in the native data plane (core/pipeline/bps_worker.h), if it runs there
         self.divisor = 1            # an average: the sum is divided by this (float push_pulls; common.submit)
         self.divided = False        # the native core divided each partition on its way into ``buf``
+        # the job's partition size when it was submitted (Engine.expect_model); a tensor is cut at its first op
+        self.partition_bytes = None
 
     def fail(self, error):
         if self.error is None:

@@ -65,3 +65,31 @@ def credit_crossing(out, args):
     want = float(size * (size + 1) // 2) * 2  # the first round's sums plus this round's
     return {"errors": errors, "took_s": time.monotonic() - started,
             "exact": all(bool((b == want).all()) for b in bufs.values())}
+
+
+@scenario
+def tuned_for_model(out, args):
+    """A tensor used before the optimizer, then a DistributedOptimizer of a small model: the partition
+    size and credit the worker holds before and after, how each tensor was cut, and the sums."""
+    job = common._job
+    before = dict(common.tuning(), credit_bytes=bps.metrics()["credit_bytes"])
+    early = seeded(bps.rank(), (300_000,), torch.float32)
+    bps.push_pull(early.clone(), average=False, name="early")
+    numels = [600_000, 1000, 30_000]
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in numels]
+    opt = bps.DistributedOptimizer(torch.optim.SGD(params, lr=0.0),
+                                   named_parameters=[(f"w{i}", p) for i, p in enumerate(params)])
+    small = torch.nn.Parameter(torch.zeros(10))  # a smaller model later: the larger one still counts
+    bps.DistributedOptimizer(torch.optim.SGD([small], lr=0.0), named_parameters=[("small", small)])
+    for p in params:
+        p.grad = (torch.arange(p.numel()) % 7).float() * (bps.rank() + 1)
+    opt.synchronize()
+    again = bps.push_pull(early.clone(), average=False, name="early")  # cut as at its first use
+    m = bps.metrics()
+    keys = m["tensors"]
+
+    def pieces(name):
+        return [count for (key, *_), (_, count) in job.engine._native_parts.items() if key == keys[name]]
+    return {"before": before, "after": common.tuning(), "partition_bytes": m["partition_bytes"],
+            "credit_bytes": m["credit_bytes"], "grads": [p.grad[:20].tolist() for p in params],
+            "grad_pieces": pieces("Gradient.w0"), "early_pieces": pieces("early"), "early": again[:8].tolist()}

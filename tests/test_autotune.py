@@ -453,3 +453,29 @@ def test_local_ranks_share_their_machines_probe(cluster):
     for v in vals:
         assert v["tuning"]["source"] == "probe" and v["tuning"]["bandwidth_Bps"] > 0
         assert v["sum"] == pytest.approx(_expected_sum(4), rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_an_optimizer_chooses_the_partition_size_for_its_model(cluster):
+    """init() chose 512 KB partitions for a 500 Mbit/s link, not knowing the model; a DistributedOptimizer
+    of a 2.4 MB model tells the engine, and every worker, from the same proposals, cuts the gradients
+    into 64 KB partitions with a credit to match. A tensor cut before keeps its partitions; a later, smaller
+    model changes nothing; every sum is exact."""
+    c = cluster(2, 2, env={"BYTEPS_LOG_LEVEL": "INFO", "BYTEPS_TEST_LINK": "62.5e6,0.0005"})
+    c.env.pop("BYTEPS_PARTITION_BYTES", None)
+    c.env.pop("BYTEPS_SCHEDULING_CREDIT", None)
+    c.run_workers("tuned_for_model")
+    vals = _tuned(c)
+    for v in vals:
+        assert v["before"]["partition_bytes"] == 512 << 10 and v["before"]["credit_bytes"] == 4 * (512 << 10), v
+        assert v["partition_bytes"] == v["after"]["partition_bytes"] == 64 << 10, v["after"]["text"]
+        assert v["credit_bytes"] == v["after"]["credit"] * (64 << 10)
+        assert "for a model of 2.41 MB" in v["after"]["text"], v["after"]["text"]
+        # the largest gradient (2.4 MB) in 64 KB partitions of one piece per server; "early" as before
+        assert v["grad_pieces"] == [2 * 37] and v["early_pieces"] == [2 * 3], v
+        assert v["early"] == pytest.approx(_expected_sum(2), rel=1e-6)
+        for numel, got in zip((600_000, 1000, 30_000), v["grads"]):
+            want = [(i % 7) * 1.5 for i in range(min(numel, 20))]  # the average of 1x and 2x
+            assert got == want
+    for w in ("worker0.0", "worker1.0"):
+        assert "tensors first used from now on" in c.log(w), c.log(w)

@@ -27,6 +27,7 @@
 #ifndef BPS_QUEUE_H
 #define BPS_QUEUE_H
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -67,21 +68,23 @@ struct BpsByUrgency {
  * the credit: only where workers disagree on urgency (see above) is that ever needed. */
 static const int64_t BPS_CREDIT_STALL_MS = 1000;
 
-/* The byte credit's rule (see above), without a lock: the owner serialises its calls. */
+/* The byte credit's rule (see above), without a lock: the owner serialises its calls, but for set(),
+ * which any thread may call (the job's partition size changes once a model is known). */
 class BpsCredit {
   public:
     explicit BpsCredit(int64_t credit) : credit_(credit) {}
 
     bool fits(BpsUrgency u, int64_t nbytes) const {
-        if (credit_ <= 0) return true;
+        int64_t credit = credit_.load(std::memory_order_relaxed);
+        if (credit <= 0) return true;
         int64_t ahead = 0;  // bytes in flight at least as urgent
         for (auto it = urgencies_.lower_bound(u); it != urgencies_.end(); ++it) ahead += it->second;
-        return ahead == 0 || ahead + nbytes <= credit_;
+        return ahead == 0 || ahead + nbytes <= credit;
     }
 
     void take(BpsUrgency u, int64_t nbytes) {
         in_flight_ += nbytes;
-        if (credit_ > 0) urgencies_[u] += nbytes;
+        if (credit_.load(std::memory_order_relaxed) > 0) urgencies_[u] += nbytes;
         last_change_ = std::chrono::steady_clock::now();
     }
 
@@ -105,10 +108,11 @@ class BpsCredit {
     }
 
     int64_t in_flight() const { return in_flight_; }
-    int64_t credit() const { return credit_; }
+    int64_t credit() const { return credit_.load(std::memory_order_relaxed); }
+    void set(int64_t credit) { credit_.store(credit, std::memory_order_relaxed); }
 
   private:
-    int64_t credit_;
+    std::atomic<int64_t> credit_;
     int64_t in_flight_ = 0;
     std::map<BpsUrgency, int64_t> urgencies_;  // bytes in flight by urgency (only with a credit)
     std::chrono::steady_clock::time_point last_change_ = std::chrono::steady_clock::now();

@@ -170,6 +170,8 @@ class BpsWorkerCore {
 
     /* the send queue (BpsSendQueue, send_queue.h): PUSH, Python's raw sends (worker_send_queue.h) */
     uint64_t credit_stalls(std::string *first);
+    void set_credit(int64_t credit) { sendq_.set_credit(credit); } /* any thread: the next partitions see it */
+    int64_t credit() const { return sendq_.credit(); }
     void send_raw(BpsRawSend *m);
 
     /* completions: the op table, errors, lazy delivery, waits, time-outs (worker_completions.h) */

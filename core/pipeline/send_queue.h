@@ -58,6 +58,7 @@ class BpsSendQueue {
     void clear_credit() { credit_.clear(); }
     int64_t in_flight() const { return credit_.in_flight(); }
     int64_t credit() const { return credit_.credit(); }
+    void set_credit(int64_t credit) { credit_.set(credit); } /* any thread */
 
   private:
     BpsCredit credit_;

@@ -59,6 +59,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in all_params:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            if pset is None:  # the job's partition size, chosen for this model's step (a set's members only would differ)
+                common.expect_model(sum(p.numel() * p.element_size() for p in all_params if p.requires_grad))
 
     @property
     def _parameter_names(self):

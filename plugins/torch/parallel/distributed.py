@@ -48,6 +48,7 @@ class DistributedDataParallel(torch.nn.Module):
         if common.size() > 1:
             for _, p in self._params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+            common.expect_model(sum(p.numel() * p.element_size() for _, p in self._params))
 
     def forward(self, *inputs, **kwargs):
         if self.broadcast_buffers and common.size() > 1:
