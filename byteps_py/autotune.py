@@ -85,6 +85,8 @@ import os
 import time
 import typing
 
+from .placement import MIN_PIECE, at_least_cut
+
 #: CPU a worker spends per partition piece with the Python engine (seconds; docs/benchmarks.md)
 PIECE_COST_PYTHON = 30e-6
 #: the same with the native core
@@ -196,16 +198,6 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
               f"{GRANULARITY_S * 1e3:g} ms on the wire <= {_human(p_time)}; {bound} -> {_human(partition)}; "
               f"bandwidth-delay product {_human(bdp)} -> credit {credit}")
     return Choice(partition, credit, reason)
-
-
-def at_least_cut(partition_bytes, min_cut_bytes):
-    """``partition_bytes``, or the power of two at or above ``min_cut_bytes`` when it is smaller: a balanced
-    placement cuts a partition over its servers only from ``Placement.min_cut`` up, and whole partitions
-    spread by hash miss the shares (the start-up choice above, and each new server membership:
-    core/engine_elastic.py)."""
-    if partition_bytes >= min_cut_bytes:
-        return partition_bytes
-    return _pow2(2 ** math.ceil(math.log2(min_cut_bytes)), MIN_PARTITION, MAX_PARTITION)
 
 
 def effective_bandwidth(bandwidth_Bps, colocated_fraction):
@@ -516,8 +508,6 @@ def parse_duration(text):
 def for_plan(plan, rtt_s, piece_cost_s=PIECE_COST_PYTHON):
     """The choice for a job shape of :func:`byteps.placement.plan`: its servers that sum something,
     the share of a worker's bytes its own machine's server sums, the NIC bandwidth."""
-    from .placement import MIN_PIECE
-
     shares = [float(s.share) for s in plan.servers if s.share > 0]
     local = 1.0 if plan.n == 1 else float(plan.colocated_share)
     # Placement.min_cut: the smallest piece, at the smallest share, must reach MIN_PIECE

@@ -54,8 +54,6 @@ import math
 import re
 from fractions import Fraction
 
-from .autotune import at_least_cut
-
 #: bytes: pieces are cut at multiples of this (a multiple of every element size; a cache line)
 ALIGN = 64
 #: bytes: a partition whose smallest piece would be smaller than this goes whole to one server. Whole
@@ -318,6 +316,16 @@ def weights_for_book(book, roles=None):
 
 
 # ---------------------------------------------------------------------- placing partitions
+
+def at_least_cut(partition_bytes, min_cut_bytes):
+    """``partition_bytes``, or the power of two at or above ``min_cut_bytes`` when it is smaller: a balanced
+    placement cuts a partition over its servers only from ``Placement.min_cut`` up, and whole partitions
+    spread by hash miss the shares (the start-up choice, byteps/autotune.py, and each new server
+    membership: :meth:`Placement.resized`)."""
+    if partition_bytes >= min_cut_bytes:
+        return partition_bytes
+    return 1 << math.ceil(math.log2(min_cut_bytes))
+
 
 def _mix64(x):
     """splitmix64's finalizer: a fixed 64-bit hash, the same in every process (unlike hash())."""

@@ -11,9 +11,8 @@ The CUDA runtime is loaded by the native core at the first CUDA tensor (:func:`c
 ``BYTEPS_CUDART``, else the libcudart of PyTorch's CUDA wheels (``nvidia/cuda_runtime/lib``), else the
 system's; nothing CUDA is needed to build or import byteps.
 """
-import ctypes.util
 
-from .gpu import wheel_libraries
+from .gpu import library_candidates
 
 
 class DeviceBuffer:
@@ -38,10 +37,8 @@ def cudart_path(configured=""):
     """The CUDA runtime library the native core loads: ``configured`` (BYTEPS_CUDART) if set, else
     PyTorch's wheel's libcudart (found on sys.path without importing torch), else the system's; None
     when there is none (CUDA tensors then fail naming why)."""
-    if configured:
-        return configured
-    wheels = wheel_libraries("cudart")
-    return wheels[0] if wheels else ctypes.util.find_library("cudart")
+    found = library_candidates("cudart", (), configured)
+    return found[0] if found else None
 
 
 def staging_slots(budget_bytes, slot_bytes):

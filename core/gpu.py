@@ -109,15 +109,23 @@ def wheel_libraries(stem):
     return [path for d in pip_lib_dirs() for path in sorted(glob.glob(os.path.join(d, f"lib{stem}.so*")), reverse=True)]
 
 
-def _open(stem, sonames):
-    """ctypes.CDLL of the first library that loads; GpuError listing what was tried."""
-    tried = []
-    names = list(sonames)
+def library_candidates(stem, sonames=(), configured=""):
+    """Where lib<stem> is looked for, in order: ``configured`` (BYTEPS_CUDART), PyTorch's nvidia-* wheels
+    (the runtime torch itself loads), the system's (``ctypes.util.find_library``), then bare ``sonames``.
+    The native core's copy stages and this module's loader take the same order, so that a process holds
+    one CUDA runtime."""
+    names = [configured] if configured else []
+    names += wheel_libraries(stem)
     found = ctypes.util.find_library(stem)
     if found:
-        names.insert(0, found)
-    names += wheel_libraries(stem)
-    for name in names:
+        names.append(found)
+    return names + [s for s in sonames if s not in names]
+
+
+def _open(stem, sonames, configured=""):
+    """ctypes.CDLL of the first library that loads (library_candidates); GpuError listing what was tried."""
+    tried = []
+    for name in library_candidates(stem, sonames, configured):
         try:
             return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
@@ -136,7 +144,8 @@ def cuda():
     global _CUDA
     with _LOCK:
         if _CUDA is None:
-            _CUDA = Cuda(_open("cudart", ["libcudart.so", "libcudart.so.12", "libcudart.so.11.0"]))
+            _CUDA = Cuda(_open("cudart", ["libcudart.so", "libcudart.so.12", "libcudart.so.11.0"],
+                               os.environ.get("BYTEPS_CUDART", "").strip()))
         return _CUDA
 
 
