@@ -201,4 +201,14 @@ def abandoned_warm_call(out, args):
     refused, seconds = _refused_by_rank_1(lambda: cast(n if r == 1 else 0))
     res["cast"] = {"warm": warm.tolist() == [1.0] * 6, "refused": refused, "seconds": seconds,
                    "after": cast(0).tolist() == [1.0] * 6}
+    if n >= 4:  # a process set's tensor: its own key, its members push themselves (no local reduce)
+        pset = bps.add_process_set([0, 1])
+        if r in (0, 1):
+            def in_set(root=0):
+                return bps.broadcast_(torch.full((5,), float(r + 1)), root, name="in_set", process_set=pset)
+
+            warm = in_set()
+            refused, seconds = _refused_by_rank_1(lambda: in_set(3 if r == 1 else 0))  # 3: not a member
+            res["in_set"] = {"warm": warm.tolist() == [1.0] * 5, "refused": refused, "seconds": seconds,
+                             "after": in_set().tolist() == [1.0] * 5}
     return res

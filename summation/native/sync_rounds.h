@@ -46,7 +46,55 @@ class BpsSyncRounds {
         serve(ident, h, m);
     }
 
+    void take_sums() {
+        if (!rounds_.pool()) return;
+        std::vector<uint64_t> done;
+        rounds_.pool()->done(&done);
+        for (uint64_t key : done) {
+            BpsRound *found = rounds_.find(key);
+            if (found == nullptr) continue;
+            BpsRound &st = *found;
+            st.pending--;
+            if (st.pending == 0 && st.has_ready) {
+                st.has_ready = false;
+                BpsHeader h = st.ready;
+                complete(st, h);
+            }
+        }
+    }
+
+    /* The book's ranks in join() and machines still pushing changed (set_join(), not done). */
+    void on_join() {
+        for (auto &kv : rounds_.keys()) { /* rounds that were waiting only for a rank that just joined */
+            BpsRound &st = *kv.second;
+            if (!st.has_header || st.senders.empty()) continue;
+            BpsHeader h = st.header;
+            if (book_.set_members(h.key) >= 0) continue; /* join() is the whole job's, not a set's */
+            if (h.cmd == BPS_CMD_BROADCAST) { /* pushed before this JOIN: the joined rank never sends its part */
+                if (st.error.empty()) st.error = joined_broadcast_error();
+                maybe_complete(st, h);
+            } else if (h.cmd == BPS_CMD_PUSHPULL && (int64_t)st.senders.size() >= book_.active_pushers) {
+                maybe_complete(st, h);
+            }
+        }
+    }
+
+    void warn_stalls(double now) {
+        char secs[32];
+        for (auto &kv : rounds_.keys()) {
+            BpsRound &st = *kv.second;
+            if (!st.senders.empty() && !st.warned && now - st.since > BPS_STALL_WARNING_S) {
+                snprintf(secs, sizeof secs, "%.0f", now - st.since);
+                log_(bps_key_name(kv.first) + " round " + std::to_string(st.round) +
+                     " has waited " + secs + " s: pushes from ranks " + bps_rank_list(st.senders) + " are in, " +
+                     std::to_string(st.has_header ? book_.expected(st.header) : book_.pushers) + " expected");
+                st.warned = true;
+            }
+        }
+    }
+
   private:
+    /* A push, from its checks into its round (on_push, or complete() for one held: hold_early). */
     void serve(const std::string &ident, const BpsHeader &h, BpsMessage *m) {
         uint64_t t_recv = bps_span_start();
         int64_t rank = book_.rank_of(h.sender);
@@ -102,55 +150,6 @@ class BpsSyncRounds {
         return true;
     }
 
-  public:
-    void take_sums() {
-        if (!rounds_.pool()) return;
-        std::vector<uint64_t> done;
-        rounds_.pool()->done(&done);
-        for (uint64_t key : done) {
-            BpsRound *found = rounds_.find(key);
-            if (found == nullptr) continue;
-            BpsRound &st = *found;
-            st.pending--;
-            if (st.pending == 0 && st.has_ready) {
-                st.has_ready = false;
-                BpsHeader h = st.ready;
-                complete(st, h);
-            }
-        }
-    }
-
-    /* The book's ranks in join() and machines still pushing changed (set_join(), not done). */
-    void on_join() {
-        for (auto &kv : rounds_.keys()) { /* rounds that were waiting only for a rank that just joined */
-            BpsRound &st = *kv.second;
-            if (!st.has_header || st.senders.empty()) continue;
-            BpsHeader h = st.header;
-            if (book_.set_members(h.key) >= 0) continue; /* join() is the whole job's, not a set's */
-            if (h.cmd == BPS_CMD_BROADCAST) { /* pushed before this JOIN: the joined rank never sends its part */
-                if (st.error.empty()) st.error = joined_broadcast_error();
-                maybe_complete(st, h);
-            } else if (h.cmd == BPS_CMD_PUSHPULL && (int64_t)st.senders.size() >= book_.active_pushers) {
-                maybe_complete(st, h);
-            }
-        }
-    }
-
-    void warn_stalls(double now) {
-        char secs[32];
-        for (auto &kv : rounds_.keys()) {
-            BpsRound &st = *kv.second;
-            if (!st.senders.empty() && !st.warned && now - st.since > BPS_STALL_WARNING_S) {
-                snprintf(secs, sizeof secs, "%.0f", now - st.since);
-                log_(bps_key_name(kv.first) + " round " + std::to_string(st.round) +
-                     " has waited " + secs + " s: pushes from ranks " + bps_rank_list(st.senders) + " are in, " +
-                     std::to_string(st.has_header ? book_.expected(st.header) : book_.pushers) + " expected");
-                st.warned = true;
-            }
-        }
-    }
-
-  private:
     /* A rank refused the call of this round (FLAG_ABANDON, its reason in the body): it counts as that
      * rank's push, and the round fails with the reason, so every pusher of it gets the ERROR as soon as
      * the round's pushes are in, and the key's next round is a normal one. */
