@@ -281,6 +281,8 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         ValueError: a push_pull of the same name is already in flight in this process.
     """
     job = _require()
+    if name in job.inflight:  # this rank's own misuse, not a call the others make: nothing to abandon
+        raise _in_flight(name)
     try:
         op = _make_op(job, name, buf, dtype, shape, broadcast_root, priority, asynchronous, compression, process_set,
                       average_by)
@@ -296,8 +298,7 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
     with job.inflight_lock:
         if name in job.inflight:  # another thread started it meanwhile
             del job.handles[handle]
-            raise ValueError(f"a push_pull or broadcast named {name!r} is already in flight; synchronize it "
-                             "before starting another one with the same name")
+            raise _in_flight(name)
         job.inflight[name] = op
     op.callbacks.append(lambda done: _leave_inflight(job, done))
     try:
@@ -307,6 +308,11 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         del job.handles[handle]
         raise
     return handle
+
+
+def _in_flight(name):
+    return ValueError(f"a push_pull or broadcast named {name!r} is already in flight; synchronize it before "
+                      "starting another one with the same name")
 
 
 def abandon(name, process_set, error):
@@ -320,9 +326,6 @@ def abandon(name, process_set, error):
 def _make_op(job, name, buf, dtype, shape, broadcast_root, priority, asynchronous, compression, process_set,
              average_by):
     """submit()'s Op, once its arguments are checked (ValueError naming the tensor)."""
-    if name in job.inflight:
-        raise ValueError(f"a push_pull or broadcast named {name!r} is already in flight; synchronize it before "
-                         "starting another one with the same name")
     if broadcast_root is not None and not 0 <= broadcast_root < job.size:
         raise ValueError(f"root rank {broadcast_root} for tensor {name!r} is outside 0..{job.size - 1}")
     if process_set is not None:

@@ -105,6 +105,8 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         int64_t add_table(const string &name, vector[BpsPart] parts, const BpsTableCodec *codec)
         void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                            cbool root_self, unsigned char *buf, uint64_t nbytes, cbool lazy, uint32_t divisor)
+        void submit_abandon(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, cbool root_self,
+                            unsigned char *buf, uint64_t nbytes, const string &reason)
         string enable_gpu(const string &cudart, uint64_t slot_bytes, int slots)
         void submit_gpu(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                         cbool root_self, uint64_t dev_ptr, int device, uint64_t nbytes, uint64_t ready_event,
@@ -494,6 +496,19 @@ cdef class WorkerCore:
         # releasing the GIL here would let another Python thread take it for up to a switch interval
         self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes, lazy,
                                       divisor)
+
+    def submit_abandon(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, bint root_self, buf,
+                       str reason):
+        """This rank refused a call on ``table``'s tensor: an op (``buf``: zeros of the tensor's size, kept alive
+        by the caller, never sent) whose partitions take the rounds the call would have had and push
+        ``reason`` instead of data, so the servers fail those rounds on every rank (core/wire.py
+        FLAG_ABANDON). It completes like any op, with the servers' error."""
+        cdef Py_buffer view
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+        cdef unsigned char *data = <unsigned char *>view.buf
+        cdef uint64_t nbytes = view.len
+        PyBuffer_Release(&view)
+        self.core.submit_abandon(op_id, table, cmd, dtype, root, root_self, data, nbytes, reason.encode())
 
     def enable_gpu(self, str cudart, uint64_t slot_bytes, int slots):
         """Once, before the first :meth:`submit_gpu` (any time, from one thread): load the CUDA runtime at

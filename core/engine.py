@@ -161,7 +161,11 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
 
     def abandon(self, name, process_set, reason):
         """A call this rank refused before declaring ``name`` (common.submit): say so in its place (any
-        thread), so that the ranks that declare it get an error naming us at once (_abandon)."""
+        thread), so that the ranks that make it get an error naming us at once: in the servers' rounds of a
+        tensor we used before (_abandon_rounds; at once, as submit() sends an op of a known tensor, so a
+        later call of it cannot take those rounds first), else in its declaration (_abandon)."""
+        if not self._inbox and self._abandon_rounds(name, process_set, reason):
+            return
         self._inbox.append(("abandon", name, None, (process_set, reason)))
         self._wake()
 
@@ -460,15 +464,17 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
     def _abandon(self, name, pset, reason):
         """Declare ``name`` abandoned, with the reason: in the declaration this rank would have made (the
         same per-name count, so later declarations stay in step), which the scheduler answers with an
-        error naming us on every rank that declares it. Not for a name this rank has declared before:
-        the others then reuse its key without declaring, and the servers' rounds time out as usual."""
+        error naming us on every rank that declares it. A name this rank ran before: the others reuse its
+        key without declaring, so its rounds are abandoned at the servers instead (_abandon_rounds)."""
         set_id, members = 0, None
         if pset is not None:
             set_id, members = int(pset[0]), sorted(int(r) for r in pset[1])
             if self.rank not in members:  # the members do not wait for a non-member
                 return
-        if any(n == name for n, _ in self._keys) or any(n == name for n, _ in self._decl_pending):
+        if self._abandon_rounds(name, pset, reason):
             return
+        if any(n == name for n, _ in self._keys) or any(n == name for n, _ in self._decl_pending):
+            return  # keyed but never run here (a topology executor's op), or its declaration in flight
         seq = self._decl_seq[(name, set_id)]
         self._decl_seq[(name, set_id)] += 1
         body = {"name": name, "seq": seq, "abandoned": reason}

@@ -196,6 +196,30 @@ class NativePlane:
         # poll() or synchronize() that saw the id before submit() would finish the op with no data
         op.native_id = nid
 
+    def _abandon_rounds(self, name, pset, reason):
+        """This rank refused a call of ``name``, a tensor it ran before (any thread): the native core takes
+        the rounds the call would have had, in the tensor's latest table here, and pushes the reason in
+        place of data (core/wire.py FLAG_ABANDON), so the servers fail those rounds on every rank and our
+        round counters stay in step. False if no table of ``name`` (in that process set) exists here."""
+        set_id = 0 if pset is None else int(pset[0])
+        if pset is not None and self.rank not in pset[1]:
+            return True  # the members do not wait for a non-member
+        with self._native_lock:
+            tables = [t for t, spec in self._native_specs.items() if spec.name == name
+                      and (0 if spec.pset is None else spec.pset[0]) == set_id and spec.cmd != Cmd.ASYNC_PUSHPULL]
+        if not tables:
+            return False
+        table = max(tables)  # the tensor's latest use
+        spec = self._native_specs[table]
+        op = Op(name, np.zeros(spec.nbytes, np.uint8), spec.dtype, (spec.nbytes,), spec.cmd, spec.root, pset=pset)
+        nid = next(self._native_ids)
+        self._native_ops[nid] = op  # its completion (the servers' error) is delivered and dropped
+        root_self = spec.cmd == Cmd.BROADCAST and spec.root == self.rank
+        self._native.submit_abandon(nid, table, spec.cmd, spec.dtype, spec.root, root_self, op.buf,
+                                    f"rank {self.rank} refused the call ({reason})")
+        op.native_id = nid
+        return True
+
     def _gpu_unavailable(self):
         """Load the CUDA runtime for CUDA tensors' copy stages at the first one (core/device_buffer.py), with
         a staging ring of BYTEPS_GPU_STAGING_BYTES in slots of one partition; why they cannot run here

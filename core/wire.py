@@ -11,7 +11,8 @@ offset type   field
 3      u8     command (:class:`Cmd`)
 4      u8     dtype code (core/dtypes.py), 255 if none
 5      u8     flags: :data:`FLAG_SHM` = the body is a shared-memory descriptor (core/shm.py);
-              :data:`FLAG_COMPRESSED` = the body is a compressed partition (byteps/compression.py)
+              :data:`FLAG_COMPRESSED` = the body is a compressed partition (byteps/compression.py);
+              :data:`FLAG_ABANDON` = the sender refused the call of this round, the body says why
 6      u16    reserved, 0
 8      u32    sender: the node id the scheduler assigned (0xFFFFFFFF before assignment)
 12     u32    arg: command argument (root rank for BROADCAST, error code, ...)
@@ -45,6 +46,12 @@ MAX_CONTROL_BODY = 16 << 20
 FLAG_SHM = 1
 #: flag: the body is a compressed partition (byteps/compression.py); ``length`` stays the dense byte count
 FLAG_COMPRESSED = 2
+#: flag (PUSHPULL, BROADCAST, LOCAL_READY): the sender refused the call this round belongs to (a tensor whose
+#: key it had: the others do not declare it again); the body is the UTF-8 reason, ``length`` its size. The
+#: server fails the round: every pusher of it gets an ERROR with the reason, and the key's next round is
+#: normal. A local peer's LOCAL_READY carries it to the partition's owner, which pushes it on
+#: (core/engine.py abandon, summation/native/sync_rounds.h abandon)
+FLAG_ABANDON = 4
 #: flag (LOCAL_READY): the sender has seen an odd number of join()s end. Rounds restart at 0 when a join
 #: ends, and the end reaches a machine's processes at different moments: a process still in join() must not
 #: adopt a copy its peer sent for the first op after the end (core/engine.py _on_local)

@@ -160,3 +160,55 @@ def abandoned_call(out, args):
     seconds = max(seconds, time.monotonic() - began)
     after = bps.synchronize(bps.push_pull_async(torch.full((5,), float(r + 1)), average=False)).tolist()
     return {"first": first, "second": second, "seconds": seconds, "after": after}
+
+
+def _refused_by_rank_1(call):
+    """(what ``call`` raised on this rank, or "no error"; seconds it took)."""
+    import time
+
+    began = time.monotonic()
+    try:
+        call()
+        got = "no error"
+    except Exception as e:  # noqa: BLE001 -- the scenario reports what it got
+        got = f"{type(e).__name__}: {e}"
+    return got, time.monotonic() - began
+
+
+@scenario
+def abandoned_warm_call(out, args):
+    """Rank 1 refuses calls on names every rank used before (their keys are cached, so nobody declares
+    them again): a complex tensor's push_pull, small (one partition) and of several partitions, and a
+    broadcast with a root out of range. The others must get an error naming rank 1 within seconds,
+    and the next call of each name must be exact everywhere: the refused call's rounds were used up."""
+    r, n = bps.rank(), bps.size()
+    total = float(n * (n + 1) // 2)
+    res = {}
+    for name, numel in (("small", 4), ("big", args.get("big", 3000))):
+        def call(dtype=torch.float32):
+            return bps.push_pull(torch.full((numel,), float(r + 1), dtype=dtype), average=False, name=name)
+
+        warm = call()
+        refused, seconds = _refused_by_rank_1(lambda: call(torch.complex64 if r == 1 else torch.float32))
+        after = [call() for _ in range(2)]
+        res[name] = {"warm": bool((warm == total).all()), "refused": refused, "seconds": seconds,
+                     "after": [bool((a == total).all()) for a in after]}
+
+    def cast(root):
+        return bps.broadcast(torch.full((6,), float(r + 1)), root_rank=root, name="cast")
+
+    warm = cast(0)
+    refused, seconds = _refused_by_rank_1(lambda: cast(n if r == 1 else 0))
+    res["cast"] = {"warm": warm.tolist() == [1.0] * 6, "refused": refused, "seconds": seconds,
+                   "after": cast(0).tolist() == [1.0] * 6}
+    if n >= 4:  # a process set's tensor: its own key, its members push themselves (no local reduce)
+        pset = bps.add_process_set([0, 1])
+        if r in (0, 1):
+            def in_set(root=0):
+                return bps.broadcast_(torch.full((5,), float(r + 1)), root, name="in_set", process_set=pset)
+
+            warm = in_set()
+            refused, seconds = _refused_by_rank_1(lambda: in_set(3 if r == 1 else 0))  # 3: not a member
+            res["in_set"] = {"warm": warm.tolist() == [1.0] * 5, "refused": refused, "seconds": seconds,
+                             "after": in_set().tolist() == [1.0] * 5}
+    return res

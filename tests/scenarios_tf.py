@@ -190,6 +190,17 @@ def tf_api(out, args):
     res["one_refused.max"] = _err(lambda: bps.allreduce(mine, op=bps.Max))
     res["one_refused.seconds"] = time.monotonic() - began
     res["one_refused.after"] = _as_list(bps.push_pull(tf.constant([float(r + 1)]), op=bps.Sum))
+    # the same on a name every rank used before: its key is cached, nobody declares it again, so rank 1
+    # abandons the servers' rounds of the call (core/wire.py FLAG_ABANDON)
+    def warm_call(t):
+        return _as_list(bps.push_pull(t, op=bps.Sum, name="warm.refused"))
+
+    res["warm_refused.warm"] = warm_call(tf.constant([float(r + 1)] * 3))
+    began = time.monotonic()
+    refused = tf.constant([1j] * 3, dtype=tf.complex64) if r == 1 else tf.constant([1.0] * 3)
+    res["warm_refused.error"] = _err(lambda: warm_call(refused))
+    res["warm_refused.seconds"] = time.monotonic() - began
+    res["warm_refused.after"] = warm_call(tf.constant([float(r + 1)] * 3))
 
     # ---------------------------------------------------------------- DistributedGradientTape
     w1 = tf.Variable(make_array(0, "float64", (6, 5), 12) / 8)

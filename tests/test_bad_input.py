@@ -47,6 +47,34 @@ def test_a_call_one_rank_refused_fails_promptly_on_the_others(cluster):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("machines,local_size", [(2, 1), (1, 2), (2, 2)])
+def test_a_refused_call_on_a_used_name_fails_promptly_everywhere(cluster, machines, local_size):
+    """Rank 1 refuses calls on names every rank used before (no declaration is made again: the servers'
+    rounds are abandoned), on 2 machines, 1 machine of 2 processes (local reduce, no server round) and 2
+    machines of 2 (a local owner pushes a peer's refusal; and in a process set of ranks 0 and 1), with
+    partitions on 2 servers: every other rank gets an error naming rank 1 and its reason within seconds
+    (BYTEPS_TIMEOUT is 30 s), and each name's next calls are exact on every rank."""
+    c = cluster(machines, 2, local_size, env={"BYTEPS_PARTITION_BYTES": "4000"})
+    c.run_workers("abandoned_warm_call")
+    codes, scodes, sched = c.wait_all(80)
+    assert codes == [0] * machines * local_size and sched == 0, c.all_logs()
+    res = c.results()
+    for rank in range(machines * local_size):
+        names = [("small", "complex64"), ("big", "complex64"), ("cast", "outside 0..")]
+        if machines * local_size >= 4 and rank in (0, 1):  # process set [0, 1]
+            names.append(("in_set", "not a member"))
+        for name, why in names:
+            v = res[rank]["value"][name]
+            assert v["warm"] and v["after"] in (True, [True, True]), (rank, name, v)
+            if rank == 1:
+                assert why in v["refused"] and "rank 1 refused" not in v["refused"], (name, v)
+                continue
+            assert v["refused"].startswith("TensorMismatchError") and "rank 1 refused the call (" in v["refused"] \
+                and why in v["refused"], (rank, name, v)
+            assert v["seconds"] < 10, (rank, name, v)
+
+
+@pytest.mark.timeout(90)
 def test_ranks_stalled_in_different_collectives_fail_fast(cluster):
     """A rank that skipped a collective (a barrier meets an allreduce, then a process-set check): the
     scheduler fails both within its 3 s grace, far below BYTEPS_TIMEOUT (30 s here), naming who waits

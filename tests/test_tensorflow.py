@@ -186,6 +186,15 @@ def test_unsupported_dtype_names_the_tensor(tfjob):
     for r in range(N):
         assert tfjob.value(r)["one_refused.seconds"] < 10, tfjob.value(r)["one_refused.seconds"]
         np.testing.assert_array_equal(tfjob.value(r)["one_refused.after"], [sum(range(1, N + 1))])
+    # and on a name every rank used before (the servers' rounds are abandoned): exact before and after
+    mine, theirs = tfjob.value(1)["warm_refused.error"], tfjob.value(0)["warm_refused.error"]
+    assert mine.startswith("TypeError") and "complex64" in mine, mine
+    assert "rank 1 refused the call (TypeError" in theirs and "complex64" in theirs, theirs
+    for r in range(N):
+        v = tfjob.value(r)
+        assert v["warm_refused.seconds"] < 10, v["warm_refused.seconds"]
+        for key in ("warm_refused.warm", "warm_refused.after"):
+            np.testing.assert_array_equal(v[key], [sum(range(1, N + 1))] * 3)
 
 
 @TIMEOUT

@@ -16,6 +16,22 @@ def test_header_round_trip():
     assert wire.split_key(h.key) == (7, 2)
 
 
+
+def test_the_native_wire_constants_equal_wire_py():
+    """core/transport/bps_wire.h restates core/wire.py's commands and flags for the native threads."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "core/transport/bps_wire.h").read_text()
+    native = {m[0]: int(m[1]) for m in re.findall(r"BPS_((?:CMD|FLAG)_\w+) = (\d+)", text)}
+    assert len(native) > 10, native
+    for name, value in native.items():
+        kind, _, rest = name.partition("_")
+        want = int(wire.Cmd[rest]) if kind == "CMD" else getattr(wire, name)
+        assert value == want, (name, value, want)
+    assert wire.FLAG_ABANDON not in (wire.FLAG_SHM, wire.FLAG_COMPRESSED, wire.FLAG_JOIN_EPOCH)
+
+
 @pytest.mark.parametrize("mutate,msg", [
     (lambda b: b[:-1], "expected 40"),
     (lambda b: b"XX" + b[2:], "bad magic"),

@@ -145,6 +145,9 @@ class BpsWorkerCore {
     uint64_t gpu_peak_slots() const { return gpu_->peak_slots(); }
     uint64_t gpu_copies() const { return gpu_->copies(); }
     uint64_t gpu_grown() const { return gpu_->grown(); }
+    /* a call this rank refused on a tensor the others reuse the key of: its rounds, abandoned (``reason``) */
+    void submit_abandon(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, bool root_self,
+                        unsigned char *buf, uint64_t nbytes, const std::string &reason);
     uint64_t next_round(uint64_t key);
     void reset_rounds();
 
@@ -285,6 +288,7 @@ class BpsWorkerCore {
         uint64_t ranks = 0;                    /* bit n: local rank n's copy is in */
         std::vector<const void *> copies;
         std::string error;                     /* the first unreadable copy */
+        std::string abandon;                   /* a local rank refused the call: its reason (FLAG_ABANDON) */
         bool reducing = false;
     };
 
@@ -347,6 +351,8 @@ class BpsWorkerCore {
     void take_stage_done();
     void after_task(BpsStageTask &t);
     void add_copy(Group &g, const std::string &header, const std::string &body);
+    void send_ready(BpsOp *op, const BpsPart &p, uint8_t flags, const void *body, size_t n);
+    void abandon_local(BpsOp *op, int i);
     int expected_copies() const;
     std::vector<int> missing(const Group &g) const;
     void maybe_reduce(const Ident &id);

@@ -279,8 +279,8 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
         std::vector<const void *> srcs{buf + p.offset};
         srcs.insert(srcs.end(), g.copies.begin(), g.copies.end());
         BpsStageTask sum{priority, 0, BPS_TASK_SUM, op, 0, p.staging, std::move(srcs), p.length, dtype, 0};
-        /* an unreadable copy, or a failed sum: byteps-net reports it as usual */
-        if (g.error.empty() && g.count == (int)peers.size() && bps_run_task(sum, 1) == 0) {
+        /* an unreadable copy, a refused call or a failed sum: byteps-net reports it as usual */
+        if (g.error.empty() && g.abandon.empty() && g.count == (int)peers.size() && bps_run_task(sum, 1) == 0) {
             local_reduced_++;
             BpsHeader h = bps_header(BPS_CMD_LOCAL_DONE, node_id_, p.key, p.rnd, p.length, BPS_NO_DTYPE,
                                      (uint32_t)local_rank_, BPS_FLAG_SHM);

@@ -126,6 +126,10 @@ inline void BpsWorkerCore::coordinate(BpsOp *op, int i) {
     BpsPart &p = op->parts[i];
     op->owed_local[p.owner]++;
     awaiting_[Ident(p.key, p.rnd)] = Await{op, i, p.owner};
+    if (!p.abandon.empty()) { /* a call we refused: no copy, our reason (the owner's round fails with it) */
+        send_ready(op, p, BPS_FLAG_ABANDON, p.abandon.data(), p.abandon.size());
+        return;
+    }
     stage_or_inline(BPS_TASK_COPY_IN, op, i, p.staging, {bps_host_bytes(op, p)});
 }
 
@@ -162,14 +166,7 @@ inline void BpsWorkerCore::after_task(BpsStageTask &t) {
     if (op->done.load()) return; /* failed meanwhile (time-out, abort) */
     BpsPart &p = op->parts[t.part];
     if (t.kind == BPS_TASK_COPY_IN) {
-        BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, op->dtype,
-                                 (uint32_t)local_rank_, BPS_FLAG_SHM | join_epoch_flag());
-        if (local_.send(p.owner, &h, &p.desc, sizeof p.desc) != 0) {
-            fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': sending to local rank " +
-                                           std::to_string(p.owner) + " failed: " + strerror(errno));
-            return;
-        }
-        local_coordinated_++;
+        send_ready(op, p, BPS_FLAG_SHM, &p.desc, sizeof p.desc);
     } else if (t.kind == BPS_TASK_SUM) {
         if (t.rc != 0) {
             groups_.erase(Ident(p.key, p.rnd));
@@ -190,6 +187,18 @@ inline void BpsWorkerCore::after_task(BpsStageTask &t) {
     }
 }
 
+/* LOCAL_READY to the partition's owner: our copy's descriptor (FLAG_SHM), or our reason (FLAG_ABANDON). */
+inline void BpsWorkerCore::send_ready(BpsOp *op, const BpsPart &p, uint8_t flags, const void *body, size_t n) {
+    BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, op->dtype, (uint32_t)local_rank_,
+                             flags | join_epoch_flag());
+    if (local_.send(p.owner, &h, body, n) != 0) {
+        fail(op, BPS_ERR_PROTOCOL, "tensor '" + op->name + "': sending to local rank " + std::to_string(p.owner) +
+                                       " failed: " + strerror(errno));
+        return;
+    }
+    local_coordinated_++;
+}
+
 /* A LOCAL_READY's copy: a view of the sender's shared region (its descriptor is checked). */
 inline void BpsWorkerCore::add_copy(Group &g, const std::string &header, const std::string &body) {
     BpsHeader h;
@@ -200,7 +209,9 @@ inline void BpsWorkerCore::add_copy(Group &g, const std::string &header, const s
     std::string err;
     g.count++;
     if (h.arg < 64) g.ranks |= 1ull << h.arg;
-    if (view_shared(body.data(), body.size(), &src, &len, &err) != 0) {
+    if (h.flags & BPS_FLAG_ABANDON) { /* that rank refused the call: its reason, no copy */
+        if (g.abandon.empty()) g.abandon = body;
+    } else if (view_shared(body.data(), body.size(), &src, &len, &err) != 0) {
         if (g.error.empty()) g.error = err;
     } else if (len != p.length) {
         if (g.error.empty())
@@ -233,6 +244,13 @@ inline void BpsWorkerCore::maybe_reduce(const Ident &id) {
     g.reducing = true;
     BpsOp *op = g.op;
     BpsPart &p = op->parts[g.part];
+    if (p.abandon.empty()) p.abandon = g.abandon;
+    if (!p.abandon.empty()) { /* a local rank refused the call: no sum; the round fails with its reason */
+        int part = g.part;
+        groups_.erase(it);
+        abandon_local(op, part);
+        return;
+    }
     if (!g.error.empty()) {
         int part = g.part;
         std::string text = "tensor '" + op->name + "': a local rank's shared copy: " + g.error;
@@ -244,6 +262,22 @@ inline void BpsWorkerCore::maybe_reduce(const Ident &id) {
     if (!op->adds_nothing || g.copies.empty()) srcs.push_back(bps_host_bytes(op, p));
     srcs.insert(srcs.end(), g.copies.begin(), g.copies.end());
     stage_or_inline(BPS_TASK_SUM, op, g.part, p.staging, std::move(srcs));
+}
+
+/* An owner's partition whose call a local rank (maybe this one) refused: the machine's push carries the
+ * reason to the server, which fails the round for every machine; on a machine that is the whole job,
+ * the round fails here, and the others are told (ERROR). */
+inline void BpsWorkerCore::abandon_local(BpsOp *op, int i) {
+    BpsPart &p = op->parts[i];
+    if (!lone_machine_) {
+        p.result = p.staging; /* never read: the server answers an abandoned round with ERROR */
+        advance(op, i);
+        return;
+    }
+    std::string body = bps_json_error(p.abandon);
+    set_error(op, BPS_ERR_SERVER, body);
+    local_broadcast(op, i, nullptr, body);
+    part_done(op);
 }
 
 /* PULL of an owner's partition: the machine's result, for LOCAL_BROADCAST (or its error, to the others). */

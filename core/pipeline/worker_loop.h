@@ -59,6 +59,18 @@ inline void BpsWorkerCore::submit_table(int64_t id, int64_t table, uint8_t cmd, 
     submit_new(op, table);
 }
 
+/* A call this rank refused on table ``table``: an op of its own (``buf``, zeros, is never sent) whose
+ * partitions take the rounds the call would have had and push ``reason`` instead of data (FLAG_ABANDON;
+ * worker_send_queue.h, worker_local_reduce.h). First in the send queue: a later op of the tensor must not
+ * take its rounds. */
+inline void BpsWorkerCore::submit_abandon(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root,
+                                          bool root_self, unsigned char *buf, uint64_t nbytes,
+                                          const std::string &reason) {
+    BpsOp *op = new_op(id, cmd, dtype, root, INT64_MAX, root_self, buf, nbytes, 1);
+    op->abandons = reason;
+    submit_new(op, table);
+}
+
 /* A CUDA tensor's op: ``nbytes`` of device memory at ``dev_ptr`` on device ``device``; its first copy
  * waits for the producer's ``ready_event``, its completion records ``done_event`` (0: none). */
 inline void BpsWorkerCore::submit_gpu(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root,

@@ -87,7 +87,7 @@ inline void BpsWorkerCore::push(BpsOp *op, int index) {
     }
     /* no copy where the tensor is in shared memory already (a topology executor's range), or where a
      * lost server's replacement elsewhere takes the bytes from the tensor */
-    if (p.staging != nullptr && p.staging != bps_host_bytes(op, p)) {
+    if (p.staging != nullptr && p.staging != bps_host_bytes(op, p) && p.abandon.empty()) {
         uint64_t t_stage = bps_span_start();
         bps_copy_stream(p.staging, bps_host_bytes(op, p), p.length); /* the server reads it on another core */
         bps_span(BPS_STAGE_STAGE, t_stage, p.key, rnd, p.length, p.server, op->priority);
@@ -107,7 +107,7 @@ inline void BpsWorkerCore::send_push(BpsOp *op, int index) {
     if (op->local ? p.colocated : p.staging != nullptr && !empty) flags = BPS_FLAG_SHM;
     p.trace_t = bps_span_start(); /* PUSH: until the reply arrives (on_message) */
     uint64_t body_len = empty ? 0 : (flags ? BPS_DESCRIPTOR_SIZE : p.length);
-    bool encoded = !flags && !empty && p.compress && op->codec != nullptr && op->cmd == BPS_CMD_PUSHPULL;
+    bool encoded = !flags && !empty && p.abandon.empty() && p.compress && op->codec != nullptr && op->cmd == BPS_CMD_PUSHPULL;
     if (encoded) { /* the blob is copied by the transport: its buffer is the partition's again next round */
         const std::vector<uint8_t> &blob = bps_codec_encode(*op->codec, (size_t)index, p.key, rnd, op->dtype,
                                                             data, p.length);
@@ -116,11 +116,18 @@ inline void BpsWorkerCore::send_push(BpsOp *op, int index) {
         flags = BPS_FLAG_COMPRESSED;
         compressed_pushes_.fetch_add(1, std::memory_order_relaxed);
     }
-    BpsHeader h = bps_header(op->cmd, node_id_, p.key, rnd, flags ? p.length : body_len, op->dtype,
-                             op->root, flags);
+    if (!p.abandon.empty()) { /* a call refused here or by a local rank: the reason, no data (or codec state) */
+        data = (const unsigned char *)p.abandon.data();
+        body_len = p.abandon.size();
+        flags = BPS_FLAG_ABANDON;
+    }
+    BpsHeader h = bps_header(op->cmd, node_id_, p.key, rnd, flags & ~BPS_FLAG_ABANDON ? p.length : body_len,
+                             op->dtype, op->root, flags);
     BpsFrames f;
     f.copy(&h, sizeof h);
-    if (flags & BPS_FLAG_SHM) {
+    if (flags & BPS_FLAG_ABANDON) {
+        f.copy(data, body_len);
+    } else if (flags & BPS_FLAG_SHM) {
         f.copy(&p.desc, sizeof p.desc);
     } else if (encoded || body_len < 65536) {
         f.copy(data, body_len);

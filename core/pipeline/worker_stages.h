@@ -46,6 +46,7 @@ inline void BpsWorkerCore::plan(BpsOp *op, int i) {
 inline void BpsWorkerCore::start(BpsOp *op, int i) {
     plan(op, i);
     BpsPart &p = op->parts[(size_t)i];
+    p.abandon = op->abandons;
     if (op->local && !op->adds_nothing) p.rnd = next_round(p.key); /* a joined owner's: its peers' round */
     if (op->gpu) {
         std::string err;

@@ -78,6 +78,9 @@ struct BpsPart {
      * first stage to its last; -1 / NULL: none held */
     int32_t slot = -1;
     unsigned char *host = nullptr;
+    /* non-empty: this round is abandoned (FLAG_ABANDON), and why: this rank refused the call (its op's
+     * ``abandons``), or, for an owner, a local rank that did (its LOCAL_READY); its push carries the text */
+    std::string abandon;
 
     int32_t stage() const { return at >= 0 && at < stages.n ? stages.stage[at] : 0; }
 };
@@ -120,6 +123,9 @@ struct BpsOp {
     int device = 0;
     uint64_t ready_event = 0, done_event = 0;
     bool gpu_waited = false; /* byteps-net: its copies' stream waits for the ready event already */
+    /* submit_abandon(): this rank refused the call; its partitions push this reason instead of data, in the
+     * rounds the call would have had, so the others' rounds fail at once and later rounds stay in step */
+    std::string abandons;
 };
 
 /* Where partition ``p`` of ``op`` is in host memory: the tensor's bytes, or (a CUDA tensor) its slot. */

@@ -28,6 +28,7 @@ enum {
     BPS_DESCRIPTOR_SIZE = 32,
     BPS_FLAG_SHM = 1,
     BPS_FLAG_COMPRESSED = 2,
+    BPS_FLAG_ABANDON = 4, /* core/wire.py: the sender refused this round's call; the body is its reason */
     BPS_FLAG_JOIN_EPOCH = 8, /* core/wire.py: a LOCAL_READY sent after an odd number of completed join()s */
     BPS_CMD_HELLO = 11,
     BPS_CMD_AUTH = 13,

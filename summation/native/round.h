@@ -64,6 +64,9 @@ struct BpsRound {
     BpsHeader ready;
     bool has_done = false;   /* elastic: round done_round completed here; its store holds the result */
     uint64_t done_round = 0;
+    /* pushes of the next round from ranks already in this one (a rank that abandoned this round moves on
+     * at once): held, with their identities, until this round completes */
+    std::vector<std::pair<std::string, BpsMessage *>> early;
 
     const void *held_data() { return held_is_msg ? bps_zmq.msg_data(&held_msg) : held_ptr; }
 
@@ -91,7 +94,10 @@ struct BpsRound {
         has_ready = false;
     }
 
-    ~BpsRound() { drop_held(); }
+    ~BpsRound() {
+        drop_held();
+        for (auto &e : early) delete e.second;
+    }
 
     BpsStore &store() { return stores[round & 1]; }
 };

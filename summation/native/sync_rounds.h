@@ -5,6 +5,7 @@
  *                  a compressed one (FLAG_COMPRESSED) is decoded into the store (compressed_rounds.h)
  *     -> add()     first push held as it arrived, second: store = first + second (bps_sum_many),
  *                  later ones: store += push (bps_sum_into); inline, or on a sum thread (key % N)
+ *     abandon()    a rank refused the round's call (FLAG_ABANDON): it fails with the reason
  *     -> complete() every pusher of the round is in and its sums are done: REPLY to each waiter,
  *                  zero-copy from the store, a descriptor of the store (colocated), the pusher's
  *                  own region (one pushing machine), an empty body (broadcast root), the sum
@@ -41,37 +42,8 @@ class BpsSyncRounds {
     uint64_t completed() const { return completed_.load(); }
 
     void on_push(const std::string &ident, const BpsHeader &h, BpsMessage *m) {
-        uint64_t t_recv = bps_span_start();
         pushes_.fetch_add(1);
-        int64_t rank = book_.rank_of(h.sender);
-        std::string bad = bps_elements_problem(h, rank);
-        if (!bad.empty()) {
-            replies_.reply_error(ident, h, bad);
-            return;
-        }
-        if (!book_.joined.empty() && h.cmd == BPS_CMD_BROADCAST && book_.set_members(h.key) < 0) { /* as in Horovod: not while ranks have joined */
-            replies_.reply_error(ident, h, joined_broadcast_error());
-            return;
-        }
-        BpsRound *found = rounds_.find(h.key);
-        /* elastic servers: a key this server takes over from a lost one starts at the round it is in */
-        BpsRound &st = found != nullptr ? *found
-                                        : rounds_.create(h.key, elastic_ != nullptr ? h.round : 0,
-                                                         h.cmd != BPS_CMD_BROADCAST ? (int64_t)h.length : -1, h.dtype);
-        if (elastic_ != nullptr && elastic_->is_late(st, h)) {
-            elastic_->answer_late(st, h, ident); /* a round this server completed, pushed again */
-            return;
-        }
-        if (st.senders.empty()) st.since = bps_server_now();
-        std::string problem = st.error.empty() ? bps_round_problem(st, h, rank) : st.error;
-        if (problem.empty()) problem = accept(st, h, rank, ident, m);
-        if (!problem.empty() && st.error.empty()) st.error = problem;
-        st.senders.push_back(rank);
-        st.waiters.push_back(BpsRound::Waiter{ident, (h.flags & BPS_FLAG_SHM) != 0});
-        st.has_header = true;
-        st.header = h;
-        bps_span(BPS_STAGE_RECV, t_recv, h.key, h.round, h.length, -1, 0, (int32_t)rank);
-        if ((int64_t)st.senders.size() >= book_.expected(h)) maybe_complete(st, h);
+        serve(ident, h, m);
     }
 
     void take_sums() {
@@ -122,6 +94,88 @@ class BpsSyncRounds {
     }
 
   private:
+    /* A push, from its checks into its round (on_push, or complete() for one held: hold_early). */
+    void serve(const std::string &ident, const BpsHeader &h, BpsMessage *m) {
+        uint64_t t_recv = bps_span_start();
+        int64_t rank = book_.rank_of(h.sender);
+        if (h.flags & BPS_FLAG_ABANDON) {
+            abandon(ident, h, m, rank);
+            return;
+        }
+        std::string bad = bps_elements_problem(h, rank);
+        if (!bad.empty()) {
+            replies_.reply_error(ident, h, bad);
+            return;
+        }
+        if (!book_.joined.empty() && h.cmd == BPS_CMD_BROADCAST && book_.set_members(h.key) < 0) { /* as in Horovod: not while ranks have joined */
+            replies_.reply_error(ident, h, joined_broadcast_error());
+            return;
+        }
+        BpsRound *found = rounds_.find(h.key);
+        /* elastic servers: a key this server takes over from a lost one starts at the round it is in */
+        BpsRound &st = found != nullptr ? *found
+                                        : rounds_.create(h.key, elastic_ != nullptr ? h.round : 0,
+                                                         h.cmd != BPS_CMD_BROADCAST ? (int64_t)h.length : -1, h.dtype);
+        if (st.nbytes < 0 && h.cmd == BPS_CMD_PUSHPULL) { /* a key an abandoned round created (abandon()) */
+            st.nbytes = (int64_t)h.length;
+            st.dtype = h.dtype;
+        }
+        if (elastic_ != nullptr && elastic_->is_late(st, h)) {
+            elastic_->answer_late(st, h, ident); /* a round this server completed, pushed again */
+            return;
+        }
+        if (hold_early(st, ident, h, rank, m)) return;
+        if (st.senders.empty()) st.since = bps_server_now();
+        std::string problem = st.error.empty() ? bps_round_problem(st, h, rank) : st.error;
+        if (problem.empty()) problem = accept(st, h, rank, ident, m);
+        if (!problem.empty() && st.error.empty()) st.error = problem;
+        st.senders.push_back(rank);
+        st.waiters.push_back(BpsRound::Waiter{ident, (h.flags & BPS_FLAG_SHM) != 0});
+        st.has_header = true;
+        st.header = h;
+        bps_span(BPS_STAGE_RECV, t_recv, h.key, h.round, h.length, -1, 0, (int32_t)rank);
+        if ((int64_t)st.senders.size() >= book_.expected(h)) maybe_complete(st, h);
+    }
+
+    /* A push of round r + 1 from a rank already in round r (which it abandoned, and went on): held until
+     * round r completes (complete() serves it then). True if held. */
+    bool hold_early(BpsRound &st, const std::string &ident, const BpsHeader &h, int64_t rank, BpsMessage *m) {
+        if (h.round != st.round + 1 || std::find(st.senders.begin(), st.senders.end(), rank) == st.senders.end())
+            return false;
+        BpsMessage *keep = new BpsMessage();
+        for (int i = 0; i < m->count; ++i) m->take(i, &keep->frames[i]);
+        keep->count = m->count;
+        m->count = 0;
+        st.early.push_back(std::make_pair(ident, keep));
+        return true;
+    }
+
+    /* A rank refused the call of this round (FLAG_ABANDON, its reason in the body): it counts as that
+     * rank's push, and the round fails with the reason, so every pusher of it gets the ERROR as soon as
+     * the round's pushes are in, and the key's next round is a normal one. */
+    void abandon(const std::string &ident, const BpsHeader &h, BpsMessage *m, int64_t rank) {
+        BpsRound *found = rounds_.find(h.key);
+        BpsRound &st = found != nullptr ? *found
+                                        : rounds_.create(h.key, elastic_ != nullptr ? h.round : 0, -1, h.dtype);
+        if (hold_early(st, ident, h, rank, m)) return;
+        std::string name = bps_key_name(h.key), who = bps_rank_str(rank);
+        if (h.round != st.round || std::find(st.senders.begin(), st.senders.end(), rank) != st.senders.end()) {
+            replies_.reply_error(ident, h, name + ": rank " + who + " abandoned round " + std::to_string(h.round) +
+                                               " while the server is at round " + std::to_string(st.round));
+            return;
+        }
+        if (st.senders.empty()) st.since = bps_server_now();
+        if (st.error.empty()) st.error = name + " round " + std::to_string(h.round) + ": " +
+                                         std::string((const char *)m->data(2), m->size(2));
+        st.senders.push_back(rank);
+        st.waiters.push_back(BpsRound::Waiter{ident, false});
+        if (!st.has_header) { /* the round's completion reads its command (a data push's, if any) */
+            st.has_header = true;
+            st.header = h;
+        }
+        if ((int64_t)st.senders.size() >= book_.expected(h)) maybe_complete(st, h);
+    }
+
     /* Take the body into the round; "" or why it cannot be. */
     std::string accept(BpsRound &st, const BpsHeader &h, int64_t rank, const std::string &ident, BpsMessage *m) {
         if (!st.has_first) {
@@ -315,6 +369,14 @@ class BpsSyncRounds {
         st.done_round = st.round;
         st.round++;
         st.reset();
+        std::vector<std::pair<std::string, BpsMessage *>> early;
+        early.swap(st.early);
+        for (auto &e : early) { /* the next round's pushes that came before this one completed */
+            BpsHeader next;
+            bps_parse_header(e.second->data(1), e.second->size(1), &next);
+            serve(e.first, next, e.second);
+            delete e.second;
+        }
     }
 
     std::string joined_broadcast_error() const { /* summation/server.py's _joined_broadcast_error */
