@@ -721,3 +721,30 @@ if __name__ == "__main__":
     if sys.argv[1] == "launcher":
         _launcher_main(sys.argv[2])
         exit_without_teardown()
+
+
+@scenario
+def hvd_refused_dtypes(out, args):
+    """Rank 1 passes a complex tensor (which byteps cannot move) to each Horovod collective, unnamed, while
+    rank 0 passes float32: rank 0's call must fail at once naming rank 1, and the automatic names stay in
+    step (an unnamed allreduce afterwards is exact)."""
+    r = hvd.rank()
+    dtype = torch.float32 if r == 0 else torch.complex64
+    calls = {
+        "allreduce": lambda: hvd.allreduce(torch.ones(4, dtype=dtype), op=hvd.Sum),
+        "max": lambda: hvd.allreduce(torch.ones(4, dtype=dtype), op=hvd.Max),
+        "grouped": lambda: hvd.grouped_allreduce([torch.ones(3), torch.ones(4, dtype=dtype)], op=hvd.Sum),
+        "allgather": lambda: hvd.allgather(torch.ones(2, dtype=dtype)),
+        "alltoall": lambda: hvd.alltoall(torch.ones(2, dtype=dtype)),
+        "grouped_allgather": lambda: hvd.grouped_allgather([torch.ones(2), torch.ones(2, dtype=dtype)]),
+    }
+    got = {}
+    for name, call in calls.items():
+        began = time.monotonic()
+        got[name] = {"error": _err(call), "seconds": time.monotonic() - began}
+    try:
+        got["after"] = hvd.allreduce(torch.full((3,), float(r + 1)), op=hvd.Sum).tolist()
+    except Exception as e:  # noqa: BLE001 -- the test shows it beside the calls' errors
+        got["after"] = f"{type(e).__name__}: {e}"
+    return got
+

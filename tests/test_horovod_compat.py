@@ -611,3 +611,18 @@ def test_scheduler_port_taken_fails_fast(tmp_path):
     assert p.returncode != 0 and time.monotonic() - start < 20
     assert "ConfigError" in p.stderr and f"127.0.0.1:{port}" in p.stderr and "DMLC_PS_ROOT_PORT" in p.stderr, \
         p.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_dtype_one_rank_refuses_fails_every_collective_promptly(tmp_path):
+    """Horovod's collectives, unnamed, with a complex tensor on rank 1 only: rank 0's allreduce, Max
+    allreduce, grouped allreduce, allgather, alltoall and grouped allgather each fail within seconds naming rank 1 (not after
+    BYTEPS_TIMEOUT, 30 s here), and the next unnamed allreduce is exact on both ranks."""
+    run = Run(tmp_path, "hvd_refused_dtypes", 2, 1, timeout=110)
+    for rank, v in enumerate(run.values()):
+        assert v["after"] == [3.0] * 3, (rank, v)
+        for name in ("allreduce", "max", "grouped", "allgather", "alltoall", "grouped_allgather"):
+            err = v[name]["error"]
+            assert err is not None and "complex64" in err, (rank, name, v[name])
+            if rank == 0:
+                assert "rank 1 refused the call" in err and v[name]["seconds"] < 10, (name, v[name])

@@ -29,11 +29,12 @@ class ScalarInputError(BytePSError, ValueError):
     """A scalar where a collective needs dim 0 (Horovod raises ValueError, newer versions RuntimeError)."""
 
 
-def _check_move_dtype(tensor, name):
-    """alltoall/allgather move bytes: every byteps dtype plus int16 (UnsupportedTypeError otherwise)."""
+def _check_move_dtype(tensor, name, pset, first_ops):
+    """alltoall/allgather move bytes: every byteps dtype plus int16 (UnsupportedTypeError otherwise, after
+    abandoning ``first_ops``, the operations the call would have started first: mpi_ops._code)."""
     from .mpi_ops import _code
 
-    _code(tensor, name, move=True)
+    _code(tensor, name, move=True, pset=pset, first_ops=first_ops)
 
 
 # ------------------------------------------------------------------------------ alltoall
@@ -57,7 +58,8 @@ def _alltoall_start(tensor, splits, name, pset=None):
     rows = tensor.shape[0] if tensor.dim() else -1
     row = splits_row(rows, _given_splits(tensor, splits), n)
     full = _name("alltoall", name, pset)
-    _check_move_dtype(tensor, full)
+    # its two allgathers' first operations (the splits' and the data's, started together)
+    _check_move_dtype(tensor, full, pset, [f"allgather.{full}.{part}.sizes" for part in ("splits", "data")])
     # bad splits send no rows: the check after the first gather fails the alltoall on every rank
     src = _contiguous_copy(tensor.narrow(0, 0, rows_sent(row, n)))
     gathers = []
@@ -132,7 +134,7 @@ def _grouped_allgather_start(tensors, name, pset=None):
     tensors = list(tensors)
     full = _name("grouped_allgather", name, pset)
     for i, t in enumerate(tensors):
-        _check_move_dtype(t, f"{full}.{i}")
+        _check_move_dtype(t, f"{full}.{i}", pset, [f"allgather.{full}.{j}.sizes" for j in range(len(tensors))])
     subs = []
 
     def starter(i, t):

@@ -70,9 +70,17 @@ def _name(prefix, name, pset=None):
     return common.auto_name(prefix, 0 if pset is None else pset[0])
 
 
-def _code(tensor, name, move=False):
-    """The tensor's wire dtype code (``move``: the operation only copies bytes, so int16 is fine too)."""
-    return dtype_code(tensor, name, move=move)
+def _code(tensor, name, move=False, pset=None, first_ops=None):
+    """The tensor's wire dtype code (``move``: the operation only copies bytes, so int16 is fine too). A
+    dtype byteps cannot move: this rank declares the operations the call would have started first
+    (``first_ops``, default ``[name]``) abandoned, so that the ranks that make the call fail at once naming
+    this one (common.abandon), then raises UnsupportedTypeError."""
+    try:
+        return dtype_code(tensor, name, move=move)
+    except ValueError as e:
+        for op_name in first_ops or [name]:
+            common.abandon(op_name, pset, e)
+        raise
 
 
 def _reserve(full):
@@ -195,7 +203,7 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
     process set's members (``pset``: None or ``(id, ranks)``); returns a handle."""
     if op in (Min, Max, Product):
         return _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor, pset)
-    code = _code(tensor, full)
+    code = _code(tensor, full, pset=pset)
     _check_inflight(full)
     # CUDA may stay on the GPU (BYTEPS_LOCAL_STRATEGY=topology), except in a process set
     work, write_back, buf = _buffers(tensor, push_pull=pset is None, name=full)
@@ -226,7 +234,7 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
 
 def _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor, pset=None):
     """Min/Max/Product: every rank broadcasts its tensor; each reduces the ``size`` tensors locally."""
-    _code(tensor, full)
+    _code(tensor, full, pset=pset, first_ops=[f"{full}.{i}" for i in range(_members(pset)[0])])
     with _starting(full) as pending:
         n, me, ranks = _members(pset)
         src = _scale_(_contiguous_copy(tensor), prescale_factor)
@@ -336,8 +344,12 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def _grouped_start(tensors, name, op, prescale_factor, postscale_factor, pset=None):
     tensors = list(tensors)
     full = _name("grouped_allreduce", name, pset)
+    # refused: the others' first operations for every tensor fail at once (Min/Max/Product: the broadcasts)
+    firsts = [f"{full}.{j}" for j in range(len(tensors))]
+    if op in (Min, Max, Product):
+        firsts = [f"{f}.{r}" for f in firsts for r in range(_members(pset)[0])]
     for i, t in enumerate(tensors):
-        _code(t, f"{full}.{i}")
+        _code(t, f"{full}.{i}", pset=pset, first_ops=firsts)
     starters = [lambda i=i, t=t: _allreduce_start(t, f"{full}.{i}", op, prescale_factor, postscale_factor, pset=pset)
                 for i, t in enumerate(tensors)]
     return _start_chain(full, starters, _finish_with_results).handle
@@ -426,7 +438,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 def _allgather_start(tensor, name, pset=None):
     full = _name("allgather", name, pset)
-    _code(tensor, full, move=True)
+    _code(tensor, full, move=True, pset=pset, first_ops=[f"{full}.sizes"])
     with _starting(full) as pending:
         n, me, ranks = _members(pset)
         src = _contiguous_copy(tensor)
