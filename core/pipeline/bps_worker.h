@@ -129,7 +129,8 @@ class BpsWorkerCore {
     ~BpsWorkerCore();
     void start();
     void stop();
-    int64_t add_table(const std::string &name, std::vector<BpsPart> parts, const BpsTableCodec *codec = nullptr);
+    int64_t add_table(const std::string &name, std::vector<BpsPart> parts, const BpsTableCodec *codec = nullptr,
+                      int64_t codec_of = -1);
     void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                       bool root_self, unsigned char *buf, uint64_t nbytes, bool lazy = false, uint32_t divisor = 1);
     void submit(BpsOp *op);

@@ -35,16 +35,15 @@ inline void BpsWorkerCore::stop() {
     gpu_->stop();
 }
 
-/* Register a tensor's partition table once (per tensor, not per call); returns its id. */
+/* Register a tensor's partition table once (per tensor, not per call); returns its id. Its wire codec:
+ * ``codec``'s options, or (``codec_of`` >= 0) table ``codec_of``'s codec, its state included. */
 inline int64_t BpsWorkerCore::add_table(const std::string &name, std::vector<BpsPart> parts,
-                                        const BpsTableCodec *codec) {
+                                        const BpsTableCodec *codec, int64_t codec_of) {
     std::lock_guard<std::mutex> lock(mu_);
     bool local = !parts.empty() && parts[0].owner >= 0;
     std::shared_ptr<BpsTableCodec> wire_codec;
-    if (codec != nullptr && codec->method != 0) {
-        wire_codec = std::make_shared<BpsTableCodec>(*codec);
-        wire_codec->parts.assign(parts.size(), BpsCodecState());
-    }
+    if (codec_of >= 0) wire_codec = tables_.at((size_t)codec_of).codec;
+    else if (codec != nullptr && codec->method != 0) wire_codec = std::make_shared<BpsTableCodec>(*codec);
     elastic_.replay(parts); /* a tensor first used after servers were lost: as if it had been there */
     tables_.push_back(BpsTable{name, std::move(parts), local, std::move(wire_codec)});
     return (int64_t)tables_.size() - 1;
