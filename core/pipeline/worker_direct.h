@@ -57,14 +57,14 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         std::lock_guard<std::mutex> lock(mu_);
         BpsTable &t = tables_.at((size_t)table);
         /* another thread submitted on this table meanwhile, or the servers are changing: the normal path */
-        if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
+        if (ops_.running() != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
             t.count != seq) {
             delete op;
             return false;
         }
         op->table = table;
         op->seq = t.count++;
-        ops_[id] = op;
+        ops_.add(op, false);
     }
     servers_.set_direct_owned(server, true);
     BpsPart &p = op->parts[0];
@@ -103,14 +103,8 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
 /* A direct call's end (mu_ held): its caller delivers it (``replied``), or byteps-net takes it over
  * through ``adopt``. */
 inline void BpsWorkerCore::end_direct(BpsOp *op, bool replied, uint64_t rnd, std::vector<BpsQueued> *adopt) {
-    op->direct.store(false);
-    if (replied) {
-        op->parts_left = 0;
-        op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
-    } else {
-        adopt->push_back(BpsQueued{op->priority, rnd, op, 0});
-        net_ops_++;
-    }
+    ops_.end_direct(op, replied);
+    if (!replied) adopt->push_back(BpsQueued{op->priority, rnd, op, 0});
 }
 
 /* After a direct call let go of its link: byteps-net has work (``more``, or an adopted partition). */
@@ -166,14 +160,14 @@ inline BpsOp *BpsWorkerCore::begin_local_direct(int64_t id, int64_t table, uint6
     BpsPart &p = op->parts[0];
     std::lock_guard<std::mutex> lock(mu_);
     BpsTable &t = tables_.at((size_t)table);
-    if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
+    if (ops_.running() != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
         self_joined_ || t.count != seq) {
         delete op;
         return nullptr;
     }
     op->table = table;
     op->seq = t.count++;
-    ops_[id] = op;
+    ops_.add(op, false);
     p.rnd = next_round(p.key);
     p.has_rnd = true;
     if (awaits_done) local_direct_ids_.insert(Ident(p.key, p.rnd));
@@ -293,14 +287,8 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
     }
     {
         std::lock_guard<std::mutex> lock(mu_);
-        op->direct.store(false);
-        if (replied) {
-            op->parts_left = 0;
-            op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
-        } else {
-            owner_adopt_in_.push_back(std::make_pair(op, std::move(copies)));
-            net_ops_++;
-        }
+        ops_.end_direct(op, replied);
+        if (!replied) owner_adopt_in_.push_back(std::make_pair(op, std::move(copies)));
     }
     bool more = false;
     for (int r : peers) {

@@ -15,7 +15,6 @@ inline BpsWorkerCore::~BpsWorkerCore() {
     stop();
     if (stage_ != nullptr) delete stage_;
     if (gpu_->stop()) delete gpu_;
-    for (auto &kv : ops_) delete kv.second;
     ::close(wake_fd_);
     ::close(done_fd_);
 }
@@ -31,6 +30,7 @@ inline void BpsWorkerCore::stop() {
     stopping_ = true;
     wake();
     thread_.join();
+    ops_.stop();
     if (stage_ != nullptr) stage_->stop();
     gpu_->stop();
 }
@@ -85,8 +85,7 @@ inline void BpsWorkerCore::submit_new(BpsOp *op, int64_t table) {
         op->seq = t.count++;
         if (elastic_.holding()) { /* the servers are changing: which partitions it uses is known at commit() */
             op->started = bps_now();
-            ops_[op->id] = op;
-            net_ops_++;
+            ops_.add(op, true);
             elastic_.hold_op(op);
             return;
         }
@@ -108,8 +107,7 @@ inline void BpsWorkerCore::submit(BpsOp *op) {
 inline void BpsWorkerCore::submit_locked(BpsOp *op) {
     op->started = bps_now();
     op->parts_left = (int)op->parts.size();
-    ops_[op->id] = op;
-    net_ops_++;
+    ops_.add(op, true);
     for (size_t i = 0; i < op->parts.size(); ++i) {
         inbox_.push_back(BpsQueued{op->priority, 0, op, (int)i});
     }
@@ -272,12 +270,7 @@ inline void BpsWorkerCore::take_inbox() {
     }
     if (abort) {
         sendq_.drop_all();
-        std::vector<BpsOp *> all;
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            for (auto &kv : ops_) all.push_back(kv.second);
-        }
-        for (BpsOp *op : all) { /* a direct caller's op fails when it is handed over (take_direct) */
+        for (BpsOp *op : ops_.snapshot()) { /* a direct caller's op fails when it is handed over (take_direct) */
             if (!op->done.load() && !op->direct.load()) fail(op, BPS_ERR_ABORT, "");
         }
         pending_.clear();
