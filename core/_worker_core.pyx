@@ -531,8 +531,8 @@ cdef class WorkerCore:
         return self.core.direct_calls()
 
     def stage_entries(self):
-        """{stage code: partitions byteps-net moved into that stage so far} (BpsWorkerCore::advance;
-        a direct call's partition counts only if byteps-net took it over)."""
+        """{stage code: partitions moved into that stage so far} (BpsWorkerCore::step: byteps-net's
+        and direct callers' partitions alike)."""
         return {code: self.core.entered(code) for code in range(1, BPS_STAGE_COUNT + 1)}
 
     @property

@@ -6,8 +6,8 @@
  * Once a tensor's key is known, a plain push_pull or broadcast is handed over whole with
  * BpsWorkerCore::submit() (on the caller's thread, under a mutex; no Python object crosses). From then
  * on, the network thread ("byteps-net") moves each partition through its list of stages, built when
- * its op starts (bps_stage_list(): core/pipeline/bps_stages.h), with one function, advance()
- * (worker_stages.h):
+ * its op starts (bps_stage_list(): core/pipeline/bps_stages.h), with advance() (worker_stages.h),
+ * which moves it with step(), as a direct caller's thread does (worker_direct.h):
  *
  *     queued (priority, credit)  ->  [STAGE: copy into shared memory, colocated server]
  *       ->  PUSH (header + body zero-copy from the tensor, or a 32-byte descriptor)
@@ -69,7 +69,7 @@
  *
  * BpsWorkerCore's member functions live in one header per part, each included at the end of this one:
  *
- *     worker_stages.h        each partition's stage list, and advance(): the one place it moves on
+ *     worker_stages.h        each partition's stage list, step(): the one place it moves on, advance()
  *     worker_loop.h          byteps-net: start/stop, submit, run(), the inbox, PULL (on_message, receive)
  *     worker_send_queue.h    PUSH from the send queue (BpsSendQueue, send_queue.h), Python's raw sends
  *     worker_completions.h   errors, failing and completing ops, time-outs
@@ -255,7 +255,7 @@ class BpsWorkerCore {
     void set_direct_spin(double seconds) { direct_spin_s_ = seconds > 0 ? seconds : 0; }
     /* Calls that completed on the caller's thread (submit_direct; tests check the path ran). */
     uint64_t direct_calls() const { return direct_calls_.load(); }
-    /* Partitions advance() moved into stage ``code`` (BPS_STAGE_*) so far (byteps.metrics()). */
+    /* Partitions step() moved into stage ``code`` (BPS_STAGE_*) so far (byteps.metrics()). */
     uint64_t entered(int32_t code) const {
         return code > 0 && code <= BPS_STAGE_COUNT ? entered_[code].load(std::memory_order_relaxed) : 0;
     }
@@ -313,7 +313,7 @@ class BpsWorkerCore {
     };
     void plan(BpsOp *op, int i);
     void start(BpsOp *op, int i);
-    void resume(BpsOp *op, int i, int32_t stage);
+    int32_t step(BpsOp *op, int i);
     void advance(BpsOp *op, int i);
     void gpu_copy(BpsOp *op, int i, bool d2h);
     void take_gpu_done();
@@ -374,7 +374,7 @@ class BpsWorkerCore {
     uint32_t node_id_;
     BpsSendQueue sendq_; /* network-thread state: partitions waiting for the credit, bytes in flight */
     BpsReply reply_;     /* network-thread state: the reply on_message() hands to PULL */
-    std::atomic<uint64_t> entered_[BPS_STAGE_COUNT + 1] = {}; /* per stage code: partitions advance() moved in */
+    std::atomic<uint64_t> entered_[BPS_STAGE_COUNT + 1] = {}; /* per stage code: partitions step() moved in */
     double timeout_;
     int nthreads_;
     int notify_fd_;

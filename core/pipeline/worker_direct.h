@@ -1,4 +1,7 @@
-/* BpsWorkerCore, direct calls: a synchronous call's round trip on the caller's thread. */
+/* BpsWorkerCore, direct calls: a synchronous call's round trip on the caller's thread. Each plans its
+ * one partition's stage list as byteps-net would (plan()) and moves through it with step(), doing each
+ * stage's work on its own thread; byteps-net takes over a partition whose window passed in the stage
+ * it is in (take_direct), and advance() moves it on from there. */
 #ifndef BPS_WORKER_DIRECT_H
 #define BPS_WORKER_DIRECT_H
 
@@ -73,7 +76,10 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
     p.has_rnd = true;
     bool empty = cmd == BPS_CMD_BROADCAST && !root_self;
     uint64_t body_len = empty ? 0 : p.length;
-    /* the bytes go inline even to a colocated server: for so few, a descriptor saves nothing */
+    plan(op, 0);
+    /* STAGE (a colocated server) copies nothing: for so few bytes a descriptor saves nothing, the bytes
+     * go inline */
+    if (step(op, 0) == BPS_STAGE_STAGE) step(op, 0); /* PUSH */
     BpsHeader h = bps_header(cmd, node_id_, p.key, rnd, body_len, dtype, root, 0);
     BpsFrames f;
     f.copy(&h, sizeof h);
@@ -171,6 +177,7 @@ inline BpsOp *BpsWorkerCore::begin_local_direct(int64_t id, int64_t table, uint6
     p.rnd = next_round(p.key);
     p.has_rnd = true;
     if (awaits_done) local_direct_ids_.insert(Ident(p.key, p.rnd));
+    plan(op, 0);
     return op;
 }
 
@@ -196,7 +203,8 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
     if (op == nullptr) return false;
     BpsPart &p = op->parts[0];
     local_.set_direct_owned(owner, true);
-    memcpy(p.staging, buf + p.offset, p.length); /* COORDINATE: our copy into our shared region */
+    step(op, 0); /* COORDINATE: our copy into our shared region, LOCAL_READY to the owner */
+    memcpy(p.staging, buf + p.offset, p.length);
     BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, dtype, (uint32_t)local_rank_,
                              BPS_FLAG_SHM | join_epoch_flag());
     BpsFrames f;
@@ -260,6 +268,7 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
     BpsPart &p = op->parts[0];
     Ident me(p.key, p.rnd);
     for (int r : peers) local_.set_direct_owned(r, true);
+    step(op, 0); /* LOCAL_REDUCE */
     /* [identity, header, body] of each LOCAL_READY: those that reached byteps-net first */
     std::vector<std::vector<std::string>> copies = early_.take(me);
     bool strays = false;
@@ -276,11 +285,13 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
         /* an unreadable copy, or a failed sum: byteps-net reports it as usual */
         if (g.error.empty() && g.count == (int)peers.size() && bps_run_task(sum, 1) == 0) {
             local_reduced_++;
+            step(op, 0); /* LOCAL_BROADCAST */
             BpsHeader h = bps_header(BPS_CMD_LOCAL_DONE, node_id_, p.key, p.rnd, p.length, BPS_NO_DTYPE,
                                      (uint32_t)local_rank_, BPS_FLAG_SHM);
             for (int r : peers) local_.send(r, &h, &p.desc, BPS_DESCRIPTOR_SIZE); /* LOCAL_BROADCAST */
             BpsStageTask out{priority, 0, BPS_TASK_COPY_OUT, op, 0, buf + p.offset, {p.staging}, p.length, dtype, 0};
             bps_run_task(out, 1);
+            step(op, 0); /* done */
             owner_direct_++;
             replied = true;
         }
@@ -367,6 +378,7 @@ inline bool BpsWorkerCore::local_direct_wait(BpsOp *op, int owner, BpsConn *l, b
                 set_error(op, BPS_ERR_SERVER, std::string((const char *)msg.data(2), msg.size(2)));
                 return true;
             }
+            step(op, 0); /* LOCAL_BROADCAST: the owner's result into the tensor */
             unsigned char *src;
             uint64_t len;
             std::string err;
@@ -379,6 +391,7 @@ inline bool BpsWorkerCore::local_direct_wait(BpsOp *op, int owner, BpsConn *l, b
                 return true;
             }
             bps_result_into(op, op->buf + p.offset, src, p.length, false); /* COPY_OUT */
+            step(op, 0); /* done */
             return true;
         }
         if (l->dead()) return false; /* byteps-net adopts it; its DEALER carries what follows */
@@ -407,8 +420,10 @@ inline bool BpsWorkerCore::direct_wait(BpsOp *op, int server, BpsConn *l, uint64
             servers_.count_received(server, msg.size(0) + (msg.count > 1 ? msg.size(1) : 0));
             uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
             bps_span_to(BPS_STAGE_PUSH, p.trace_t, t_reply, p.key, rnd, p.length, server, op->priority);
-            take_reply(op, p, server, h, &msg); /* PULL */
+            step(op, 0); /* PULL */
+            take_reply(op, p, server, h, &msg);
             bps_span(BPS_STAGE_PULL, t_reply, p.key, rnd, p.length, server, op->priority);
+            step(op, 0); /* done */
             return true;
         }
         if (l->dead()) return false; /* byteps-net adopts it; the scheduler reports the lost server */
@@ -439,7 +454,6 @@ inline void BpsWorkerCore::take_direct() {
             fail(op, BPS_ERR_ABORT, "");
             continue;
         }
-        resume(op, 0, BPS_STAGE_LOCAL_REDUCE);
         Ident id(op->parts[0].key, op->parts[0].rnd);
         Group &g = groups_[id];
         g.op = op;
@@ -449,7 +463,6 @@ inline void BpsWorkerCore::take_direct() {
         maybe_reduce(id);
     }
     for (auto &a : local_adopt) { /* its LOCAL_READY is out: wait for the owner's LOCAL_DONE here */
-        resume(a.op, a.part, BPS_STAGE_COORDINATE);
         BpsPart &p = a.op->parts[(size_t)a.part];
         Ident id(p.key, a.seq);
         awaiting_[id] = Await{a.op, a.part, p.owner};
@@ -471,7 +484,6 @@ inline void BpsWorkerCore::take_direct() {
         delete m;
     }
     for (auto &a : adopt) { /* its PUSH is out: wait for the reply here */
-        resume(a.op, a.part, BPS_STAGE_PUSH);
         BpsPart &p = a.op->parts[(size_t)a.part];
         if (servers_.dead(p.server) && !abort) { /* elastic: its server went while the caller waited */
             a.seq = p.qseq = seq_++;
