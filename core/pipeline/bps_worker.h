@@ -48,9 +48,9 @@
  * (BpsUcxLink, core/transport/bps_ucx.h: BYTEPS_TRANSPORT=ucx), both polled in run() like the sockets.
  *
  * BpsWorkerCore is the coordinator: byteps-net's loop (run), submit, advance(), the local reduce's
- * groups, the hand-overs from direct callers. The state of each part
- * with a seam of its own lives in a class it owns, in its own header, with its own locks and a comment
- * at its top on what it owns and which threads call it:
+ * groups, the hand-overs from direct callers. The state of each part with a seam of its own lives in
+ * a class it owns, in its own header, with its own locks and a comment at its top on what it owns and
+ * which threads call it:
  *
  *     BpsServerLinks    server_links.h    per server: its DEALER, its direct link (TCP or UCX) and that
  *                                         link's lock, the UCP worker, byte counters, colocated / dead,
