@@ -85,7 +85,8 @@ def compression_join(out, args):
     """Every case push_pulled for ``rounds`` rounds (round by round, case by case) by every rank but
     ``joiner``, which runs only the first ``joiner_rounds`` and then calls join(): from then on it
     reduces its local peers' copies of the partitions it owns and pushes them, encoded, for them.
-    Every rank joins at the end. Digests, layouts and the joiner's pushes."""
+    A case without "method" uses the job's BYTEPS_COMPRESSOR. Every rank joins at the end. Digests,
+    layouts (of the tensors this rank declared) and the joiner's pushes."""
     import torch
 
     import byteps.torch as bps
@@ -99,7 +100,8 @@ def compression_join(out, args):
     res = {case["name"]: {"digests": []} for case in args["cases"]}
     for rnd in range(rounds):
         for case in args["cases"]:
-            codec = WireCompressor(case["method"], **{"min_bytes": 0, **case.get("opts", {})})
+            codec = WireCompressor(case["method"], **{"min_bytes": 0, **case.get("opts", {})}) \
+                if "method" in case else None
             t = torch.from_numpy(make_input(r, case, rnd))
             bps.push_pull_inplace(t, average=False, name=case["name"], compression=codec)
             res[case["name"]]["digests"].append(digest(t))
@@ -107,6 +109,8 @@ def compression_join(out, args):
     last = bps.join()
     pushed_after = _moved(common.metrics())
     for case in args["cases"]:
+        if not res[case["name"]]["digests"]:  # never pushed here: not declared
+            continue
         tkey, engine = _layout(case["name"])
         parts = engine.placement.partitions(tkey, case["numel"] * 4, 4)
         res[case["name"]].update(tkey=tkey, server_node_ids=[s["node_id"] for s in engine.book["servers"]],

@@ -280,6 +280,28 @@ def test_joined_process_pushes_its_peers_partitions_compressed(cluster):
     assert in_join["pushed"] == in_join["compressed_pushes"] == owned_by_joiner * (rounds - 1), in_join
 
 
+def test_joined_process_pushes_a_tensor_it_never_pushed_with_the_job_codec(cluster):
+    """As above, but rank 1 joins before its first push_pull: it has no table of the tensor, and pushes
+    the partitions it owns encoded by the job's BYTEPS_COMPRESSOR, as its peers do. Exact sums (fp16 of
+    small integers, rank 1 adding nothing), every push of rank 1 in join() encoded."""
+    case = {"name": "join.env", "numel": 24000, "kind": "int"}
+    rounds, joiner = 2, 1
+    c = cluster(2, 2, local_size=2, env={**TCP, "BYTEPS_PARTITION_BYTES": "32768", "BYTEPS_COMPRESSOR": "fp16",
+                                         "BYTEPS_MIN_COMPRESS_BYTES": "0"})
+    c.run_workers("compression_join", {"cases": [case], "rounds": rounds, "joiner": joiner, "joiner_rounds": 0})
+    codes, server_codes, sched = c.wait_all(150)
+    assert codes == [0] * 4 and server_codes == [0, 0] and sched == 0, c.all_logs()
+    res = c.results()
+    meta = res[0]["value"][case["name"]]
+    for r in (0, 2, 3):
+        for rnd, d in enumerate(res[r]["value"][case["name"]]["digests"]):
+            want = sum(make_input(q, case, rnd) for q in (0, 2, 3))
+            np.testing.assert_array_equal(undigest(d, np.float32), want, err_msg=f"round {rnd} rank {r}")
+    owned = sum(1 for i, *_ in meta["parts"] if (meta["tkey"] + i) % 2 == joiner % 2)
+    in_join = res[joiner]["value"]["in_join"]
+    assert owned > 0 and in_join["pushed"] == in_join["compressed_pushes"] == owned * rounds, (owned, in_join)
+
+
 #: every method with and without error feedback (and momentum), through 2 machines x 2 processes
 LOCAL_CASES = [
     {"name": f"lre.{method}{'.ef' if ef else ''}", "method": method, "numel": 24000, "rounds": 3 if ef else 2,
