@@ -102,7 +102,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
 
     cdef cppclass BpsWorkerCore:
         BpsWorkerCore(uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd)
-        int64_t add_table(const string &name, vector[BpsPart] parts, const BpsTableCodec *codec)
+        int64_t add_table(const string &name, vector[BpsPart] parts, const BpsTableCodec *codec, int64_t codec_of)
         void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                            cbool root_self, unsigned char *buf, uint64_t nbytes, cbool lazy, uint32_t divisor)
         void submit_abandon(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, cbool root_self,
@@ -464,20 +464,22 @@ cdef class WorkerCore:
         """An eventfd that becomes readable when ops complete."""
         return self.core.done_fd()
 
-    def add_table(self, str name, const int64_t[:, ::1] parts, codec=None):
+    def add_table(self, str name, const int64_t[:, ::1] parts, codec=None, int64_t codec_of=-1):
         """Register a tensor's partitions once; returns the id :meth:`submit` takes. ``parts`` rows:
         wire key, offset, length, server, staging address (0: none), the staging region's
         descriptor: pid, fd, inode, offset, (local reduce) the owner's local rank (-1: no local
         reduce) and whether the server is colocated, and whether its push is encoded by ``codec``.
         ``codec``: the table's wire codec, (method id, flags, levels, k, seed, momentum mu, nesterov,
         this worker's rank) as byteps.compression.WireCompressor has them, or None
-        (core/pipeline/worker_codec.h keeps each partition's state across the table's ops)."""
+        (core/pipeline/worker_codec.h keeps each partition's state across the table's ops).
+        ``codec_of``: instead, the codec (and state) of that table (a joined process's partition it
+        pushes for its peers: the tensor's own table)."""
         cdef BpsTableCodec wire_codec
-        if codec is None:
-            return self.core.add_table(name.encode(), _parts(parts), NULL)
+        if codec is None or codec_of >= 0:
+            return self.core.add_table(name.encode(), _parts(parts), NULL, codec_of)
         (wire_codec.method, wire_codec.flags, wire_codec.levels, wire_codec.k, wire_codec.seed, wire_codec.mu,
          wire_codec.nesterov, wire_codec.stream) = codec
-        return self.core.add_table(name.encode(), _parts(parts), &wire_codec)
+        return self.core.add_table(name.encode(), _parts(parts), &wire_codec, -1)
 
     def submit(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
                bint root_self, buf, bint lazy=False, uint32_t divisor=1):
@@ -555,8 +557,8 @@ cdef class WorkerCore:
         return self.core.direct_calls()
 
     def stage_entries(self):
-        """{stage code: partitions byteps-net moved into that stage so far} (BpsWorkerCore::advance;
-        a direct call's partition counts only if byteps-net took it over)."""
+        """{stage code: partitions moved into that stage so far} (BpsWorkerCore::step: byteps-net's
+        and direct callers' partitions alike)."""
         return {code: self.core.entered(code) for code in range(1, BPS_STAGE_COUNT + 1)}
 
     @property

@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from byteps import compression
 from byteps.errors import BytePSError, BytePSTimeoutError, ProtocolError, TensorMismatchError
 from byteps.log import logger
 
@@ -440,21 +441,24 @@ class NativePlane:
     def _reduce_owed(self, key, rnd, dtype, nbytes):
         """In join(): a local peer sent its copy of a partition this process owns. The native core
         reduces the peers' copies (adding nothing of ours), pushes the sum and hands the result back,
-        as for our own ops; we give it the partition's one-row table (server, shared region)."""
+        as for our own ops; we give it the partition's one-row table (server, shared region), whose push
+        is encoded as our peers' pushes of the tensor are (_owed_codec)."""
         if self.rank not in self.joined:  # asked just before our join ended: the copy waits for our next op
             return
         tkey, part = wire.split_key(key)
-        ident = ("owed", key, nbytes, dtype)
+        server = self.placement.server(tkey, part)
+        codec_of, compress, settings = self._owed_codec(tkey, dtype, nbytes, server)
+        ident = ("owed", key, nbytes, dtype, codec_of, compress)
         entry = self._native_parts.get(ident)
         if entry is None:
-            server = self.placement.server(tkey, part)
             rows = table_rows.new(1)
             view, desc = self._region(key, nbytes)
-            table_rows.place(rows, 0, key, 0, nbytes, server)
+            table_rows.place(rows, 0, key, 0, nbytes, server, compress)
             table_rows.stage(rows, 0, view.ctypes.data, desc)
             table_rows.reduce_locally(rows, 0, self.cfg.local_rank, self.colocated[server])
             with self._native_lock:
-                entry = self._native_parts[ident] = (self._native.add_table(f"join.{tkey}.{part}", rows), 1)
+                table = self._native.add_table(f"join.{tkey}.{part}", rows, settings, codec_of)
+                entry = self._native_parts[ident] = (table, 1)
         zeros = self._owed_zeros.get(nbytes)
         if zeros is None:  # stands for our copy only if no peer's is usable; never written
             zeros = self._owed_zeros[nbytes] = np.zeros(nbytes, np.uint8)
@@ -464,6 +468,24 @@ class NativePlane:
         self._native_ops[nid] = op
         self._native.submit_owed(nid, entry[0], rnd, dtype, zeros)
         op.native_id = nid
+
+    def _owed_codec(self, tkey, dtype, nbytes, server):
+        """How a joined process pushes a partition of tensor ``tkey`` for its peers: (table whose codec
+        and state it shares, or -1; whether it is encoded; the codec's settings when it has its own).
+        The tensor's table here, if this process pushed it before it joined, encodes it as the peers'
+        tables do, continuing its state (error feedback, momentum). A tensor it never pushed has no
+        known compressor or size: the job's BYTEPS_COMPRESSOR, judged as if the tensor were this
+        partition (a tensor of several partitions smaller than BYTEPS_MIN_COMPRESS_BYTES each may then
+        differ from the peers' pushes, which the server reports)."""
+        specs = [(t, s) for t, s in self._native_specs.items()
+                 if s.tkey == tkey and s.cmd == Cmd.PUSHPULL and s.pset is None]
+        if specs:
+            table, spec = max(specs, key=lambda ts: ts[0])  # the latest: the codec of its last push_pulls
+            if spec.codec is None:
+                return -1, False, None
+            return table, self._compresses(spec.codec, dtype, spec.nbytes, nbytes, server), None
+        codec = compression.default_codec()
+        return -1, self._compresses(codec, dtype, nbytes, nbytes, server), self._codec_settings(codec)
 
     @staticmethod
     def _on_stray_reply(server, frames):

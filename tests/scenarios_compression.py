@@ -80,6 +80,48 @@ def compression_sums(out, args):
     return res
 
 
+@scenario
+def compression_join(out, args):
+    """Every case push_pulled for ``rounds`` rounds (round by round, case by case) by every rank but
+    ``joiner``, which runs only the first ``joiner_rounds`` and then calls join(): from then on it
+    reduces its local peers' copies of the partitions it owns and pushes them, encoded, for them.
+    A case without "method" uses the job's BYTEPS_COMPRESSOR. Every rank joins at the end. Digests,
+    layouts (of the tensors this rank declared) and the joiner's pushes."""
+    import torch
+
+    import byteps.torch as bps
+    from byteps import common
+    from byteps.compression import WireCompressor
+
+    from scenarios import digest
+
+    r = bps.rank()
+    rounds = args["rounds"] if r != args["joiner"] else args["joiner_rounds"]
+    res = {case["name"]: {"digests": []} for case in args["cases"]}
+    for rnd in range(rounds):
+        for case in args["cases"]:
+            codec = WireCompressor(case["method"], **{"min_bytes": 0, **case.get("opts", {})}) \
+                if "method" in case else None
+            t = torch.from_numpy(make_input(r, case, rnd))
+            bps.push_pull_inplace(t, average=False, name=case["name"], compression=codec)
+            res[case["name"]]["digests"].append(digest(t))
+    pushed_before = _moved(common.metrics())
+    last = bps.join()
+    pushed_after = _moved(common.metrics())
+    for case in args["cases"]:
+        if not res[case["name"]]["digests"]:  # never pushed here: not declared
+            continue
+        tkey, engine = _layout(case["name"])
+        parts = engine.placement.partitions(tkey, case["numel"] * 4, 4)
+        res[case["name"]].update(tkey=tkey, server_node_ids=[s["node_id"] for s in engine.book["servers"]],
+                                 parts=sorted([int(i), int(off), int(length), int(server)]
+                                              for i, off, length, server in parts))
+    # the partitions this process pushed while in join() (for its peers), and of them those it encoded
+    res["in_join"] = {"pushed": pushed_after[0] - pushed_before[0],
+                      "compressed_pushes": pushed_after[1] - pushed_before[1], "last": last}
+    return res
+
+
 def _moved(metrics):
     """(partitions the native core pushed, of them those it pushed compressed) so far."""
     return metrics["native"]["stages"].get("push", 0), metrics["native"]["compressed_pushes"]

@@ -70,11 +70,13 @@ def undigest(hexstr, dtype):
     return np.frombuffer(bytes.fromhex(hexstr), dtype=dtype)
 
 
-def simulate(case, meta, machines=N, local_size=1):
+def simulate(case, meta, machines=N, local_size=1, joined_from=None):
     """Every worker's encoding, the server's decode-and-sum and its recompressed reply, partition by
     partition, with the library's codecs (each checked against its reference above): the result every
     worker must hold after each round. With ``local_size`` processes per machine, partition i's owner
-    (local rank (tensor key + i) % local_size) encodes its machine's sum with its own state and rank."""
+    (local rank (tensor key + i) % local_size) encodes its machine's sum with its own state and rank.
+    ``joined_from``: {rank: the round from which it is in join()}: it adds zeros, and still encodes
+    the sums of the partitions it owns."""
     dtype = np.dtype(case.get("dtype", "float32"))
     code = F32 if dtype == np.float32 else F64
     cfg = C.WireCompressor(case["method"], **{"min_bytes": 0, **case.get("opts", {})})
@@ -82,7 +84,8 @@ def simulate(case, meta, machines=N, local_size=1):
     server_residual = {}
     out = []
     for rnd in range(case.get("rounds", 1)):
-        xs = [make_input(r, case, rnd) for r in range(machines * local_size)]
+        xs = [make_input(r, case, rnd) * (rnd < (joined_from or {}).get(r, rnd + 1))
+              for r in range(machines * local_size)]
         sums = []  # per machine: its processes' sum (two terms: the same in any order)
         for m in range(machines):
             total = xs[m * local_size]
@@ -235,6 +238,68 @@ def test_local_reduce_owners_push_compressed_sums(cluster):
     # only the owners' pushes travel, compressed: a machine sends one fp16 copy of its sum per round
     for machine in ((0, 1), (2, 3)):
         assert sum(res[r]["value"]["lr.fp16"]["sent"] for r in machine) < 2 * 40000 * 4 / 1.9
+
+
+def test_joined_process_pushes_its_peers_partitions_compressed(cluster):
+    """2 machines x 2 processes, rank 1 joins after the first round while the others run three: from
+    then on it reduces its local peer's copies of the partitions it owns and pushes that sum encoded
+    by the tensor's codec, continuing its state (error feedback), so the servers' compressed rounds
+    take it. Every rank's result is the simulation's bit for bit (rank 1 adding zeros), and rank 1's
+    pushes in join() went through its native core, each one it owns encoded."""
+    cases = [{"name": "join.fp16", "method": "fp16", "numel": 24000, "kind": "int"},
+             {"name": "join.onebit", "method": "onebit", "opts": {"error_feedback": True}, "numel": 24000},
+             {"name": "join.topk", "method": "topk", "opts": {"k": 0.05, "error_feedback": True, "momentum": 0.5},
+              "numel": 24000}]
+    rounds, joiner = 3, 1
+    c = cluster(2, 2, local_size=2, env={**TCP, "BYTEPS_PARTITION_BYTES": "32768"})
+    c.run_workers("compression_join", {"cases": cases, "rounds": rounds, "joiner": joiner, "joiner_rounds": 1})
+    codes, server_codes, sched = c.wait_all(150)
+    assert codes == [0] * 4 and server_codes == [0, 0] and sched == 0, c.all_logs()
+    res = c.results()
+    assert all(res[r]["local_reduce"] == 2 for r in range(4)), c.all_logs()
+    owned_by_joiner = 0
+    for case in cases:
+        case = {**case, "rounds": rounds}
+        meta = res[0]["value"][case["name"]]
+        want = simulate(case, meta, machines=2, local_size=2, joined_from={joiner: 1})
+        if case["method"] == "fp16":  # small integers: the sum itself
+            xs = [sum(make_input(r, case, rnd) for r in range(4) if r != joiner or rnd == 0) for rnd in range(rounds)]
+            for rnd in range(rounds):
+                np.testing.assert_array_equal(want[rnd], xs[rnd])
+        for r in range(4):
+            got = res[r]["value"][case["name"]]["digests"]
+            assert len(got) == (1 if r == joiner else rounds)
+            for rnd, d in enumerate(got):
+                np.testing.assert_array_equal(undigest(d, np.float32), want[rnd],
+                                              err_msg=f"{case['name']} round {rnd} rank {r}")
+        owned_by_joiner += sum(1 for i, *_ in meta["parts"] if (meta["tkey"] + i) % 2 == joiner % 2)
+    # rounds 1 and 2 of the partitions rank 1 owns: reduced and pushed encoded by its native core
+    in_join = res[joiner]["value"]["in_join"]
+    assert owned_by_joiner > 0 and res[joiner]["native_local"]["for_peers"] == owned_by_joiner * (rounds - 1), \
+        (owned_by_joiner, res[joiner]["native_local"])
+    assert in_join["pushed"] == in_join["compressed_pushes"] == owned_by_joiner * (rounds - 1), in_join
+
+
+def test_joined_process_pushes_a_tensor_it_never_pushed_with_the_job_codec(cluster):
+    """As above, but rank 1 joins before its first push_pull: it has no table of the tensor, and pushes
+    the partitions it owns encoded by the job's BYTEPS_COMPRESSOR, as its peers do. Exact sums (fp16 of
+    small integers, rank 1 adding nothing), every push of rank 1 in join() encoded."""
+    case = {"name": "join.env", "numel": 24000, "kind": "int"}
+    rounds, joiner = 2, 1
+    c = cluster(2, 2, local_size=2, env={**TCP, "BYTEPS_PARTITION_BYTES": "32768", "BYTEPS_COMPRESSOR": "fp16",
+                                         "BYTEPS_MIN_COMPRESS_BYTES": "0"})
+    c.run_workers("compression_join", {"cases": [case], "rounds": rounds, "joiner": joiner, "joiner_rounds": 0})
+    codes, server_codes, sched = c.wait_all(150)
+    assert codes == [0] * 4 and server_codes == [0, 0] and sched == 0, c.all_logs()
+    res = c.results()
+    meta = res[0]["value"][case["name"]]
+    for r in (0, 2, 3):
+        for rnd, d in enumerate(res[r]["value"][case["name"]]["digests"]):
+            want = sum(make_input(q, case, rnd) for q in (0, 2, 3))
+            np.testing.assert_array_equal(undigest(d, np.float32), want, err_msg=f"round {rnd} rank {r}")
+    owned = sum(1 for i, *_ in meta["parts"] if (meta["tkey"] + i) % 2 == joiner % 2)
+    in_join = res[joiner]["value"]["in_join"]
+    assert owned > 0 and in_join["pushed"] == in_join["compressed_pushes"] == owned * rounds, (owned, in_join)
 
 
 #: every method with and without error feedback (and momentum), through 2 machines x 2 processes

@@ -149,9 +149,12 @@ def test_synchronous_calls_on_the_callers_thread(cluster, case):
     """Synchronous 4 KB calls run their round trip on the caller's thread (most of them: byteps-net
     must be idle); a late peer makes the caller hand its partition to byteps-net, and async traffic on
     the same links must reach its owners; every result exact."""
+    steps = DIRECT_CASES[case]["steps"]
     for res in run_direct_case(cluster, case, {}).values():
         v = res["value"]
         assert res["native_links"] == 2, res
+        # every call's partition went through PUSH and PULL of its stage list, on the caller's thread or not
+        assert res["stages"].get("push", 0) == res["stages"].get("pull", 0) >= 2 * steps, res["stages"]
         if case == "alone":  # nothing else in flight: nearly every call takes the fast path
             assert v["direct"] >= 300, v
         elif case == "late-peer":
@@ -190,6 +193,10 @@ def test_synchronous_local_reduce_calls_on_the_callers_thread(cluster, case, mac
         assert direct > 0 and adopted > 0, (direct, adopted)
     # the owner's side runs on its caller's thread too where the machine is the whole job (its sum is the
     # result); with servers it goes through byteps-net
+    for got in res.values():  # every call's partition went through its stage list, whichever thread ran it
+        st = got["stages"]
+        assert st.get("local_broadcast", 0) >= 2 * DIRECT_CASES[case]["steps"], st
+        assert st.get("coordinate", 0) + st.get("local_reduce", 0) == st.get("local_broadcast", 0), st
     owned = [got["native_local"]["owner_direct"] for got in res.values()]
     if machines == 2:
         assert owned == [0] * 4, owned

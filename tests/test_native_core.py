@@ -58,7 +58,7 @@ def test_local_reduce_native_is_exact(cluster, m, l):
     # two machines the owners push
     sent = [runs[r]["data_sent"] for r in range(n)]
     assert (sum(sent) == 0) == (m == 1), sent
-    # every partition went through its stage list, one advance() at a time (byteps.metrics()): per machine
+    # every partition went through its stage list, one step() at a time (byteps.metrics()): per machine
     # one owner (LOCAL_REDUCE, the server round trip unless its machine is the job, LOCAL_BROADCAST) and
     # l - 1 others (COORDINATE, LOCAL_BROADCAST)
     st = [runs[r]["stages"] for r in range(n)]

@@ -6,8 +6,8 @@
  * Once a tensor's key is known, a plain push_pull or broadcast is handed over whole with
  * BpsWorkerCore::submit() (on the caller's thread, under a mutex; no Python object crosses). From then
  * on, the network thread ("byteps-net") moves each partition through its list of stages, built when
- * its op starts (bps_stage_list(): core/pipeline/bps_stages.h), with one function, advance()
- * (worker_stages.h):
+ * its op starts (bps_stage_list(): core/pipeline/bps_stages.h), with advance() (worker_stages.h),
+ * which moves it with step(), as a direct caller's thread does (worker_direct.h):
  *
  *     queued (priority, credit)  ->  [STAGE: copy into shared memory, colocated server]
  *       ->  PUSH (header + body zero-copy from the tensor, or a 32-byte descriptor)
@@ -47,10 +47,10 @@
  * on either, whole, as a BpsMessage. A link is a BpsConn: a TCP socket (BpsLink) or a UCX endpoint
  * (BpsUcxLink, core/transport/bps_ucx.h: BYTEPS_TRANSPORT=ucx), both polled in run() like the sockets.
  *
- * BpsWorkerCore is the coordinator: byteps-net's loop (run), submit, advance(), the op table and its
- * completions, the local reduce's groups, the hand-overs from direct callers. The state of each part
- * with a seam of its own lives in a class it owns, in its own header, with its own locks and a comment
- * at its top on what it owns and which threads call it:
+ * BpsWorkerCore is the coordinator: byteps-net's loop (run), submit, advance(), the local reduce's
+ * groups, the hand-overs from direct callers. The state of each part with a seam of its own lives in
+ * a class it owns, in its own header, with its own locks and a comment at its top on what it owns and
+ * which threads call it:
  *
  *     BpsServerLinks    server_links.h    per server: its DEALER, its direct link (TCP or UCX) and that
  *                                         link's lock, the UCP worker, byte counters, colocated / dead,
@@ -64,13 +64,15 @@
  *     BpsStageThread    stage_thread.h    byteps-reduce: the local reduce's big sums and copies
  *     BpsGpuCopier      gpu_copier.h      CUDA tensors: COPYD2H / COPYH2D per partition, the staging
  *                                         ring, the byteps streams, byteps-gpu (waits for copies)
+ *     BpsOpTable        op_table.h        every op until Python forgets it, the ops byteps-net runs,
+ *                                         completions: waits, lazy delivery (its mutex after mu_)
  *
  * BpsWorkerCore's member functions live in one header per part, each included at the end of this one:
  *
- *     worker_stages.h        each partition's stage list, and advance(): the one place it moves on
+ *     worker_stages.h        each partition's stage list, step(): the one place it moves on, advance()
  *     worker_loop.h          byteps-net: start/stop, submit, run(), the inbox, PULL (on_message, receive)
  *     worker_send_queue.h    PUSH from the send queue (BpsSendQueue, send_queue.h), Python's raw sends
- *     worker_completions.h   the op table, errors, lazy delivery, waits and time-outs
+ *     worker_completions.h   errors, failing and completing ops, time-outs
  *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread
  *     worker_direct.h        direct calls: submit_direct, submit_local_direct, submit_owner_direct
  *     worker_elastic.h       elastic: hold / commit on the tables and ops, a dead server's partitions
@@ -79,7 +81,7 @@
  *
  * The data members are listed below, each mutex with what it guards. Their order is their order of
  * construction and destruction: servers_ comes before elastic_, which keeps a reference to it (and
- * within BpsServerLinks the UCP worker outlives its links).
+ * within BpsServerLinks the UCP worker outlives its links), and ops_ before them both.
  */
 #ifndef BPS_WORKER_H
 #define BPS_WORKER_H
@@ -117,6 +119,7 @@
 #include "core/pipeline/gpu_copier.h"
 #include "core/pipeline/elastic_router.h"
 #include "core/pipeline/local_peers.h"
+#include "core/pipeline/op_table.h"
 #include "core/pipeline/send_queue.h"
 #include "core/pipeline/server_links.h"
 #include "core/pipeline/stage_thread.h"
@@ -129,7 +132,8 @@ class BpsWorkerCore {
     ~BpsWorkerCore();
     void start();
     void stop();
-    int64_t add_table(const std::string &name, std::vector<BpsPart> parts, const BpsTableCodec *codec = nullptr);
+    int64_t add_table(const std::string &name, std::vector<BpsPart> parts, const BpsTableCodec *codec = nullptr,
+                      int64_t codec_of = -1);
     void submit_table(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                       bool root_self, unsigned char *buf, uint64_t nbytes, bool lazy = false, uint32_t divisor = 1);
     void submit(BpsOp *op);
@@ -177,14 +181,15 @@ class BpsWorkerCore {
     int64_t credit() const { return sendq_.credit(); }
     void send_raw(BpsRawSend *m);
 
-    /* completions: the op table, errors, lazy delivery, waits, time-outs (worker_completions.h) */
+    /* the op table and completions (BpsOpTable, op_table.h): waits (without the GIL), lazy delivery */
+    bool is_done(int64_t id) { return ops_.is_done(id); }
+    bool wait_op(int64_t id, int timeout_ms) { return ops_.wait(id, timeout_ms); }
+    void completions(std::vector<int64_t> *out, int timeout_ms) { ops_.completions(out, timeout_ms); }
+    uint64_t lazy_late() { return ops_.lazy_late(); }
+    void prompt(int64_t id) { ops_.prompt(id); }
+    BpsOp *op(int64_t id) { return ops_.find(id); } /* a completed op's result; it stays until forget() */
+    /* errors, aborts, forgetting ops (worker_completions.h) */
     void fail_all();
-    bool is_done(int64_t id);
-    bool wait_op(int64_t id, int timeout_ms);
-    void completions(std::vector<int64_t> *out, int timeout_ms);
-    uint64_t lazy_late();
-    void prompt(int64_t id);
-    BpsOp *op(int64_t id);
     bool forget(int64_t id);
     void forwarded(std::vector<BpsForward> *out);
     void released(std::vector<int64_t> *out);
@@ -255,7 +260,7 @@ class BpsWorkerCore {
     void set_direct_spin(double seconds) { direct_spin_s_ = seconds > 0 ? seconds : 0; }
     /* Calls that completed on the caller's thread (submit_direct; tests check the path ran). */
     uint64_t direct_calls() const { return direct_calls_.load(); }
-    /* Partitions advance() moved into stage ``code`` (BPS_STAGE_*) so far (byteps.metrics()). */
+    /* Partitions step() moved into stage ``code`` (BPS_STAGE_*) so far (byteps.metrics()). */
     uint64_t entered(int32_t code) const {
         return code > 0 && code <= BPS_STAGE_COUNT ? entered_[code].load(std::memory_order_relaxed) : 0;
     }
@@ -314,7 +319,7 @@ class BpsWorkerCore {
     };
     void plan(BpsOp *op, int i);
     void start(BpsOp *op, int i);
-    void resume(BpsOp *op, int i, int32_t stage);
+    int32_t step(BpsOp *op, int i);
     void advance(BpsOp *op, int i);
     void gpu_copy(BpsOp *op, int i, bool d2h);
     void take_gpu_done();
@@ -377,7 +382,7 @@ class BpsWorkerCore {
     uint32_t node_id_;
     BpsSendQueue sendq_; /* network-thread state: partitions waiting for the credit, bytes in flight */
     BpsReply reply_;     /* network-thread state: the reply on_message() hands to PULL */
-    std::atomic<uint64_t> entered_[BPS_STAGE_COUNT + 1] = {}; /* per stage code: partitions advance() moved in */
+    std::atomic<uint64_t> entered_[BPS_STAGE_COUNT + 1] = {}; /* per stage code: partitions step() moved in */
     double timeout_;
     int nthreads_;
     int notify_fd_;
@@ -386,6 +391,9 @@ class BpsWorkerCore {
      * link destroyed with such frames still queued releases them as it goes */
     std::mutex zc_mu_;
     std::vector<int64_t> released_;
+    /* every op and its completion (own mutex, taken after mu_ where both are: op_table.h); declared
+     * before the links, so its ops outlive the zero-copy bodies a link still holds */
+    BpsOpTable ops_;
     BpsServerLinks servers_; /* DEALERs, direct links, the UCP worker, per-server state (own mutexes) */
     BpsLocalPeers local_;    /* the local ROUTER, DEALERs and links, admission (own mutexes) */
     BpsElasticRouter elastic_; /* hold / commit, reroutes, stranded partitions, retained results (mu_) */
@@ -394,18 +402,12 @@ class BpsWorkerCore {
     std::thread thread_;
     std::atomic<bool> stopping_{false};
 
-    std::mutex mu_; /* guards everything Python touches below, and elastic_'s membership side */
-    std::condition_variable done_cv_;
-    std::unordered_map<int64_t, BpsOp *> ops_;
+    std::mutex mu_; /* guards the inbox and everything Python touches below, and elastic_'s membership side */
     std::deque<BpsTable> tables_;
     std::vector<BpsQueued> inbox_;
     std::vector<std::unique_ptr<BpsRawSend>> raw_;
-    std::vector<int64_t> completed_;
-    std::deque<std::pair<double, int64_t>> deferred_; /* (completed at, id) of lazy ops, oldest first */
-    uint64_t lazy_late_ = 0;
     std::vector<BpsForward> forward_;
     bool abort_ = false;
-    int64_t net_ops_ = 0;                       /* ops byteps-net runs that are not done: a direct call needs 0 */
     std::vector<BpsQueued> adopt_in_;           /* direct partitions handed over (seq: their round) */
     std::vector<std::pair<int, BpsMessage *>> strays_in_; /* messages direct callers read for others */
     std::vector<BpsQueued> local_adopt_in_;     /* direct local partitions handed over (seq: their round) */

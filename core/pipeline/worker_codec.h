@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "core/kernels/bps_codecs.h"
@@ -26,9 +27,11 @@ struct BpsCodecState {
     bool has_residual = false; /* the first round has no residual to add yet */
 };
 
-/* A table's wire codec: WireCompressor's options (method 0: none), and each of the table's partitions'
- * state (byteps-net only). Which partitions it encodes is BpsPart::compress, decided by Python
- * (WireCompressor.applies: a pure function of the sizes). */
+/* A table's wire codec: WireCompressor's options (method 0: none), and each of its partitions' state by
+ * wire key (byteps-net only), as WireCompressor keeps it. A joined process's table of a partition it
+ * reduces for its peers shares the codec of that tensor's table (add_table's ``codec_of``), so the
+ * partition's pushes continue one state whichever table sends them. Which partitions it encodes is
+ * BpsPart::compress, decided by Python (WireCompressor.applies: a pure function of the sizes). */
 struct BpsTableCodec {
     int method = 0, flags = 0, levels = 0;
     double k = 0;        /* topk, randomk: a fraction (< 1) or a count per partition (bps_cz_k_for) */
@@ -36,17 +39,16 @@ struct BpsTableCodec {
     double mu = 0;       /* momentum correction (0: off) */
     bool nesterov = false;
     uint32_t stream = 0; /* this worker's rank: the workers' dithering draws are independent */
-    std::vector<BpsCodecState> parts;
+    std::unordered_map<uint64_t, BpsCodecState> state;
 };
 
-/* The blob of partition ``index`` (wire key ``key``, round ``rnd``: ``nbytes`` of float32/float64 at
+/* The blob of the partition of wire key ``key`` (round ``rnd``: ``nbytes`` of float32/float64 at
  * ``data``): its state restarts at round 0 or when its size changes, randomk's index seed is derived
  * from (seed, key, round) and dithering's draws from (seed, key, round, rank), as in
  * WireCompressor.encode. The blob lives in the partition's state until its next encoding. */
-static inline const std::vector<uint8_t> &bps_codec_encode(BpsTableCodec &c, size_t index, uint64_t key,
-                                                           uint64_t rnd, int dtype, const unsigned char *data,
-                                                           uint64_t nbytes) {
-    BpsCodecState &st = c.parts[index];
+static inline const std::vector<uint8_t> &bps_codec_encode(BpsTableCodec &c, uint64_t key, uint64_t rnd,
+                                                           int dtype, const unsigned char *data, uint64_t nbytes) {
+    BpsCodecState &st = c.state[key];
     uint64_t n = nbytes / (dtype ? 8 : 4);
     bool ef = (c.flags & BPS_CZ_F_EF) != 0;
     if (rnd == 0 || st.n != n || st.dtype != dtype) {

@@ -1,4 +1,4 @@
-/* BpsWorkerCore, completions: the op table, errors, lazy delivery, waits, time-outs. */
+/* BpsWorkerCore, completions: errors, failing and completing ops (into BpsOpTable, op_table.h), time-outs. */
 #ifndef BPS_WORKER_COMPLETIONS_H
 #define BPS_WORKER_COMPLETIONS_H
 
@@ -13,95 +13,16 @@ inline void BpsWorkerCore::fail_all() {
     wake();
 }
 
-inline bool BpsWorkerCore::is_done(int64_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = ops_.find(id);
-    return it == ops_.end() || it->second->done.load();
-}
-
-/* Wait (without the GIL) up to timeout_ms for op ``id`` to complete; true once it has. */
-inline bool BpsWorkerCore::wait_op(int64_t id, int timeout_ms) {
-    std::unique_lock<std::mutex> lock(mu_);
-    auto finished = [this, id] {
-        auto it = ops_.find(id);
-        return it == ops_.end() || it->second->done.load() || stopping_;
-    };
-    auto it = ops_.find(id);
-    if (it != ops_.end()) it->second->waiters++;
-    done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), finished);
-    it = ops_.find(id);
-    if (it == ops_.end()) return true;
-    it->second->waiters--;
-    if (!it->second->done.load()) return false;
-    it->second->lazy = false; /* its caller takes it: not one for the completion thread */
-    return true;
-}
-
-/* Wait (without the GIL) up to timeout_ms for completed ops; move their ids into ``out``. */
-inline void BpsWorkerCore::completions(std::vector<int64_t> *out, int timeout_ms) {
-    std::unique_lock<std::mutex> lock(mu_);
-    auto due = [this] { return !deferred_.empty() && bps_now() >= deferred_.front().first + BPS_LAZY_DELIVERY_S; };
-    double deadline = bps_now() + timeout_ms / 1000.0;
-    while (completed_.empty() && !due() && !stopping_) { /* woken by every completion, lazy ones too */
-        double left = deadline - bps_now();
-        if (!deferred_.empty()) left = std::min(left, deferred_.front().first + BPS_LAZY_DELIVERY_S - bps_now());
-        if (left <= 0) break;
-        done_cv_.wait_for(lock, std::chrono::microseconds((int64_t)(left * 1e6) + 1));
-    }
-    out->assign(completed_.begin(), completed_.end());
-    completed_.clear();
-    /* lazy ops their callers have not taken: the caller that delivers one first wins (Engine._deliver) */
-    while (due() || (stopping_ && !deferred_.empty())) {
-        int64_t id = deferred_.front().second;
-        deferred_.pop_front();
-        auto it = ops_.find(id);
-        if (it == ops_.end() || !it->second->lazy) continue; /* its caller took it meanwhile */
-        out->push_back(id);
-        lazy_late_++;
-    }
-}
-
-/* Lazy ops the completion thread delivered because their caller had not taken them in time. */
-inline uint64_t BpsWorkerCore::lazy_late() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return lazy_late_;
-}
-
-/* Op ``id`` has a listener now (a done callback): its completion goes to the completion thread at
- * once, including one that already waits in deferred_. */
-inline void BpsWorkerCore::prompt(int64_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = ops_.find(id);
-    if (it == ops_.end() || !it->second->lazy) return;
-    it->second->lazy = false;
-    for (auto d = deferred_.begin(); d != deferred_.end(); ++d) {
-        if (d->second != id) continue;
-        deferred_.erase(d);
-        completed_.push_back(id);
-        done_cv_.notify_all();
-        break;
-    }
-}
-
-/* A completed op's result; the op stays until forget(). */
-inline BpsOp *BpsWorkerCore::op(int64_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = ops_.find(id);
-    return it == ops_.end() ? nullptr : it->second;
-}
-
-/* Drop a completed op. Returns false (and keeps it) while ZeroMQ still reads its tensor: the
- * caller keeps the tensor alive and asks again later. */
+/* Drop a completed op (BpsOpTable::forget). Returns false (and keeps it) while ZeroMQ still reads its
+ * tensor: the caller keeps the tensor alive and asks again later. */
 inline bool BpsWorkerCore::forget(int64_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = ops_.find(id);
-    if (it == ops_.end()) return true;
-    if (!it->second->done.load() || it->second->zero_copy.load() > 0 || it->second->tasks.load() > 0) return false;
+    BpsOp *gone;
+    if (!ops_.forget(id, &gone)) return false;
+    if (gone == nullptr) return true;
     bool waiting = false; /* a failed CUDA tensor's slots: free now that nothing reads them */
-    for (BpsPart &p : it->second->parts) waiting |= gpu_->release(p);
+    for (BpsPart &p : gone->parts) waiting |= gpu_->release(p);
     if (waiting) wake();
-    delete it->second;
-    ops_.erase(it);
+    delete gone;
     return true;
 }
 
@@ -178,40 +99,21 @@ inline void BpsWorkerCore::fail(BpsOp *op, int kind, const std::string &text) {
 
 inline void BpsWorkerCore::complete(BpsOp *op) {
     op->parts_left = 0;
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!op->done.load()) net_ops_--;
-        op->done.store(true);
-        /* A caller blocked in wait_op() sees the op done under this same mutex and delivers it
-         * itself, so the completion thread is not told about it: the two would only contend for
-         * the GIL over one op. A waiter that timed out first has left (waiters == 0). */
-        if (op->waiters == 0) {
-            if (op->lazy) deferred_.emplace_back(bps_now(), op->id);
-            else completed_.push_back(op->id);
-        }
-    }
+    ops_.complete(op);
     have_done_ = true;
 }
 
 inline void BpsWorkerCore::flush_completions() {
     if (!have_done_) return;
     have_done_ = false;
-    done_cv_.notify_all();
+    ops_.notify();
     uint64_t one = 1;
     ssize_t rc = write(done_fd_, &one, sizeof one);
     (void)rc;
 }
 
 inline void BpsWorkerCore::check_timeouts(double now) {
-    std::vector<BpsOp *> late;
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        for (auto &kv : ops_) {
-            BpsOp *op = kv.second;
-            if (!op->done.load() && !op->direct.load() && now - op->started > timeout_) late.push_back(op);
-        }
-    }
-    for (BpsOp *op : late) {
+    for (BpsOp *op : ops_.snapshot(now - timeout_)) {
         std::set<std::string> names; /* sorted, as core/engine.py's time-out names them */
         for (auto &kv : op->owed)
             if (kv.second > 0) names.insert("server " + std::to_string(kv.first));

@@ -1,4 +1,7 @@
-/* BpsWorkerCore, direct calls: a synchronous call's round trip on the caller's thread. */
+/* BpsWorkerCore, direct calls: a synchronous call's round trip on the caller's thread. Each plans its
+ * one partition's stage list as byteps-net would (plan()) and moves through it with step(), doing each
+ * stage's work on its own thread; byteps-net takes over a partition whose window passed in the stage
+ * it is in (take_direct), and advance() moves it on from there. */
 #ifndef BPS_WORKER_DIRECT_H
 #define BPS_WORKER_DIRECT_H
 
@@ -57,14 +60,14 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
         std::lock_guard<std::mutex> lock(mu_);
         BpsTable &t = tables_.at((size_t)table);
         /* another thread submitted on this table meanwhile, or the servers are changing: the normal path */
-        if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
+        if (ops_.running() != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
             t.count != seq) {
             delete op;
             return false;
         }
         op->table = table;
         op->seq = t.count++;
-        ops_[id] = op;
+        ops_.add(op, false);
     }
     servers_.set_direct_owned(server, true);
     BpsPart &p = op->parts[0];
@@ -73,7 +76,10 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
     p.has_rnd = true;
     bool empty = cmd == BPS_CMD_BROADCAST && !root_self;
     uint64_t body_len = empty ? 0 : p.length;
-    /* the bytes go inline even to a colocated server: for so few, a descriptor saves nothing */
+    plan(op, 0);
+    /* STAGE (a colocated server) copies nothing: for so few bytes a descriptor saves nothing, the bytes
+     * go inline */
+    if (step(op, 0) == BPS_STAGE_STAGE) step(op, 0); /* PUSH */
     BpsHeader h = bps_header(cmd, node_id_, p.key, rnd, body_len, dtype, root, 0);
     BpsFrames f;
     f.copy(&h, sizeof h);
@@ -103,14 +109,8 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
 /* A direct call's end (mu_ held): its caller delivers it (``replied``), or byteps-net takes it over
  * through ``adopt``. */
 inline void BpsWorkerCore::end_direct(BpsOp *op, bool replied, uint64_t rnd, std::vector<BpsQueued> *adopt) {
-    op->direct.store(false);
-    if (replied) {
-        op->parts_left = 0;
-        op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
-    } else {
-        adopt->push_back(BpsQueued{op->priority, rnd, op, 0});
-        net_ops_++;
-    }
+    ops_.end_direct(op, replied);
+    if (!replied) adopt->push_back(BpsQueued{op->priority, rnd, op, 0});
 }
 
 /* After a direct call let go of its link: byteps-net has work (``more``, or an adopted partition). */
@@ -166,17 +166,18 @@ inline BpsOp *BpsWorkerCore::begin_local_direct(int64_t id, int64_t table, uint6
     BpsPart &p = op->parts[0];
     std::lock_guard<std::mutex> lock(mu_);
     BpsTable &t = tables_.at((size_t)table);
-    if (net_ops_ != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
+    if (ops_.running() != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
         self_joined_ || t.count != seq) {
         delete op;
         return nullptr;
     }
     op->table = table;
     op->seq = t.count++;
-    ops_[id] = op;
+    ops_.add(op, false);
     p.rnd = next_round(p.key);
     p.has_rnd = true;
     if (awaits_done) local_direct_ids_.insert(Ident(p.key, p.rnd));
+    plan(op, 0);
     return op;
 }
 
@@ -202,7 +203,8 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
     if (op == nullptr) return false;
     BpsPart &p = op->parts[0];
     local_.set_direct_owned(owner, true);
-    memcpy(p.staging, buf + p.offset, p.length); /* COORDINATE: our copy into our shared region */
+    step(op, 0); /* COORDINATE: our copy into our shared region, LOCAL_READY to the owner */
+    memcpy(p.staging, buf + p.offset, p.length);
     BpsHeader h = bps_header(BPS_CMD_LOCAL_READY, node_id_, p.key, p.rnd, p.length, dtype, (uint32_t)local_rank_,
                              BPS_FLAG_SHM | join_epoch_flag());
     BpsFrames f;
@@ -266,6 +268,7 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
     BpsPart &p = op->parts[0];
     Ident me(p.key, p.rnd);
     for (int r : peers) local_.set_direct_owned(r, true);
+    step(op, 0); /* LOCAL_REDUCE */
     /* [identity, header, body] of each LOCAL_READY: those that reached byteps-net first */
     std::vector<std::vector<std::string>> copies = early_.take(me);
     bool strays = false;
@@ -282,25 +285,21 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
         /* an unreadable copy, a refused call or a failed sum: byteps-net reports it as usual */
         if (g.error.empty() && g.abandon.empty() && g.count == (int)peers.size() && bps_run_task(sum, 1) == 0) {
             local_reduced_++;
+            step(op, 0); /* LOCAL_BROADCAST */
             BpsHeader h = bps_header(BPS_CMD_LOCAL_DONE, node_id_, p.key, p.rnd, p.length, BPS_NO_DTYPE,
                                      (uint32_t)local_rank_, BPS_FLAG_SHM);
             for (int r : peers) local_.send(r, &h, &p.desc, BPS_DESCRIPTOR_SIZE); /* LOCAL_BROADCAST */
             BpsStageTask out{priority, 0, BPS_TASK_COPY_OUT, op, 0, buf + p.offset, {p.staging}, p.length, dtype, 0};
             bps_run_task(out, 1);
+            step(op, 0); /* done */
             owner_direct_++;
             replied = true;
         }
     }
     {
         std::lock_guard<std::mutex> lock(mu_);
-        op->direct.store(false);
-        if (replied) {
-            op->parts_left = 0;
-            op->done.store(true); /* delivered by this caller: not a completion for byteps-net */
-        } else {
-            owner_adopt_in_.push_back(std::make_pair(op, std::move(copies)));
-            net_ops_++;
-        }
+        ops_.end_direct(op, replied);
+        if (!replied) owner_adopt_in_.push_back(std::make_pair(op, std::move(copies)));
     }
     bool more = false;
     for (int r : peers) {
@@ -379,6 +378,7 @@ inline bool BpsWorkerCore::local_direct_wait(BpsOp *op, int owner, BpsConn *l, b
                 set_error(op, BPS_ERR_SERVER, std::string((const char *)msg.data(2), msg.size(2)));
                 return true;
             }
+            step(op, 0); /* LOCAL_BROADCAST: the owner's result into the tensor */
             unsigned char *src;
             uint64_t len;
             std::string err;
@@ -391,6 +391,7 @@ inline bool BpsWorkerCore::local_direct_wait(BpsOp *op, int owner, BpsConn *l, b
                 return true;
             }
             bps_result_into(op, op->buf + p.offset, src, p.length, false); /* COPY_OUT */
+            step(op, 0); /* done */
             return true;
         }
         if (l->dead()) return false; /* byteps-net adopts it; its DEALER carries what follows */
@@ -419,8 +420,10 @@ inline bool BpsWorkerCore::direct_wait(BpsOp *op, int server, BpsConn *l, uint64
             servers_.count_received(server, msg.size(0) + (msg.count > 1 ? msg.size(1) : 0));
             uint64_t t_reply = bps_span_start(); /* PUSH ends where PULL starts */
             bps_span_to(BPS_STAGE_PUSH, p.trace_t, t_reply, p.key, rnd, p.length, server, op->priority);
-            take_reply(op, p, server, h, &msg); /* PULL */
+            step(op, 0); /* PULL */
+            take_reply(op, p, server, h, &msg);
             bps_span(BPS_STAGE_PULL, t_reply, p.key, rnd, p.length, server, op->priority);
+            step(op, 0); /* done */
             return true;
         }
         if (l->dead()) return false; /* byteps-net adopts it; the scheduler reports the lost server */
@@ -451,7 +454,6 @@ inline void BpsWorkerCore::take_direct() {
             fail(op, BPS_ERR_ABORT, "");
             continue;
         }
-        resume(op, 0, BPS_STAGE_LOCAL_REDUCE);
         Ident id(op->parts[0].key, op->parts[0].rnd);
         Group &g = groups_[id];
         g.op = op;
@@ -461,7 +463,6 @@ inline void BpsWorkerCore::take_direct() {
         maybe_reduce(id);
     }
     for (auto &a : local_adopt) { /* its LOCAL_READY is out: wait for the owner's LOCAL_DONE here */
-        resume(a.op, a.part, BPS_STAGE_COORDINATE);
         BpsPart &p = a.op->parts[(size_t)a.part];
         Ident id(p.key, a.seq);
         awaiting_[id] = Await{a.op, a.part, p.owner};
@@ -483,7 +484,6 @@ inline void BpsWorkerCore::take_direct() {
         delete m;
     }
     for (auto &a : adopt) { /* its PUSH is out: wait for the reply here */
-        resume(a.op, a.part, BPS_STAGE_PUSH);
         BpsPart &p = a.op->parts[(size_t)a.part];
         if (servers_.dead(p.server) && !abort) { /* elastic: its server went while the caller waited */
             a.seq = p.qseq = seq_++;

@@ -66,6 +66,7 @@ inline void BpsWorkerCore::submit_owed(int64_t id, int64_t table, uint64_t rnd, 
         BpsTable &t = tables_.at((size_t)table);
         op->name = t.name;
         op->local = t.local;
+        op->codec = t.codec.get(); /* the tensor table's (codec_of): its state goes on through our pushes */
         op->table = table;
         op->seq = t.count++;
         op->parts = t.parts_for(op->seq);

@@ -15,7 +15,6 @@ inline BpsWorkerCore::~BpsWorkerCore() {
     stop();
     if (stage_ != nullptr) delete stage_;
     if (gpu_->stop()) delete gpu_;
-    for (auto &kv : ops_) delete kv.second;
     ::close(wake_fd_);
     ::close(done_fd_);
 }
@@ -31,20 +30,20 @@ inline void BpsWorkerCore::stop() {
     stopping_ = true;
     wake();
     thread_.join();
+    ops_.stop();
     if (stage_ != nullptr) stage_->stop();
     gpu_->stop();
 }
 
-/* Register a tensor's partition table once (per tensor, not per call); returns its id. */
+/* Register a tensor's partition table once (per tensor, not per call); returns its id. Its wire codec:
+ * ``codec``'s options, or (``codec_of`` >= 0) table ``codec_of``'s codec, its state included. */
 inline int64_t BpsWorkerCore::add_table(const std::string &name, std::vector<BpsPart> parts,
-                                        const BpsTableCodec *codec) {
+                                        const BpsTableCodec *codec, int64_t codec_of) {
     std::lock_guard<std::mutex> lock(mu_);
     bool local = !parts.empty() && parts[0].owner >= 0;
     std::shared_ptr<BpsTableCodec> wire_codec;
-    if (codec != nullptr && codec->method != 0) {
-        wire_codec = std::make_shared<BpsTableCodec>(*codec);
-        wire_codec->parts.assign(parts.size(), BpsCodecState());
-    }
+    if (codec_of >= 0) wire_codec = tables_.at((size_t)codec_of).codec;
+    else if (codec != nullptr && codec->method != 0) wire_codec = std::make_shared<BpsTableCodec>(*codec);
     elastic_.replay(parts); /* a tensor first used after servers were lost: as if it had been there */
     tables_.push_back(BpsTable{name, std::move(parts), local, std::move(wire_codec)});
     return (int64_t)tables_.size() - 1;
@@ -98,8 +97,7 @@ inline void BpsWorkerCore::submit_new(BpsOp *op, int64_t table) {
         op->seq = t.count++;
         if (elastic_.holding()) { /* the servers are changing: which partitions it uses is known at commit() */
             op->started = bps_now();
-            ops_[op->id] = op;
-            net_ops_++;
+            ops_.add(op, true);
             elastic_.hold_op(op);
             return;
         }
@@ -121,8 +119,7 @@ inline void BpsWorkerCore::submit(BpsOp *op) {
 inline void BpsWorkerCore::submit_locked(BpsOp *op) {
     op->started = bps_now();
     op->parts_left = (int)op->parts.size();
-    ops_[op->id] = op;
-    net_ops_++;
+    ops_.add(op, true);
     for (size_t i = 0; i < op->parts.size(); ++i) {
         inbox_.push_back(BpsQueued{op->priority, 0, op, (int)i});
     }
@@ -285,12 +282,7 @@ inline void BpsWorkerCore::take_inbox() {
     }
     if (abort) {
         sendq_.drop_all();
-        std::vector<BpsOp *> all;
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            for (auto &kv : ops_) all.push_back(kv.second);
-        }
-        for (BpsOp *op : all) { /* a direct caller's op fails when it is handed over (take_direct) */
+        for (BpsOp *op : ops_.snapshot()) { /* a direct caller's op fails when it is handed over (take_direct) */
             if (!op->done.load() && !op->direct.load()) fail(op, BPS_ERR_ABORT, "");
         }
         pending_.clear();

@@ -109,8 +109,7 @@ inline void BpsWorkerCore::send_push(BpsOp *op, int index) {
     uint64_t body_len = empty ? 0 : (flags ? BPS_DESCRIPTOR_SIZE : p.length);
     bool encoded = !flags && !empty && p.abandon.empty() && p.compress && op->codec != nullptr && op->cmd == BPS_CMD_PUSHPULL;
     if (encoded) { /* the blob is copied by the transport: its buffer is the partition's again next round */
-        const std::vector<uint8_t> &blob = bps_codec_encode(*op->codec, (size_t)index, p.key, rnd, op->dtype,
-                                                            data, p.length);
+        const std::vector<uint8_t> &blob = bps_codec_encode(*op->codec, p.key, rnd, op->dtype, data, p.length);
         data = blob.data();
         body_len = blob.size();
         flags = BPS_FLAG_COMPRESSED;

@@ -2,9 +2,10 @@
  *
  * When its op starts, each partition gets its list of stages (plan(): bps_stage_list(), the rule
  * ``bpslaunch --stages`` prints) from the op's kind, this process's role for the partition on its
- * machine (owner or not, local reduce or not) and where its server is. advance() alone moves a
- * partition on: it leaves the stage it is in and enters the next one of its list, whose work it
- * starts; after the last one the partition is done. What ends each stage calls advance() again:
+ * machine (owner or not, local reduce or not) and where its server is. step() alone moves a
+ * partition on: it leaves the stage it is in and enters the next one of its list; after the last one
+ * the partition is done. On byteps-net, advance() steps and starts the new stage's work; what ends
+ * each stage calls advance() again:
  *
  *     COORDINATE       our copy is in shared memory, LOCAL_READY sent   ends: the owner's LOCAL_DONE (on_local)
  *     LOCAL_REDUCE     wait for the machine's copies, sum them          ends: the sum (after_task)
@@ -15,8 +16,9 @@
  *                                                                       ends: the copy (after_task)
  *
  * A failed partition leaves its list at once (part_done, or fail() for the whole op). A direct call
- * (worker_direct.h) runs the same stages of its one partition on the caller's thread, and hands the
- * partition to byteps-net in the stage it had reached when its window passed (resume()).
+ * (worker_direct.h) plans its one partition's list and steps through it on the caller's thread, doing
+ * each stage's work there; when its window passes, byteps-net takes the partition over in the stage
+ * it is in, and advance() moves it on from there.
  */
 #ifndef BPS_WORKER_STAGES_H
 #define BPS_WORKER_STAGES_H
@@ -68,22 +70,22 @@ inline void BpsWorkerCore::grant_slots() {
     }
 }
 
-/* A partition a direct caller hands over, in stage ``stage`` of its list (its work under way). */
-inline void BpsWorkerCore::resume(BpsOp *op, int i, int32_t stage) {
-    plan(op, i);
+/* The one place a partition moves on: into the next stage of its list (returned), or done after the
+ * last (0). Called by the thread that runs the partition: byteps-net (advance()) or its direct caller. */
+inline int32_t BpsWorkerCore::step(BpsOp *op, int i) {
     BpsPart &p = op->parts[(size_t)i];
-    for (int32_t k = 0; k < p.stages.n; ++k)
-        if (p.stages.stage[k] == stage) p.at = k;
+    p.at++;
+    int32_t stage = p.stage();
+    entered_[stage].fetch_add(1, std::memory_order_relaxed); /* [0]: partitions done */
+    return stage;
 }
 
-/* The one place a partition moves on: into the next stage of its list, or done after the last. */
+/* byteps-net: partition ``i`` into its next stage, whose work starts here; done after the last. */
 inline void BpsWorkerCore::advance(BpsOp *op, int i) {
     if (op->done.load()) return; /* failed meanwhile (time-out, abort): fail() completed it */
     BpsPart &p = op->parts[(size_t)i];
     int32_t from = p.stage();
-    p.at++;
-    int32_t stage = p.stage();
-    entered_[stage].fetch_add(1, std::memory_order_relaxed); /* [0]: partitions done */
+    int32_t stage = step(op, i);
     switch (stage) {
         case BPS_STAGE_COORDINATE:
             coordinate(op, i);

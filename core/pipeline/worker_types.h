@@ -107,7 +107,7 @@ struct BpsOp {
     std::atomic<bool> done{false};
     std::atomic<bool> direct{false}; /* its caller runs it (submit_direct): byteps-net leaves it alone */
     int waiters = 0;        /* callers blocked in wait_op(): the first to wake delivers the op */
-    bool lazy = false;      /* (under mu_) its completion waits in deferred_ for its caller (BPS_LAZY_DELIVERY_S) */
+    bool lazy = false;      /* (BpsOpTable's mutex) its completion waits for its caller (BPS_LAZY_DELIVERY_S) */
     int64_t table = -1;     /* the table it was submitted on, and its sequence number there: which */
     uint64_t seq = 0;       /* membership's partitions it uses (elastic servers, BpsTable::parts_for) */
     bool adds_nothing = false; /* a joined owner's sum of its local peers' copies (join()): its own buffer,
