@@ -429,7 +429,7 @@ def agree(proposals, rank, shape, env=None, model_bytes=None):
 
     Every worker calls this with the same ``proposals`` ({rank: proposal}, as the scheduler's release
     carries them) and the same ``model_bytes`` (None at ``init()``; the gradients' bytes once an
-    optimizer says: :func:`for_model`), and so gets the same partition size:
+    optimizer says: ``Engine.expect_model``), and so gets the same partition size:
 
     * BYTEPS_PARTITION_BYTES wins where it is set; workers that set different values are a
       ConfigError naming them (their servers would see mismatched lengths), and a worker without it
