@@ -33,7 +33,7 @@ test: setup mxnet-env
 test-compat: setup
 	$(PY) -m pytest -q -m compat tests/compat
 
-# Horovod's test_tensorflow.py on 4 ranks (2 machines x 2 processes): about 35 minutes on 2 loaded cores
+# Horovod's test_tensorflow.py on 4 ranks (2 machines x 2 processes): 17-23 minutes on 2 cores
 test-compat-long: setup
 	$(PY) -m pytest -q -m compat_long tests/compat
 
