@@ -2,7 +2,8 @@
 # Every check that needs a GPU, in one run on a CUDA machine (results: docs/benchmarks.md, "GPU").
 #
 #   bench/gpu_checks.sh [OUTDIR]        # default OUTDIR: bench/results/gpu
-#   GPU_CHECKS="tests train" bench/gpu_checks.sh   # some of: tests stages users cpu train (default all)
+#   GPU_CHECKS="tests train" bench/gpu_checks.sh   # some of: tests stages users cpu train
+#                                                  # (default: all but cpu, the CPU-tensor run for scale)
 #
 # Uses the python3 on PATH (or $PYTHON), which must hold torch with CUDA, numpy, Cython, pytest and
 # pytest-timeout; pyzmq is installed from wheels in .whl/ when that python lacks it (a machine with no
@@ -10,7 +11,9 @@
 # the GPU tests (the ones needing more GPUs than the machine has skip, saying so), then the GPU
 # benchmarks: the GPU stages on one machine (bench_gpu_stages.py) and push_pull of CUDA tensors
 # against gloo as users call them (bench_users.py --device cuda, and --device cpu beside it), and a
-# training step against DDP (bench_users.py --train --device cuda). Logs and JSON go to OUTDIR.
+# training step against DDP (bench_users.py --train --device cuda). Logs and JSON go to OUTDIR, and
+# OUTDIR/summary.md sets the ratios against their targets (bench/gpu_summary.py). About 6 minutes on one
+# H200 with 16 cores.
 set -u
 OUTDIR=${1:-bench/results/gpu}
 PY=${PYTHON:-python3}
@@ -30,7 +33,7 @@ fi
 } 2>&1 | tee "$OUTDIR/machine.txt"
 
 step() { echo "== $* ($(date -u +%T))"; }
-want() { [[ " ${GPU_CHECKS:-tests stages users cpu train} " == *" $1 "* ]]; }
+want() { [[ " ${GPU_CHECKS:-tests stages users train} " == *" $1 "* ]]; }
 
 step build
 # the extensions in parallel first; the editable install then finds them up to date
@@ -83,5 +86,7 @@ if want train; then
     step bench_users train  # a training step: DistributedOptimizer against DDP over gloo, the model on the GPU
     users train-cuda --train --device cuda --layouts machines,local --procs 2 --repeat 5
 fi
-step done
+step "done in ${SECONDS} s"
+"$PY" bench/gpu_summary.py "$OUTDIR" >"$OUTDIR/summary.md"
+cat "$OUTDIR/summary.md"
 exit "$tests"
