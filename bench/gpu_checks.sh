@@ -48,7 +48,9 @@ print('GPU:', gpu.unavailable_reason() or 'CUDA and NCCL work')" || exit 1
 tests=0
 if want tests; then
 step tests
+# --basetemp: the tests' files (timelines, the fake runtime) stay in OUTDIR for a failure's post-mortem
 PYTHONPATH=tests${PYTHONPATH:+:$PYTHONPATH} "$PY" -m pytest -q -p no:cacheprovider --timeout 300 -rs \
+    --basetemp "$OUTDIR/pytest" \
     tests/test_gpu_stages.py tests/test_local_exec.py::test_gpu_engine_path_cuda_tensors \
     tests/test_local_exec.py::test_cuda_tensors_on_the_default_path \
     tests/test_gpu_native.py \
