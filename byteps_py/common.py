@@ -475,7 +475,9 @@ def metrics():
     Keys: ``rank``, ``size``, ``local_rank``, ``local_size``; ``servers`` (per server: ``index``,
     ``host``, ``colocated``, ``role``, ``weight`` (its share of the k/n plan), ``transport`` ("tcp", "ucx: ...",
     "zeromq"), ``bytes_sent``, ``bytes_received``); ``partition_bytes`` and ``credit_bytes`` as agreed
-    at start-up; ``placement_mode`` (how keys map to servers: byteps_py/placement.py); ``tensors`` (declared name -> tensor key); ``native`` (ops the native pipeline ran
+    at start-up; ``placement_mode`` (how keys map to servers: byteps_py/placement.py); ``tensors`` (declared name -> tensor key); ``partitions`` (declared name -> the
+    partitions of each native table the name has: one per size, kind and codec it was used with, in
+    the order first used); ``native`` (ops the native pipeline ran
     whole, averages it divided, synchronous calls run on the caller's thread, direct links up, the
     local reduce's counters, ``stages``: partitions it moved into each stage of their lists,
     ``compressed_pushes``: partitions it pushed encoded by their wire compressor; the local reduce's

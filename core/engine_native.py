@@ -337,6 +337,14 @@ class NativePlane:
                 received[i] += self._native.bytes_received(i)
         return {"sent": {k: v for k, v in sent.items() if v}, "received": {k: v for k, v in received.items() if v}}
 
+    def _partition_counts(self):
+        """{tensor name: [partitions of each of its native tables]}: how each use of the name is cut."""
+        names = {tkey: name for (name, _), tkey in self._keys.items()}
+        out = {}
+        for (tkey, *_), (table, count) in sorted(self._native_parts.items(), key=lambda kv: kv[1][0]):
+            out.setdefault(names.get(tkey, str(tkey)), []).append(count)
+        return out
+
     def metrics(self):
         """What this worker's data plane did so far, for users, tests and bench/ (byteps.metrics())."""
         traffic = self.transport_bytes()
@@ -361,6 +369,8 @@ class NativePlane:
             "placement_mode": placement.mode if placement is not None else None,
             "credit_bytes": native.credit if native is not None else None,
             "tensors": {name: tkey for (name, _), tkey in self._keys.items()},
+            # each tensor's partitions in the native core, per table (size, kind, codec), in table order
+            "partitions": self._partition_counts(),
             "native": {"ops": self.native_submitted, "averaged": self.native_averaged,
                        "direct_calls": self.native_direct_calls, "links_up": self.native_links,
                        "direct_adopted": native.direct_adopted if native is not None else 0,

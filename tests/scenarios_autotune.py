@@ -23,7 +23,7 @@ def tuned(out, args):
     parts = job.engine.placement.partitions(tkey, t.numel() * 4, 4)
     # the native core's table of that tensor: cut with the agreed size too (it once kept the
     # placement built before the agreement, with the 4 MB default)
-    native = [count for (key, *_), (_, count) in job.engine._native_parts.items() if key == tkey]
+    native = m["partitions"]["tuned.t"]
     return {"tuning": got, "native_pieces": native, "config_partition": common.config().partition_bytes,
             "config_credit": common.config().scheduling_credit,
             "placement_partition": m["partition_bytes"],
@@ -71,7 +71,6 @@ def credit_crossing(out, args):
 def tuned_for_model(out, args):
     """A tensor used before the optimizer, then a DistributedOptimizer of a small model: the partition
     size and credit the worker holds before and after, how each tensor was cut, and the sums."""
-    job = common._job
     before = dict(common.tuning(), credit_bytes=bps.metrics()["credit_bytes"])
     early = seeded(bps.rank(), (300_000,), torch.float32)
     bps.push_pull(early.clone(), average=False, name="early")
@@ -86,10 +85,9 @@ def tuned_for_model(out, args):
     opt.synchronize()
     again = bps.push_pull(early.clone(), average=False, name="early")  # cut as at its first use
     m = bps.metrics()
-    keys = m["tensors"]
 
     def pieces(name):
-        return [count for (key, *_), (_, count) in job.engine._native_parts.items() if key == keys[name]]
+        return m["partitions"].get(name, [])
     return {"before": before, "after": common.tuning(), "partition_bytes": m["partition_bytes"],
             "credit_bytes": m["credit_bytes"], "grads": [p.grad[:20].tolist() for p in params],
             "grad_pieces": pieces("Gradient.w0"), "early_pieces": pieces("early"), "early": again[:8].tolist()}
