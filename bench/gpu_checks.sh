@@ -2,7 +2,7 @@
 # Every check that needs a GPU, in one run on a CUDA machine (results: docs/benchmarks.md, "GPU").
 #
 #   bench/gpu_checks.sh [OUTDIR]        # default OUTDIR: bench/results/gpu
-#   GPU_CHECKS="tests train" bench/gpu_checks.sh   # some of: tests stages users cpu train
+#   GPU_CHECKS="tests train" bench/gpu_checks.sh   # some of: tests stages users cpu train partition
 #                                                  # (default: all but cpu, the CPU-tensor run for scale)
 #
 # Uses the python3 on PATH (or $PYTHON), which must hold torch with CUDA, numpy, Cython, pytest and
@@ -11,9 +11,10 @@
 # the GPU tests (the ones needing more GPUs than the machine has skip, saying so), then the GPU
 # benchmarks: the GPU stages on one machine (bench_gpu_stages.py) and push_pull of CUDA tensors
 # against gloo as users call them (bench_users.py --device cuda, and --device cpu beside it), and a
-# training step against DDP (bench_users.py --train --device cuda). Logs and JSON go to OUTDIR, and
+# training step against DDP (bench_users.py --train --device cuda), then that step again with 4 MB
+# partitions and the default alternating (an A/B of autotune's choice). Logs and JSON go to OUTDIR, and
 # OUTDIR/summary.md sets the ratios against their targets (bench/gpu_summary.py). About 6 minutes on one
-# H200 with 16 cores.
+# H200 with 16 cores, 7 with the A/B.
 set -u
 OUTDIR=${1:-bench/results/gpu}
 PY=${PYTHON:-python3}
@@ -33,7 +34,7 @@ fi
 } 2>&1 | tee "$OUTDIR/machine.txt"
 
 step() { echo "== $* ($(date -u +%T))"; }
-want() { [[ " ${GPU_CHECKS:-tests stages users train} " == *" $1 "* ]]; }
+want() { [[ " ${GPU_CHECKS:-tests stages users train partition} " == *" $1 "* ]]; }
 
 step build
 # the extensions in parallel first; the editable install then finds them up to date
@@ -87,6 +88,15 @@ fi
 if want train; then
     step bench_users train  # a training step: DistributedOptimizer against DDP over gloo, the model on the GPU
     users train-cuda --train --device cuda --layouts machines,local --procs 2 --repeat 5
+fi
+if want partition; then
+    # the partition size autotune picks for the model (1 MB for the 73 MB MLP at the link the probe
+    # reads) against BytePS's 4 MB, alternating between machines: an A/B, not the default
+    step bench_users train, partition A/B
+    TRAIN_AB=(--train --device cuda --layouts machines --procs 2 --repeat 5)
+    users train-4mb-1 "${TRAIN_AB[@]}" --env BYTEPS_PARTITION_BYTES=4194304
+    users train-default-2 "${TRAIN_AB[@]}"
+    users train-4mb-2 "${TRAIN_AB[@]}" --env BYTEPS_PARTITION_BYTES=4194304
 fi
 step "done in ${SECONDS} s"
 "$PY" bench/gpu_summary.py "$OUTDIR" >"$OUTDIR/summary.md"

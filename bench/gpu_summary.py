@@ -43,12 +43,13 @@ def push_pull_lines(doc):
 def train_lines(doc):
     out = ["| layout | model MB | partition bytes | byteps / DDP-gloo, median [min-max] | losses equal | target |",
            "|---|---|---|---|---|---|"]
+    tuned = doc.get("meta", {}).get("explicit_env")  # an A/B's variables: no target for a tuned figure
     for r in doc["results"]:
-        target = TRAIN_TARGET if r["layout"] == "machines" else None
+        target = TRAIN_TARGET if r["layout"] == "machines" and not tuned else None
         mark = f">= {target}: {_verdict(r['ratio'], target)}" if target else ""
         out.append(f"| {LAYOUT_NAMES.get(r['layout'], r['layout'])} | {r['model_bytes'] / 1e6:.1f} | "
                    f"{r.get('partition_bytes')} | {r['ratio']:.2f} [{r['ratio_min']:.2f}-{r['ratio_max']:.2f}] | "
-                   f"{'yes' if r['losses_equal'] else 'NO'} | {mark} |")
+                   f"{'yes' if r['losses_equal'] else 'NO'} | {mark or (f'set: {tuned}' if tuned else '')} |")
     return out
 
 
@@ -75,6 +76,12 @@ def main(outdir):
         out += [f"## {title}", ""]
         out += lines(doc) if doc else [f"not run (no users-{label}.json)"]
         out.append("")
+    ab = [(label, _load(os.path.join(outdir, f"users-{label}.json")))
+          for label in ("train-4mb-1", "train-default-2", "train-4mb-2")]
+    if any(doc for _, doc in ab):
+        out += ["## Partition size A/B, training between 2 machines (in order; the first default is above)", ""]
+        for label, doc in ab:
+            out += [f"{label}:"] + (train_lines(doc) if doc else ["not run"]) + [""]
     print("\n".join(out))
 
 
