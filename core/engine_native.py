@@ -176,7 +176,6 @@ class NativePlane:
             op.fail(BytePSError(f"push_pull of CUDA tensor {op.name!r}: {self._gpu}"))
             return
         nid = next(self._native_ids)
-        op.parts_left = count
         self._native_ops[nid] = op  # before submit: the completion thread may deliver it at once
         root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
         op.divided = op.divisor > 1  # the native core divides as it copies each partition's sum in; set before
@@ -266,7 +265,6 @@ class NativePlane:
             return
         if kind != _worker_core.OK and op.error is None:
             op.error = self._native_error(op, kind, text)
-        op.parts_left = 0
         op._finish()
         if not self._native.forget(nid):  # ZeroMQ still reads the tensor (a failed op): keep it alive
             self._graveyard[nid] = op
@@ -418,7 +416,6 @@ class NativePlane:
             rop._finish()
             return
         nid = next(self._native_ids)
-        rop.parts_left = count
         self._native_ops[nid] = rop
         self._native.submit(nid, table, Cmd.PUSHPULL, rop.dtype, 0, rop.priority, False, rop.buf)
         self.native_submitted += 1
@@ -473,7 +470,7 @@ class NativePlane:
         if zeros is None:  # stands for our copy only if no peer's is usable; never written
             zeros = self._owed_zeros[nbytes] = np.zeros(nbytes, np.uint8)
         op = Op(f"join.{tkey}.{part}", zeros, dtype, (nbytes // dtypes.itemsize(dtype),))
-        op.tkey, op.parts_left = tkey, 1
+        op.tkey = tkey
         nid = next(self._native_ids)
         self._native_ops[nid] = op
         self._native.submit_owed(nid, entry[0], rnd, dtype, zeros)

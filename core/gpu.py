@@ -8,7 +8,7 @@ skips (:func:`unavailable_reason`).
 
 Pieces (used by core/gpu_stages.py):
 
-* :class:`Cuda`: device selection, ``cudaHostAlloc``/``cudaHostRegister`` pinning,
+* :class:`Cuda`: device selection, ``cudaHostRegister`` pinning,
   ``cudaMemcpyAsync`` D2H/H2D on a dedicated non-blocking stream, events polled with a time-out
   (``cudaEventSynchronize`` has none), ``cudaStreamWaitEvent`` to follow a producer's stream.
 * :class:`Nccl`: ``ncclGetUniqueId``, ``ncclCommInitRank`` (run in a helper thread so the wait for
@@ -17,7 +17,6 @@ Pieces (used by core/gpu_stages.py):
   byteps.core.dtypes.
 * :func:`as_device_array`: (pointer, bytes, dtype, device, stream) from a tensor, keeping the
   producer alive; C-contiguity is checked, not assumed.
-* :class:`StagingPool`: see below.
 
 **The current device is per host thread.** CUDA keeps one current device per thread, and a thread
 that never called ``cudaSetDevice`` works on device 0 (creating a context there). So every thread
@@ -32,10 +31,6 @@ tensors arrive without one. Whoever hands a tensor over therefore records a CUDA
 producer's stream on the producer's thread (``DeviceArray.ready_event``; the torch plugin records
 one on ``torch.cuda.current_stream()``), and the GPU stages' stream waits for it
 (``cudaStreamWaitEvent``) before it reads.
-
-:class:`StagingPool`: fixed, page-aligned host staging buffers reused across operations, with
-bounded parallelism (Fairring's staging buffers and slices); pinning is injected, so the
-bookkeeping is tested without a GPU.
 
 The libraries are reached only through :func:`cuda` and :func:`nccl`; tests/fake_cuda.py puts a
 CUDA runtime and NCCL that run on the CPU behind that seam (``Cuda(lib)``, ``Nccl(lib)``) to check
@@ -61,7 +56,6 @@ from . import dtypes
 cudaSuccess = 0
 cudaErrorNotReady = 600
 cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice = 1, 2, 3
-cudaHostAllocPortable = 0x01
 cudaHostRegisterPortable = 0x01
 cudaStreamNonBlocking = 0x01
 cudaEventDisableTiming = 0x02
@@ -195,19 +189,12 @@ class Cuda:
         "cudaGetDeviceCount": [ctypes.POINTER(_int)],
         "cudaSetDevice": [_int],
         "cudaGetDevice": [ctypes.POINTER(_int)],
-        "cudaDeviceGetPCIBusId": [ctypes.c_char_p, _int, _int],
-        "cudaMalloc": [ctypes.POINTER(_vp), _sz],
-        "cudaFree": [_vp],
-        "cudaHostAlloc": [ctypes.POINTER(_vp), _sz, _uint],
-        "cudaFreeHost": [_vp],
         "cudaHostRegister": [_vp, _sz, _uint],
         "cudaHostUnregister": [_vp],
-        "cudaMemcpy": [_vp, _vp, _sz, _int],
         "cudaMemcpyAsync": [_vp, _vp, _sz, _int, _vp],
         "cudaMemsetAsync": [_vp, _int, _sz, _vp],
         "cudaStreamCreateWithFlags": [ctypes.POINTER(_vp), _uint],
         "cudaStreamDestroy": [_vp],
-        "cudaStreamSynchronize": [_vp],
         "cudaStreamWaitEvent": [_vp, _vp, _uint],
         "cudaEventCreateWithFlags": [ctypes.POINTER(_vp), _uint],
         "cudaEventRecord": [_vp, _vp],
@@ -253,30 +240,7 @@ class Cuda:
         self.check(self.lib.cudaGetDevice(ctypes.byref(d)), "cudaGetDevice")
         return d.value
 
-    def pci_bus_id(self, index):
-        buf = ctypes.create_string_buffer(32)
-        self.check(self.lib.cudaDeviceGetPCIBusId(buf, 32, index), f"cudaDeviceGetPCIBusId({index})")
-        return buf.value.decode().lower()
-
     # -- memory ------------------------------------------------------------------------------
-    def malloc(self, nbytes):
-        p = _vp()
-        self.check(self.lib.cudaMalloc(ctypes.byref(p), max(1, nbytes)), f"cudaMalloc({nbytes})")
-        return p.value
-
-    def free(self, ptr):
-        self.check(self.lib.cudaFree(ptr), "cudaFree")
-
-    def host_alloc(self, nbytes):
-        """Pinned, page-aligned host memory usable from every context (cudaHostAllocPortable)."""
-        p = _vp()
-        self.check(self.lib.cudaHostAlloc(ctypes.byref(p), max(1, nbytes), cudaHostAllocPortable),
-                   f"cudaHostAlloc({nbytes})")
-        return p.value
-
-    def free_host(self, ptr):
-        self.check(self.lib.cudaFreeHost(ptr), "cudaFreeHost")
-
     def host_register(self, ptr, nbytes):
         """Pin existing page-aligned memory (e.g. a shared memfd arena) for DMA."""
         if ptr % _PAGE:
@@ -285,9 +249,6 @@ class Cuda:
 
     def host_unregister(self, ptr):
         self.check(self.lib.cudaHostUnregister(ptr), "cudaHostUnregister")
-
-    def memcpy(self, dst, src, nbytes, kind):
-        self.check(self.lib.cudaMemcpy(dst, src, nbytes, kind), "cudaMemcpy")
 
     def memcpy_async(self, dst, src, nbytes, kind, stream):
         if nbytes:
@@ -303,9 +264,6 @@ class Cuda:
 
     def stream_destroy(self, stream):
         self.check(self.lib.cudaStreamDestroy(stream), "cudaStreamDestroy")
-
-    def stream_synchronize(self, stream):
-        self.check(self.lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
     def stream_wait_event(self, stream, event):
         self.check(self.lib.cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
@@ -354,7 +312,6 @@ class Nccl:
             "ncclGetUniqueId": [ctypes.POINTER(ncclUniqueId)],
             "ncclCommInitRank": [ctypes.POINTER(_vp), _int, ncclUniqueId, _int],
             "ncclCommDestroy": [_vp],
-            "ncclCommAbort": [_vp],
             "ncclReduce": [_vp, _vp, _sz, _int, _int, _int, _vp, _vp],
             "ncclBroadcast": [_vp, _vp, _sz, _int, _int, _vp, _vp],
             "ncclReduceScatter": [_vp, _vp, _sz, _int, _int, _vp, _vp],
@@ -421,9 +378,6 @@ class Nccl:
 
     def comm_destroy(self, comm):
         self.check(self.lib.ncclCommDestroy(comm), "ncclCommDestroy")
-
-    def comm_abort(self, comm):
-        self.check(self.lib.ncclCommAbort(comm), "ncclCommAbort")
 
     def reduce(self, send, recv, count, dtype, root, comm, stream):
         self.check(self.lib.ncclReduce(send, recv, count, NCCL_DTYPE[dtype], ncclSum, root, comm, stream),
@@ -610,73 +564,3 @@ def as_device_array(obj, stream=None, dtype=None):
         return arr
     raise TypeError(f"{type(obj).__name__} exposes neither __cuda_array_interface__ nor __dlpack__")
 
-
-# ---------------------------------------------------------------------------------------
-# staging buffers
-
-
-class StagingPool:
-    """Fixed host staging buffers, page-aligned and (with ``pin``) pinned once, reused forever.
-
-    A tensor larger than a slot is cut into slot-sized slices (:meth:`slices`), each staged on its
-    own; at most ``slots`` slices are in flight, so staging memory is bounded (Fairring's
-    FAIRRING_TOTAL_MEMORY / slice size). ``allocate(nbytes)`` returns a writable page-aligned
-    buffer; ``pin(ptr, nbytes)``/``unpin(ptr)`` are Cuda.host_register/host_unregister on a GPU
-    machine and None in tests.
-    """
-
-    def __init__(self, slot_bytes, slots, allocate=None, pin=None, unpin=None):
-        import numpy as np
-
-        from ._reduce import aligned_empty
-
-        if slot_bytes < 1 or slots < 1:
-            raise ValueError(f"StagingPool needs slot_bytes >= 1 and slots >= 1, got {slot_bytes}, {slots}")
-        self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
-        self._unpin = unpin
-        allocate = allocate or aligned_empty
-        self.buffers = []
-        for _ in range(slots):
-            buf = np.asarray(allocate(self.slot_bytes)).view(np.uint8)
-            if buf.ctypes.data % _PAGE:
-                raise ValueError("StagingPool: allocate() returned memory that is not page-aligned")
-            if pin is not None:
-                pin(buf.ctypes.data, self.slot_bytes)
-            self.buffers.append(buf)
-        self._free = list(range(slots))
-        self._cond = threading.Condition()
-        self.high_water = 0  #: most slots ever in use at once
-
-    def slices(self, nbytes, itemsize=1):
-        """(start, stop) byte ranges of at most one slot each, on element boundaries."""
-        per = max(itemsize, self.slot_bytes // itemsize * itemsize)
-        return [(s, min(s + per, nbytes)) for s in range(0, nbytes, per)]
-
-    def acquire(self, timeout):
-        """(slot index, uint8 view) of a free slot; waits up to ``timeout`` s for one."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._free, timeout):
-                raise BytePSTimeoutError(f"no staging buffer was released within {timeout:g} s "
-                                         f"({len(self.buffers)} slots of {self.slot_bytes} bytes all in use)")
-            index = self._free.pop(0)
-            self.high_water = max(self.high_water, len(self.buffers) - len(self._free))
-            return index, self.buffers[index]
-
-    def release(self, index):
-        with self._cond:
-            if index in self._free or not 0 <= index < len(self.buffers):
-                raise ValueError(f"staging slot {index} is not in use")
-            self._free.append(index)
-            self._cond.notify()
-
-    @property
-    def in_use(self):
-        with self._cond:
-            return len(self.buffers) - len(self._free)
-
-    def close(self):
-        if self._unpin is not None:
-            for buf in self.buffers:
-                self._unpin(buf.ctypes.data)
-        self.buffers = []
-        self._free = []

@@ -315,7 +315,6 @@ class LocalExec:
                 op.fail(_named(op, e))
             else:
                 self.stats["ops"] += 1
-                op.parts_left = 0
                 op._finish()
         finally:
             self._layouts.pop(op, None)

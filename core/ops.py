@@ -52,7 +52,7 @@ class Done:
 class Op:
     """One push_pull or broadcast of one tensor, in flight."""
 
-    __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey", "parts_left",
+    __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey",
                  "servers", "error", "done", "started", "callbacks", "codec", "native_id", "pset", "divisor",
                  "divided", "partition_bytes")
 
@@ -69,7 +69,6 @@ class Op:
         self.pset = pset
         self.spec = (self.shape, dtype, int(cmd), pset)
         self.tkey = None
-        self.parts_left = 0
         self.servers = collections.Counter()  # ("server", 1) / ("local rank", 0) / "the copy stage" -> replies owed
         self.error = None
         self.done = Done()
@@ -85,7 +84,6 @@ class Op:
     def fail(self, error):
         if self.error is None:
             self.error = error
-        self.parts_left = 0
         self._finish()
 
     def _finish(self):

@@ -16,7 +16,6 @@ through.
 The end-to-end tests on a real GPU need CUDA, NCCL, torch with CUDA and enough GPUs; they skip
 with the reason otherwise.
 """
-import dataclasses
 import os
 import sys
 import threading
@@ -28,7 +27,6 @@ import pytest
 
 import byteps.topology as topology
 from byteps.core import dtypes, gpu, gpu_stages
-from byteps.errors import BytePSTimeoutError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -199,41 +197,6 @@ def test_nccl_dtype_map_covers_every_byteps_dtype():
     assert set(gpu.NCCL_DTYPE) == set(dtypes.INFO)
     # nccl.h: ncclFloat32 = 7, ncclBfloat16 = 9
     assert gpu.NCCL_DTYPE[dtypes.FLOAT32] == 7 and gpu.NCCL_DTYPE[dtypes.BFLOAT16] == 9
-
-
-# ---------------------------------------------------------------------------------------
-# staging buffers
-
-
-def test_staging_pool_bookkeeping():
-    pinned, unpinned = [], []
-    pool = gpu.StagingPool(10000, 2, pin=lambda p, n: pinned.append((p, n)), unpin=unpinned.append)
-    assert pool.slot_bytes == 12288  # whole pages
-    assert all(p % 4096 == 0 and n == 12288 for p, n in pinned) and len(pinned) == 2
-    assert pool.slices(30000, 8) == [(0, 12288), (12288, 24576), (24576, 30000)]
-    assert pool.slices(0) == []
-    a, view_a = pool.acquire(1)
-    b, view_b = pool.acquire(1)
-    assert a != b and view_a.ctypes.data != view_b.ctypes.data and pool.in_use == 2
-    with pytest.raises(BytePSTimeoutError, match="no staging buffer was released within 0.05 s"):
-        pool.acquire(0.05)
-    threading.Timer(0.05, pool.release, (a,)).start()
-    c, _ = pool.acquire(5)  # a waiter gets the slot released by another thread
-    assert c == a and pool.high_water == 2
-    pool.release(b)
-    with pytest.raises(ValueError, match="staging slot 1 is not in use"):
-        pool.release(b)
-    pool.close()
-    assert sorted(unpinned) == sorted(p for p, _ in pinned)
-    with pytest.raises(ValueError, match="not page-aligned"):
-        gpu.StagingPool(4096, 1, allocate=lambda n: np.zeros(n + 1, np.uint8)[1:])
-
-
-def test_staging_slices_respect_element_boundaries():
-    pool = gpu.StagingPool(4096, 1)
-    sl = pool.slices(6 * 7001, itemsize=6)
-    assert all((b - a) % 6 == 0 for a, b in sl) and sl[-1][1] == 6 * 7001
-    assert all(b - a <= 4096 for a, b in sl)
 
 
 # ---------------------------------------------------------------------------------------

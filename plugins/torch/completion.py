@@ -141,10 +141,6 @@ def first_error(outcomes):
     return None
 
 
-def is_pending(handle):
-    return handle in _pending
-
-
 def poll(handle):
     p = _pending.get(handle)
     if p is not None:
