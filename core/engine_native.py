@@ -339,7 +339,7 @@ class NativePlane:
         """{tensor name: [partitions of each of its native tables]}: how each use of the name is cut."""
         names = {tkey: name for (name, _), tkey in self._keys.items()}
         out = {}
-        for (tkey, *_), (table, count) in sorted(self._native_parts.items(), key=lambda kv: kv[1][0]):
+        for (tkey, *_), (_, count) in sorted(self._native_parts.items(), key=lambda kv: kv[1][0]):
             out.setdefault(names.get(tkey, str(tkey)), []).append(count)
         return out
 

@@ -185,8 +185,8 @@ def check_overlap(trace, tensor, partitions):
     """Each worker's timeline has a COPYD2H and a COPYH2D span per partition of ``tensor``'s first op,
     and a partition's PUSH span overlaps the COPYD2H span of a later partition: it was pushed while the
     later one was still being copied off the GPU. (A COPYD2H span comes before the partition's round is
-    taken, at its push: the first op's spans are the earliest.) A real GPU's copies can all finish at
-    once, within one wake of byteps-net, for the next partition, so any later partition counts."""
+    taken, at its push: the first op's spans are the earliest.) Any later partition counts: on a real
+    GPU the next partition's copy may end within the same wake of byteps-net as the partition's own."""
     for pid in {s["pid"] for s in trace.spans if trace.role(s["pid"]) == "worker"}:
         spans = {}
         for s in sorted(trace.spans, key=lambda s: s["ts"]):
