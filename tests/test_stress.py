@@ -319,14 +319,14 @@ def test_mixed_priorities_keep_progressing_under_credit(cluster):
 CROSSED_ENV = {"BYTEPS_PARTITION_BYTES": "100000", "BYTEPS_SCHEDULING_CREDIT": "1", "BYTEPS_TIMEOUT": "15"}
 
 
-#: ops through the native core, or through the Python engine's own send queue (compressed ops take it)
-ENGINES = {"native": {}, "python": {"BYTEPS_COMPRESSOR": "fp16"}}
+#: plain ops, and ops the native core encodes (fp16) on their way through the same send queue
+CODECS = {"plain": {}, "fp16": {"BYTEPS_COMPRESSOR": "fp16"}}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("codec", list(CODECS))
 @pytest.mark.parametrize("local_size", [1, 2], ids=["2x1", "2x2"])
-def test_tensors_queued_in_different_orders_keep_progressing(cluster, engine, local_size):
+def test_tensors_queued_in_different_orders_keep_progressing(cluster, codec, local_size):
     """Two machines queue the same two tensors, of one priority, in opposite orders, one partition on
     the wire at a time: every step completes, without waiting for a stalled credit.
 
@@ -337,7 +337,7 @@ def test_tensors_queued_in_different_orders_keep_progressing(cluster, engine, lo
     now go by wire key, one order on every worker (core/pipeline/bps_queue.h). The sums are small integers,
     exact in fp16 too.
     """
-    c = cluster(2, 1, local_size=local_size, env={**CROSSED_ENV, **ENGINES[engine]})
+    c = cluster(2, 1, local_size=local_size, env={**CROSSED_ENV, **CODECS[codec]})
     c.run_workers("crossed_orders")
     codes, scodes, sched = c.wait_all(90)
     assert codes == [0] * (2 * local_size) and scodes == [0] and sched == 0, c.all_logs()
@@ -347,13 +347,13 @@ def test_tensors_queued_in_different_orders_keep_progressing(cluster, engine, lo
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("engine", list(ENGINES))
-def test_workers_that_disagree_on_priorities_keep_progressing(cluster, engine):
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_workers_that_disagree_on_priorities_keep_progressing(cluster, codec):
     """Each worker gives its first tensor the higher priority, so the workers disagree on which of x and
     y is urgent and each fills its one-partition credit with a different tensor. Only the stall rule
     can resolve that: after a second without a reply, the head goes past the credit. Every step
     completes with exact sums, and the stall rule is what did it (credit_stalls > 0)."""
-    c = cluster(2, 1, env={**CROSSED_ENV, **ENGINES[engine]})
+    c = cluster(2, 1, env={**CROSSED_ENV, **CODECS[codec]})
     c.run_workers("crossed_orders", {"crossed_priorities": True, "steps": 2})
     codes, scodes, sched = c.wait_all(90)
     assert codes == [0, 0] and scodes == [0] and sched == 0, c.all_logs()
