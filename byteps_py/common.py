@@ -482,7 +482,9 @@ def metrics():
     local reduce's counters, ``stages``: partitions it moved into each stage of their lists,
     ``compressed_pushes``: partitions it pushed encoded by their wire compressor; the local reduce's
     ``for_peers``: partitions a process in join() reduced for its local peers); ``credit_stalls``; ``local_group`` (processes of
-    this machine whose copies are summed locally, or None); ``local_strategy``. A job of one worker process has no data plane:
+    this machine whose copies are summed locally, or None); ``local_strategy`` (None without a local
+    reduce, else ``owners``: "owners", "root" or "topology", the topology ``plan``'s strategy,
+    ``groups`` and ``roots``, and ``gpu_stages``: CUDA tensors take the plan's GPU stages). A job of one worker process has no data plane:
     only the rank fields are there, with ``servers`` empty.
     """
     job = _require()

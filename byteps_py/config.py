@@ -32,8 +32,8 @@ VARIABLES = {
     "BYTEPS_ENABLE_IPC": ("1", "exchange data with servers on the same machine through shared memory"),
     "BYTEPS_LOCAL_REDUCE": ("1", "a machine's worker processes sum locally; one copy per machine crosses the network"),
     "BYTEPS_LOCAL_PUSH": ("owners", "owners | root: which local processes sum and push a machine's partitions"),
-    "BYTEPS_LOCAL_STRATEGY": ("owners", "owners | topology: local sums by partition owners, or by the machine's "
-                                        "topology plan (core/local_exec.py)"),
+    "BYTEPS_LOCAL_STRATEGY": ("owners", "owners | topology: local sums' owners in turn, or named by the machine's "
+                                        "topology plan (core/local.py; its GPU stages: core/local_exec.py)"),
     "BYTEPS_SCHEDULING_CREDIT": ("4", "partitions a worker may have on the wire at once (0: unlimited)"),
     "BYTEPS_TIMEOUT": ("300", "seconds any blocking wait (startup, declaration, push_pull) may last"),
     "BYTEPS_HEARTBEAT_INTERVAL": ("1", "seconds between heartbeats to and from the scheduler"),

@@ -491,7 +491,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
             return
         if not self._native_eligible(op):  # only the native core re-sends a lost server's partitions (docs/elastic.md)
             op.fail(ConfigError(f"tensor {op.name!r}: BYTEPS_ELASTIC=1 supports plain push_pull and broadcast "
-                                "(no compression, process sets, asynchronous training, join() or BYTEPS_LOCAL_STRATEGY=topology)"))
+                                "(no compression, process sets, asynchronous training or join())"))
             return
         self._native_submit(op, tkey)
 

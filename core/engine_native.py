@@ -131,7 +131,7 @@ class NativePlane:
                 view, desc = self._region(key, length)
                 table_rows.stage(rows, row, view.ctypes.data, desc)
                 table_rows.reduce_locally(rows, row, self.local.owner(tkey, i), self.colocated[server])
-            elif self.stages_of(op, i, server)[0] == Stage.STAGE and length:
+            elif self.stages_of(op, server)[0] == Stage.STAGE and length:
                 view, desc = self._region(key, length)
                 table_rows.stage(rows, row, view.ctypes.data, desc)
         return rows
@@ -383,8 +383,20 @@ class NativePlane:
                        if native is not None else {}},
             "credit_stalls": self.credit_stalls(),
             "local_group": self.local.size if self.local else None,  # processes whose copies are summed locally
-            "local_strategy": "topology" if self._local_exec is not None else "native",
+            # who owns each partition of the local reduce (core/local.py), and whether CUDA tensors take
+            # the topology plan's GPU stages (core/local_exec.py)
+            "local_strategy": self._local_strategy(),
         }
+
+    def _local_strategy(self):
+        if self.local is None:
+            return None
+        plan = self.local.topology
+        return {"owners": "root" if self.local.root_only else "topology" if plan is not None else "owners",
+                "plan": None if plan is None else plan.strategy,
+                "groups": None if plan is None else [list(g) for g in plan.groups],
+                "roots": None if plan is None else list(plan.roots),
+                "gpu_stages": self._local_exec is not None}
 
     def _native_submit_range(self, rop, parts):
         """A RangeOp on the native core: a table per range, size and place in the executor's arena (a
@@ -421,20 +433,21 @@ class NativePlane:
         self.native_submitted += 1
         rop.native_id = nid
 
-    def stages_of(self, op, i, server):
-        """The ordered stages of partition ``i`` of ``op`` on this process (core/stages.py)."""
+    def stages_of(self, op, server):
+        """The ordered stages of a partition of ``op`` that this process pushes itself (no local
+        reduce: a broadcast, an asynchronous push_pull, a process set's or a one-process machine's;
+        core/stages.py). The native core plans the local reduce's lists itself (bps_stages.h)."""
         kind = KINDS[op.cmd]
         local = self.local is not None and op.pset is None  # a process set's members push themselves
-        owner = not local or self.local.owns(op.tkey, i)
-        ident = (owner, self.colocated[server], kind, local)
+        ident = (self.colocated[server], kind, local)
         got = self._stage_lists.get(ident)
         if got is None:
             got = self._stage_lists[ident] = stages.stage_list(
-                owner=owner, local_size=self.cfg.local_size, local_reduce=local,
+                owner=True, local_size=self.cfg.local_size, local_reduce=local,
                 colocated=self.colocated[server] and not (op.cmd == Cmd.BROADCAST and op.root != self.rank),
                 kind=kind, machines=self.cfg.num_worker)
-            logger.info("pipeline of a %s partition (%s, %s server): %s", kind, "owner" if owner else "not owner",
-                        "colocated" if ident[1] else "remote", stages.describe(got))
+            logger.info("pipeline of a %s partition (%s server): %s", kind, "colocated" if ident[0] else "remote",
+                        stages.describe(got))
         return got
 
     def _region(self, key, nbytes):

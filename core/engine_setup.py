@@ -48,8 +48,8 @@ class EngineSetup:
             self.poller.unregister(sock)
             core.add_server(sock)
         self._open_links(core)
-        # the local reduce too, unless the topology executor does it (core/local_exec.py)
-        if self.local is not None and self.cfg.local_strategy != "topology":
+        # the local reduce too (its owners by BYTEPS_LOCAL_STRATEGY: core/local.py)
+        if self.local is not None:
             links = self._open_local_links()
             self.poller.unregister(self._local_sock)
             core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
@@ -323,7 +323,7 @@ class EngineSetup:
             if self._lost_at_start:
                 self._await_membership_without(self._lost_at_start)
         from . import local_exec
-        self._local_exec = local_exec.start(self)  # None unless BYTEPS_LOCAL_STRATEGY=topology applies
+        self._local_exec = local_exec.start(self)  # CUDA tensors' GPU stages of BYTEPS_LOCAL_STRATEGY=topology
         self._ready.set()
 
     def _await_membership_without(self, lost):
@@ -506,7 +506,14 @@ class EngineSetup:
     def _setup_local(self):
         """Connect to this machine's other worker processes for the local reduce."""
         peers = [w for w in self.book["workers"] if w["worker_id"] == self.cfg.worker_id]
-        self.local = LocalPlan(peers, self.cfg.local_rank, self.cfg.local_push)
+        plan = None
+        if self.cfg.local_strategy == "topology":
+            from .local_exec import machine_plan
+
+            plan = machine_plan(len(peers))
+            logger.info("local reduce by the topology plan: %s, groups %s%s", plan.strategy,
+                        [list(g) for g in plan.groups], f", roots {list(plan.roots)}" if plan.roots else "")
+        self.local = LocalPlan(peers, self.cfg.local_rank, self.cfg.local_push, plan)
         for w in self.local.peers:
             if w["local_rank"] == self.cfg.local_rank:
                 continue

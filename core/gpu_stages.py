@@ -3,8 +3,7 @@ COPYD2H / COPYH2D through pinned shared staging buffers, PCIE_REDUCE on the CPU.
 
 One :class:`GpuExecutor` per local process (one process per GPU, local rank r drives
 ``plan.devices[r]``), all built from the same :class:`~byteps.topology.strategy.Plan`. The steps
-follow the BytePS paper (§4.2, §6.1) and use the plan's slicing, the same as the CPU analogue in
-topology/cpu_exec.py (which runs and is tested everywhere):
+follow the BytePS paper (§4.2, §6.1) and use the plan's slicing:
 
 ``cpu_assisted`` (PCIe-only, symmetric; also ``reduce_scatter`` with one group of all GPUs, over NVLink)
   1. REDUCE-SCATTER inside the group: ``ncclReduceScatter`` in place, every member holding slice
@@ -46,7 +45,6 @@ import numpy as np
 
 from byteps.core.shm import PAGE
 from byteps.errors import BytePSError
-from byteps.topology.cpu_exec import barrier_after_network, run_network
 
 from . import dtypes
 from ._reduce import sum_many
@@ -184,7 +182,7 @@ class GpuExecutor:
     # -- the operation -------------------------------------------------------------------------
     def push_pull(self, tensor, network=None, tag=0, stream=None):
         """Sum a CUDA tensor over the machine's GPUs in place; ``network`` and ``tag`` as in
-        CpuExecutor (a hook may return a callable that finishes its work; a failing hook is
+        core/local_exec.py gives them (a hook may return a callable that finishes its work; a failing hook is
         reported to every local process in the next barrier). ``tensor`` may also be a
         :class:`~byteps.core.gpu.DeviceArray` (core/local_exec.py passes slices of a large tensor;
         its ``ready_event`` is waited for). ``stream``: the producer's stream (a ``cudaStream_t`` as
@@ -341,3 +339,49 @@ class GpuExecutor:
         if getattr(self, "group", None) is not None:
             self.group.close()
             self.group = None
+
+
+def run_network(calls):
+    """Run a process's network hooks ``[(fn, args)]``, then the completion callables they return;
+    return the exception to report to the other local processes, or None."""
+    pending, failure = [], None
+    for fn, args in calls:
+        try:
+            pending.append(fn(*args))
+        except Exception as e:  # reported to every local process in the next barrier
+            failure = e
+            break
+    try:
+        _finish(pending)  # also after a failure: nothing may still write into our buffers
+    except Exception as e:
+        failure = failure or e
+    return failure
+
+
+def barrier_after_network(group, seq, phase, members, sig, what, failure):
+    """A barrier that carries this process's network failure (if any) to the others; the process
+    that failed raises its own error, the others LocalPeerError."""
+    try:
+        group.barrier(seq, phase, members, sig, what,
+                      error=None if failure is None else f"{type(failure).__name__}: {failure}")
+    except LocalPeerError:
+        if failure is not None:
+            raise failure from None
+        raise
+
+
+def _finish(results):
+    """Call the completion callables some network hooks return (None: the hook finished already).
+
+    Every one is called even after one fails, so nothing is still writing into a buffer when the
+    operation ends; the first error is raised."""
+    first = None
+    for done in results:
+        if done is None:
+            continue
+        try:
+            done()
+        except Exception as e:
+            first = first or e
+    if first is not None:
+        raise first

@@ -24,21 +24,37 @@ stage thread (byteps-reduce), by priority. A process in join() adds nothing but 
 partitions of its peers' ops: its core reduces their copies and hands the result back. This
 module keeps the plan: which local rank owns each partition (the engine writes it into the
 native core's tables).
+
+With BYTEPS_LOCAL_STRATEGY=topology the machine's topology plan (docs/topology.md) names the owners
+of host tensors' partitions, on the same native steps: ``reduce_broadcast`` gives every partition to
+one of the plan's roots in turn (the other processes never push). ``reduce_scatter`` and
+``cpu_assisted`` keep every local rank in turn: that is a reduce-scatter at partition granularity,
+and on the CPU, where every group of the plan is the same memory, the owner sums all the machine's
+copies at once (contiguous slices, which NCCL's reduce-scatter needs, gained nothing on the CPU:
+docs/benchmarks.md). Only CUDA tensors on a
+machine whose GPU stages are usable take the plan's executor (core/local_exec.py). Owners are a
+machine's own choice: servers count one push per machine and key, whoever makes it, so machines of
+other plans (or strategies) work together.
 """
 
 
 class LocalPlan:
-    """Who owns what on this machine: every local rank in turn ("owners"), or local rank 0 ("root",
-    BytePS's choice; BYTEPS_LOCAL_PUSH=root). docs/benchmarks.md compares the two."""
+    """Who owns what on this machine: every local rank in turn ("owners"), local rank 0 ("root",
+    BytePS's choice; BYTEPS_LOCAL_PUSH=root; docs/benchmarks.md compares the two), or the machine's
+    topology plan (``topology``: a :class:`byteps.topology.strategy.Plan` of this machine's size)."""
 
-    def __init__(self, peers, my_local_rank, mode="owners"):
+    def __init__(self, peers, my_local_rank, mode="owners", topology=None):
         self.peers = sorted(peers, key=lambda w: w["local_rank"])  # address-book entries, this machine
         self.size = len(self.peers)
         self.local_rank = my_local_rank
         self.root_only = mode == "root"
+        self.topology = topology if topology is not None and topology.local_size == self.size else None
 
     def owner(self, tkey, partition):
-        return 0 if self.root_only else (tkey + partition) % self.size
-
-    def owns(self, tkey, partition):
-        return self.owner(tkey, partition) == self.local_rank
+        """The local rank that reduces and pushes partition ``partition`` (its wire index) of tensor
+        ``tkey``. Tensors rotate by key, so a model's one-partition tensors spread over the owners."""
+        if self.root_only:
+            return 0
+        if self.topology is not None and self.topology.strategy == "reduce_broadcast":
+            return self.topology.root_for(tkey + partition)
+        return (tkey + partition) % self.size

@@ -1,19 +1,19 @@
-"""Local aggregation by the machine's topology plan inside a job (``BYTEPS_LOCAL_STRATEGY=topology``).
+"""The topology plan's GPU stages inside a job (``BYTEPS_LOCAL_STRATEGY=topology``, CUDA tensors).
 
-By default (``owners``) a machine's processes sum partition by partition in the engine
-(core/local.py). With ``topology``, every push_pull of this process goes through the executor of
-the machine's :func:`byteps.topology.plan` instead: :class:`~byteps.topology.cpu_exec.CpuExecutor`
-for host tensors, :class:`~byteps.core.gpu_stages.GpuExecutor` for CUDA tensors when the GPU
-stages are usable here (:attr:`LocalExec.cuda_reason` is None; the torch plugin then hands CUDA
-tensors over without a host copy). Broadcasts and asynchronous exchanges keep the engine's path.
+With ``topology``, host tensors keep the native local reduce with the plan's owners (core/local.py).
+CUDA tensors take the executor of the machine's :func:`byteps.topology.plan`,
+:class:`~byteps.core.gpu_stages.GpuExecutor` (NCCL and pinned staging), when the GPU stages are
+usable here (:func:`cuda_reason` is None; the torch plugin then hands CUDA tensors over without a
+host copy); elsewhere they take the native copy stages (COPYD2H / COPYH2D) like any CUDA tensor.
+Broadcasts, asynchronous exchanges and process sets keep the native path.
 
 One thread per worker process (``byteps-local-exec``) runs ``executor.push_pull`` for the ops in
-**submission order**. The executors' barriers (topology/localsync.py) need every local process
+**submission order**. The executor's barriers (topology/localsync.py) need every local process
 to handle the same tensor at the same time, exactly as NCCL needs every rank to issue collectives
-in the same order: a machine's processes must submit their push_pulls in the same order (gradient
-hooks of one model do). A process that submits another tensor in that slot fails that operation
-on every local process with a ``TensorMismatchError`` naming the local ranks and what each has
-(bytes, dtype, tensor key); one that never submits it makes the others fail with a
+in the same order: a machine's processes must submit their CUDA push_pulls in the same order
+(gradient hooks of one model do). A process that submits another tensor in that slot fails that
+operation on every local process with a ``TensorMismatchError`` naming the local ranks and what
+each has (bytes, dtype, tensor key); one that never submits it makes the others fail with a
 ``BytePSTimeoutError`` naming it. Since each operation finishes its network step before the next
 starts, every *worker* must also submit in the same order (two machines working on different
 tensors first would wait for each other until ``BYTEPS_TIMEOUT``).
@@ -29,7 +29,7 @@ with ``owners``.
 
 Wire keys: partition ``j`` of range ``i`` of tensor key ``t`` is ``t << 32 | i << 16 | j``.
 ``i`` numbers the ranges of the whole tensor in order: a tensor is aggregated in chunks of
-``CHUNK_PARTITIONS`` partitions (the executors' buffers have a fixed size), and each chunk is cut
+``CHUNK_PARTITIONS`` partitions (the executor's buffers have a fixed size), and each chunk is cut
 into ranges by the plan: ``local_size`` slices for ``cpu_assisted`` / ``reduce_scatter``, one range
 per partition for ``reduce_broadcast``. ``j`` is the placement's index of the piece within the
 range (its server is ``j``'s server for the key ``t << 16 | i``). All of it is a function of the
@@ -38,7 +38,7 @@ to make sure, the tensor is declared to the scheduler with that cut in its opera
 (:func:`layout`'s ``kind``), and workers whose cuts differ get the scheduler's mismatch error
 naming every rank's, instead of summing different ranges under one key.
 
-Buffers: the executors' memfd arenas (never in /dev/shm); a colocated server is handed a
+Buffers: the executor's memfd arenas (never in /dev/shm); a colocated server is handed a
 descriptor of the executor's buffer itself (LocalGroup.locate), so the range is not copied again.
 """
 import collections
@@ -57,7 +57,7 @@ from . import dtypes
 from .ops import Cmd, RangeOp
 
 #: a tensor is aggregated in chunks of this many partitions (BYTEPS_PARTITION_BYTES each): the
-#: executors' buffers (three of this size per process on the CPU) bound the memory used
+#: executor's buffers bound the memory used
 CHUNK_PARTITIONS = 16
 #: wire key index = range index << RANGE_BITS | piece index
 RANGE_BITS = 16
@@ -133,7 +133,8 @@ def token(cfg, book):
 
 
 def start(engine):
-    """The engine's LocalExec when this process aggregates by the topology plan, else None.
+    """The engine's LocalExec when this process hands CUDA tensors to the topology plan's GPU stages,
+    else None (host tensors take the native local reduce, with the plan's owners: core/local.py).
 
     Needs the engine's local reduce to be on (several processes on this machine, every machine
     reducing locally, not asynchronous): the servers then expect one push per machine."""
@@ -148,23 +149,22 @@ def start(engine):
         return None
     from . import stages
 
-    plan = machine_plan(cfg.local_size)
+    plan = engine.local.topology or machine_plan(cfg.local_size)
+    reason = cuda_reason(plan)
+    if reason is not None:
+        logger.info("CUDA tensors take the native copy stages, not the plan's GPU stages: %s", reason)
+        return None
     ex = LocalExec(engine, plan, token(cfg, engine.book))
-    logger.info("local aggregation by the topology plan: %s, groups %s%s; CUDA tensors: %s", plan.strategy,
-                [list(g) for g in plan.groups], f", roots {list(plan.roots)}" if plan.roots else "",
-                "GPU stages" if ex.cuda_reason is None else f"host copy ({ex.cuda_reason})")
-    for device in ("cpu",) if ex.cuda_reason else ("cpu", "cuda"):
-        logger.info("pipeline of a %s range on the topology path: %s (owner), %s (other local ranks)", device,
-                    stages.describe(stages.executor_stage_list(plan, device, True)),
-                    stages.describe(stages.executor_stage_list(plan, device, False)))
+    logger.info("pipeline of a CUDA range on the topology path: %s (owner), %s (other local ranks)",
+                stages.describe(stages.executor_stage_list(plan, True)),
+                stages.describe(stages.executor_stage_list(plan, False)))
     ex.start()
     return ex
 
 
 def takes_cuda(engine):
     """True when this process hands CUDA tensors to the GPU stages (the torch plugin asks)."""
-    ex = getattr(engine, "_local_exec", None)
-    return ex is not None and ex.cuda_reason is None
+    return getattr(engine, "_local_exec", None) is not None
 
 
 def cuda_device(engine):
@@ -175,7 +175,7 @@ def cuda_device(engine):
 
 
 class LocalExec:
-    """The ``byteps-local-exec`` thread of one worker process and its executors."""
+    """The ``byteps-local-exec`` thread of one worker process and its GPU executor."""
 
     def __init__(self, engine, plan, token):
         cfg = engine.cfg
@@ -186,8 +186,7 @@ class LocalExec:
         # a local wait outlasts the engine's BYTEPS_TIMEOUT, so that a peer whose range timed out in
         # the engine reports it in the next barrier before we give up on that peer
         self.timeout = cfg.timeout + max(2.0, 0.25 * cfg.timeout)
-        self.cuda_reason = cuda_reason(plan)
-        self.cpu = self.gpu = None
+        self.gpu = None
         self.stats = collections.Counter()  #: ops, chunks, ranges pushed (tests read it)
         self._cv = threading.Condition()
         self._queue = collections.deque()
@@ -203,9 +202,11 @@ class LocalExec:
         self._thread.start()
 
     def takes(self, op):
-        """push_pulls go through the executor; broadcasts, async exchanges, ranges and a process set's
-        push_pulls (its members push themselves) do not."""
-        return op.cmd == Cmd.PUSHPULL and not isinstance(op, RangeOp) and op.pset is None
+        """CUDA push_pulls go through the executor; host tensors, broadcasts, async exchanges, ranges
+        and a process set's push_pulls (its members push themselves) do not."""
+        from .gpu import DeviceArray
+
+        return op.cmd == Cmd.PUSHPULL and isinstance(op.buf, DeviceArray) and op.pset is None
 
     def enqueue(self, op):
         """Queue ``op`` in submission order (called by Engine.submit on the training thread)."""
@@ -243,27 +244,18 @@ class LocalExec:
     # ------------------------------------------------------------- the thread
 
     def _run(self):
-        from byteps.topology.cpu_exec import CpuExecutor
-
         from .threads import name_native
 
         name_native()
         try:
-            self.cpu = CpuExecutor(self.plan, self.rank, self.token + "-cpu", self.chunk_bytes, self.timeout,
-                                   self.partition_bytes)
-        except Exception as e:  # every op will fail with it; peers time out naming us
-            logger.error("the local executor could not start: %s", e)
-            self._broken = e
-        try:
             while (op := self._next()) is not None:
                 self._handle(op)
         finally:
-            for ex in (self.cpu, self.gpu):
-                if ex is not None:
-                    try:
-                        ex.close()
-                    except Exception:
-                        logger.exception("closing the local executor failed")
+            if self.gpu is not None:
+                try:
+                    self.gpu.close()
+                except Exception:
+                    logger.exception("closing the local executor failed")
             with self._cv:
                 left, self._queue = list(self._queue), collections.deque()
             for op in left:
@@ -320,35 +312,24 @@ class LocalExec:
             self._layouts.pop(op, None)
 
     def _execute(self, op, lay):
-        from .gpu import DeviceArray
-
         if lay.count == 0:
             return  # nothing to sum: no process pushes anything, on any machine
         isz = dtypes.itemsize(op.dtype)
-        device = isinstance(op.buf, DeviceArray)
-        if device:
-            if self.gpu is None:  # built on first use: the same op on every local process
-                from .gpu_stages import GpuExecutor
+        if self.gpu is None:  # built on first use: the same op on every local process
+            from .gpu_stages import GpuExecutor
 
-                self.gpu = GpuExecutor(self.plan, self.rank, self.token + "-gpu", self.chunk_bytes, self.timeout,
-                                       self.partition_bytes)
-            group = self.gpu.group
-        else:
-            arr = op.buf.view(dtypes.numpy_view_dtype(op.dtype))
-            group = self.cpu.group
+            self.gpu = GpuExecutor(self.plan, self.rank, self.token + "-gpu", self.chunk_bytes, self.timeout,
+                                   self.partition_bytes)
         for c0, c1, first, ranges in lay.chunks:
-            hook = functools.partial(self._network, op, group, first, ranges)
+            hook = functools.partial(self._network, op, self.gpu.group, first, ranges)
             self.stats["chunks"] += 1
-            if device:
-                # the first chunk waits for the producer (the event the plugin recorded at submission);
-                # the later ones run after it on the same stream
-                first_chunk = c0 == 0
-                piece = dataclasses.replace(op.buf, ptr=op.buf.ptr + c0 * isz, nbytes=(c1 - c0) * isz, count=c1 - c0,
-                                            stream=op.buf.stream if first_chunk else None,
-                                            ready_event=op.buf.ready_event if first_chunk else None)
-                self.gpu.push_pull(piece, network=hook, tag=op.tkey)
-            else:
-                self.cpu.push_pull(arr[c0:c1], network=hook, dtype=op.dtype, tag=op.tkey)
+            # the first chunk waits for the producer (the event the plugin recorded at submission);
+            # the later ones run after it on the same stream
+            first_chunk = c0 == 0
+            piece = dataclasses.replace(op.buf, ptr=op.buf.ptr + c0 * isz, nbytes=(c1 - c0) * isz, count=c1 - c0,
+                                        stream=op.buf.stream if first_chunk else None,
+                                        ready_event=op.buf.ready_event if first_chunk else None)
+            self.gpu.push_pull(piece, network=hook, tag=op.tkey)
 
     def _network(self, op, group, first, ranges, view, start, stop, nic):
         """The executors' hook: push range [start, stop) of the machine's sum, pull the global sum into

@@ -38,7 +38,9 @@ COPYH2D              its result from the slot back into the tensor       (the sa
 
 A CUDA tensor's partitions start with COPYD2H and end with COPYH2D around the host stages
 (``stage_list(device="cuda")``; core/pipeline/gpu_copier.h). With BYTEPS_LOCAL_STRATEGY=topology the
-plan's GPU stages (NCCL_REDUCE, PCIE_REDUCE, NCCL_BROADCAST) run instead (executor_stage_list).
+machine's plan names the owners of the local reduce (core/local.py), and on a machine whose GPU
+stages work CUDA tensors run the plan's GPU stages (NCCL_REDUCE, PCIE_REDUCE, NCCL_BROADCAST)
+instead (executor_stage_list).
 """
 import enum
 import os
@@ -108,24 +110,18 @@ def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", 
     return tuple(Stage(code) for code in codes)
 
 
-def executor_stage_list(plan, device="cpu", owner=True):
-    """The stages of one range of a tensor on the topology path (BYTEPS_LOCAL_STRATEGY=topology,
-    core/local_exec.py), where the plan's executor replaces the owners' local reduce.
+def executor_stage_list(plan, owner=True):
+    """The stages of one range of a CUDA tensor on the topology path (BYTEPS_LOCAL_STRATEGY=topology
+    on a machine whose GPU stages work, core/local_exec.py), where the plan's executor
+    (core/gpu_stages.py) replaces the copy stages and the owners' local reduce.
 
-    ``plan``: the machine's topology Plan; ``device``: "cpu" (topology/cpu_exec.py: STAGE into the
-    shared arena, LOCAL_REDUCE = the group's (or the root's) shared-memory sum) or "cuda"
-    (core/gpu_stages.py: NCCL reduce(-scatter) and COPYD2H); ``owner``: this process pushes the range
-    (a non-owner only takes part in the local steps). PCIE_REDUCE appears with several groups."""
-    several = plan.strategy == "cpu_assisted" and len(plan.groups) > 1
-    if device == "cuda":
-        before = [Stage.NCCL_REDUCE, Stage.COPYD2H] + ([Stage.PCIE_REDUCE] if several else [])
-        after = [Stage.COPYH2D, Stage.NCCL_BROADCAST]
-    else:
-        before = [Stage.STAGE, Stage.LOCAL_REDUCE] + ([Stage.PCIE_REDUCE] if several else [])
-        after = [Stage.LOCAL_BROADCAST]
+    ``plan``: the machine's topology Plan; ``owner``: this process pushes the range (a non-owner
+    only takes part in the local steps). PCIE_REDUCE appears with several groups."""
     if plan.strategy == "none" or plan.local_size == 1:  # nothing local to sum: copy out and back
-        before, after = ([Stage.COPYD2H], [Stage.COPYH2D]) if device == "cuda" else ([], [])
-    return tuple(before + ([Stage.PUSH, Stage.PULL] if owner else []) + after)
+        return (Stage.COPYD2H,) + ((Stage.PUSH, Stage.PULL) if owner else ()) + (Stage.COPYH2D,)
+    several = plan.strategy == "cpu_assisted" and len(plan.groups) > 1
+    before = [Stage.NCCL_REDUCE, Stage.COPYD2H] + ([Stage.PCIE_REDUCE] if several else [])
+    return tuple(before + ([Stage.PUSH, Stage.PULL] if owner else []) + [Stage.COPYH2D, Stage.NCCL_BROADCAST])
 
 
 def parse_override(raw):
@@ -201,6 +197,7 @@ def situations_text(local_size=2, env=None):
     lines = [head + ":"] + [f"  {what:<{width}}  {describe(st)}" for what, st in rows]
     lines.append("  CUDA tensors add COPYD2H before and COPYH2D after these (a broadcast's root copies nothing back, "
                  "the other ranks nothing off the GPU); with "
-                 "BYTEPS_LOCAL_STRATEGY=topology the plan's executor runs STAGE -> LOCAL_REDUCE [-> PCIE_REDUCE] -> "
-                 "PUSH -> PULL -> LOCAL_BROADCAST per range (executor_stage_list)")
+                 "BYTEPS_LOCAL_STRATEGY=topology the machine's plan picks the partitions' owners, and CUDA tensors "
+                 "on a machine whose GPU stages work run NCCL_REDUCE -> COPYD2H [-> PCIE_REDUCE] -> PUSH -> PULL -> "
+                 "COPYH2D -> NCCL_BROADCAST per range (executor_stage_list)")
     return "\n".join(lines)

@@ -31,7 +31,7 @@ from byteps.core import dtypes, gpu, gpu_stages
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import fake_cuda  # noqa: E402
-from test_topology_exec import check_sums, run_local  # noqa: E402
+from test_localsync import check_sums, run_local  # noqa: E402
 
 
 def test_imports_without_a_gpu_and_says_why():
@@ -501,7 +501,7 @@ def test_handover_waits_for_the_producer_stream(fake, monkeypatch, dtype_name):
             rop.done.set()
 
     ex = local_exec.LocalExec(Engine(), plan, uuid.uuid4().hex[:12])
-    assert ex.cuda_reason is None, ex.cuda_reason
+    assert local_exec.cuda_reason(plan) is None, local_exec.cuda_reason(plan)
     op = types.SimpleNamespace(name="grad", buf=arr, dtype=code, tkey=5, priority=0, codec=None)
     lay = local_exec.layout(plan, count, dtypes.itemsize(code), Engine.cfg.partition_bytes)
     assert len(lay.chunks) == 4  # the first chunk waits; the others follow it on the stream

@@ -1,12 +1,13 @@
-"""BYTEPS_LOCAL_STRATEGY=topology: the topology plan's executors inside real jobs (core/local_exec.py).
+"""BYTEPS_LOCAL_STRATEGY=topology inside real jobs: host tensors take the native local reduce with the
+owners the machine's topology plan names (core/local.py); CUDA tensors take the plan's GPU stages
+(core/local_exec.py) where those work.
 
-Real scheduler, servers and 2 worker machines of 2-4 processes each (tests/conftest.py), every
-push_pull aggregated on each machine by the forced strategy's executor (topology/cpu_exec.py),
-its ranges pushed and pulled by the engine. Results are compared exactly with sums computed here
-(small integers: exact in every dtype), and each job checks that the executor really ran what was
-forced (strategy, groups, PCIE_REDUCE, which ranks pushed), since the default path would produce
-the same sums. Bad input: a size that differs, tensors submitted in different orders by a
-machine's processes, a process that never submits; each must end in a clear error, never a hang.
+Real scheduler, servers and 2 worker machines of 2-4 processes each (tests/conftest.py). Results
+are compared exactly with sums computed here (small integers: exact in every dtype), and each job
+checks through byteps.metrics() that what was forced really ran (the plan's strategy and groups,
+which local ranks reduced and pushed), since the default owners would produce the same sums.
+Owners are each machine's own choice: machines of different plans (or strategies) work together,
+and a machine's processes may submit in any order.
 """
 import os
 import sys
@@ -76,54 +77,50 @@ def check_sums(res, specs, rounds):
                     f"{np.flatnonzero(got != expect)[:5]}")
 
 
-def executors(res):
-    return {rank: r["value"]["executor"] for rank, r in res.items()}
-
-
-def check_arenas(res):
+def local(res):
+    """{rank: byteps.metrics()["local_strategy"]}, after checking no process ran the GPU executor."""
     for rank, r in res.items():
-        assert r["value"]["arenas_before"] >= 1, f"rank {rank} held no executor arena: the topology path did not run"
-        assert r["value"]["arenas_after"] == 0, f"rank {rank} still holds executor arenas after shutdown()"
+        assert r["value"]["arenas"] == 0, f"rank {rank} holds executor arenas: the host tensors left the native path"
+        assert r["value"]["local"]["gpu_stages"] is False, (rank, r["value"]["local"])
+    return {rank: r["value"]["local"] for rank, r in res.items()}
+
+
+def reduced(r):
+    """Partitions this process reduced for its machine (the owner's LOCAL_REDUCE) and pushed."""
+    return r["native_local"]["reduced"], r["stages"].get("push", 0)
 
 
 # ---------------------------------------------------------------------------------------------- sums
 
 
-def test_cpu_assisted_with_two_groups_runs_pcie_reduce(cluster):
-    """2 machines x 4 processes in two groups of 2: reduce-scatter in each group, PCIE_REDUCE across
-    groups (every process sums its range), network per range, copy back, gather."""
+def test_cpu_assisted_with_two_groups(cluster):
+    """2 machines x 4 processes in two groups of 2 (the plan's groups): every process owns partitions in
+    turn, reduces the machine's copies of each natively and pushes it."""
     specs = tensors()
     _, res = run(cluster, 2, 4, "topology_sums", {"tensors": specs, "rounds": 2},
                  {"BYTEPS_INTRA_STRATEGY": "cpu_assisted", "BYTEPS_PCIE_SWITCH_SIZE": "2"})
     check_sums(res, specs, 2)
-    check_arenas(res)
-    for rank, ex in executors(res).items():
-        assert ex["strategy"] == "cpu_assisted" and ex["groups"] == [[0, 1], [2, 3]], ex
-        assert ex["stats"]["ops"] == 2 * len(specs), ex
-        assert ex["cpu"]["pcie_reduce"] > 0 and ex["cpu"]["group_reduce"] > 0, ex
-        # every process owns one range per chunk (tensors of 1 and 3 elements leave some ranges empty)
-        assert ex["stats"]["ranges"] == ex["cpu"]["network"] > 0, ex
-    for rank, r in res.items():  # the ranges went through the native core's stages (byteps.metrics())
-        assert r["stages"].get("push", 0) == r["stages"].get("pull", 0) > 0, (rank, r["stages"])
+    for rank, lo in local(res).items():
+        assert lo == {"owners": "topology", "plan": "cpu_assisted", "groups": [[0, 1], [2, 3]], "roots": [],
+                      "gpu_stages": False}, lo
+    for rank, r in res.items():  # every process owns some partitions, and its own never went elsewhere
+        got, pushed = reduced(r)
+        assert got > 0 and pushed == got and r["native_local"]["coordinated"] > 0, (rank, r["native_local"])
 
 
 def test_one_machine_with_a_colocated_server(cluster):
-    """1 machine x 2 processes and its colocated server, which answers a lone machine with the
-    pusher's own shared region (the engine then copies nothing back): sums stay exact."""
+    """1 machine x 2 processes and its colocated server: the lone machine's local sum is the whole sum."""
     specs = tensors()
     _, res = run(cluster, 1, 2, "topology_sums", {"tensors": specs, "rounds": 2},
                  {"BYTEPS_INTRA_STRATEGY": "reduce_scatter"}, servers=1)
     check_sums(res, specs, 2)
-    check_arenas(res)
-    for rank, r in res.items():  # the server reads each range from the executor's arena: no STAGE copy
-        assert r["stages"].get("stage", 0) == r["stages"].get("push", 0) > 0, (rank, r["stages"])
+    assert all(lo["plan"] == "reduce_scatter" for lo in local(res).values())
 
 
-def test_compressed_ranges_are_encoded_by_the_native_core(cluster):
-    """fp16 on the wire, servers on no worker's machine: the native core encodes each range's
-    partitions on their way out and decodes the replies (float32 and float64; int32 travels raw).
-    The values are small integers, exact in fp16, so the sums stay exact; byteps.metrics() counts the
-    encoded pushes among all the pushes."""
+def test_compressed_partitions_are_encoded_by_the_native_core(cluster):
+    """fp16 on the wire, servers on no worker's machine: the owners encode their partitions on their way
+    out and decode the replies (float32 and float64; int32 travels raw). The values are small integers,
+    exact in fp16, so the sums stay exact; byteps.metrics() counts the encoded pushes among all."""
     specs = tensors(["float32", "float64", "int32"], [700, 10007])
     _, res = run(cluster, 2, 2, "topology_sums", {"tensors": specs, "rounds": 2, "compression": "fp16"},
                  {"BYTEPS_INTRA_STRATEGY": "reduce_scatter", "BYTEPS_ENABLE_IPC": "0"}, servers=1)
@@ -133,20 +130,20 @@ def test_compressed_ranges_are_encoded_by_the_native_core(cluster):
 
 
 def test_reduce_broadcast_pushes_only_from_the_roots(cluster):
-    """2 machines x 3 processes, roots 1 and 2: partitions round-robin over the roots, which alone
-    reduce and push; local rank 0 only broadcasts."""
+    """2 machines x 3 processes, roots 1 and 2: partitions go round-robin over the roots, which alone
+    reduce and push; local rank 0 only hands its copies over and takes the results."""
     specs = tensors()
     _, res = run(cluster, 2, 3, "topology_sums", {"tensors": specs, "rounds": 2},
                  {"BYTEPS_REDUCE_ROOTS": "1,2"})
     check_sums(res, specs, 2)
-    check_arenas(res)
-    for rank, ex in executors(res).items():
-        assert ex["strategy"] == "reduce_broadcast" and ex["roots"] == [1, 2], ex
-        local_rank = rank % 3
-        if local_rank == 0:
-            assert ex["stats"].get("ranges", 0) == 0 and ex["cpu"].get("root_reduce", 0) == 0, ex
+    for rank, lo in local(res).items():
+        assert lo["plan"] == "reduce_broadcast" and lo["roots"] == [1, 2], lo
+    for rank, r in res.items():
+        got, pushed = reduced(r)
+        if rank % 3 == 0:
+            assert got == pushed == 0 and r["native_local"]["coordinated"] > 0, (rank, r["native_local"], r["stages"])
         else:
-            assert ex["stats"]["ranges"] == ex["cpu"]["root_reduce"] > 0, ex
+            assert got > 0 and pushed == got, (rank, r["native_local"], r["stages"])
 
 
 def test_reduce_scatter_two_processes(cluster):
@@ -154,9 +151,9 @@ def test_reduce_scatter_two_processes(cluster):
     _, res = run(cluster, 2, 2, "topology_sums", {"tensors": specs, "rounds": 2},
                  {"BYTEPS_INTRA_STRATEGY": "reduce_scatter"}, servers=1)
     check_sums(res, specs, 2)
-    for rank, ex in executors(res).items():
-        assert ex["strategy"] == "reduce_scatter" and ex["groups"] == [[0, 1]], ex
-        assert ex["cpu"].get("pcie_reduce", 0) == 0 and ex["stats"]["ranges"] > 0, ex
+    for rank, lo in local(res).items():
+        assert lo["plan"] == "reduce_scatter" and lo["groups"] == [[0, 1]], lo
+    assert all(reduced(r)[0] > 0 for r in res.values())
 
 
 @pytest.mark.slow
@@ -172,53 +169,16 @@ def test_more_plans_with_four_processes(cluster, env):
     _, res = run(cluster, 2, 4, "topology_sums", {"tensors": specs, "rounds": 3}, env, timeout=240)
     check_sums(res, specs, 3)
     if "BYTEPS_TOPOLOGY_FILE" in env:  # the rules' choice: cpu_assisted over the two NUMA nodes
-        assert all(ex["strategy"] == "cpu_assisted" and ex["groups"] == [[0, 1], [2, 3]]
-                   for ex in executors(res).values())
-
-
-# ---------------------------------------------------------------------------------------------- errors
-
-
-def test_bad_input_fails_clearly_on_every_rank(cluster):
-    """A size that differs under one name: the scheduler's error on every rank. Local rank 1 of each
-    machine submitting two tensors in the other order: both fail on every local process of the
-    machine, naming the local ranks, their sizes and tensor keys. The path still works afterwards."""
-    _, res = run(cluster, 2, 2, "topology_errors", {}, {}, servers=1)
-    for rank, r in res.items():
-        got = r["value"]
-        assert got["size"].startswith("TensorMismatchError") and "float32[10]" in got["size"] \
-            and "float32[11]" in got["size"] and "rank 1" in got["size"], got["size"]
-        for name in ("a", "b"):
-            err = got["order"][name]
-            assert err.startswith("TensorMismatchError"), (rank, name, err)
-            assert "400 bytes of float32" in err and "800 bytes of float32" in err, err
-            assert "local rank 0" in err and "local rank 1" in err and "same order" in err, err
-        assert got["after"] == [float(sum(range(1, 5)))] * 7, got["after"]
-
-
-def test_a_process_that_never_submits_is_named(cluster):
-    """Local rank 1 of machine 0 skips a push_pull: its peer times out naming it; machine 1's processes
-    time out waiting for the servers (machine 0 never pushes). Nobody hangs."""
-    timeout = 8  # also bounds start-up, which takes a few seconds on a loaded 2-core machine
-    _, res = run(cluster, 2, 2, "topology_missing", {"hold": timeout + 5}, {"BYTEPS_TIMEOUT": str(timeout)},
-                 servers=1)
-    assert res[1]["value"].get("skipped")
-    err = res[0]["value"]["error"]
-    assert err.startswith("BytePSTimeoutError") and "local rank(s) [1]" in err, err
-    for rank in (2, 3):
-        err = res[rank]["value"]["error"]
-        assert ("BytePSTimeoutError" in err or "LocalPeerError" in err) and "server 0" in err, err
-    for rank in (0, 2, 3):
-        assert res[rank]["value"]["seconds"] < 3 * timeout + 10
+        assert all(lo["plan"] == "cpu_assisted" and lo["groups"] == [[0, 1], [2, 3]] for lo in local(res).values())
 
 
 @pytest.mark.parametrize("other", [
     {"BYTEPS_INTRA_STRATEGY": "reduce_broadcast"},
-    pytest.param({"BYTEPS_LOCAL_STRATEGY": "owners"}, marks=pytest.mark.slow)], ids=["cut", "owners"])
-def test_machines_that_cut_differently_get_a_clear_error(cluster, other):
-    """Machine 0 cuts tensors into 2 slices; machine 1 into partitions (reduce_broadcast), or does not use
-    the topology path at all: the tensor is declared with different operations, and every rank gets the
-    scheduler's error naming each rank's (never a sum of different ranges under one key)."""
+    pytest.param({"BYTEPS_LOCAL_STRATEGY": "owners"}, marks=pytest.mark.slow)], ids=["plan", "owners"])
+def test_machines_of_different_plans_work_together(cluster, other):
+    """Machine 0 gives each process a slice of the partitions, machine 1 gives them to one root in turn
+    (reduce_broadcast), or uses the default owners: servers count one push per machine and key, whoever
+    makes it, so every sum is exact; a broadcast too."""
     c = cluster(2, 1, 2, env={**BASE_ENV, "BYTEPS_INTRA_STRATEGY": "reduce_scatter"})
     c.run_workers("topology_declare", {}, machines=[0])
     c.run_workers("topology_declare", {}, machines=[1], env=other)
@@ -226,14 +186,32 @@ def test_machines_that_cut_differently_get_a_clear_error(cluster, other):
     assert codes == [0] * 4, c.all_logs()
     res = c.results()
     assert len(res) == 4, c.all_logs()
-    theirs = "in a push_pull;" if "BYTEPS_LOCAL_STRATEGY" in other else "(partitions of 1024 elements"
     for rank, r in res.items():
-        for name in ("x", "y"):
-            err = r["value"][name]
-            assert err.startswith("TensorMismatchError") and "push_pull over local ranges (2 slices" in err \
-                and theirs in err and "rank 3" in err, (rank, err)
-    # broadcasts do not use the executor: they still work between the two
-    assert all(r["value"]["broadcast"] == [1.0] * 3 for r in res.values())
+        assert r["value"]["x"] == r["value"]["y"] == [4.0] * 5, (rank, r["value"])
+        assert r["value"]["broadcast"] == [1.0] * 3, (rank, r["value"])
+
+
+def test_owners_follow_the_plan():
+    """LocalPlan.owner: the roots in turn for reduce_broadcast; every rank in turn otherwise (a
+    reduce-scatter at partition granularity), rank 0 for BYTEPS_LOCAL_PUSH=root; rotated by tensor key."""
+    import byteps.topology as topology
+    from byteps.core.local import LocalPlan
+
+    peers = [{"local_rank": r} for r in range(4)]
+    scatter = LocalPlan(peers, 0, topology=topology.plan(machine="cpu_2numa", local_size=4, env={}))
+    assert scatter.topology.strategy == "cpu_assisted"
+    assert [scatter.owner(1, i) for i in range(6)] == [1, 2, 3, 0, 1, 2]
+    assert [scatter.owner(k, 0) for k in range(4)] == [0, 1, 2, 3]  # one-partition tensors spread by key
+    roots = LocalPlan(peers, 0, topology=topology.plan(machine="cpu_2numa", local_size=4,
+                                                      overrides={"roots": (1, 3)}, env={}))
+    assert [roots.owner(0, i) for i in range(5)] == [1, 3, 1, 3, 1]
+    assert [roots.owner(1, i) for i in range(2)] == [3, 1]
+    assert [LocalPlan(peers, 0).owner(1, i) for i in range(6)] == [1, 2, 3, 0, 1, 2]
+    assert [LocalPlan(peers, 0, "root").owner(1, i) for i in range(3)] == [0, 0, 0]
+    # a plan of another size than the machine's (a fixture) is not used: the default owners
+    other = LocalPlan(peers[:2], 0, topology=topology.plan(machine="cpu_2numa", local_size=4,
+                                                          overrides={"roots": (3,)}, env={}))
+    assert other.topology is None and [other.owner(0, i) for i in range(2)] == [0, 1]
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -392,12 +370,10 @@ def test_executor_stage_lists():
     import byteps.topology as topology
     from byteps.core.stages import Stage as S, executor_stage_list
 
-    two = topology.plan(machine="cpu_2numa", local_size=4, env={})
-    one = topology.plan(machine="cpu_2numa", local_size=4, overrides={"strategy": "reduce_scatter"}, env={})
-    assert executor_stage_list(two) == (S.STAGE, S.LOCAL_REDUCE, S.PCIE_REDUCE, S.PUSH, S.PULL, S.LOCAL_BROADCAST)
-    assert executor_stage_list(one, owner=False) == (S.STAGE, S.LOCAL_REDUCE, S.LOCAL_BROADCAST)
     pcie = topology.plan(machine="pcie_only", env={})
-    assert executor_stage_list(pcie, "cuda") == (S.NCCL_REDUCE, S.COPYD2H, S.PCIE_REDUCE, S.PUSH, S.PULL, S.COPYH2D,
-                                                 S.NCCL_BROADCAST)
+    assert executor_stage_list(pcie) == (S.NCCL_REDUCE, S.COPYD2H, S.PCIE_REDUCE, S.PUSH, S.PULL, S.COPYH2D,
+                                         S.NCCL_BROADCAST)
+    nvlink = topology.plan(machine="pcie_only", overrides={"strategy": "reduce_scatter"}, env={})
+    assert executor_stage_list(nvlink, owner=False) == (S.NCCL_REDUCE, S.COPYD2H, S.COPYH2D, S.NCCL_BROADCAST)
     alone = topology.plan(machine="pcie_only", local_size=1, env={})
-    assert executor_stage_list(alone, "cuda") == (S.COPYD2H, S.PUSH, S.PULL, S.COPYH2D)
+    assert executor_stage_list(alone) == (S.COPYD2H, S.PUSH, S.PULL, S.COPYH2D)

@@ -1,8 +1,7 @@
 """Barriers and shared arenas among the worker processes of one machine.
 
-The executors of a plan (the CPU analogue in cpu_exec.py, the GPU stages in core/gpu_stages.py)
-run in L independent processes (bpslaunch starts them; nothing is forked from a common parent),
-so they cannot share ``multiprocessing`` primitives. :class:`LocalGroup` gives them:
+The GPU stages of a plan (core/gpu_stages.py) run in L independent processes (bpslaunch starts
+them; nothing is forked from a common parent), so they cannot share ``multiprocessing`` primitives. :class:`LocalGroup` gives them:
 
 * **shared memory**: every process owns one memfd arena (core/shm.py, never in /dev/shm, freed by
   the kernel when the last holder exits) and maps its peers' arenas through /proc/<pid>/fd/<fd>

@@ -15,7 +15,8 @@ GPUs *and* a NIC, and S_g those holding only GPUs:
 * several NICs ("multi-NIC", Fairring's rails): each slice (or root) leaves through the NIC under
   its own switch, else one on its socket; S_n/S_g change accordingly (§4.2.3).
 * no GPUs (the CPU analogue): worker processes are grouped by NUMA node as if the nodes were
-  switches, and run ``cpu_assisted`` through shared memory (topology/cpu_exec.py).
+  switches; the plan then names which local rank owns each partition of the native local reduce
+  in shared memory (core/local.py).
 
 A :class:`Plan` says which strategy, which local ranks form each group, the roots, each rank's
 NIC, and *why* in plain text. Its schedule helpers (:func:`slice_bounds`, :meth:`Plan.reduce_ranges`,
