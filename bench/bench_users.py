@@ -664,7 +664,7 @@ def main():
             rows += r
             ratios += q
             latency += lat
-            children[f"{layout},{procs}"] = job["child"]
+            children[f"{layout},{procs}"] = dict(job["child"], tuning=job["ranks"][0].get("tuning"))
             errs = [e for rk in job["ranks"] for e in rk["errors"]]
             mem = [e for rk in job["ranks"] for e in rk["memory_events"]]
             doc.setdefault("errors", []).extend(errs)
@@ -720,6 +720,10 @@ def main():
               f"torch threads {first['torch_threads']}; removed from the inherited environment: "
               f"{', '.join(stripped) or 'nothing'}; load average {meta['loadavg'][0]:.1f} -> "
               f"{meta['loadavg_end'][0]:.1f}")
+        chose = {job: c["tuning"] for job, c in children.items() if c.get("tuning")}
+        if chose:  # what init() probed and agreed: the figures' partition size and credit
+            print("autotune chose: " + "; ".join(f"{job}: {t['partition_bytes']} B partitions, credit {t['credit']}"
+                                                 f" ({t.get('source', '?')})" for job, t in chose.items()))
     path = args.json or os.path.join(RESULTS, f"users-{mode}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
