@@ -45,6 +45,7 @@ import numpy as np
 
 from byteps.core.shm import PAGE
 from byteps.errors import BytePSError
+from byteps.topology.localsync import LocalPeerError
 
 from . import dtypes
 from ._reduce import sum_many

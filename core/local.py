@@ -31,10 +31,9 @@ one of the plan's roots in turn (the other processes never push). ``reduce_scatt
 ``cpu_assisted`` keep every local rank in turn: that is a reduce-scatter at partition granularity,
 and on the CPU, where every group of the plan is the same memory, the owner sums all the machine's
 copies at once (contiguous slices, which NCCL's reduce-scatter needs, gained nothing on the CPU:
-docs/benchmarks.md). Only CUDA tensors on a
-machine whose GPU stages are usable take the plan's executor (core/local_exec.py). Owners are a
-machine's own choice: servers count one push per machine and key, whoever makes it, so machines of
-other plans (or strategies) work together.
+docs/benchmarks.md). Only CUDA tensors on a machine whose GPU stages are usable take the plan's
+executor (core/local_exec.py). Owners are a machine's own choice: servers count one push per
+machine and key, whoever makes it, so machines of other plans (or strategies) work together.
 """
 
 

@@ -19,6 +19,7 @@ with the reason otherwise.
 import os
 import sys
 import threading
+import time
 import types
 import uuid
 
@@ -392,6 +393,49 @@ def test_every_thread_uses_its_own_gpu(fake, machine, local_size, overrides):
     inits = [d for t, d, f, _ in fake.calls if f == "ncclCommInitRank"]
     assert sorted(inits) == expect_comms, f"communicators were created on GPUs {sorted(inits)}"
     assert fake.implicit == [], f"CUDA calls from threads that set no device (GPU 0): {fake.implicit[:5]}"
+
+
+def test_a_failing_network_step_fails_every_rank_in_step(fake):
+    """Local rank 1's network step raises: it raises its own error, local rank 0 a LocalPeerError naming
+    rank 1 and that error, in the same barrier (nobody waits for a time-out)."""
+    from byteps.topology.localsync import LocalPeerError
+
+    plan = topology.plan(machine="pcie_only", local_size=2, overrides={"strategy": "reduce_scatter"}, env={})
+    devices = [gpu_stages.cuda_ordinal(d, env={}) for d in plan.devices]
+    token = uuid.uuid4().hex[:12]
+    count = 1001
+    executors, results = {}, {}
+
+    def hook(view, start, stop, nic):
+        if threading.current_thread().name.startswith("r1"):
+            raise ValueError("server 3 went away")
+        view += np.float32(1000)
+
+    def run_all(phase, fn):
+        threads = [threading.Thread(target=lambda r=r: results.__setitem__((phase, r), _catch(fn, r)),
+                                    name=f"r{r}-{phase}") for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), f"{phase}: a rank is still waiting"
+
+    def push_pull(r):
+        arr, _ = _device_tensor(fake, devices[r], np.ones(count, np.float32), dtypes.FLOAT32)
+        executors[r].push_pull(arr, network=hook)
+
+    run_all("build", lambda r: executors.__setitem__(r, gpu_stages.GpuExecutor(plan, r, token, count * 4,
+                                                                                timeout=20, partition_bytes=1024)))
+    began = time.monotonic()
+    try:
+        run_all("op", push_pull)
+    finally:
+        run_all("close", lambda r: executors[r].close())
+    assert time.monotonic() - began < 15, "the ranks waited for a time-out"
+    mine, theirs = results[("op", 1)], results[("op", 0)]
+    assert isinstance(mine, ValueError) and "server 3 went away" in str(mine), repr(mine)
+    assert isinstance(theirs, LocalPeerError), repr(theirs)
+    assert "local rank 1" in str(theirs) and "server 3 went away" in str(theirs), str(theirs)
 
 
 def _catch(fn, *args):
