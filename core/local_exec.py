@@ -332,7 +332,7 @@ class LocalExec:
             self.gpu.push_pull(piece, network=hook, tag=op.tkey)
 
     def _network(self, op, group, first, ranges, view, start, stop, nic):
-        """The executors' hook: push range [start, stop) of the machine's sum, pull the global sum into
+        """The executor's hook: push range [start, stop) of the machine's sum, pull the global sum into
         ``view``; returns the wait (the executor calls it after issuing all its ranges)."""
         for k, (a, b, owner) in enumerate(ranges):
             if (a, b) == (start, stop):
