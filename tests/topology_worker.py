@@ -9,9 +9,9 @@ Every process builds its plan from the same inputs (so the test also checks that
 runs each case's operations on inputs that depend on (rank, operation): "gpu" through the plan's
 GPU stages (core/gpu_stages.py), "sums" through the bare LocalGroup (its arenas and barriers, which
 the GPU stages stand on: each rank writes its input into its arena, every rank sums all arenas),
-and saves the results as
-OUTDIR/<case>-<rank>-<op>.npy, plus OUTDIR/<case>-<rank>.json with the hook calls or the error
-("error": "TypeName: message"). The parent computes the expected sums locally.
+and saves the results as OUTDIR/<case>-<rank>-<op>.npy, plus OUTDIR/<case>-<rank>.json with the
+hook calls or the error ("error": "TypeName: message"). The parent computes the expected sums
+locally.
 """
 import json
 import os
