@@ -39,7 +39,7 @@ ROOT = os.path.dirname(HERE)
 GROUPS = ("goodput", "latency", "train", "cluster")
 PATTERNS = ("inplace", "fresh", "outofplace")
 LARGE = ("16MB", "64MB")  #: the goodput cells' sizes
-SHAPES = "3x1000x96MiB,2x200x46.8MB,4x500x30000001"  #: the cluster shapes (n x Mbit/s x model bytes)
+SHAPES = "3x1000x96MiB,2x200x46.8MB,3x500x30000001,4x500x30000001"  #: the cluster shapes README quotes (n x Mbit/s x model bytes)
 
 #: bench_users.py configurations: (name, needs root, arguments); the table rows come from their JSON
 COLLECTIVES = [
