@@ -17,7 +17,7 @@ goodput, over the sizes from 16 MB and both naming modes too). A cell from one r
 * ``latency``: a 4 KB synchronous push_pull in place, against the round trip of two fresh, unbound
   processes (bench/raw_exchange.py) and against the in-job round trip taken beside it;
 * ``train``: a training step, bps.DistributedOptimizer against DDP over gloo, samples/s;
-* ``cluster``: the emulated cluster at default settings, time / t_opt for every k = 0..n on three
+* ``cluster``: the emulated cluster at default settings, time / t_opt for every k = 0..n on four
   cluster shapes (root).
 
 Needs root for the hosts layout and the emulated cluster; without it those rows are left out and
