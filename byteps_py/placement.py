@@ -29,10 +29,13 @@ applies it in the worker's engine (core/engine.py) from the address book, one of
     (byteps/fusion.py, Herring's balanced fusion buffers), loads the servers in the optimal
     proportions at every instant, not only on average. Every worker sends a partition's pieces in
     the same order (successive partitions start at successive servers): the credit's exception for
-    the most urgent tensor relies on it (core/pipeline/bps_queue.h). A partition whose smallest piece would be under :data:`MIN_PIECE` (a small
-    tensor, the tail of a large one, or tiny BYTEPS_PARTITION_BYTES) is not cut: it goes whole to
-    a server picked by a weighted hash of (tensor key, partition), as in ``hash`` (fuse small
-    tensors with byteps/fusion.py to keep them balanced too).
+    the most urgent tensor relies on it (core/pipeline/bps_queue.h). In a partition too small for
+    that (a small tensor, the tail of a large one, or tiny BYTEPS_PARTITION_BYTES), the servers whose
+    piece would be under :data:`MIN_PIECE` pool their bytes into pieces of about MIN_PIECE, given
+    to some of them picked by a hash of (tensor key, partition) in proportion to their weights;
+    the others keep their exact pieces. Each server's bytes still follow Eq. 1-2 on average, and a
+    partition under MIN_PIECE goes whole to one server (fuse small tensors with byteps/fusion.py
+    to balance them at every instant too).
 ``hash``
     The paper's approximation: equal partitions, each placed by hashing its (tensor key,
     partition index) into ``[0, n² + kn - 2k)``, where standalone servers own ``2(n-1)`` slots
@@ -56,10 +59,10 @@ from fractions import Fraction
 
 #: bytes: pieces are cut at multiples of this (a multiple of every element size; a cache line)
 ALIGN = 64
-#: bytes: a partition whose smallest piece would be smaller than this goes whole to one server. Whole
-#: partitions of a model's small tensors and tails, spread by hash, missed the Eq. 1-2 shares by up to
-#: 8% of a host's bytes with 16 KB (a ResNet-18 of 30 MB, n = 4, k = 3), under 1% with 4 KB; a 4 KB
-#: piece costs the native core a few microseconds
+#: bytes: no server is sent a piece of a partition smaller than this when the partition could go to
+#: fewer servers instead (Placement._piece_weights); a 4 KB piece costs the native core a few
+#: microseconds. Sent whole to hashed servers, the pieces below it of a ResNet-18 of 30 MB (n = 4,
+#: k = 3, 128 KB partitions) put 1.2-1.6% more bytes on the busiest host than Eq. 1-2; pooled, 0.1%
 MIN_PIECE = 4 << 10
 MODES = ("balanced", "hash")
 ROLES = ("colocated", "standalone")
@@ -319,8 +322,8 @@ def weights_for_book(book, roles=None):
 
 def at_least_cut(partition_bytes, min_cut_bytes):
     """``partition_bytes``, or the power of two at or above ``min_cut_bytes`` when it is smaller: a balanced
-    placement cuts a partition over its servers only from ``Placement.min_cut`` up, and whole partitions
-    spread by hash miss the shares (the start-up choice, byteps/autotune.py, and each new server
+    placement cuts a partition in the exact Eq. 1-2 proportions only from ``Placement.min_cut`` up; below
+    it the servers with the smallest shares get their bytes pooled, right on average only (the start-up choice, byteps/autotune.py, and each new server
     membership: :meth:`Placement.resized`)."""
     if partition_bytes >= min_cut_bytes:
         return partition_bytes
@@ -399,9 +402,9 @@ class Placement:
     def resized(self, partition_bytes):
         """The same servers and shares with partitions of ``partition_bytes``, or of the power of two at
         or above ``min_cut`` where that is larger (balanced mode): a smaller partition would not be cut
-        over the servers, and whole partitions spread by hash miss the Eq. 1-2 shares (on the emulated
-        cluster with n = 3 and k = 2, 128 KB partitions sent one standalone server 0.51 of the bytes
-        instead of 0.36)."""
+        in the exact Eq. 1-2 proportions (on the emulated cluster with n = 3 and k = 2, when such
+        partitions still went whole to hashed servers, 128 KB partitions sent one standalone server 0.51
+        of the bytes instead of 0.36)."""
         if self.mode == "balanced" and partition_bytes < self.min_cut:
             partition_bytes = at_least_cut(partition_bytes, self.min_cut)
         if partition_bytes == self.partition_bytes:
@@ -423,9 +426,25 @@ class Placement:
             return index % self.num_servers
         return self._slot_owner[_mix64((tkey << 32) | index) % self.total]
 
-    def _whole(self, tkey, j):
-        """Server of partition j when it is too small to cut (balanced mode): a weighted hash."""
-        return self._slot_owner[_mix64((tkey << 32) | (j ^ 0xFFFFFFFF)) % self.total]
+    def _piece_weights(self, tkey, j, size):
+        """Weights to cut partition j (``size`` bytes) by: the servers' own weights when every piece reaches
+        MIN_PIECE; else the servers whose pieces would be smaller pool their bytes into r pieces of about
+        MIN_PIECE each (r >= 1), given to r of them picked by systematic sampling over their hash slots
+        from an offset hashed from (tensor key, partition): each server's expected bytes stay its
+        Eq. 1-2 share, and a small partition's bytes no longer land whole on one server."""
+        if size >= self.min_cut:
+            return self.weights
+        small = [s for s in self.active if size * self.weights[s] < MIN_PIECE * self.total]
+        pooled = sum(self.weights[s] for s in small)
+        r = max(1, size * pooled // (self.total * MIN_PIECE))
+        out = [w * r for w in self.weights]
+        slot_owner = [s for s in small for _ in range(self.weights[s])]
+        u = _mix64((tkey << 32) | (j ^ 0xFFFFFFFF)) % pooled
+        for s in small:
+            out[s] = 0
+        for i in range(r):  # point i lies in [i*pooled, (i+1)*pooled) of r*pooled units, r units a slot
+            out[slot_owner[(u + i * pooled) // r]] += pooled
+        return out
 
     def partitions(self, tkey, nbytes, itemsize):
         """[(index, offset, length, server)] of a tensor of ``nbytes`` bytes (elements of ``itemsize``)."""
@@ -444,11 +463,7 @@ class Placement:
         out = []
         for j, start in enumerate(range(0, max(nbytes, 1), step)):
             size = min(step, nbytes - start)
-            if size < self.min_cut:  # whole, to one server; its index still names it (index % S)
-                s = self._whole(tkey, j)
-                out.append((j * s_count + s, start, size, s))
-                continue
-            lengths = apportion(size, self.weights)
+            lengths = apportion(size, self._piece_weights(tkey, j, size))
             offs = [start + sum(lengths[:s]) for s in range(s_count)]
             # every worker sends a partition's pieces in the same order, successive partitions
             # starting at successive servers. Not rotated by rank: a worker whose credit is full may
