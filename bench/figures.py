@@ -21,8 +21,8 @@ goodput, over the sizes from 16 MB and both naming modes too). A cell from one r
   cluster shapes (root).
 
 Needs root for the hosts layout and the emulated cluster; without it those rows are left out and
-the output says so. The whole set took 38 minutes on an idle 2-core VM (goodput and latency 24, cluster 11, train 3);
-measure on a machine nothing else is using, and quote the machine line printed with the tables.
+the output says so. The whole set took 38 minutes on an idle 2-core VM (goodput and latency 24,
+cluster 11, train 3); measure on a machine nothing else is using, and quote the machine line printed with the tables.
 """
 import argparse
 import datetime

@@ -323,8 +323,8 @@ def weights_for_book(book, roles=None):
 def at_least_cut(partition_bytes, min_cut_bytes):
     """``partition_bytes``, or the power of two at or above ``min_cut_bytes`` when it is smaller: a balanced
     placement cuts a partition in the exact Eq. 1-2 proportions only from ``Placement.min_cut`` up; below
-    it the servers with the smallest shares get their bytes pooled, right on average only (the start-up choice, byteps/autotune.py, and each new server
-    membership: :meth:`Placement.resized`)."""
+    it the servers with the smallest shares get their bytes pooled, right on average only (the start-up
+    choice, byteps/autotune.py, and each new server membership: :meth:`Placement.resized`)."""
     if partition_bytes >= min_cut_bytes:
         return partition_bytes
     return 1 << math.ceil(math.log2(min_cut_bytes))
