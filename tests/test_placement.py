@@ -220,8 +220,14 @@ def test_balanced_pieces_within_one_unit_of_target():
             check_cover(p.partitions(1, nbytes, 4), nbytes)
             for j, got in pieces_by_partition(p, 1, nbytes, 4).items():
                 size = sum(got.values())
-                if size < p.min_cut:  # a short tail: checked by test_small_partitions_pool_the_smallest_shares
+                if size < p.min_cut:  # a short tail: the servers whose piece reaches MIN_PIECE keep it exactly
                     assert j == nbytes // (1 << 20), (n, k, nbytes, j)
+                    big = [s for s in range(p.num_servers) if size * share[s] >= MIN_PIECE]
+                    for s in big:
+                        assert abs(got.get(s, 0) - size * share[s]) <= ALIGN, (n, k, size, s)
+                    pooled = sum(length for s, length in got.items() if s not in big)
+                    assert abs(pooled - size * sum(share[s] for s in range(p.num_servers) if s not in big)) \
+                        <= p.num_servers * ALIGN, (n, k, size, got)
                     continue
                 for s in range(p.num_servers):
                     assert abs(got.get(s, 0) - size * share[s]) <= ALIGN, (n, k, size, s)
