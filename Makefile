@@ -12,7 +12,7 @@ UCX ?= libucx-cu12>=1.15
 
 setup: $(VENV)/.byteps-installed
 
-$(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/*.pxd core/*/*.h summation/*.pyx summation/native/*.h
+$(VENV)/.byteps-installed: pyproject.toml setup.py core/*.pyx core/*.pxd core/*.pxi core/*/*.h summation/*.pyx summation/native/*.h
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" "$(TENSORFLOW)" "setuptools>=64" wheel "cython>=3.0,<3.4" "numpy>=1.26"

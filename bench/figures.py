@@ -48,7 +48,7 @@ COLLECTIVES = [
     ("shared-memory test layout", False, ["--layouts", "machines", "--procs", "2"]),
 ]
 TRAIN = [
-    ("one machine", False, ["--layouts", "local", "--procs", "2"]),
+    ("one machine", False, ["--layouts", "local", "--procs", "2,4"]),
     ("hosts", True, ["--layouts", "hosts", "--procs", "2", "--host-rates", "0,1000"]),
 ]
 

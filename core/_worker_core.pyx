@@ -24,10 +24,7 @@ from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
-from byteps.core import _transport
-
-from byteps.core.native_runtime cimport (bps_cpu_init, bps_ucx_buffers_mapped, bps_ucx_built, bps_ucx_load,
-                                        bps_ucx_registered_transfers, bps_ucx_version, bps_ucx_why, bps_zmq_load)
+include "byteps/core/native_runtime.pxi"  # available, ucx_load, trace_buffer, ...: this module's copy
 
 cdef extern from "core/pipeline/bps_stages.h":
     const int BPS_STAGE_COUNT
@@ -183,26 +180,6 @@ OK, ERR_SERVER, ERR_PROTOCOL, ERR_TIMEOUT, ERR_ABORT, ERR_CUDA = 0, 1, 2, 3, 4, 
 #: bodies at least this large are sent zero-copy (Python keeps them alive until released())
 ZERO_COPY_MIN = 65536
 
-#: True when the native core can run here (it needs the libzmq that pyzmq loaded)
-available = _transport.available and bps_zmq_load(_transport.library.encode()) == 0 \
-    if _transport.available else False
-#: True when this build has the UCX transport (UCX headers were found at build time: setup.py)
-ucx_built = bps_ucx_built()
-
-
-def ucx_load(str path):
-    """Resolve libucp's calls from ``path`` (core/ucx.py chose it): (True, version) or (False, why)."""
-    if bps_ucx_load(path.encode()) == 0:
-        return True, bps_ucx_version().decode()
-    return False, bps_ucx_why().decode("utf-8", "replace")
-
-
-def ucx_registrations():
-    """(pooled buffers this process registered with ucp_mem_map, transfers that passed such a
-    registration to UCX): a buffer is mapped once and its registration used on every later step."""
-    return bps_ucx_buffers_mapped(), bps_ucx_registered_transfers()
-
-
 #: Python's ``send`` target for the local ROUTER (to one identity); local rank n is ``-2 - n``
 TO_ROUTER = BPS_TO_ROUTER
 RING_REGION_BYTES = BPS_RING_REGION  # a local link's shared-memory rings (core/transport/bps_link.h BpsShmLink)
@@ -210,17 +187,6 @@ RING_REGION_BYTES = BPS_RING_REGION  # a local link's shared-memory rings (core/
 STAGE_THREAD_MIN_BYTES = BPS_STAGE_THREAD_MIN_BYTES
 #: the send queue's head goes past the credit after this long without a reply or a send
 CREDIT_STALL_S = BPS_CREDIT_STALL_MS / 1000.0
-
-bps_cpu_init()  # the local reduce's kernels (core/kernels/bps_reduce.h): this module's own copy of the dispatch
-
-
-cdef extern from "core/pipeline/bps_trace.h" nogil:
-    uintptr_t bps_trace_address()
-
-
-def trace_buffer():
-    """Address of this process's native span buffer (core/pipeline/bps_trace.h), for core/_trace.pyx."""
-    return bps_trace_address()
 
 
 cdef vector[BpsPart] _parts(const int64_t[:, ::1] parts):
@@ -254,7 +220,7 @@ cdef class WorkerCore:
 
     def __cinit__(self, uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd):
         if not available:
-            raise RuntimeError(f"the native worker core is unavailable: {_transport.unavailable_reason}")
+            raise RuntimeError(f"the native worker core is unavailable: {unavailable_reason}")
         self.core = new BpsWorkerCore(node_id, credit, timeout, nthreads, notify_fd)
         self.sockets = []
         self.servers = 0

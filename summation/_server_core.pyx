@@ -23,10 +23,7 @@ from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
-from byteps.core import _transport
-
-from byteps.core.native_runtime cimport (bps_cpu_init, bps_ucx_buffers_mapped, bps_ucx_built, bps_ucx_load,
-                                        bps_ucx_registered_transfers, bps_ucx_version, bps_ucx_why, bps_zmq_load)
+include "byteps/core/native_runtime.pxi"  # available, ucx_load, trace_buffer, ...: this module's copy
 
 cdef extern from "summation/native/bps_server.h" nogil:
 
@@ -80,40 +77,6 @@ cdef extern from "summation/native/bps_server.h" nogil:
 
 #: bodies at least this large are sent zero-copy (the caller keeps them alive until released())
 ZERO_COPY_MIN = 65536
-
-#: True when the native core can run here (it needs the libzmq that pyzmq loaded)
-available = _transport.available and bps_zmq_load(_transport.library.encode()) == 0 \
-    if _transport.available else False
-#: why not, when it cannot
-unavailable_reason = "" if available else (_transport.unavailable_reason or "libzmq's functions were not found")
-
-#: True when this build has the UCX transport (UCX headers were found at build time: setup.py)
-ucx_built = bps_ucx_built()
-
-
-def ucx_load(str path):
-    """Resolve libucp's calls from ``path`` (core/ucx.py chose it): (True, version) or (False, why)."""
-    if bps_ucx_load(path.encode()) == 0:
-        return True, bps_ucx_version().decode()
-    return False, bps_ucx_why().decode("utf-8", "replace")
-
-
-def ucx_registrations():
-    """(pooled buffers this process registered with ucp_mem_map, transfers that passed such a
-    registration to UCX): a buffer is mapped once and its registration used on every later step."""
-    return bps_ucx_buffers_mapped(), bps_ucx_registered_transfers()
-
-
-bps_cpu_init()  # this module's copy of the kernels picks its SIMD level (bps_reduce.h)
-
-
-cdef extern from "core/pipeline/bps_trace.h" nogil:
-    uintptr_t bps_trace_address()
-
-
-def trace_buffer():
-    """Address of this process's native span buffer (core/pipeline/bps_trace.h), for core/_trace.pyx."""
-    return bps_trace_address()
 
 
 cdef class NativeFrame:

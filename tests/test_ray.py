@@ -6,6 +6,7 @@ on the two "GPU" nodes (n = 2), and the plan puts one standalone server on the C
 Eq. 1-2 give it 2/4 of the model and each colocated server 1/4, hash weights 2 and 1. Everything runs
 for real: Ray actors, byteps processes, sockets; sums are compared with locally computed ones.
 """
+import functools
 import os
 import sys
 import threading
@@ -25,7 +26,10 @@ from byteps.ray import layout  # noqa: E402
 # the worker functions below travel by value (the actors cannot import this test module)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-FAST = {"BYTEPS_HEARTBEAT_INTERVAL": "0.2", "BYTEPS_HEARTBEAT_TIMEOUT": "3", "BYTEPS_TIMEOUT": "30",
+# Faster than the defaults, yet not so short that a loaded 2-core machine (Ray starting a node's
+# processes) misses a live node's heartbeats: the tests below that kill a process see it go through
+# Ray or through its broken links, not through the heartbeats.
+FAST = {"BYTEPS_HEARTBEAT_INTERVAL": "0.2", "BYTEPS_HEARTBEAT_TIMEOUT": "10", "BYTEPS_TIMEOUT": "30",
         "OMP_NUM_THREADS": "1"}
 GPU = {"gpu_node": 1}
 
@@ -46,7 +50,8 @@ def cluster():
 
 def executor(**kw):
     kw.setdefault("num_workers", 2)
-    return bray.RayExecutor(resources_per_worker=GPU, cpus_per_server=0.25, env_vars=FAST, timeout_s=60, **kw)
+    kw.setdefault("env_vars", FAST)
+    return bray.RayExecutor(resources_per_worker=GPU, cpus_per_server=0.25, timeout_s=60, **kw)
 
 
 # ------------------------------------------------------------------ worker functions (run in actors)
@@ -252,14 +257,15 @@ def test_training_equals_single_process_training(cluster):
 
 
 def test_services_the_scheduler_ended_are_started_again(cluster):
-    # the scheduler ends a job whose workers all left and then stayed idle for BYTEPS_TIMEOUT
+    # the scheduler ends a job whose workers all left and then stayed idle for BYTEPS_TIMEOUT (which
+    # also bounds the start-up: the workers' actors import torch, a few seconds on a loaded machine)
     ex = bray.RayExecutor(num_workers=2, resources_per_worker=GPU, cpus_per_server=0.25, timeout_s=60,
-                          env_vars=dict(FAST, BYTEPS_TIMEOUT="6"))
+                          env_vars=dict(FAST, BYTEPS_TIMEOUT="12"))
     try:
         ex.start()
         assert ex.execute(lambda _: exact_sums(1)["sums"]) == [expected_sums(2, 1)] * 2
         first = ex.services.pids()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 45
         while ex.services.check(allow_clean_exit=True):
             assert time.monotonic() < deadline, "the scheduler did not end the idle job"
             time.sleep(0.5)
@@ -394,10 +400,15 @@ def _progress(path):
         return {"round": -1, "servers": []}
 
 
-def _await(what, cond, timeout=90):
+def _await(what, cond, path, refs, timeout=90):
+    """Wait for COND; on a time-out, say where the rounds stood and raise a worker's error if one ended."""
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in done:
+            ray.get(ref)  # a worker that ended early: its error is the failure
+        assert not done, f"waiting for {what}: the workers ended early"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; the rounds at: {_progress(path)}"
         time.sleep(0.1)
 
 
@@ -414,18 +425,19 @@ def test_cpu_server_nodes_join_and_leave_during_training(cluster, tmp_path):
     try:
         assert len(ex.placement()["servers"]) == 3  # 2 colocated + the head's standalone (k = 1)
         refs = ex.run_remote(elastic_rounds, [str(tmp_path), 10])
-        _await("3 rounds", lambda: _progress(tmp_path)["round"] >= 3)
+        wait = functools.partial(_await, path=tmp_path, refs=refs)
+        wait("3 rounds", lambda: _progress(tmp_path)["round"] >= 3)
         assert ex.watcher.events == []  # no new CPU-only node yet
         added = ray_cluster.add_node(num_cpus=1)
-        _await("the new node's server", lambda: any(e[0] == "joined" for e in ex.watcher.events))
-        _await("rounds over the standalone servers", lambda: _progress(tmp_path)["servers"] == [2, 3])
+        wait("the new node's server", lambda: any(e[0] == "joined" for e in ex.watcher.events))
+        wait("rounds over the standalone servers", lambda: _progress(tmp_path)["servers"] == [2, 3])
         assert ex.watcher.events[0][1] == added.node_id and len(ex.placement()["servers"]) == 4
         ray_cluster.remove_node(added)
         added = None
-        _await("the node's departure", lambda: any(e[0] == "left" for e in ex.watcher.events))
+        wait("the node's departure", lambda: any(e[0] == "left" for e in ex.watcher.events))
         mark = _progress(tmp_path)["round"]
-        _await("rounds over servers 0-2", lambda: _progress(tmp_path)["round"] > mark + 2
-               and _progress(tmp_path)["servers"] == [0, 1, 2])
+        wait("rounds over servers 0-2", lambda: _progress(tmp_path)["round"] > mark + 2
+             and _progress(tmp_path)["servers"] == [0, 1, 2])
         (tmp_path / "stop").touch()
         results = ray.get(refs, timeout=120)
     finally:
