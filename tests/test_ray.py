@@ -50,8 +50,7 @@ def cluster():
 
 def executor(**kw):
     kw.setdefault("num_workers", 2)
-    kw.setdefault("env_vars", FAST)
-    return bray.RayExecutor(resources_per_worker=GPU, cpus_per_server=0.25, timeout_s=60, **kw)
+    return bray.RayExecutor(resources_per_worker=GPU, cpus_per_server=0.25, env_vars=FAST, timeout_s=60, **kw)
 
 
 # ------------------------------------------------------------------ worker functions (run in actors)
