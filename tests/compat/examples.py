@@ -151,7 +151,8 @@ def run_example(name, workdir, launch="roles", timeout=300, pinned=None):
     for role, argv, extra in roles:
         log = open(os.path.join(workdir, f"{role}.log"), "wb")
         procs.append((role, subprocess.Popen(argv, env=dict(env, **extra), stdout=log, stderr=subprocess.STDOUT,
-                                             cwd=workdir, start_new_session=True)))
+                                             cwd=workdir, start_new_session=True,
+                                             preexec_fn=harness.make_preexec())))  # gone with this process
     workers = [p for role, p in procs if role.startswith(("worker", "launcher"))]
     deadline, stopped = time.monotonic() + timeout, False
     while time.monotonic() < deadline and any(p.poll() is None for p in workers):

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from byteps.procctl import make_preexec  # PR_SET_PDEATHSIG: ranks die with the test run
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SHIM = os.path.join(HERE, "shim")
@@ -138,7 +140,8 @@ def run_ranks(argv, outdir, size, local_size, pinned, timeout, extra_env=None, c
         env = base_env(pinned, {**horovodrun_env(r, size, local_size, port), **(extra_env or {})})
         log = open(os.path.join(outdir, f"rank{r}.log"), "wb")
         procs.append(subprocess.Popen([a.replace("{rank}", str(r)) for a in argv], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=cwd or outdir, start_new_session=True))
+                                      stderr=subprocess.STDOUT, cwd=cwd or outdir, start_new_session=True,
+                                      preexec_fn=make_preexec()))  # gone with this process, even if it is killed
     deadline = time.monotonic() + timeout
     codes = []
     for p in procs:
