@@ -203,12 +203,12 @@ def test_copy_stage_thread_with_large_partitions(cluster, threads):
 @pytest.mark.parametrize("ipc", [False, True], ids=["tcp", "shm"])
 def test_message_transports(cluster, ipc):
     """Exact sums with partitions below and above the size where bodies stop being copied and go
-    zero-copy; every data-plane socket Python reads takes its messages through libzmq called from C."""
+    zero-copy (core/transport.py: Python's data-plane sockets read through libzmq called from C, or
+    byteps refuses to start)."""
     big = [(3, 70001)]  # 840 KB of float32: 300 KB partitions, 150 KB pieces per server, over COPY_BELOW
     assert 300000 // 2 > transport.COPY_BELOW
-    res = check_matrix(cluster, 2, 2, SMALL_SHAPES + big, rounds=2, extreme=False, ipc=ipc,
-                       extra_env={"BYTEPS_PARTITION_BYTES": "300000"})
-    assert all(r["transport"] == ["FastSocket"] for r in res.values()), {r: v["transport"] for r, v in res.items()}
+    check_matrix(cluster, 2, 2, SMALL_SHAPES + big, rounds=2, extreme=False, ipc=ipc,
+                 extra_env={"BYTEPS_PARTITION_BYTES": "300000"})
 
 
 @pytest.mark.timeout(150)
