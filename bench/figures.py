@@ -23,8 +23,8 @@ goodput, over the sizes from 16 MB and both naming modes too). A cell from one r
 Needs root for the hosts layout and the emulated cluster; without it those rows are left out and
 the output says so. The whole set took 38 minutes on an idle 2-core Intel VM (goodput and latency 24,
 cluster 11, train 3), and 56 and 41 on two AMD ones (goodput and latency 30 and 26, train 6 and 5,
-cluster 20 and 12); measure on a machine nothing else is using, and quote the machine line printed with the tables. GPU figures come from
-bench/gpu_checks.sh, on a machine with a GPU.
+cluster 20 and 12); measure on a machine nothing else is using, and quote the machine line printed
+with the tables. GPU figures come from bench/gpu_checks.sh, on a machine with a GPU.
 """
 import argparse
 import datetime
