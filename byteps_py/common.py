@@ -480,7 +480,8 @@ def metrics():
     the order first used); ``native`` (ops the native pipeline ran
     whole, averages it divided, synchronous calls run on the caller's thread, direct links up, the
     local reduce's counters, ``stages``: partitions it moved into each stage of their lists,
-    ``compressed_pushes``: partitions it pushed encoded by their wire compressor; the local reduce's
+    ``compressed_pushes``: partitions it pushed encoded by their wire compressor, ``replies_in_place``:
+    servers' replies a TCP link read straight into the tensor, with no copy; the local reduce's
     ``for_peers``: partitions a process in join() reduced for its local peers); ``credit_stalls``; ``local_group`` (processes of
     this machine whose copies are summed locally, or None); ``local_strategy`` (None without a local
     reduce, else ``owners``: "owners", "root" or "topology", the topology ``plan``'s strategy,

@@ -135,6 +135,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         uint64_t entered(int32_t code)
         uint64_t direct_adopted()
         uint64_t compressed_pushes()
+        uint64_t replies_in_place()
         void add_local(void *router, vector[void *] peers, int local_rank, cbool open)
         void allow_local(const string &identity)
         string add_local_link(int r, int fd, const string &ident, int ring_fd, cbool low)
@@ -531,6 +532,11 @@ cdef class WorkerCore:
     def compressed_pushes(self):
         """Partitions byteps-net pushed encoded by their table's wire codec."""
         return self.core.compressed_pushes()
+
+    @property
+    def replies_in_place(self):
+        """Replies whose sum a server's link read straight into their partition's bytes (no PULL copy)."""
+        return self.core.replies_in_place()
 
     @property
     def direct_adopted(self):

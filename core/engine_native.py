@@ -377,6 +377,8 @@ class NativePlane:
                        "results_sent": native.results_sent if native is not None else 0,
                        # partitions it pushed encoded by their wire compressor (core/pipeline/worker_codec.h)
                        "compressed_pushes": native.compressed_pushes if native is not None else 0,
+                       # replies a TCP link read straight into their partition's bytes (worker_stages.h)
+                       "replies_in_place": native.replies_in_place if native is not None else 0,
                        "local_reduce": self.native_local_stats(),
                        # partitions byteps-net moved into each stage of their lists (worker_stages.h)
                        "stages": {Stage(code).label: n for code, n in native.stage_entries().items() if n}

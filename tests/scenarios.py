@@ -306,6 +306,8 @@ def main():
     result["native_local"] = m["native"]["local_reduce"] if dataplane else None
     # partitions the native core moved into each stage of their lists (core/pipeline/worker_stages.h)
     result["stages"] = m["native"]["stages"] if dataplane else None
+    # servers' replies a TCP link read straight into the tensor (core/pipeline/worker_stages.h place_reply)
+    result["replies_in_place"] = m["native"]["replies_in_place"] if dataplane else None
     # partitions the native core pushed encoded by their wire compressor (core/pipeline/worker_codec.h)
     result["compressed_pushes"] = m["native"]["compressed_pushes"] if dataplane else None
     # the CPUs the training thread may run on (BYTEPS_CPU_BIND binds it where the host's processes fill its CPUs)

@@ -1,5 +1,6 @@
 """Scenarios for tests/test_links.py: synchronous calls whose round trip runs on the caller's thread
 (core/pipeline/bps_worker.h submit_direct), alone, against a late peer, and beside asynchronous traffic."""
+import os
 import threading
 import time
 
@@ -54,3 +55,36 @@ def direct_calls(out, args):
     native = bps.metrics()["native"]
     return {"exact": bool(exact) and not bad, "bad": bad, "direct": native["direct_calls"],
             "adopted": native["direct_adopted"]}
+
+
+@scenario
+def late_reply(out, args):
+    """After a first push_pull of a 4 MB tensor on both ranks (its name declared), rank 1 calls again
+    ``args["delay"]`` s late, after rank 0's push_pull of the same tensor failed
+    by BYTEPS_TIMEOUT; rank 0 then fills its tensor with 7 and waits for rank 1's call to end (which
+    makes the server send rank 0 its late reply too). Returns rank 0's error, whether its tensor still
+    holds only 7s (the late sum was not read into it), what rank 1 got, and the metrics' count of
+    replies read straight into a tensor."""
+    r = bps.rank()
+    done = f"{out}/late_reply.done"
+    t = torch.full((1 << 20,), r + 1, dtype=torch.int32)
+    bps.push_pull(t, average=False, name="late")
+    if r == 1:
+        time.sleep(args["delay"])
+        bps.push_pull_inplace(t, average=False, name="late")
+        with open(done, "w"):
+            pass
+        time.sleep(3)  # rank 0 reads its link meanwhile
+        return {"got": sorted(set(t.tolist())), "in_place": bps.metrics()["native"]["replies_in_place"]}
+    try:
+        bps.push_pull_inplace(t, average=False, name="late")
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    t.fill_(7)
+    deadline = time.monotonic() + 2 * args["delay"]
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)  # the late reply reaches byteps-net, which drops it
+    return {"error": error, "kept": bool(torch.equal(t, torch.full_like(t, 7))),
+            "rank1_done": os.path.exists(done), "in_place": bps.metrics()["native"]["replies_in_place"]}

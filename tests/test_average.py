@@ -18,9 +18,12 @@ ENV = {"BYTEPS_PARTITION_BYTES": str(1 << 20)}
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("machines,local_size,servers", [(3, 1, 2), (1, 3, 1)], ids=["3-machines", "1-machine-x3"])
-def test_averages_are_bit_identical_to_dividing_the_sum(cluster, machines, local_size, servers):
-    c = cluster(machines, servers, local_size=local_size, env=ENV)
+@pytest.mark.parametrize("machines,local_size,servers,ipc", [(3, 1, 2, True), (3, 1, 2, False), (1, 3, 1, True)],
+                         ids=["3-machines", "3-machines-tcp", "1-machine-x3"])
+def test_averages_are_bit_identical_to_dividing_the_sum(cluster, machines, local_size, servers, ipc):
+    """Over TCP (no shared memory) the servers' sums of 1 MB partitions are read straight into the
+    tensor and divided there."""
+    c = cluster(machines, servers, local_size=local_size, env=dict(ENV, BYTEPS_ENABLE_IPC="1" if ipc else "0"))
     c.run_workers("torch_average", {"elements": ELEMENTS})
     codes, scodes, sched = c.wait_all(180)
     assert codes == [0] * 3 and sched == 0, c.all_logs()
@@ -30,6 +33,8 @@ def test_averages_are_bit_identical_to_dividing_the_sum(cluster, machines, local
         # 5 dtypes x 2 sizes x 5 push_pull patterns, and 4 x 2 allreduces: every one in the native core
         assert v["native"] == 5 * 2 * 5 + 4 * 2, v
         assert v["native_averaged"] == 4 * 2 * 5 + 4 * 2, v  # the floats: divided in the core, not by torch
+        over_tcp = not ipc and machines > 1 and set(res["link_transports"]) == {"tcp"}
+        assert (res["replies_in_place"] > 0) == over_tcp, (res["replies_in_place"], res["link_transports"])
 
 
 def test_divide_kernel_matches_torch_div():

@@ -61,7 +61,10 @@ def test_workers_probe_the_slow_link_and_agree():
     assert r["correct"]
     t = r["tuning"]
     assert t["source"] == "probe" and 128 << 10 <= t["partition_bytes"] <= 1 << 20, t
-    assert t["credits"] == [4, 4] and "probed:" in t["text"], t
+    # each worker's credit is its own link's bandwidth-delay product: far below one partition at 200
+    # Mbit/s, so the minimum, 4; a round trip the loaded 2-core machine stretched past ~2.6 ms gave one
+    # worker 5 (seen once in a full suite run), still the same order
+    assert len(t["credits"]) == 2 and set(t["credits"]) <= {4, 5} and "probed:" in t["text"], t
     assert t["init_probe_s"] < 2.0, t  # a few 1 MiB echoes at 200 Mbit/s
 
 

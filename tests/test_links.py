@@ -3,7 +3,8 @@
 * exact sums of every dtype with every server reached over a link (proved by the workers' link
   count), over TCP and with shared-memory descriptors;
 * partitions of 8 MiB over the network path: messages larger than a socket buffer, written in
-  pieces (the send queue, POLLOUT) and read straight into their frames;
+  pieces (the send queue, POLLOUT) and each reply's sum read straight into the tensor (no PULL copy);
+  a reply that comes after its op failed is not read into the tensor its caller has back;
 * the handshake against a real server: an authenticated job member gets a one-time token over
   ZeroMQ; a wrong token is refused and the link closed; the right one is accepted once; a PROBE sent
   on the link is echoed on the link (Python's reply leaves through the native thread's send_to);
@@ -37,10 +38,38 @@ def test_exact_sums_over_direct_links(cluster, n, k, ipc):
 @pytest.mark.timeout(180)
 def test_partitions_larger_than_the_socket_buffers(cluster):
     """8 MiB partitions over TCP (no shared memory): each message is written in several pieces
-    and read straight into its frame; 3 rounds of 12-24 MiB float32 and int64 tensors."""
+    and each reply read straight into the tensor; 3 rounds of 12-24 MiB float32 and int64 tensors."""
     res = check_matrix(cluster, 2, 2, [(3 << 20,)], rounds=3, ipc=False, extreme=False, dtypes=["float32", "int64"],
                        extra_env={"BYTEPS_PARTITION_BYTES": str(8 << 20)})
     assert [res[r]["native_links"] for r in range(2)] == [2, 2], res
+    # every partition of 64 KB or more: its sum went from the TCP socket into the tensor, not via a
+    # message (a UCX link, make test-ucx, reads into its own buffers)
+    for r in range(2):
+        pulled = res[r]["stages"].get("pull", 0)
+        placed = pulled if res[r]["link_transports"] == ["tcp", "tcp"] else 0
+        assert pulled >= 3 * (2 + 3) and res[r]["replies_in_place"] == placed, (r, res[r]["stages"], res[r])
+
+
+@pytest.mark.timeout(150)
+def test_a_late_reply_is_not_read_into_a_tensor_whose_call_failed(cluster):
+    """Rank 0's push_pull of a 4 MB tensor over TCP fails by BYTEPS_TIMEOUT because rank 1 calls late;
+    rank 0 fills the tensor it has back with 7s. When rank 1 calls, the server sends both their sums:
+    rank 0's tensor keeps its 7s (the reply is dropped, not read into it), rank 1 gets the exact sum."""
+    timeout = 8  # also bounds start-up, which takes a few seconds on a loaded 2-core machine
+    c = cluster(2, 2, env={"BYTEPS_TIMEOUT": str(timeout), "BYTEPS_ENABLE_IPC": "0",
+                           "BYTEPS_PARTITION_BYTES": str(1 << 20)})
+    c.run_workers("late_reply", {"delay": timeout + 6})
+    codes, _, _ = c.wait_all(120)
+    assert codes == [0, 0], c.all_logs()
+    res = c.results()
+    assert all("value" in res[r] for r in (0, 1)), f"{res}\n{c.all_logs()}"
+    r0, r1 = res[0]["value"], res[1]["value"]
+    assert r0["error"].startswith("BytePSTimeoutError") and "'late'" in r0["error"], r0
+    assert r0["rank1_done"] and r0["kept"], r0
+    # 1 + 2; both calls' partitions read into the tensor on rank 1, only the first call's on rank 0
+    assert r1["got"] == [3], r1
+    if res[0]["link_transports"] == ["tcp", "tcp"]:  # UCX links (make test-ucx) read into their own buffers
+        assert r1["in_place"] == 2 * r0["in_place"] > 0, (r0, r1)
 
 
 # ------------------------------------------------------------------------------ the handshake, raw

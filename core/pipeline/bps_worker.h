@@ -266,6 +266,8 @@ class BpsWorkerCore {
     }
     /* Partitions pushed encoded by their table's wire codec (worker_codec.h; byteps.metrics()). */
     uint64_t compressed_pushes() const { return compressed_pushes_.load(std::memory_order_relaxed); }
+    /* Replies a link read straight into their partition's bytes (place_reply; byteps.metrics()). */
+    uint64_t replies_in_place() const { return replies_in_place_.load(std::memory_order_relaxed); }
     /* Direct calls whose reply did not come within the window: byteps-net took them over. */
     uint64_t direct_adopted() const { return direct_adopted_.load(); }
     /* Partitions this process owned and reduced on the caller's thread (submit_owner_direct). */
@@ -311,6 +313,21 @@ class BpsWorkerCore {
     void on_message(int server, BpsMessage *m);
     void receive(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m);
 
+    /* PULL without a copy (worker_stages.h): server ``server``'s link reads a reply's sum straight into
+     * its partition's bytes; ``placed_`` says, per server, which partition a frame is being read into */
+    struct ReplySink : BpsFrameSink {
+        BpsWorkerCore *core;
+        int server;
+        ReplySink(BpsWorkerCore *c, int s) : core(c), server(s) {}
+        void *place(BpsMessage &head, int frame, uint64_t len) override {
+            return core->place_reply(server, head, frame, len);
+        }
+    };
+    struct Placed {
+        uint64_t key = 0, round = 0;
+        BpsOp *op = nullptr;
+    };
+
     /* the stages: each partition's list and the one function that moves it on (worker_stages.h) */
     struct BpsReply { /* the server message on_message() is handling: PULL's input */
         int server = -1;
@@ -327,6 +344,8 @@ class BpsWorkerCore {
     void submit_new(BpsOp *op, int64_t table);
     void queue(BpsOp *op, int i);
     void pull(BpsOp *op, int i);
+    void *place_reply(int server, BpsMessage &head, int frame, uint64_t len);
+    void check_placed(int server, BpsConn *l);
     void take_reply(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m);
     void local_broadcast_result(BpsOp *op, int i);
 
@@ -399,6 +418,7 @@ class BpsWorkerCore {
     BpsElasticRouter elastic_; /* hold / commit, reroutes, stranded partitions, retained results (mu_) */
     std::atomic<uint64_t> direct_calls_{0}, direct_adopted_{0};
     std::atomic<uint64_t> compressed_pushes_{0}; /* pushes byteps-net encoded (send_push) */
+    std::atomic<uint64_t> replies_in_place_{0};  /* replies read into their partition (receive) */
     std::thread thread_;
     std::atomic<bool> stopping_{false};
 
@@ -424,6 +444,7 @@ class BpsWorkerCore {
     /* network-thread state */
     uint64_t seq_ = 0;
     std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsOp *, int>> pending_;
+    std::vector<Placed> placed_; /* per server: the partition its link reads a reply into (place_reply) */
     BpsPeerMaps maps_;
     bool have_done_ = false;
 

@@ -121,6 +121,7 @@ class BpsElasticRouter {
      * its reply before the server went, and we will not push that round again. One copy per partition
      * key, kept until the next round's result replaces it (docs/elastic.md says what that costs). */
     void set_retain(bool on) { retain_ = on; }
+    bool retains() const { return retain_; }
     void retain(const BpsPart &p, uint64_t round, uint8_t dtype, const void *data, size_t n) {
         if (!retain_) return;
         std::lock_guard<std::mutex> lock(retain_mu_);

@@ -49,7 +49,8 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
     std::unique_lock<std::mutex> link_lock(servers_.link_mu(server));
     BpsConn *l = servers_.link(server);
     if (l == nullptr || (strcmp(l->kind(), "tcp") != 0 && !ucx_lock.owns_lock())) return false;
-    if (l->dead() || l->wants_write() || l->pending_input()) return false;
+    /* placing: byteps-net is reading a reply into a partition on it (check_placed ends that) */
+    if (l->dead() || l->wants_write() || l->pending_input() || l->placing()) return false;
     BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
     op->name = name;
     op->parts.push_back(part);

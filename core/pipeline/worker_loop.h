@@ -154,6 +154,7 @@ inline void BpsWorkerCore::run() {
         std::unique_lock<std::mutex> ucx_lock = servers_.lock_ucx();
         if (nsocks != servers_.size()) { /* at start, and when a server joined (elastic: take_inbox) */
             nsocks = servers_.size();
+            placed_.resize(nsocks);
             wake_at = nsocks, router_at = nsocks + 1, links_at = nsocks + 2;
             local_at = links_at + nsocks;
             items.assign(local_at + local_.size(), bps_zmq_pollitem{nullptr, -1, 0, 0});
@@ -227,8 +228,11 @@ inline void BpsWorkerCore::run() {
             if (!link_lock) continue; /* a direct caller reads it now */
             take_direct();            /* what it handed over comes before what we read next */
             if (ev & BPS_ZMQ_POLLOUT) l->flush();
+            check_placed((int)i, l);
+            ReplySink sink(this, (int)i);
             for (int k = 0; k < 256 && !l->dead(); ++k) {
-                if (l->recv(&msg) <= 0) break;
+                if (l->recv_into(&msg, &sink) <= 0) break;
+                placed_[i] = Placed{}; /* the frame it read into, if any, was this message's */
                 on_message((int)i, &msg);
             }
         }
@@ -380,7 +384,12 @@ inline void BpsWorkerCore::receive(BpsOp *op, BpsPart &p, int server, const BpsH
     }
     /* the sum, not an average; a broadcast's root: its own data, the result */
     elastic_.retain(p, h.round, op->dtype, got ? m->data(1) : dst, p.length);
-    if (got) bps_result_into(op, dst, m->data(1), got, false);
+    if (got && m->data(1) == dst) { /* the link read it into the tensor (place_reply) */
+        replies_in_place_.fetch_add(1, std::memory_order_relaxed);
+        if (op->divisor > 1) bps_divide_copy(dst, dst, got / (size_t)bps_itemsize(op->dtype), op->dtype, op->divisor);
+    } else if (got) {
+        bps_result_into(op, dst, m->data(1), got, false);
+    }
 }
 
 #endif

@@ -170,6 +170,40 @@ inline void BpsWorkerCore::pull(BpsOp *op, int i) {
     advance(op, i);
 }
 
+/* PULL without a copy: where server ``server``'s link may read frame ``frame`` (``len`` bytes) of the
+ * message whose header is in ``head``: straight into its partition's bytes when it is the sum that
+ * receive() would copy there (a plain REPLY of a partition we wait for, whole), else NULL. Not with
+ * elastic servers: a link that breaks in mid-frame would leave part of a sum in a tensor whose
+ * partition is then pushed again to the lost server's replacement. */
+inline void *BpsWorkerCore::place_reply(int server, BpsMessage &head, int frame, uint64_t len) {
+    BpsHeader h;
+    if (frame != 1 || elastic_.retains() || !bps_parse_header(head.data(0), head.size(0), &h) ||
+        h.cmd != BPS_CMD_REPLY || (h.flags & (BPS_FLAG_COMPRESSED | BPS_FLAG_SHM)) != 0)
+        return nullptr;
+    auto it = pending_.find(std::make_pair(h.key, h.round));
+    if (it == pending_.end()) return nullptr;
+    BpsOp *op = it->second.first;
+    const BpsPart &p = op->parts[(size_t)it->second.second];
+    if (p.server != server || op->done.load() || op->local || op->root_self || len != p.length ||
+        (op->gpu && p.host == nullptr))
+        return nullptr;
+    placed_[(size_t)server] = Placed{h.key, h.round, op};
+    return bps_host_bytes(op, p);
+}
+
+/* Before byteps-net reads server ``server``'s link again: a frame it was reading into a partition
+ * that no longer waits for it (its op failed or timed out, and its caller may have the tensor back)
+ * goes on into a buffer of its own. Only reads write the frame, so checking before each is enough. */
+inline void BpsWorkerCore::check_placed(int server, BpsConn *l) {
+    Placed &pl = placed_[(size_t)server];
+    if (pl.op == nullptr) return;
+    auto it = pending_.find(std::make_pair(pl.key, pl.round));
+    if (it == pending_.end() || it->second.first != pl.op || pl.op->done.load()) {
+        l->unplace();
+        pl = Placed{};
+    }
+}
+
 /* A server's REPLY or ERROR to a partition that is not a local reduce's, into the op. */
 inline void BpsWorkerCore::take_reply(BpsOp *op, BpsPart &p, int server, const BpsHeader &h, BpsMessage *m) {
     if (h.cmd == BPS_CMD_REPLY) {

@@ -91,6 +91,18 @@ static inline int bps_zmq_send_frames(void *sock, BpsFrames &m, const std::strin
     return rc;
 }
 
+/* Where a large frame may be read to instead of a message buffer of its own: the worker reads a
+ * reply's sum straight into the partition's bytes (BpsWorkerCore::place_reply), saving PULL's copy.
+ * place() is asked on the reading thread when frame ``frame`` of at least BPS_LINK_DIRECT_READ bytes
+ * opens, with the frames before it complete in ``head``; it returns ``len`` bytes the frame is read
+ * into (the message's frame then points there), or NULL for a buffer of the frame's own. The memory
+ * must stay the frame's until the message is returned or unplace() is called. */
+class BpsFrameSink {
+  public:
+    virtual ~BpsFrameSink() {}
+    virtual void *place(BpsMessage &head, int frame, uint64_t len) = 0;
+};
+
 /* What the native threads need of a link to one peer, whatever carries it: a direct TCP socket
  * (BpsLink, below) or a UCX endpoint (BpsUcxLink, core/transport/bps_ucx.h). The worker's
  * BpsServerLinks::send() and the server's send_to() / serve_link() / link_hello() are written against
@@ -125,6 +137,16 @@ class BpsConn {
      * server puts the link's identity there, as a ROUTER would). 1: a message; 0: none complete
      * yet; -1: the link closed or broke (error() says how). */
     virtual int recv(BpsMessage *m, const std::string *prefix = nullptr) = 0;
+    /* recv(), offering large frames to ``sink`` (BpsFrameSink). Transports that cannot read into
+     * given memory (UCX) ignore it. */
+    virtual int recv_into(BpsMessage *m, BpsFrameSink *sink) {
+        (void)sink;
+        return recv(m);
+    }
+    /* A frame is being read into memory a sink gave (placing), and stops going there (unplace: its
+     * owner no longer waits for it; the rest of the frame goes to a buffer of its own). */
+    virtual bool placing() const { return false; }
+    virtual void unplace() {}
     /* "tcp" or "ucx" (logs; submit_direct takes a UCX link's whole worker, a TCP link's socket only) */
     virtual const char *kind() const = 0;
     /* While corked, send() only queues: the owner sends a burst of messages and then uncorks, and
@@ -250,10 +272,23 @@ class BpsLink : public BpsConn {
         return dead_ ? -1 : 0;
     }
 
-    int recv(BpsMessage *m, const std::string *prefix = nullptr) override {
+    int recv(BpsMessage *m, const std::string *prefix = nullptr) override { return read_message(m, prefix, nullptr); }
+    int recv_into(BpsMessage *m, BpsFrameSink *sink) override { return read_message(m, nullptr, sink); }
+
+    bool placing() const override { return placed_; }
+    void unplace() override {
+        if (!placed_) return;
+        placed_ = false;
+        int slot = base_ + cur_; /* its bytes so far are not kept: nobody waits for them */
+        bps_zmq.msg_close(&partial_.frames[slot]);
+        bps_zmq.msg_init_size(&partial_.frames[slot], (size_t)lens_[cur_]);
+    }
+
+  protected:
+    int read_message(BpsMessage *m, const std::string *prefix, BpsFrameSink *sink) {
         if (dead_) return -1;
         for (;;) {
-            int got = parse(prefix);
+            int got = parse(prefix, sink);
             if (got < 0) return -1;
             if (got > 0) {
                 m->clear();
@@ -268,7 +303,6 @@ class BpsLink : public BpsConn {
         }
     }
 
-  protected:
     struct Chunk {
         const char *ref;        /* a zero-copy frame's bytes (ffn set), else NULL: ``own`` holds them */
         size_t len;
@@ -357,7 +391,7 @@ class BpsLink : public BpsConn {
     }
 
     /* Advance the message being assembled with what is buffered: 1 complete, 0 needs bytes, -1 bad. */
-    int parse(const std::string *prefix) {
+    int parse(const std::string *prefix, BpsFrameSink *sink) {
         if (nframes_ < 0) {
             if (avail() < 8) return 0;
             uint32_t head[2];
@@ -391,7 +425,14 @@ class BpsLink : public BpsConn {
         while (cur_ < nframes_) {
             int slot = base_ + cur_;
             if (!opened_) {
-                bps_zmq.msg_init_size(&partial_.frames[slot], (size_t)lens_[cur_]);
+                void *dst = nullptr;
+                if (sink != nullptr && lens_[cur_] >= BPS_LINK_DIRECT_READ) {
+                    partial_.count = slot; /* the frames before it, complete */
+                    dst = sink->place(partial_, slot, lens_[cur_]);
+                }
+                if (dst != nullptr) bps_zmq.msg_init_data(&partial_.frames[slot], dst, (size_t)lens_[cur_], nullptr, nullptr);
+                else bps_zmq.msg_init_size(&partial_.frames[slot], (size_t)lens_[cur_]);
+                placed_ = dst != nullptr;
                 partial_.count = slot + 1;
                 opened_ = true;
             }
@@ -405,7 +446,7 @@ class BpsLink : public BpsConn {
             if (off_ < lens_[cur_]) return 0;
             cur_++;
             off_ = 0;
-            opened_ = false;
+            opened_ = placed_ = false;
         }
         return 1;
     }
@@ -422,6 +463,7 @@ class BpsLink : public BpsConn {
     int nframes_ = -1, cur_ = 0, base_ = 0;
     uint64_t off_ = 0;
     bool opened_ = false;
+    bool placed_ = false; /* the frame being read goes into a sink's memory (recv_into) */
     uint64_t lens_[BPS_LINK_MAX_FRAMES];
 };
 
@@ -504,6 +546,10 @@ class BpsShmLink : public BpsLink {
     int recv(BpsMessage *m, const std::string *prefix = nullptr) override {
         if (wants_write() && !dead_) flush();
         return BpsLink::recv(m, prefix);
+    }
+    int recv_into(BpsMessage *m, BpsFrameSink *sink) override {
+        if (wants_write() && !dead_) flush();
+        return BpsLink::recv_into(m, sink);
     }
 
   protected:
