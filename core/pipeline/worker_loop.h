@@ -384,12 +384,9 @@ inline void BpsWorkerCore::receive(BpsOp *op, BpsPart &p, int server, const BpsH
     }
     /* the sum, not an average; a broadcast's root: its own data, the result */
     elastic_.retain(p, h.round, op->dtype, got ? m->data(1) : dst, p.length);
-    if (got && m->data(1) == dst) { /* the link read it into the tensor (place_reply) */
-        replies_in_place_.fetch_add(1, std::memory_order_relaxed);
-        if (op->divisor > 1) bps_divide_copy(dst, dst, got / (size_t)bps_itemsize(op->dtype), op->dtype, op->divisor);
-    } else if (got) {
-        bps_result_into(op, dst, m->data(1), got, false);
-    }
+    if (got == 0) return;
+    if (m->data(1) == dst) replies_in_place_.fetch_add(1, std::memory_order_relaxed); /* place_reply */
+    bps_result_into(op, dst, m->data(1), got, false);
 }
 
 #endif

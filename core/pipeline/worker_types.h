@@ -134,9 +134,11 @@ static inline unsigned char *bps_host_bytes(const BpsOp *op, const BpsPart &p) {
 }
 
 /* A partition's sum into the tensor at ``dst``: copied, or divided by the op's divisor on the way (an
- * average). ``stream``: a copy of 1 MB or more uses non-temporal stores (bps_copy_streamed). */
+ * average). ``stream``: a copy of 1 MB or more uses non-temporal stores (bps_copy_streamed). A sum
+ * already at ``dst`` (a link read it there: place_reply) is only divided. */
 static inline void bps_result_into(const BpsOp *op, void *dst, const void *src, size_t nbytes, bool stream,
                                    int nthreads = 1) {
+    if (dst == src && op->divisor <= 1) return;
     if (op->divisor > 1)
         bps_divide_copy(dst, src, nbytes / (size_t)bps_itemsize(op->dtype), op->dtype, op->divisor);
     else if (stream)
