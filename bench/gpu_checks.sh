@@ -9,7 +9,8 @@
 # pytest-timeout; pyzmq is installed from wheels in .whl/ when that python lacks it (a machine with no
 # package index). Steps: build byteps in place and install it editable (no dependencies fetched), run
 # the GPU tests (the ones needing more GPUs than the machine has skip, saying so), then the GPU
-# benchmarks: the GPU stages on one machine (bench_gpu_stages.py) and push_pull of CUDA tensors
+# benchmarks: on a machine of 2 or more GPUs, push_pull of CUDA tensors on the NCCL stages (one process
+# per GPU, BYTEPS_LOCAL_STRATEGY=topology, beside the default strategy), and push_pull of CUDA tensors
 # against gloo as users call them (bench_users.py --device cuda, and --device cpu beside it), and a
 # training step against DDP (bench_users.py --train --device cuda), then that step again with 4 MB
 # partitions and the default alternating (an A/B of autotune's choice). Logs and JSON go to OUTDIR, and
@@ -52,18 +53,13 @@ step tests
 # --basetemp: the tests' files (timelines, the fake runtime) stay in OUTDIR for a failure's post-mortem
 PYTHONPATH=tests${PYTHONPATH:+:$PYTHONPATH} "$PY" -m pytest -q -p no:cacheprovider --timeout 300 -rs \
     --basetemp "$OUTDIR/pytest" \
-    tests/test_gpu_stages.py tests/test_local_exec.py::test_gpu_engine_path_cuda_tensors \
-    tests/test_local_exec.py::test_cuda_tensors_on_the_default_path \
-    tests/test_gpu_native.py \
+    tests/test_local_strategy.py::test_nccl_stages_on_gpus \
+    tests/test_local_strategy.py::test_cuda_tensors_on_the_default_path \
+    tests/test_gpu_native.py tests/test_nccl_stages.py \
     2>&1 | tee "$OUTDIR/tests.log" | tail -25
 tests=${PIPESTATUS[0]}
 fi
 
-if want stages; then
-step bench_gpu_stages
-"$PY" bench/bench_gpu_stages.py --gpus 1 --sizes 1MB,16MB,64MB --iters 10 2>&1 | tail -20
-cp bench/results/gpu_stages.json "$OUTDIR/" 2>/dev/null
-fi
 
 # bench_users.py as users run it, its output in OUTDIR/users-LABEL.{md,json,err}: users LABEL ARGS...
 users() {
@@ -76,6 +72,17 @@ users() {
 }
 COLLECTIVES=(--layouts machines,local --procs 2 --sizes 4KB,1MB,16MB,64MB --patterns inplace,fresh,outofplace
              --names fixed --repeat 3)
+
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if want stages && [ "$GPUS" -ge 2 ]; then  # NCCL needs a GPU per process
+    step "NCCL stages on $GPUS GPUs"
+    users nccl-topology --device cuda --layouts local --procs "$GPUS" --sizes 1MB,16MB,64MB --patterns inplace \
+        --names fixed --repeat 3 --env BYTEPS_LOCAL_STRATEGY=topology
+    users nccl-owners --device cuda --layouts local --procs "$GPUS" --sizes 1MB,16MB,64MB --patterns inplace \
+        --names fixed --repeat 3
+elif want stages; then
+    step "NCCL stages: skipped, $GPUS GPU (they need one per process)"
+fi
 
 if want users; then
     step bench_users

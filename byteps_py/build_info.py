@@ -1,8 +1,8 @@
 """Horovod's build queries, with their meaning for byteps: which of Horovod's controllers and GPU
 libraries this build uses. byteps has no MPI, Gloo, DDL or oneCCL controller and needs none. It is
-not compiled against CUDA or NCCL either: core/gpu.py loads the CUDA runtime and NCCL when first used
-(the ones a CUDA build of PyTorch ships), so :func:`cuda_built` and :func:`nccl_built` answer for this
-process, as Horovod's do for its build. Re-exported by every framework plugin."""
+not compiled against CUDA or NCCL either: its native core loads the CUDA runtime and NCCL when first
+used (the ones a CUDA build of PyTorch ships; core/gpu.py finds them), so :func:`cuda_built` and
+:func:`nccl_built` answer for this process, as Horovod's do for its build. Re-exported by every framework plugin."""
 
 
 def mpi_threads_supported():
@@ -26,12 +26,12 @@ def gloo_built():
 
 
 def nccl_built():
-    """NCCL's version as an integer (2.21.5 -> 22105), as Horovod returns it, when NCCL loads here (the GPU
-    stages' collectives among a machine's GPUs use it: core/gpu_stages.py); 0 otherwise."""
+    """NCCL's version as an integer (2.21.5 -> 22105), as Horovod returns it, when NCCL loads here (the NCCL
+    stages among a machine's GPUs use it: core/pipeline/nccl_stages.h); 0 otherwise."""
     from byteps.core import gpu
 
     try:
-        return gpu.nccl().version()
+        return gpu.nccl_version()
     except gpu.GpuError:
         return 0
 
@@ -50,7 +50,7 @@ def cuda_built():
     from byteps.core import gpu
 
     try:
-        gpu.cuda()
+        gpu.cuda_device_count()
         return True
     except gpu.GpuError:
         return False

@@ -485,7 +485,7 @@ def metrics():
     ``for_peers``: partitions a process in join() reduced for its local peers); ``credit_stalls``; ``local_group`` (processes of
     this machine whose copies are summed locally, or None); ``local_strategy`` (None without a local
     reduce, else ``owners``: "owners", "root" or "topology", the topology ``plan``'s strategy,
-    ``groups`` and ``roots``, and ``gpu_stages``: CUDA tensors take the plan's GPU stages). A job of one worker process has no data plane:
+    ``groups`` and ``roots``, and ``nccl_stages``: CUDA push_pulls take the NCCL stages). A job of one worker process has no data plane:
     only the rank fields are there, with ``servers`` empty.
     """
     job = _require()

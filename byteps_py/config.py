@@ -33,7 +33,7 @@ VARIABLES = {
     "BYTEPS_LOCAL_REDUCE": ("1", "a machine's worker processes sum locally; one copy per machine crosses the network"),
     "BYTEPS_LOCAL_PUSH": ("owners", "owners | root: which local processes sum and push a machine's partitions"),
     "BYTEPS_LOCAL_STRATEGY": ("owners", "owners | topology: local sums' owners in turn, or named by the machine's "
-                                        "topology plan (core/local.py; its GPU stages: core/local_exec.py)"),
+                                        "topology plan (core/local.py; CUDA push_pulls on a machine of GPUs: its NCCL stages)"),
     "BYTEPS_SCHEDULING_CREDIT": ("4", "partitions a worker may have on the wire at once (0: unlimited)"),
     "BYTEPS_TIMEOUT": ("300", "seconds any blocking wait (startup, declaration, push_pull) may last"),
     "BYTEPS_HEARTBEAT_INTERVAL": ("1", "seconds between heartbeats to and from the scheduler"),
@@ -50,6 +50,7 @@ VARIABLES = {
     "BYTEPS_UCX_PEER_ERRORS": ("1", "with BYTEPS_TRANSPORT=ucx: 1 asks UCX to detect dead peers (endpoint error handling), which rules out its shared-memory transports; 0 lets UCX use sm too (a dead peer is then reported by the scheduler alone); docs/ucx.md"),
     "BYTEPS_SPIN_US": ("auto", "microseconds a synchronous call of one small partition polls for its reply (yielding its core between polls) before it sleeps; auto: 50 where this process may run on 2 or more CPUs, 200 where the job's worker processes on this host also outnumber those CPUs, else 0 (core/pipeline/bps_worker.h set_direct_spin)"),
     "BYTEPS_CUDART": (None, "path of the CUDA runtime library the native core copies CUDA tensors with (default: the libcudart of PyTorch's CUDA wheels, else the system's)"),
+    "BYTEPS_NCCL": (None, "path of the NCCL library of the NCCL stages (BYTEPS_LOCAL_STRATEGY=topology on a machine of several GPUs; default: the libnccl of PyTorch's CUDA wheels, else the system's)"),
     "BYTEPS_GPU_STAGING_BYTES": ("67108864", "page-locked host memory for CUDA tensors' partitions in flight: slots of one partition each"),
     "BYTEPS_CPU_BIND": ("auto", "auto | 1 | 0: bind each worker process's training thread (the one that called init()) to one CPU, the host's i-th worker process of the job to the i-th CPU it may use; auto: only where the job's worker processes on this host (2 or more) are at least as many as those CPUs, so that threads that poll (BYTEPS_SPIN_US) are not left sharing one CPU by the kernel's scheduler (byteps/cpus.py)"),
     # the job timeline (docs/timeline.md)
@@ -238,6 +239,7 @@ class Config:
     spin_auto: bool = False
     cpu_bind: str = "auto"
     cudart: str = ""
+    nccl: str = ""
     gpu_staging_bytes: int = 64 << 20
 
     @property
@@ -348,6 +350,7 @@ def load(env=None, role=None):
         spin_auto=spin_auto,
         cpu_bind=_choice(env, "BYTEPS_CPU_BIND", ["auto", "1", "0"]),
         cudart=_get(env, "BYTEPS_CUDART", ""),
+        nccl=_get(env, "BYTEPS_NCCL", ""),
         gpu_staging_bytes=_int(env, "BYTEPS_GPU_STAGING_BYTES", 64 << 20, minimum=1),
     )
 

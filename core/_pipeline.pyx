@@ -24,6 +24,7 @@ cdef extern from "core/pipeline/bps_stages.h" nogil:
         int32_t stage[12]
     BpsStageList bps_stage_list(int32_t kind, cbool owner, cbool local_reduce, cbool colocated, cbool lone_machine,
                                 cbool gpu, cbool root)
+    BpsStageList bps_nccl_stage_list(cbool root, cbool colocated, cbool lone_machine, cbool divides)
 
 #: operation kinds of bps_stages.h BpsOpKind, by the names tensor declarations use
 OP_KINDS = {"push_pull": 0, "broadcast": 1, "async push_pull": 2}
@@ -39,6 +40,13 @@ def stage_codes(kind, bint owner, bint local_reduce, bint colocated, bint lone_m
     """The stage codes of one partition, in order, by bps_stage_list(): the rule the native core runs
     (``gpu``: a CUDA tensor's; ``root``: this process is a broadcast's root)."""
     cdef BpsStageList got = bps_stage_list(OP_KINDS[kind], owner, local_reduce, colocated, lone_machine, gpu, root)
+    return tuple(got.stage[i] for i in range(got.n))
+
+
+def nccl_stage_codes(bint root, bint colocated, bint lone_machine, bint divides):
+    """The stage codes of one partition of a CUDA push_pull on the NCCL stages, by bps_nccl_stage_list()
+    (``root``: this process's GPU gets the machine's sum; ``divides``: an average)."""
+    cdef BpsStageList got = bps_nccl_stage_list(root, colocated, lone_machine, divides)
     return tuple(got.stage[i] for i in range(got.n))
 
 

@@ -51,6 +51,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         unsigned char *staging
         BpsDescriptor desc
         int32_t owner
+        int32_t nccl_root
         cbool colocated
         cbool compress
 
@@ -105,6 +106,8 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         void submit_abandon(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, cbool root_self,
                             unsigned char *buf, uint64_t nbytes, const string &reason)
         string enable_gpu(const string &cudart, uint64_t slot_bytes, int slots)
+        string enable_nccl(const string &path)
+        uint64_t nccl_collectives()
         void submit_gpu(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                         cbool root_self, uint64_t dev_ptr, int device, uint64_t nbytes, uint64_t ready_event,
                         uint64_t done_event, cbool lazy, uint32_t divisor)
@@ -210,6 +213,7 @@ cdef vector[BpsPart] _parts(const int64_t[:, ::1] parts):
         p.owner = <int32_t>parts[i, 9] if parts.shape[1] > 9 else -1
         p.colocated = parts[i, 10] != 0 if parts.shape[1] > 10 else False
         p.compress = parts[i, 11] != 0 if parts.shape[1] > 11 else False
+        p.nccl_root = <int32_t>parts[i, 12] if parts.shape[1] > 12 else -1
         table.push_back(p)
     return table
 
@@ -435,7 +439,8 @@ cdef class WorkerCore:
         """Register a tensor's partitions once; returns the id :meth:`submit` takes. ``parts`` rows:
         wire key, offset, length, server, staging address (0: none), the staging region's
         descriptor: pid, fd, inode, offset, (local reduce) the owner's local rank (-1: no local
-        reduce) and whether the server is colocated, and whether its push is encoded by ``codec``.
+        reduce) and whether the server is colocated, whether its push is encoded by ``codec``, and (a
+        CUDA push_pull on the NCCL stages) its root's local rank (-1: none): core/table_rows.py.
         ``codec``: the table's wire codec, (method id, flags, levels, k, seed, momentum mu, nesterov,
         this worker's rank) as byteps.compression.WireCompressor has them, or None
         (core/pipeline/worker_codec.h keeps each partition's state across the table's ops).
@@ -487,6 +492,14 @@ cdef class WorkerCore:
         if why.size():
             raise RuntimeError(why.decode(errors="replace"))
 
+    def enable_nccl(self, str path):
+        """Once, after :meth:`enable_gpu` and :meth:`add_local`, before the first :meth:`submit_gpu` on a table
+        whose partitions have NCCL roots: load NCCL at ``path`` for the machine's NCCL stages
+        (core/pipeline/nccl_stages.h). Raises RuntimeError saying why it cannot be loaded."""
+        cdef string why = self.core.enable_nccl(path.encode())
+        if why.size():
+            raise RuntimeError(why.decode(errors="replace"))
+
     def submit_gpu(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
                    bint root_self, uint64_t dev_ptr, int device, uint64_t nbytes, uint64_t ready_event,
                    uint64_t done_event, bint lazy=False, uint32_t divisor=1):
@@ -499,9 +512,10 @@ cdef class WorkerCore:
 
     def gpu_stats(self):
         """{"copies": COPYD2H and COPYH2D issued, "peak_slots": most staging slots held at once, "grown":
-        slots added to the ring because partitions waited for one with none coming back}."""
+        slots added to the ring because partitions waited for one with none coming back, "collectives":
+        NCCL_REDUCEs and NCCL_BROADCASTs issued}."""
         return {"copies": self.core.gpu_copies(), "peak_slots": self.core.gpu_peak_slots(),
-                "grown": self.core.gpu_grown()}
+                "grown": self.core.gpu_grown(), "collectives": self.core.nccl_collectives()}
 
     def submit_direct(self, int64_t op_id, int64_t table, int cmd, int dtype, uint32_t root, int64_t priority,
                       bint root_self, buf, uint32_t divisor=1):

@@ -9,7 +9,8 @@ caller's stream to wait on (no host block). Python never touches the partitions'
 
 The CUDA runtime is loaded by the native core at the first CUDA tensor (:func:`cudart_path`):
 ``BYTEPS_CUDART``, else the libcudart of PyTorch's CUDA wheels (``nvidia/cuda_runtime/lib``), else the
-system's; nothing CUDA is needed to build or import byteps.
+system's; NCCL likewise (:func:`nccl_path`, ``BYTEPS_NCCL``) where CUDA push_pulls take the NCCL stages
+(core/pipeline/nccl_stages.h); nothing CUDA is needed to build or import byteps.
 """
 
 from .gpu import library_candidates
@@ -38,6 +39,13 @@ def cudart_path(configured=""):
     PyTorch's wheel's libcudart (found on sys.path without importing torch), else the system's; None
     when there is none (CUDA tensors then fail naming why)."""
     found = library_candidates("cudart", (), configured)
+    return found[0] if found else None
+
+
+def nccl_path(configured=""):
+    """The NCCL library the NCCL stages load: ``configured`` (BYTEPS_NCCL) if set, else PyTorch's wheel's
+    libnccl, else the system's; None when there is none."""
+    found = library_candidates("nccl", (), configured)
     return found[0] if found else None
 
 

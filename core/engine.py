@@ -34,7 +34,7 @@ from . import auth, dtypes, shm, stages, wire
 from .engine_elastic import ElasticServers
 from .engine_native import KINDS, NativePlane
 from .engine_setup import EngineSetup
-from .ops import Op, RangeOp
+from .ops import Op
 from .threads import name_native
 
 from . import _worker_core
@@ -98,11 +98,10 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self._joins_ended = 0
         self._gate = auth.Gate(None)  # who may send to our local ROUTER (set up in _knock_all)
         self.join_result = None     # the last rank to join, once every rank has
-        # BYTEPS_LOCAL_STRATEGY=topology: the thread running the plan's executor (core/local_exec.py)
-        self._local_exec = None
         # the native data plane (core/pipeline/bps_worker.h): owns the server sockets once authenticated
         self._native = None
         self._gpu = None  # CUDA tensors' copy stages: None (not loaded yet), "" (loaded) or why they cannot run
+        self.nccl_stages = False  # CUDA push_pulls take the NCCL stages (set at start-up: _nccl_stages)
         self._native_ops = {}       # native id -> Op, until its completion is delivered
         self._native_ids = itertools.count(1)
         self._native_parts = {}     # (tkey, nbytes, cmd, root_self) -> (native table id, partitions)
@@ -139,9 +138,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         if self.failure is not None:
             raise self.failure
         op.partition_bytes = self.partition_bytes
-        if self._local_exec is not None and self._local_exec.takes(op):
-            self._local_exec.enqueue(op)  # in submission order; it runs once the key is known
-        elif not self._inbox and self._native_eligible(op):
+        if not self._inbox and self._native_eligible(op):
             key = self._keys.get((op.name, op.spec))
             if key is not None:  # declared before: no engine hop
                 self._native_submit(op, key, sync, lazy=True)
@@ -149,15 +146,6 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self._inbox.append(op)
         self._wake()
         return op
-
-    def push_range(self, rop):
-        """Push a RangeOp and pull the global sum into its buffer (any thread; core/local_exec.py).
-        ``rop.done`` is set when every partition is back or the range failed (``rop.error``)."""
-        if self.failure is not None:
-            raise self.failure
-        self._inbox.append(rop)
-        self._wake()
-        return rop
 
     def abandon(self, name, process_set, reason):
         """A call this rank refused before declaring ``name`` (common.submit): say so in its place (any
@@ -291,8 +279,6 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
 
     def _close(self):
         ctl = getattr(self, "control", None)
-        if self._local_exec is not None:
-            self._local_exec.close()
         if self._native is not None:
             self._stopped.set()
             if self._completer is not None:
@@ -438,9 +424,6 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
                 self.control.send(cmd, {"name": name} if value is None else {"name": name, "value": value})
                 continue
             op = item
-            if isinstance(op, RangeOp):  # a range of the topology executor: its key is known
-                self._dispatch_range(op)
-                continue
             key = self._keys.get((op.name, op.spec))
             if key is not None:
                 self._dispatch(op, key)
@@ -455,7 +438,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
                 self._decl_pending[(op.name, op.spec)] = waiting
                 self._declaring[waiting] = []
                 body = {"name": op.name, "seq": seq, "shape": list(op.shape), "dtype": dtypes.name(op.dtype),
-                        "kind": self._declared_kind(op)}
+                        "kind": KINDS[op.cmd]}
                 if op.pset is not None:
                     body.update(set_id=set_id, members=list(op.pset[1]))
                 self.control.send(Cmd.DECLARE, body)
@@ -474,7 +457,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         if self._abandon_rounds(name, pset, reason):
             return
         if any(n == name for n, _ in self._keys) or any(n == name for n, _ in self._decl_pending):
-            return  # keyed but never run here (a topology executor's op), or its declaration in flight
+            return  # its declaration in flight
         seq = self._decl_seq[(name, set_id)]
         self._decl_seq[(name, set_id)] += 1
         body = {"name": name, "seq": seq, "abandoned": reason}
@@ -483,12 +466,9 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self.control.send(Cmd.DECLARE, body)
 
     def _dispatch(self, op, tkey):
-        """Hand the op, now keyed, to the native core (or the topology executor, which owns it)."""
+        """Hand the op, now keyed, to the native core."""
         if timeline.recorder is not None:
             timeline.recorder.keys[tkey] = op.name
-        if self._local_exec is not None and self._local_exec.owns(op):
-            self._local_exec.keyed(op, tkey)  # the topology executor runs it (core/local_exec.py)
-            return
         if not self._native_eligible(op):  # only the native core re-sends a lost server's partitions (docs/elastic.md)
             op.fail(ConfigError(f"tensor {op.name!r}: BYTEPS_ELASTIC=1 supports plain push_pull and broadcast "
                                 "(no compression, process sets, asynchronous training or join())"))
@@ -503,27 +483,6 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         logger.info("tensor %s went past the scheduling credit: what was in flight had no reply for %.0f s (a "
                     "slow peer, or workers that give a tensor different priorities; logged once)", name,
                     _worker_core.CREDIT_STALL_S)
-
-    # ---------------------------------------------------------------- topology executor ranges
-
-    def _declared_kind(self, op):
-        """The operation a declaration names; topology ops add their cut into ranges, so workers
-        that would cut a tensor differently get the scheduler's mismatch error (core/local_exec.py)."""
-        if self._local_exec is not None and self._local_exec.owns(op):
-            return self._local_exec.kind(op)
-        return KINDS[op.cmd]
-
-    def _dispatch_range(self, rop):
-        """Send a RangeOp's partitions (the placement's pieces of the range) through the native core
-        (which encodes them where the range has a wire compressor)."""
-        parts = self.placement.partitions(rop.place_key, rop.buf.nbytes, dtypes.itemsize(rop.dtype))
-        if max(p[0] for p in parts) >> 16:
-            rop.fail(BytePSError(f"push_pull of tensor {rop.name!r}: a range of {rop.buf.nbytes} bytes has "
-                                 f"{len(parts)} partitions, more than its wire keys can number"))
-            return
-        self._native_submit_range(rop, parts)
-
-        # anything else the native core did not take: a LOCAL_DONE / ERROR for an op that failed already
 
     # ---------------------------------------------------------------- timeouts
 

@@ -42,6 +42,7 @@ class _TableSpec:
     pset: object = None
     codec: object = None  # the wire compressor of its push_pulls (byteps.compression.WireCompressor), or None
     partition_bytes: int = None  # its partitions' size: the job's when its first op was submitted
+    nccl: bool = False  # a CUDA push_pull on the NCCL stages (its partitions have roots, not owners)
 
     @property
     def cut_name(self):
@@ -87,11 +88,13 @@ class NativePlane:
         root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
         codec = self._wire_codec(op)
         # the key fixes name, shape and dtype; a table keeps its codec's state, so one per codec setting
-        ident = (tkey, op.buf.nbytes, op.cmd, root_self, self._codec_ident(codec))
+        nccl = self.nccl_stages and isinstance(op.buf, DeviceBuffer) and op.cmd == Cmd.PUSHPULL and op.pset is None
+        ident = (tkey, op.buf.nbytes, op.cmd, root_self, self._codec_ident(codec), nccl)
         entry = self._native_parts.get(ident)
         if entry is not None:
             return entry
-        spec = _TableSpec(op.name, tkey, op.buf.nbytes, op.dtype, op.cmd, op.root, op.pset, codec, op.partition_bytes)
+        spec = _TableSpec(op.name, tkey, op.buf.nbytes, op.dtype, op.cmd, op.root, op.pset, codec, op.partition_bytes,
+                          nccl)
         with self._native_lock:  # the staging allocator is shared with the engine thread
             first, *later = self._memberships
             table = self._native.add_table(op.name, self._table_rows(spec, first), self._codec_settings(codec))
@@ -118,7 +121,7 @@ class NativePlane:
     def _table_rows(self, op, membership):
         """The native table rows of a tensor (a _TableSpec) under one server membership (see _native_table)."""
         tkey = op.tkey
-        local = self.local is not None and op.cmd == Cmd.PUSHPULL and op.pset is None
+        local = self.local is not None and op.cmd == Cmd.PUSHPULL and op.pset is None and not op.nccl
         parts = self._placement_of(membership, op).partitions(tkey, op.nbytes, dtypes.itemsize(op.dtype))
         ids, members = membership["ids"], membership["members"]
         rows = table_rows.new(len(parts))
@@ -127,7 +130,13 @@ class NativePlane:
             key = wire.make_key(tkey, wire.member_partition(i, members))
             table_rows.place(rows, row, key, off, length, server,
                              self._compresses(op.codec, op.dtype, op.nbytes, length, server))
-            if local:  # every partition has a shared region: the owner sums into it, the others copy into it
+            if op.nccl:  # its root pushes the machine's sum, from its staging slot (a region for a colocated server)
+                root = self.local.owner(tkey, i)
+                table_rows.nccl_root(rows, row, root)
+                if root == self.cfg.local_rank and self.colocated[server] and length:
+                    view, desc = self._region(key, length)
+                    table_rows.stage(rows, row, view.ctypes.data, desc)
+            elif local:  # every partition has a shared region: the owner sums into it, the others copy into it
                 view, desc = self._region(key, length)
                 table_rows.stage(rows, row, view.ctypes.data, desc)
                 table_rows.reduce_locally(rows, row, self.local.owner(tkey, i), self.colocated[server])
@@ -222,8 +231,8 @@ class NativePlane:
 
     def _gpu_unavailable(self):
         """Load the CUDA runtime for CUDA tensors' copy stages at the first one (core/device_buffer.py), with
-        a staging ring of BYTEPS_GPU_STAGING_BYTES in slots of one partition; why they cannot run here
-        (kept in ``self._gpu``), or "" once loaded."""
+        a staging ring of BYTEPS_GPU_STAGING_BYTES in slots of one partition, and NCCL for the NCCL stages
+        where they run; why they cannot run here (kept in ``self._gpu``), or "" once loaded."""
         with self._native_lock:
             if self._gpu is None:
                 path = device_buffer.cudart_path(self.cfg.cudart)
@@ -232,9 +241,15 @@ class NativePlane:
                     if path is None:
                         raise RuntimeError("no CUDA runtime library was found (BYTEPS_CUDART names one)")
                     self._native.enable_gpu(path, slot, device_buffer.staging_slots(self.cfg.gpu_staging_bytes, slot))
-                    self._gpu = ""
                 except RuntimeError as e:
                     self._gpu = f"{e} (BYTEPS_CUDART={self.cfg.cudart})" if self.cfg.cudart else str(e)
+                    return self._gpu
+                try:
+                    if self.nccl_stages:  # found at start-up (_nccl_stages)
+                        self._native.enable_nccl(device_buffer.nccl_path(self.cfg.nccl))
+                    self._gpu = ""
+                except RuntimeError as e:
+                    self._gpu = f"{e} (BYTEPS_NCCL={self.cfg.nccl})" if self.cfg.nccl else str(e)
             return self._gpu
 
     def credit_stalls(self):
@@ -385,8 +400,8 @@ class NativePlane:
                        if native is not None else {}},
             "credit_stalls": self.credit_stalls(),
             "local_group": self.local.size if self.local else None,  # processes whose copies are summed locally
-            # who owns each partition of the local reduce (core/local.py), and whether CUDA tensors take
-            # the topology plan's GPU stages (core/local_exec.py)
+            # who owns each partition of the local reduce (core/local.py), and whether CUDA push_pulls take
+            # the NCCL stages (core/pipeline/nccl_stages.h)
             "local_strategy": self._local_strategy(),
         }
 
@@ -398,42 +413,7 @@ class NativePlane:
                 "plan": None if plan is None else plan.strategy,
                 "groups": None if plan is None else [list(g) for g in plan.groups],
                 "roots": None if plan is None else list(plan.roots),
-                "gpu_stages": self._local_exec is not None}
-
-    def _native_submit_range(self, rop, parts):
-        """A RangeOp on the native core: a table per range, size and place in the executor's arena (a
-        colocated server reads the arena itself: the staging region is the range's own memory)."""
-        ident = ("range", rop.tkey, rop.range_index, rop.buf.nbytes, rop.dtype, rop.shared,
-                 self._codec_ident(rop.codec))
-        entry = self._native_parts.get(ident)
-        if entry is None:
-            ids = self._memberships[-1]["ids"]  # placement positions -> the job's server indices
-            rows = table_rows.new(len(parts))
-            base_addr = rop.buf.ctypes.data if len(parts) else 0
-            for row, (j, off, length, at) in enumerate(parts):
-                server = ids[at]
-                key = wire.make_key(rop.tkey, rop.range_index << 16 | j)
-                table_rows.place(rows, row, key, off, length, server,
-                                 self._compresses(rop.codec, rop.dtype, rop.buf.nbytes, length, server))
-                if self.colocated[server] and length:
-                    if rop.shared is not None:
-                        pid, fd, inode, base = rop.shared
-                        table_rows.stage(rows, row, base_addr + off, (pid, fd, inode, base + off))
-                    else:
-                        view, desc = self._region(key, length)
-                        table_rows.stage(rows, row, view.ctypes.data, desc)
-            with self._native_lock:
-                table = self._native.add_table(rop.name, rows, self._codec_settings(rop.codec))
-                entry = self._native_parts[ident] = (table, len(parts))
-        table, count = entry
-        if not count:
-            rop._finish()
-            return
-        nid = next(self._native_ids)
-        self._native_ops[nid] = rop
-        self._native.submit(nid, table, Cmd.PUSHPULL, rop.dtype, 0, rop.priority, False, rop.buf)
-        self.native_submitted += 1
-        rop.native_id = nid
+                "nccl_stages": self.nccl_stages}
 
     def stages_of(self, op, server):
         """The ordered stages of a partition of ``op`` that this process pushes itself (no local

@@ -20,9 +20,9 @@ from byteps.errors import BytePSError, BytePSTimeoutError, PeerLostError, Protoc
 from byteps.log import logger
 from byteps.placement import Placement
 
-from . import auth, shm, transport, wire
+from . import auth, device_buffer, shm, stages, transport, wire
 from .control import ControlClient
-from .local import LocalPlan
+from .local import LocalPlan, machine_plan
 from .stages import Stage
 
 from . import _worker_core
@@ -322,8 +322,7 @@ class EngineSetup:
             self.control.send(Cmd.MEMBERS, {"phase": "ready"})
             if self._lost_at_start:
                 self._await_membership_without(self._lost_at_start)
-        from . import local_exec
-        self._local_exec = local_exec.start(self)  # CUDA tensors' GPU stages of BYTEPS_LOCAL_STRATEGY=topology
+        self.nccl_stages = self._nccl_stages()
         self._ready.set()
 
     def _await_membership_without(self, lost):
@@ -508,8 +507,6 @@ class EngineSetup:
         peers = [w for w in self.book["workers"] if w["worker_id"] == self.cfg.worker_id]
         plan = None
         if self.cfg.local_strategy == "topology":
-            from .local_exec import machine_plan
-
             plan = machine_plan(len(peers))
             logger.info("local reduce by the topology plan: %s, groups %s%s", plan.strategy,
                         [list(g) for g in plan.groups], f", roots {list(plan.roots)}" if plan.roots else "")
@@ -525,6 +522,36 @@ class EngineSetup:
             self._io[sock] = transport.wrap(sock)
         self.poller.register(self._local_sock, zmq.POLLIN)
         logger.info("local reduce with %d processes on this machine", self.local.size)
+
+    def _nccl_stages(self):
+        """Whether this process's CUDA push_pulls take the NCCL stages (core/pipeline/nccl_stages.h): with
+        BYTEPS_LOCAL_STRATEGY=topology, on a machine whose plan has a GPU per process, where NCCL is found.
+        The same on every process of a machine (its plan, environment and libraries), as it must be."""
+        cfg = self.cfg
+        if cfg.local_strategy != "topology":
+            return False
+        if self.local is None:
+            if cfg.local_size > 1:
+                logger.warning("BYTEPS_LOCAL_STRATEGY=topology has no effect: this job does not reduce locally "
+                               "(BYTEPS_LOCAL_REDUCE=0, BYTEPS_PIPELINE=-local_reduce, asynchronous training, or a "
+                               "machine that does not)")
+            return False
+        plan = self.local.topology
+        why = None
+        if plan is None or plan.device != "gpu":
+            why = "this machine's topology plan has no GPU per process"
+        elif cfg.elastic:
+            why = "BYTEPS_ELASTIC=1"
+        elif device_buffer.nccl_path(cfg.nccl) is None:
+            why = "NCCL is not found (BYTEPS_NCCL, or a CUDA build of PyTorch that ships it)"
+        if why is not None:
+            logger.info("CUDA push_pulls take the copy stages and the host's local reduce, not the NCCL stages: %s",
+                        why)
+            return False
+        logger.info("pipeline of a CUDA push_pull partition: %s (its root), %s (the other local ranks)",
+                    stages.describe(stages.nccl_stage_list(True, machines=cfg.num_worker)),
+                    stages.describe(stages.nccl_stage_list(False, machines=cfg.num_worker)))
+        return True
 
     def _on_local(self, sock, frames):
         """Our local ROUTER's control messages: handshakes and link offers of this machine's other

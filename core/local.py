@@ -31,10 +31,23 @@ one of the plan's roots in turn (the other processes never push). ``reduce_scatt
 ``cpu_assisted`` keep every local rank in turn: that is a reduce-scatter at partition granularity,
 and on the CPU, where every group of the plan is the same memory, the owner sums all the machine's
 copies at once (contiguous slices, which NCCL's reduce-scatter needs, gained nothing on the CPU:
-docs/benchmarks.md). Only CUDA tensors on a machine whose GPU stages are usable take the plan's
-executor (core/local_exec.py). Owners are a machine's own choice: servers count one push per
-machine and key, whoever makes it, so machines of other plans (or strategies) work together.
+docs/benchmarks.md). CUDA push_pulls on a machine whose plan has a GPU per process take the NCCL
+stages instead (core/pipeline/nccl_stages.h), with these owners as their roots. Owners are a
+machine's own choice: servers count one push per machine and key, whoever makes it, so machines of
+other plans (or strategies) work together.
 """
+import dataclasses
+
+
+def machine_plan(local_size, env=None):
+    """This machine's topology plan for ``local_size`` processes (BYTEPS_TOPOLOGY_FILE, the overrides,
+    or detection). More processes than GPUs: the CPU analogue's plan (processes by NUMA node)."""
+    import byteps.topology as topology
+
+    machine = topology.resolve_machine(env=env)
+    if machine.gpus and local_size > len(machine.gpus):
+        machine = dataclasses.replace(machine, gpus=(), links=tuple(ln for ln in machine.links if ln.kind == "qpi"))
+    return topology.plan(machine=machine, local_size=local_size, env=env)
 
 
 class LocalPlan:

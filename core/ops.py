@@ -1,7 +1,7 @@
-"""One push_pull or broadcast in flight (:class:`Op`), and a range of a machine's sum (:class:`RangeOp`).
+"""One push_pull or broadcast in flight (:class:`Op`).
 
-They live apart from core/engine.py so that the engine's helpers (core/local_exec.py) can name them
-without importing the engine: dependencies point one way, from the engine down.
+It lives apart from core/engine.py so that the engine's helpers can name it without importing the
+engine: dependencies point one way, from the engine down.
 """
 import collections
 import threading
@@ -93,17 +93,3 @@ class Op:
                 cb(self)
             except Exception:  # a callback must not kill the engine thread
                 logger.exception("completion callback of %r failed", self.name)
-
-
-class RangeOp(Op):
-    """One element range of a machine's sum that this process pushes and pulls for its machine
-    (BYTEPS_LOCAL_STRATEGY=topology, core/local_exec.py). Its bytes are the executor's buffer; its
-    partition ``j`` has wire key ``tkey << 32 | range_index << 16 | j`` and the server that the
-    placement gives piece ``j`` of key ``place_key``; no local reduce (the executor did it)."""
-
-    __slots__ = ("range_index", "place_key", "shared")
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.range_index = self.place_key = 0
-        self.shared = None          # (pid, fd, inode, offset) of buf in a memfd arena, or None

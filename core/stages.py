@@ -34,13 +34,19 @@ COPYD2H              a CUDA tensor's partition into a page-locked        byteps-
                                                                          thread ``byteps-gpu``
                                                                          waits for its event
 COPYH2D              its result from the slot back into the tensor       (the same)
+NCCL_REDUCE          the machine's GPUs sum the partition onto its       byteps-net issues it in
+                     root's GPU (ncclReduce)                             the machine's order on
+                                                                         a byteps NCCL stream;
+                                                                         ``byteps-gpu`` waits
+NCCL_BROADCAST       the root's result to every GPU (ncclBroadcast)      (the same)
 ===================  =================================================  =====================
 
 A CUDA tensor's partitions start with COPYD2H and end with COPYH2D around the host stages
 (``stage_list(device="cuda")``; core/pipeline/gpu_copier.h). With BYTEPS_LOCAL_STRATEGY=topology the
-machine's plan names the owners of the local reduce (core/local.py), and on a machine whose GPU
-stages work CUDA tensors run the plan's GPU stages (NCCL_REDUCE, PCIE_REDUCE, NCCL_BROADCAST)
-instead (executor_stage_list).
+machine's plan names the owners of the local reduce (core/local.py), and on a machine whose plan has
+a GPU per process CUDA push_pulls take the NCCL stages instead of the host's local reduce
+(:func:`nccl_stage_list`; core/pipeline/nccl_stages.h): NCCL_REDUCE onto the partition's root, whose
+COPYD2H, PUSH, PULL and COPYH2D sit between it and NCCL_BROADCAST.
 """
 import enum
 import os
@@ -110,18 +116,18 @@ def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", 
     return tuple(Stage(code) for code in codes)
 
 
-def executor_stage_list(plan, owner=True):
-    """The stages of one range of a CUDA tensor on the topology path (BYTEPS_LOCAL_STRATEGY=topology
-    on a machine whose GPU stages work, core/local_exec.py), where the plan's executor
-    (core/gpu_stages.py) replaces the copy stages and the owners' local reduce.
+def nccl_stage_list(root, *, colocated=False, machines=None, average=False):
+    """The ordered stages of one partition of a CUDA push_pull on the NCCL stages (several GPU processes
+    on a machine, BYTEPS_LOCAL_STRATEGY=topology).
 
-    ``plan``: the machine's topology Plan; ``owner``: this process pushes the range (a non-owner
-    only takes part in the local steps). PCIE_REDUCE appears with several groups."""
-    if plan.strategy == "none" or plan.local_size == 1:  # nothing local to sum: copy out and back
-        return (Stage.COPYD2H,) + ((Stage.PUSH, Stage.PULL) if owner else ()) + (Stage.COPYH2D,)
-    several = plan.strategy == "cpu_assisted" and len(plan.groups) > 1
-    before = [Stage.NCCL_REDUCE, Stage.COPYD2H] + ([Stage.PCIE_REDUCE] if several else [])
-    return tuple(before + ([Stage.PUSH, Stage.PULL] if owner else []) + [Stage.COPYH2D, Stage.NCCL_BROADCAST])
+    Args:
+        root: this process's GPU gets the machine's sum (the plan's owner of the partition), and pushes it.
+        colocated: the partition's server is on this machine (the root stages its push in shared memory).
+        machines: worker machines in the job: with one, the machine's sum is the result.
+        average: an averaged push_pull (on one machine the root divides it on the host, between copies).
+    """
+    codes = _pipeline.nccl_stage_codes(root, colocated, machines == 1, average)
+    return tuple(Stage(code) for code in codes)
 
 
 def parse_override(raw):
@@ -197,7 +203,8 @@ def situations_text(local_size=2, env=None):
     lines = [head + ":"] + [f"  {what:<{width}}  {describe(st)}" for what, st in rows]
     lines.append("  CUDA tensors add COPYD2H before and COPYH2D after these (a broadcast's root copies nothing back, "
                  "the other ranks nothing off the GPU); with "
-                 "BYTEPS_LOCAL_STRATEGY=topology the machine's plan picks the partitions' owners, and CUDA tensors "
-                 "on a machine whose GPU stages work run NCCL_REDUCE -> COPYD2H [-> PCIE_REDUCE] -> PUSH -> PULL -> "
-                 "COPYH2D -> NCCL_BROADCAST per range (executor_stage_list)")
+                 "BYTEPS_LOCAL_STRATEGY=topology the machine's plan picks the partitions' owners, and CUDA push_pulls "
+                 "on a machine of one GPU per process take the NCCL stages: "
+                 + describe(nccl_stage_list(True)) + " (the partition's root), "
+                 + describe(nccl_stage_list(False)) + " (the other local ranks)")
     return "\n".join(lines)

@@ -8,13 +8,15 @@ KEY, OFFSET, LENGTH, SERVER = 0, 1, 2, 3  # the partition: wire key, its bytes i
 REGION, PID, FD, INODE, REGION_OFFSET = 4, 5, 6, 7, 8  # its shared staging region: address here, descriptor
 OWNER, COLOCATED = 9, 10  # local reduce: the owner's local rank (-1: none), whether the server shares memory
 ENCODED = 11  # whether the table's wire codec encodes its pushes
-COLUMNS = 12
+NCCL_ROOT = 12  # the NCCL stages (CUDA tensors): the local rank whose GPU gets the machine's sum (-1: none)
+COLUMNS = 13
 
 
 def new(count):
     """``count`` rows without staging region, local reduce or encoding."""
     rows = np.zeros((count, COLUMNS), dtype=np.int64)
     rows[:, OWNER] = -1
+    rows[:, NCCL_ROOT] = -1
     return rows
 
 
@@ -33,3 +35,8 @@ def reduce_locally(rows, row, owner, colocated):
     """The partition is summed on this machine first, by local rank ``owner``."""
     rows[row, OWNER] = owner
     rows[row, COLOCATED] = colocated
+
+
+def nccl_root(rows, row, root):
+    """The partition takes the NCCL stages: reduced onto local rank ``root``'s GPU, pushed from there."""
+    rows[row, NCCL_ROOT] = root

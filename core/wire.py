@@ -101,6 +101,10 @@ class Cmd(enum.IntEnum):
     SUSPECT = 30       # worker -> scheduler: {server: index}: my direct link to that server broke
     RESULT = 31        # worker -> a lost server's replacement: the result of (key, round) that the lost
                        # server sent this worker before it went (others may not have it: docs/elastic.md)
+    NCCL_ID = 32       # local rank 0 -> the machine's others: its NCCL unique id (core/pipeline/nccl_stages.h)
+    NCCL_READY = 33    # -> local rank 0: a partition's collective (its stage in ``length``) is ready here
+    NCCL_ORDER = 34    # local rank 0 -> the others: the next collective in the machine's order
+    NCCL_ABORT = 35    # -> the machine's others: the NCCL stages stopped here; body: why
 
 
 _CMDS = frozenset(int(c) for c in Cmd)

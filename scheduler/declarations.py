@@ -235,7 +235,10 @@ class Declarations:
             elif now - pending["since"] > self.cfg.timeout:
                 have = sorted(self.workers[i]["rank"] for i in pending["specs"])
                 lacking = sorted(self.workers[i]["rank"] for i in self._active_workers() if i not in pending["specs"])
-                msg = (f"tensor {name!r} was declared by ranks {have} but not by ranks {lacking} within "
-                       f"{self.cfg.timeout:g} s (BYTEPS_TIMEOUT): do all workers use the same tensor names?")
+                gone = sorted(self.workers[i]["rank"] for i in self.left if i in self.workers and
+                              i not in pending["specs"])
+                msg = (f"tensor {name!r} was declared by ranks {have} but not by ranks {sorted(lacking + gone)}"
+                       + (f" ({', '.join(map(str, gone))} left the job without declaring it)" if gone else "")
+                       + f" within {self.cfg.timeout:g} s (BYTEPS_TIMEOUT): do all workers use the same tensor names?")
                 self._refuse(pending["specs"], name, seq, msg)
                 del self.declares[(name, seq)]

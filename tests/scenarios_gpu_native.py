@@ -252,3 +252,51 @@ def gpu_copy_fails(out, args):
     common.synchronize(h)
     want = sum(contribution(q, args["numel"], np.float32, 2) for q in range(n))
     return dict(_result(cuda), error=error, after_ok=bool(np.array_equal(cuda.read(ptr, want, done), want)))
+
+
+@scenario
+def nccl_sums(out, args):
+    """CUDA push_pulls on the NCCL stages (BYTEPS_LOCAL_STRATEGY=topology, several processes of a machine,
+    each its own fake GPU): tensors of several partitions in flight at once, for several rounds, the
+    producer's kernel late; local rank 1 submits them in the reverse order and with priorities reversed
+    (the machine's order of collectives is the coordinator's, not anyone's program order). A tensor's
+    ``skip`` local ranks leave it out from round ``skip_from`` on (a time-out test). Reports
+    whether each result is exact (``average``: divided by the job's size) or the error it raised."""
+    from byteps.errors import BytePSError
+
+    def data(rank, spec, rnd):  # float16 within +-250: every sum of up to 8 ranks exact, in any order
+        dtype = np.dtype(spec["dtype"])
+        got = contribution(rank, spec["numel"], np.int64, rnd)
+        return (got // 4 if dtype == np.float16 else got).astype(dtype)
+
+    cuda = FakeCuda(device=0)
+    r, n, lr = bps.rank(), bps.size(), bps.local_rank()
+    res = {"ok": {}, "ptrs": {}, "errors": {}}
+    for rnd in range(args.get("rounds", 1)):
+        running = []
+        specs = [s for s in args["tensors"] if lr not in s.get("skip", ()) or rnd < s.get("skip_from", 0)]
+        order = list(enumerate(specs))
+        for index, spec in reversed(order) if lr == 1 else order:
+            dtype = np.dtype(spec["dtype"])
+            values = data(r, spec, rnd)
+            ptr, ready = cuda.device_array(values, args.get("kernel_delay_us", 0))
+            done = cuda.event()
+            buf = DeviceBuffer(ptr, values.nbytes, cuda.device, ready, done)
+            average = spec.get("average", False)
+            h = common.submit(spec["name"], buf, dtypes.from_name(dtype.name), values.shape,
+                              priority=-index if lr == 1 else index, average_by=n if average else 1)
+            want = sum(data(q, spec, rnd).astype(np.float64) for q in range(n)).astype(dtype)
+            if average:
+                want = (want / n).astype(dtype)
+            running.append((f"{spec['name']}@{rnd}", h, ptr, done, want))
+            res["ptrs"][f"{spec['name']}@{rnd}"] = ptr
+        for key, h, ptr, done, want in running:
+            try:
+                common.synchronize(h)
+            except BytePSError as e:
+                res["errors"][key] = f"{type(e).__name__}: {e}"
+                continue
+            res["ok"][key] = bool(np.array_equal(cuda.read(ptr, want, done), want))
+    res.update(_result(cuda))
+    res["local"] = bps.metrics()["local_strategy"]
+    return res

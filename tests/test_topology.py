@@ -149,19 +149,6 @@ def test_devices_subset_and_local_size():
         topology.plan(machine="pcie_only", devices=(1, 1), env={})
 
 
-def test_slice_bounds_tile_and_match_ncclreducescatter_layout():
-    for count in [0, 1, 3, 7, 8, 1001, 4096]:
-        for parts in [1, 2, 3, 4, 8]:
-            b = strategy.slice_bounds(count, parts)
-            assert b[0][0] == 0 and b[-1][1] == count and len(b) == parts
-            assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
-            q = count // parts  # NCCL: equal recvcount q for every rank, the tail to the last one
-            assert all(b[k] == (k * q, (k + 1) * q) for k in range(parts - 1))
-    with pytest.raises(ValueError):
-        strategy.slice_bounds(10, 0)
-    assert strategy.partition_bounds(10, 4, 16) == [(0, 4), (4, 8), (8, 10)]
-
-
 # ---------------------------------------------------------------------------------------
 # descriptions
 

@@ -3,8 +3,8 @@
 :func:`plan` is the entry point; ``bpslaunch --topology [FILE]`` prints its result. Modules:
 ``model`` (dataclasses + JSON descriptions + fixtures), ``detect`` (sysfs, NVML, nvidia-smi),
 ``strategy`` (the rules -> :class:`~byteps.topology.strategy.Plan`), ``cost`` (Eq. 8-9, J, ring
-all-reduce), ``localsync`` (barriers and shared arenas between a machine's processes, for the GPU
-stages of core/gpu_stages.py). docs/topology.md explains the design.
+all-reduce). A plan names the owners of a machine's local reduce and the roots of its NCCL stages
+(core/local.py). docs/topology.md explains the design.
 """
 import os
 

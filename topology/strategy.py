@@ -19,9 +19,8 @@ GPUs *and* a NIC, and S_g those holding only GPUs:
   in shared memory (core/local.py).
 
 A :class:`Plan` says which strategy, which local ranks form each group, the roots, each rank's
-NIC, and *why* in plain text. Its schedule helpers (:func:`slice_bounds`, :meth:`Plan.reduce_ranges`,
-:meth:`Plan.root_for`) are shared by the CPU executor and the GPU stages (core/gpu_stages.py), so
-both cut tensors the same way.
+NIC, and *why* in plain text. :meth:`Plan.root_for` gives each partition its root in turn; the
+native local reduce's owners and the NCCL stages' roots follow it (core/local.py).
 
 Experts can override through the environment (validated, clear errors): ``BYTEPS_INTRA_STRATEGY``,
 ``BYTEPS_REDUCE_ROOTS``, ``BYTEPS_PCIE_SWITCH_SIZE`` (docs/env.md).
@@ -59,23 +58,6 @@ class Plan:
     overrides: tuple = ()  #: (key, value) pairs that were applied
     cost: Optional[object] = None  #: byteps.topology.cost.Cost, attached by plan()
 
-    # -- schedule shared by the executors ------------------------------------------------
-    def group_of(self, rank):
-        """(group index, position in the group) of a local rank."""
-        for gi, members in enumerate(self.groups):
-            if rank in members:
-                return gi, members.index(rank)
-        raise ValueError(f"local rank {rank} is in no group of this plan ({self.groups})")
-
-    def group_slices(self, rank, count):
-        """(start, stop) element range of the slice this rank reduces inside its group."""
-        gi, pos = self.group_of(rank)
-        return slice_bounds(count, len(self.groups[gi]))[pos]
-
-    def reduce_ranges(self, count):
-        """Element ranges of the cross-group sum (PCIE_REDUCE): rank r sums range r."""
-        return slice_bounds(count, self.local_size)
-
     def root_for(self, partition):
         """The root that reduces and broadcasts a partition (round-robin over the roots)."""
         return self.roots[partition % len(self.roots)]
@@ -86,23 +68,6 @@ class Plan:
     def describe(self):
         from .report import describe
         return describe(self)
-
-
-def slice_bounds(count, parts):
-    """Cut ``count`` elements into ``parts`` contiguous slices: equal ones, the remainder on the
-    last (so NCCL's equal-count reduce-scatter covers all but the last slice's tail)."""
-    if parts < 1:
-        raise ValueError(f"slice_bounds: parts must be >= 1, got {parts}")
-    q = count // parts
-    bounds = [(k * q, (k + 1) * q) for k in range(parts)]
-    bounds[-1] = ((parts - 1) * q, count)
-    return bounds
-
-
-def partition_bounds(count, itemsize, partition_bytes):
-    """Element ranges of the partitions of a tensor (at most ``partition_bytes``, whole elements)."""
-    per = max(1, partition_bytes // itemsize)
-    return [(s, min(s + per, count)) for s in range(0, count, per)] or [(0, 0)]
 
 
 # ---------------------------------------------------------------------------------------

@@ -29,9 +29,9 @@ MEANING = {
     "ROUND": "server: from a round's first push until all pushes are in and summed",
     "REPLY": "server: the round's replies handed to the transport",
     "COPYD2H": "GPU to page-locked host buffer (a partition's copy: issued -> its event seen by byteps-gpu)",
-    "NCCL_REDUCE": "the GPUs of a local group reduce over NCCL",
-    "PCIE_REDUCE": "the CPU sums the local groups' copies",
-    "NCCL_BROADCAST": "the result to every GPU of the group over NCCL",
+    "NCCL_REDUCE": "the machine's GPUs reduce a partition onto its root's over NCCL",
+    "PCIE_REDUCE": "reserved, not built: the CPU sums PCIe switches' copies",
+    "NCCL_BROADCAST": "the result from the root's GPU to every GPU of the machine over NCCL",
     "COPYH2D": "page-locked host buffer to GPU (a partition's result: issued -> its event seen by byteps-gpu)",
 }
 

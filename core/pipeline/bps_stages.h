@@ -24,9 +24,9 @@ enum BpsStage : int32_t {
     BPS_STAGE_ROUND = 10,           /* span, server: first push of a round -> last push summed */
     BPS_STAGE_REPLY = 11,           /* span, server: replies of a round handed to the transport */
     BPS_STAGE_COPYD2H = 12,         /* GPU -> page-locked host buffer */
-    BPS_STAGE_NCCL_REDUCE = 13,     /* GPUs of a local group reduce (-scatter) over NCCL */
-    BPS_STAGE_PCIE_REDUCE = 14,     /* the CPU sums the groups' copies (PCIe-only hosts) */
-    BPS_STAGE_NCCL_BROADCAST = 15,  /* the result to every GPU of the group over NCCL */
+    BPS_STAGE_NCCL_REDUCE = 13,     /* the machine's GPUs reduce onto the partition's root over NCCL */
+    BPS_STAGE_PCIE_REDUCE = 14,     /* reserved, not built: the CPU sums the copies of PCIe switches' groups */
+    BPS_STAGE_NCCL_BROADCAST = 15,  /* the result from the root to every GPU of the machine over NCCL */
     BPS_STAGE_COPYH2D = 16,         /* page-locked host buffer -> GPU */
 };
 
@@ -53,6 +53,11 @@ struct BpsStageList {
     int32_t n = 0;
     int32_t stage[12];
     void add(int32_t s) { stage[n++] = s; }
+    bool has(int32_t s) const {
+        for (int32_t k = 0; k < n; ++k)
+            if (stage[k] == s) return true;
+        return false;
+    }
 };
 
 /* The host stages of one partition on this process, appended to ``l``.
@@ -82,6 +87,23 @@ static inline void bps_host_stages(BpsStageList &l, int32_t kind, bool owner, bo
         l.add(BPS_STAGE_STAGE);
     l.add(BPS_STAGE_PUSH);
     l.add(BPS_STAGE_PULL);
+}
+
+/* One partition of a CUDA push_pull on the NCCL stages (nccl_stages.h), on this process: every local rank
+ * reduces it onto the root's GPU (NCCL_REDUCE) and gets the result from there (NCCL_BROADCAST); in
+ * between, the ``root`` copies the machine's sum off its GPU, pushes and pulls it (STAGE first for a
+ * ``colocated`` server) and copies the result back. On a ``lone_machine`` the sum is the result: the root
+ * does nothing in between, except to divide an average (``divides``) on the host, between its copies. */
+static inline BpsStageList bps_nccl_stage_list(bool root, bool colocated, bool lone_machine, bool divides) {
+    BpsStageList l;
+    l.add(BPS_STAGE_NCCL_REDUCE);
+    if (root && (!lone_machine || divides)) {
+        l.add(BPS_STAGE_COPYD2H);
+        if (!lone_machine) bps_host_stages(l, BPS_OP_PUSH_PULL, true, false, colocated, false);
+        l.add(BPS_STAGE_COPYH2D);
+    }
+    l.add(BPS_STAGE_NCCL_BROADCAST);
+    return l;
 }
 
 /* One partition's stages on this process, in order: the host stages (above), and for a CUDA tensor

@@ -64,6 +64,8 @@
  *     BpsStageThread    stage_thread.h    byteps-reduce: the local reduce's big sums and copies
  *     BpsGpuCopier      gpu_copier.h      CUDA tensors: COPYD2H / COPYH2D per partition, the staging
  *                                         ring, the byteps streams, byteps-gpu (waits for copies)
+ *     BpsNcclStages     nccl_stages.h     CUDA tensors on several GPU processes: NCCL, the machine's
+ *                                         communicator, the order of its collectives
  *     BpsOpTable        op_table.h        every op until Python forgets it, the ops byteps-net runs,
  *                                         completions: waits, lazy delivery (its mutex after mu_)
  *
@@ -74,6 +76,7 @@
  *     worker_send_queue.h    PUSH from the send queue (BpsSendQueue, send_queue.h), Python's raw sends
  *     worker_completions.h   errors, failing and completing ops, time-outs
  *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread
+ *     worker_nccl.h          the NCCL stages: NCCL_READY / NCCL_ORDER, issuing collectives, breaking
  *     worker_direct.h        direct calls: submit_direct, submit_local_direct, submit_owner_direct
  *     worker_elastic.h       elastic: hold / commit on the tables and ops, a dead server's partitions
  *     worker_codec.h         wire compression: a table's codec and state, a push's encoding, a reply's decoding
@@ -119,6 +122,7 @@
 #include "core/pipeline/gpu_copier.h"
 #include "core/pipeline/elastic_router.h"
 #include "core/pipeline/local_peers.h"
+#include "core/pipeline/nccl_stages.h"
 #include "core/pipeline/op_table.h"
 #include "core/pipeline/send_queue.h"
 #include "core/pipeline/server_links.h"
@@ -146,6 +150,10 @@ class BpsWorkerCore {
     void submit_gpu(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                     bool root_self, uint64_t dev_ptr, int device, uint64_t nbytes, uint64_t ready_event,
                     uint64_t done_event, bool lazy, uint32_t divisor);
+    /* The NCCL stages (BpsNcclStages, nccl_stages.h): load NCCL once, with the CUDA runtime, on a machine of
+     * several processes whose CUDA push_pulls take them (tables whose partitions have NCCL roots) */
+    std::string enable_nccl(const std::string &path) { return nccl_.load(path, wake_fd_); }
+    uint64_t nccl_collectives() const { return (uint64_t)nccl_.issued(); }
     uint64_t gpu_peak_slots() const { return gpu_->peak_slots(); }
     uint64_t gpu_copies() const { return gpu_->copies(); }
     uint64_t gpu_grown() const { return gpu_->grown(); }
@@ -390,6 +398,16 @@ class BpsWorkerCore {
     void forward_local(BpsMessage *m);
     void forward_local(const std::vector<std::string> &frames);
 
+    /* the NCCL stages: the machine's order of collectives, its messages, breaking it (worker_nccl.h) */
+    void nccl_enter(BpsOp *op, int i, int32_t stage);
+    void nccl_ready(const BpsNcclStages::Entry &e, int from);
+    void nccl_issue();
+    void on_nccl(const BpsHeader &h, const void *body, size_t n);
+    void nccl_send(int r, uint8_t cmd, int32_t stage, uint64_t key, uint64_t seq, const std::string &body);
+    void nccl_break(const std::string &why, bool tell = true);
+    std::string nccl_failure(const BpsOp *op) const;
+    std::string nccl_waits(const BpsOp *op) const;
+
     /* direct calls: a synchronous call's round trip on the caller's thread (worker_direct.h) */
     bool direct_wait(BpsOp *op, int server, BpsConn *l, uint64_t rnd, bool *strays);
     void take_direct();
@@ -454,6 +472,7 @@ class BpsWorkerCore {
     /* COPYD2H / COPYH2D: the staging ring, the byteps streams, byteps-gpu (own mutexes); left allocated
      * if a copy never completed (its thread still waits for it: BpsGpuCopier::stop) */
     BpsGpuCopier *gpu_ = new BpsGpuCopier();
+    BpsNcclStages nccl_; /* NCCL_REDUCE / NCCL_BROADCAST: the communicator, the machine's order (byteps-net) */
     std::map<Ident, Group> groups_;
     std::map<Ident, Await> awaiting_;
     BpsEarlyCopies early_; /* LOCAL_READYs before their op (own mutex: a direct owner takes its copies) */
@@ -480,6 +499,7 @@ class BpsWorkerCore {
 #include "core/pipeline/worker_send_queue.h"
 #include "core/pipeline/worker_completions.h"
 #include "core/pipeline/worker_local_reduce.h"
+#include "core/pipeline/worker_nccl.h"
 #include "core/pipeline/worker_direct.h"
 #include "core/pipeline/worker_elastic.h"
 

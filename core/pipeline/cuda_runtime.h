@@ -6,10 +6,11 @@
 #ifndef BPS_CUDA_RUNTIME_H
 #define BPS_CUDA_RUNTIME_H
 
-#include <dlfcn.h>
 #include <stddef.h>
 
 #include <string>
+
+#include "core/pipeline/dl_library.h"
 
 typedef int bps_cuda_error;                /* cudaError_t */
 typedef void *bps_cuda_stream;             /* cudaStream_t */
@@ -23,8 +24,7 @@ static const unsigned BPS_CUDA_STREAM_NON_BLOCKING = 0x01; /* cudaStreamNonBlock
 static const unsigned BPS_CUDA_EVENT_FLAGS = 0x01 | 0x02;
 static const unsigned BPS_CUDA_HOST_ALLOC_PORTABLE = 0x01; /* cudaHostAllocPortable: pinned for every context */
 
-struct BpsCudart {
-    void *lib = nullptr;
+struct BpsCudart : BpsDlLibrary {
     bps_cuda_error (*SetDevice)(int) = nullptr;
     bps_cuda_error (*StreamCreateWithFlags)(bps_cuda_stream *, unsigned) = nullptr;
     bps_cuda_error (*StreamDestroy)(bps_cuda_stream) = nullptr;
@@ -40,46 +40,27 @@ struct BpsCudart {
 
     /* dlopen ``path`` and look up every function; "" on success, else why not */
     std::string load(const std::string &path) {
-        /* local: its symbols must not stand in for another CUDA runtime that a framework loads later */
-        lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-        if (lib == nullptr) {
-            const char *why = dlerror();
-            return "cannot load the CUDA runtime " + path + ": " + (why ? why : "dlopen failed");
-        }
-        std::string missing;
-        find(&SetDevice, "cudaSetDevice", &missing);
-        find(&StreamCreateWithFlags, "cudaStreamCreateWithFlags", &missing);
-        find(&StreamDestroy, "cudaStreamDestroy", &missing);
-        find(&EventCreateWithFlags, "cudaEventCreateWithFlags", &missing);
-        find(&EventDestroy, "cudaEventDestroy", &missing);
-        find(&EventRecord, "cudaEventRecord", &missing);
-        find(&EventSynchronize, "cudaEventSynchronize", &missing);
-        find(&StreamWaitEvent, "cudaStreamWaitEvent", &missing);
-        find(&MemcpyAsync, "cudaMemcpyAsync", &missing);
-        find(&HostAlloc, "cudaHostAlloc", &missing);
-        find(&FreeHost, "cudaFreeHost", &missing);
-        find(&GetErrorString, "cudaGetErrorString", &missing);
-        if (missing.empty()) return "";
-        dlclose(lib);
-        lib = nullptr;
-        return "the CUDA runtime " + path + " lacks" + missing;
+        std::string err = open(path, "the CUDA runtime");
+        if (!err.empty()) return err;
+        find(&SetDevice, "cudaSetDevice");
+        find(&StreamCreateWithFlags, "cudaStreamCreateWithFlags");
+        find(&StreamDestroy, "cudaStreamDestroy");
+        find(&EventCreateWithFlags, "cudaEventCreateWithFlags");
+        find(&EventDestroy, "cudaEventDestroy");
+        find(&EventRecord, "cudaEventRecord");
+        find(&EventSynchronize, "cudaEventSynchronize");
+        find(&StreamWaitEvent, "cudaStreamWaitEvent");
+        find(&MemcpyAsync, "cudaMemcpyAsync");
+        find(&HostAlloc, "cudaHostAlloc");
+        find(&FreeHost, "cudaFreeHost");
+        find(&GetErrorString, "cudaGetErrorString");
+        return complete(path, "the CUDA runtime");
     }
-
-    bool loaded() const { return lib != nullptr; }
 
     /* "" for cudaSuccess, else "<what> failed: <CUDA's error string> (error <n>)" */
     std::string check(bps_cuda_error rc, const char *what) const {
         if (rc == BPS_CUDA_SUCCESS) return "";
-        const char *text = GetErrorString != nullptr ? GetErrorString(rc) : nullptr;
-        return std::string(what) + " failed: " + (text ? text : "unknown CUDA error") + " (error " +
-               std::to_string(rc) + ")";
-    }
-
-  private:
-    template <typename F>
-    void find(F *fn, const char *name, std::string *missing) {
-        *fn = (F)dlsym(lib, name);
-        if (*fn == nullptr) *missing += std::string(" ") + name;
+        return failed(what, GetErrorString != nullptr ? GetErrorString(rc) : nullptr, "CUDA", rc);
     }
 };
 

@@ -5,7 +5,8 @@
  *   - the CUDA runtime (cuda_runtime.h), loaded by load() (once, on the first CUDA tensor's submission:
  *     a job without CUDA tensors never loads it), which also starts byteps-gpu;
  *   - one byteps stream per device (non-blocking), on which every copy of that device runs in the order
- *     byteps-net issues them, and per device a pool of events that mark each copy's end;
+ *     byteps-net issues them, a second one for the NCCL stages' collectives (nccl_stages.h), and per
+ *     device a pool of events that mark the end of each piece of work;
  *   - the staging ring: ``slots`` page-locked buffers of ``slot_bytes`` each (cudaHostAlloc, allocated on
  *     first use and kept): a partition of a CUDA tensor holds one from its first stage to its last, its
  *     host bytes (BpsPart::host). When none is free, partitions wait for one, handed out by priority
@@ -42,11 +43,12 @@
 /* Partitions that waited this long for a staging slot while none came back: the ring grows by one. */
 static const double BPS_SLOT_STALL_S = 1.0;
 
-/* One copy in flight: which partition, which way, the event that marks its end, when it was issued. */
+/* One piece of GPU work in flight: which partition, the stage it ends (COPYD2H, COPYH2D, or an NCCL
+ * stage: nccl_stages.h), the event that marks its end, when it was issued. */
 struct BpsGpuCopy {
     BpsOp *op;
     int part;
-    bool d2h;
+    int32_t stage;
     int device;
     bps_cuda_event event;
     uint64_t t_issued;
@@ -101,6 +103,7 @@ class BpsGpuCopier {
             cuda_.SetDevice(kv.first);
             for (bps_cuda_event e : kv.second.events) cuda_.EventDestroy(e);
             if (kv.second.stream != nullptr) cuda_.StreamDestroy(kv.second.stream);
+            if (kv.second.nccl_stream != nullptr) cuda_.StreamDestroy(kv.second.nccl_stream);
         }
         for (unsigned char *s : slots_)
             if (s != nullptr) cuda_.FreeHost(s);
@@ -164,40 +167,62 @@ class BpsGpuCopier {
         return true;
     }
 
-    /* byteps-net: issue partition ``i``'s copy (device -> its slot, or back) on the device's stream,
-     * after the producer's event on the op's first copy; "" or the CUDA error. */
+    /* byteps-net: issue partition ``i``'s copy (device -> its slot, or back) on the device's stream;
+     * "" or the CUDA error. */
     std::string copy(BpsOp *op, int i, bool d2h) {
         BpsPart &p = op->parts[(size_t)i];
+        unsigned char *dev = (unsigned char *)op->dev_ptr + p.offset;
+        return issue(op, i, d2h ? BPS_STAGE_COPYD2H : BPS_STAGE_COPYH2D, false, [&](bps_cuda_stream s) {
+            return cuda_.check(d2h ? cuda_.MemcpyAsync(p.host, dev, p.length, BPS_CUDA_MEMCPY_D2H, s)
+                                   : cuda_.MemcpyAsync(dev, p.host, p.length, BPS_CUDA_MEMCPY_H2D, s),
+                               d2h ? "cudaMemcpyAsync (device to host)" : "cudaMemcpyAsync (host to device)");
+        });
+    }
+
+    /* byteps-net: ``work`` (it queues partition ``i``'s work of stage ``stage`` on the stream it is given:
+     * the device's copy stream, or its NCCL stream) after the producer's event on the op's first work,
+     * and an event after it, which ends the stage (done()); "" or the error. */
+    template <typename Work>
+    std::string issue(BpsOp *op, int i, int32_t stage, bool nccl_stream, Work work) {
         Device *d = nullptr;
         std::string err = device(op->device, &d);
         if (!err.empty()) return err;
+        bps_cuda_stream s = d->stream;
+        if (nccl_stream) {
+            if (d->nccl_stream == nullptr) {
+                err = cuda_.check(cuda_.StreamCreateWithFlags(&d->nccl_stream, BPS_CUDA_STREAM_NON_BLOCKING),
+                                  "cudaStreamCreateWithFlags");
+                if (!err.empty()) return err;
+            }
+            s = d->nccl_stream;
+        }
         if (!op->gpu_waited && op->ready_event != 0) {
-            err = cuda_.check(cuda_.StreamWaitEvent(d->stream, (bps_cuda_event)op->ready_event, 0),
+            err = cuda_.check(cuda_.StreamWaitEvent(s, (bps_cuda_event)op->ready_event, 0),
                               "cudaStreamWaitEvent on the producer's event");
             if (!err.empty()) return err;
         }
         op->gpu_waited = true;
-        bps_cuda_event e = nullptr; /* first: a copy is issued only with the event that tells when it is done */
+        bps_cuda_event e = nullptr; /* first: work is issued only with the event that tells when it is done */
         err = event(d, &e);
         if (!err.empty()) return err;
-        unsigned char *dev = (unsigned char *)op->dev_ptr + p.offset;
-        err = cuda_.check(d2h ? cuda_.MemcpyAsync(p.host, dev, p.length, BPS_CUDA_MEMCPY_D2H, d->stream)
-                              : cuda_.MemcpyAsync(dev, p.host, p.length, BPS_CUDA_MEMCPY_H2D, d->stream),
-                          d2h ? "cudaMemcpyAsync (device to host)" : "cudaMemcpyAsync (host to device)");
-        if (err.empty()) err = cuda_.check(cuda_.EventRecord(e, d->stream), "cudaEventRecord");
+        err = work(s);
+        if (err.empty()) err = cuda_.check(cuda_.EventRecord(e, s), "cudaEventRecord");
         if (!err.empty()) {
             d->events.push_back(e);
             return err;
         }
-        op->tasks++; /* the copy reads or writes its memory until its event completes */
+        op->tasks++; /* the work reads or writes its memory until its event completes */
         {
             std::lock_guard<std::mutex> lock(mu_);
-            queue_.push_back(BpsGpuCopy{op, i, d2h, op->device, e, bps_span_start(), ""});
+            queue_.push_back(BpsGpuCopy{op, i, stage, op->device, e, bps_span_start(), ""});
         }
         cv_.notify_one();
-        copies_++;
+        if (!nccl_stream) copies_++;
         return "";
     }
+
+    /* The CUDA runtime (nccl_stages.h sets a device through it before creating a communicator). */
+    BpsCudart &runtime() { return cuda_; }
 
     /* byteps-net: copies whose events completed (their events back in the pool). */
     void done(std::vector<BpsGpuCopy> *out) {
@@ -238,6 +263,7 @@ class BpsGpuCopier {
   private:
     struct Device {
         bps_cuda_stream stream = nullptr;
+        bps_cuda_stream nccl_stream = nullptr; /* the NCCL stages' (created on their first collective) */
         std::vector<bps_cuda_event> events; /* free ones */
     };
 

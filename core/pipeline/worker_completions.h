@@ -95,6 +95,15 @@ inline void BpsWorkerCore::fail(BpsOp *op, int kind, const std::string &text) {
     }
     if (op->gpu) gpu_->drop_waiters(op); /* its slots come back when Python forgets it (forget) */
     complete(op);
+    /* the machine's order of collectives cannot go on without this op's: every process's NCCL ops fail */
+    if (op->nccl) {
+        size_t bar = text.find('|'); /* a time-out's "<seconds>|<whom it waited for>" */
+        nccl_break("local rank " + std::to_string(local_rank_) + ": " +
+                   (kind == BPS_ERR_TIMEOUT && bar != std::string::npos
+                        ? "tensor '" + op->name + "' waited " + text.substr(0, bar) + " s (BYTEPS_TIMEOUT) for " +
+                              text.substr(bar + 1)
+                        : text));
+    }
 }
 
 inline void BpsWorkerCore::complete(BpsOp *op) {
@@ -114,6 +123,9 @@ inline void BpsWorkerCore::flush_completions() {
 
 inline void BpsWorkerCore::check_timeouts(double now) {
     for (BpsOp *op : ops_.snapshot(now - timeout_)) {
+        /* on the NCCL stages the coordinator knows whom the machine waits for: the others give it time to
+         * say so (its failure reaches them as NCCL_ABORT) before their own, vaguer, time-out */
+        if (op->nccl && !nccl_.coordinator() && now - op->started < timeout_ + BPS_NCCL_GRACE_S) continue;
         std::set<std::string> names; /* sorted, as core/engine.py's time-out names them */
         for (auto &kv : op->owed)
             if (kv.second > 0) names.insert("server " + std::to_string(kv.first));
@@ -130,6 +142,7 @@ inline void BpsWorkerCore::check_timeouts(double now) {
             if (!who.empty()) who += ", ";
             who += n;
         }
+        if (who.empty() && op->nccl) who = nccl_waits(op);
         if (who.empty() && op->gpu) { /* a CUDA tensor: its copies, or a staging slot */
             for (const BpsPart &p : op->parts) {
                 int32_t st = p.stage();

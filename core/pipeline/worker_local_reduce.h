@@ -26,6 +26,7 @@ inline void BpsWorkerCore::stray_local(BpsMessage &msg, bool *strays) {
 inline void BpsWorkerCore::add_local(void *router, std::vector<void *> peers, int local_rank, bool open) {
     local_rank_ = local_rank;
     local_size_ = (int)peers.size();
+    nccl_.set_machine(local_rank_, local_size_);
     local_.setup(router, std::move(peers), open);
     stage_ = new BpsStageThread(nthreads_, wake_fd_);
 }
@@ -368,6 +369,10 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
     std::string ident((const char *)m->data(0), m->size(0));
     if (!local_.admitted(ident, linked) || !bps_parse_header(m->data(1), m->size(1), &h)) {
         forward_local(m); /* handshakes, strangers, malformed: Python answers, refuses or logs */
+        return;
+    }
+    if (h.cmd >= BPS_CMD_NCCL_ID && h.cmd <= BPS_CMD_NCCL_ABORT) {
+        on_nccl(h, m->data(2), m->size(2));
         return;
     }
     Ident id(h.key, h.round);

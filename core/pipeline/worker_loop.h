@@ -41,11 +41,12 @@ inline int64_t BpsWorkerCore::add_table(const std::string &name, std::vector<Bps
                                         const BpsTableCodec *codec, int64_t codec_of) {
     std::lock_guard<std::mutex> lock(mu_);
     bool local = !parts.empty() && parts[0].owner >= 0;
+    bool nccl = !parts.empty() && parts[0].nccl_root >= 0;
     std::shared_ptr<BpsTableCodec> wire_codec;
     if (codec_of >= 0) wire_codec = tables_.at((size_t)codec_of).codec;
     else if (codec != nullptr && codec->method != 0) wire_codec = std::make_shared<BpsTableCodec>(*codec);
     elastic_.replay(parts); /* a tensor first used after servers were lost: as if it had been there */
-    tables_.push_back(BpsTable{name, std::move(parts), local, std::move(wire_codec)});
+    tables_.push_back(BpsTable{name, std::move(parts), local, nccl, std::move(wire_codec)});
     return (int64_t)tables_.size() - 1;
 }
 
@@ -92,6 +93,7 @@ inline void BpsWorkerCore::submit_new(BpsOp *op, int64_t table) {
         BpsTable &t = tables_.at((size_t)table); /* a deque: entries never move */
         op->name = t.name;
         op->local = t.local;
+        op->nccl = t.nccl && op->gpu;
         op->codec = t.codec.get();
         op->table = table;
         op->seq = t.count++;
@@ -190,6 +192,7 @@ inline void BpsWorkerCore::run() {
         take_direct();
         take_stage_done();
         take_gpu_done();
+        nccl_issue(); /* the communicator may be ready now */
         if (nsocks != servers_.size()) continue; /* a server joined: poll it too before reading */
         if (local_.router() != nullptr && items[router_at].revents) {
             for (int k = 0; k < 256; ++k) {

@@ -14,6 +14,9 @@
  *     PULL             the reply into the tensor (or our shared region) ends: at once
  *     LOCAL_BROADCAST  owner: LOCAL_DONE to the others; copy the result into the tensor
  *                                                                       ends: the copy (after_task)
+ *     COPYD2H/COPYH2D  a CUDA partition off the GPU / back (gpu_copier.h)  ends: its event (byteps-gpu)
+ *     NCCL_REDUCE      the machine's GPUs onto the root's (worker_nccl.h)   ends: its event (byteps-gpu)
+ *     NCCL_BROADCAST   the root's result to every GPU (worker_nccl.h)       ends: its event (byteps-gpu)
  *
  * A failed partition leaves its list at once (part_done, or fail() for the whole op). A direct call
  * (worker_direct.h) plans its one partition's list and steps through it on the caller's thread, doing
@@ -37,20 +40,23 @@ inline void BpsWorkerCore::plan(BpsOp *op, int i) {
     bool local = p.owner >= 0;
     /* a colocated server reads a plain partition from our staging region (a non-root broadcast has none) */
     bool colocated = local ? p.colocated : p.staging != nullptr;
-    p.stages = bps_stage_list(bps_op_kind(op->cmd), !local || p.owner == local_rank_, local, colocated,
-                              lone_machine_, op->gpu, op->root_self);
+    if (op->nccl)
+        p.stages = bps_nccl_stage_list(p.nccl_root == local_rank_, p.staging != nullptr, lone_machine_, op->divisor > 1);
+    else
+        p.stages = bps_stage_list(bps_op_kind(op->cmd), !local || p.owner == local_rank_, local, colocated,
+                                  lone_machine_, op->gpu, op->root_self);
     p.at = -1;
 }
 
 /* A partition of an op byteps-net starts: its list, its round (a local reduce's ranks all take it
- * now), (a CUDA tensor) its staging slot, then its first stage. A partition that waits for a slot
+ * now), (a CUDA tensor that copies) its staging slot, then its first stage. A partition that waits for a slot
  * comes back from grant_slots(). */
 inline void BpsWorkerCore::start(BpsOp *op, int i) {
     plan(op, i);
     BpsPart &p = op->parts[(size_t)i];
     p.abandon = op->abandons;
     if (op->local && !op->adds_nothing) p.rnd = next_round(p.key); /* a joined owner's: its peers' round */
-    if (op->gpu) {
+    if (op->gpu && (p.stages.has(BPS_STAGE_COPYD2H) || p.stages.has(BPS_STAGE_COPYH2D))) {
         std::string err;
         if (!gpu_->take_slot(op, i, seq_++, &err)) {
             if (!err.empty()) fail(op, BPS_ERR_CUDA, err);
@@ -83,6 +89,10 @@ inline int32_t BpsWorkerCore::step(BpsOp *op, int i) {
 /* byteps-net: partition ``i`` into its next stage, whose work starts here; done after the last. */
 inline void BpsWorkerCore::advance(BpsOp *op, int i) {
     if (op->done.load()) return; /* failed meanwhile (time-out, abort): fail() completed it */
+    if (op->nccl && !nccl_.broken().empty()) { /* the machine's NCCL stages stopped: its data is not the sum */
+        fail(op, BPS_ERR_CUDA, nccl_failure(op));
+        return;
+    }
     BpsPart &p = op->parts[(size_t)i];
     int32_t from = p.stage();
     int32_t stage = step(op, i);
@@ -110,7 +120,13 @@ inline void BpsWorkerCore::advance(BpsOp *op, int i) {
             gpu_copy(op, i, true);
             return;
         case BPS_STAGE_COPYH2D:
+            if (op->nccl && lone_machine_ && op->divisor > 1) /* the machine's sum, averaged on the host */
+                bps_divide_copy(p.host, p.host, p.length / (uint64_t)bps_itemsize(op->dtype), op->dtype, op->divisor);
             gpu_copy(op, i, false);
+            return;
+        case BPS_STAGE_NCCL_REDUCE:
+        case BPS_STAGE_NCCL_BROADCAST:
+            nccl_enter(op, i, stage);
             return;
         default: { /* done: a CUDA tensor's slot goes to the next partition that waits for one */
             bool waiting = op->gpu && gpu_->release(p);
@@ -127,7 +143,8 @@ inline void BpsWorkerCore::gpu_copy(BpsOp *op, int i, bool d2h) {
     if (!err.empty()) fail(op, BPS_ERR_CUDA, "tensor '" + op->name + "': " + err);
 }
 
-/* Copies whose events completed (byteps-gpu): their spans, and their partitions on to the next stage. */
+/* Copies and collectives whose events completed (byteps-gpu): their spans, and their partitions on to
+ * the next stage. */
 inline void BpsWorkerCore::take_gpu_done() {
     if (!gpu_->enabled()) return;
     std::vector<BpsGpuCopy> done;
@@ -140,8 +157,7 @@ inline void BpsWorkerCore::take_gpu_done() {
         }
         op->tasks--; /* not done: only this thread completes it, so it stays */
         const BpsPart &p = op->parts[(size_t)c.part];
-        bps_span(c.d2h ? BPS_STAGE_COPYD2H : BPS_STAGE_COPYH2D, c.t_issued, p.key, p.rnd, p.length, p.server,
-                 op->priority);
+        bps_span(c.stage, c.t_issued, p.key, p.rnd, p.length, p.server, op->priority);
         if (!c.error.empty()) fail(op, BPS_ERR_CUDA, "tensor '" + op->name + "': " + c.error);
         else advance(op, c.part);
     }

@@ -59,6 +59,8 @@ struct BpsPart {
     unsigned char *staging; /* shared region for a colocated server (local reduce: always), or NULL */
     BpsDescriptor desc;     /* its descriptor (length filled in) */
     int32_t owner = -1;     /* local reduce: the local rank that sums and pushes it; -1: none */
+    int32_t nccl_root = -1; /* the NCCL stages (nccl_stages.h): the local rank whose GPU gets the machine's
+                             * sum and pushes it; -1: none */
     bool colocated = false; /* local reduce: the owner pushes a descriptor of ``staging`` */
     bool compress = false;  /* its push is encoded by its table's codec (worker_codec.h): a server on another
                              * machine, and the codec applies to its size (WireCompressor.applies) */
@@ -123,6 +125,7 @@ struct BpsOp {
     int device = 0;
     uint64_t ready_event = 0, done_event = 0;
     bool gpu_waited = false; /* byteps-net: its copies' stream waits for the ready event already */
+    bool nccl = false;       /* its partitions take the NCCL stages (its table's nccl_root are set) */
     /* submit_abandon(): this rank refused the call; its partitions push this reason instead of data, in the
      * rounds the call would have had, so the others' rounds fail at once and later rounds stay in step */
     std::string abandons;
@@ -156,6 +159,7 @@ struct BpsTable {
     std::string name;
     std::vector<BpsPart> parts;
     bool local = false;     /* partitions have owners: the local reduce */
+    bool nccl = false;      /* partitions have NCCL roots: the NCCL stages (CUDA tensors) */
     std::shared_ptr<BpsTableCodec> codec; /* the wire codec of its compressed partitions, or NULL */
     uint64_t count = 0;     /* ops submitted on it so far */
     std::vector<std::pair<uint64_t, std::vector<BpsPart>>> later; /* (from op number, partitions) */

@@ -41,6 +41,10 @@ enum {
     BPS_CMD_ASYNC_PUSHPULL = 26,
     BPS_CMD_LINK = 28, /* a link's token, and its answer (core/wire.py Cmd.LINK) */
     BPS_CMD_RESULT = 31, /* elastic: a worker's copy of a round's result a lost server sent it */
+    BPS_CMD_NCCL_ID = 32,    /* local rank 0 -> the others: the machine's NCCL unique id (nccl_stages.h) */
+    BPS_CMD_NCCL_READY = 33, /* -> local rank 0: a collective (stage in ``length``) is ready here */
+    BPS_CMD_NCCL_ORDER = 34, /* local rank 0 -> the others: the next collective of the machine's order */
+    BPS_CMD_NCCL_ABORT = 35, /* -> the others: the NCCL stages stopped here; the body says why */
     BPS_NO_DTYPE = 255,
 };
 

@@ -205,8 +205,7 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
         return _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor, pset)
     code = _code(tensor, full, pset=pset)
     _check_inflight(full)
-    # CUDA may stay on the GPU (BYTEPS_LOCAL_STRATEGY=topology), except in a process set
-    work, write_back, buf = _buffers(tensor, push_pull=pset is None, name=full)
+    work, write_back, buf = _buffers(tensor)  # a CUDA tensor stays on the GPU: the core copies it per partition
     size = _members(pset)[0]
     if prescale_factor != 1.0:
         _scale_(work, prescale_factor)

@@ -6,10 +6,8 @@ is synchronized. A CUDA tensor reaches the native core as its device memory (cor
 DeviceBuffer), with an event recorded on the caller's current stream after the work that produces it:
 the core copies each partition off the GPU after that event and its result back, partition by partition,
 overlapping the network (COPYD2H / COPYH2D, core/pipeline/gpu_copier.h), and ``synchronize`` makes the
-caller's current stream wait for the op's done event. With BYTEPS_LOCAL_STRATEGY=topology on a machine
-whose GPU stages work (core/local_exec.py), a CUDA push_pull goes to the topology plan's executor
-instead: the core gets the tensor's device memory (``__cuda_array_interface__`` or DLPack, core/gpu.py)
-and the GPU stages move only the machine's sum through host memory.
+caller's current stream wait for the op's done event. On a machine of several GPU processes with
+BYTEPS_LOCAL_STRATEGY=topology the same buffer takes the NCCL stages there (core/pipeline/nccl_stages.h).
 """
 import torch
 
@@ -59,8 +57,7 @@ def _wire_shape(tensor):
 def _host_buffer(tensor):
     """(work tensor, write_back) of a tensor the core reads in host memory: a contiguous CPU tensor sharing
     memory with ``tensor`` where it can, else a contiguous host copy that ``finalize`` writes back into
-    ``tensor`` (a CUDA tensor only for the topology executor's CPU path: the native core copies CUDA
-    tensors itself, per partition)."""
+    ``tensor``."""
     if tensor.device.type == "cpu" and tensor.is_contiguous():
         return tensor, None
     work = tensor.detach().to("cpu", copy=True).contiguous()
@@ -72,36 +69,14 @@ def _byte_view(work):
     return byte_array(work.data_ptr(), work.numel() * work.element_size(), work)
 
 
-def _topology():
-    """None, or whether the topology plan's executor (BYTEPS_LOCAL_STRATEGY=topology, core/local_exec.py)
-    takes this process's CUDA push_pulls to its GPU stages (True) or only host memory (False)."""
-    engine = common._require().engine
-    if engine is None or getattr(engine, "_local_exec", None) is None:
-        return None
-    from byteps.core import local_exec
-
-    return local_exec.takes_cuda(engine)
-
-
-def _buffers(tensor, push_pull=True, name=None):
+def _buffers(tensor):
     """(work tensor, write_back, buffer for common.submit): ``_host_buffer`` and its byte view; for a CUDA
-    tensor the (contiguous) tensor and its device memory: a DeviceBuffer for the native copy stages, or
-    for a push_pull on the topology plan's GPU path a DeviceArray."""
-    topology = _topology() if push_pull and tensor.is_cuda else None
-    if not tensor.is_cuda or topology is False:  # (the topology executor's CPU path sums host memory)
+    tensor the (contiguous) tensor and its device memory, a DeviceBuffer for the native core."""
+    if not tensor.is_cuda:
         work, write_back = _host_buffer(tensor)
         return work, write_back, _byte_view(work)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     write_back = None if work is tensor else tensor
-    if topology:
-        from byteps.core import local_exec
-
-        expected = local_exec.cuda_device(common._require().engine)
-        if tensor.device.index != expected:
-            raise ValueError(f"byteps: CUDA tensor {name!r} is on {tensor.device}, but this process (local rank "
-                             f"{common.local_rank()}) drives cuda:{expected} in the machine's topology plan "
-                             "(BYTEPS_LOCAL_STRATEGY=topology); move it there")
-        return work, write_back, _device_buffer(work)
     return work, write_back, _native_device_buffer(work)
 
 
@@ -124,34 +99,12 @@ def _ready_again(buf, work):
     too: its ready event recorded again, now (the core waits for the latest record at its first copy)."""
     if isinstance(buf, DeviceBuffer):
         buf.keep[1].record(torch.cuda.current_stream(work.device))
-    elif work.is_cuda:  # the topology path's DeviceArray (_device_buffer)
-        buf.owner[1].record(torch.cuda.current_stream(work.device))
 
 
 def _after_device_copies(buf, work):
     """At synchronize: the caller's current stream waits for the op's done event (no host block)."""
     if isinstance(buf, DeviceBuffer):
         torch.cuda.current_stream(work.device).wait_event(buf.keep[2])
-
-
-def _device_buffer(work):
-    """The device memory of contiguous CUDA tensor ``work`` for the GPU stages (a DeviceArray), taken
-    on the caller's thread at submission.
-
-    torch's ``__cuda_array_interface__`` (2.13: version 2) names no stream, yet the kernels that
-    produce ``work`` (its backward, ``.contiguous()``) may still be queued on the caller's current
-    stream. So a CUDA event is recorded here on ``torch.cuda.current_stream(work.device)``, and the
-    GPU stages' stream waits for it (cudaStreamWaitEvent) before reading; the event lives as long as
-    the operation holds the array. The dtype is passed on because torch exports bfloat16 as the raw
-    typestr "<V2"."""
-    from byteps.core.gpu import as_device_array
-
-    arr = as_device_array(work.detach(), dtype=_TORCH_DTYPES.get(work.dtype))
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(work.device))  # torch creates it on that stream's device
-    arr.ready_event = ready.cuda_event
-    arr.owner = (arr.owner, ready)
-    return arr
 
 
 def _average_by(work, size, buf=None):
@@ -182,8 +135,7 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
         name = common.auto_name(prefix, 0 if pset is None else pset[0])
     try:
         code = dtype_code(tensor, name, move=root is not None)
-        work, write_back, buf = _buffers(tensor, push_pull=root is None and not asynchronous and pset is None,
-                                         name=name)
+        work, write_back, buf = _buffers(tensor)
     except ValueError as e:  # refused here: the other ranks must not wait for our declaration
         common.abandon(name, pset, e)
         raise

@@ -1,13 +1,10 @@
-"""Worker scenarios of tests/test_local_exec.py: push_pull with BYTEPS_LOCAL_STRATEGY=topology in real
-jobs (host tensors: the native local reduce with the plan's owners, core/local.py; CUDA tensors: the
-plan's GPU stages, core/local_exec.py)."""
-import os
-
+"""Worker scenarios of tests/test_local_strategy.py: push_pull with BYTEPS_LOCAL_STRATEGY=topology in real
+jobs (host tensors: the native local reduce with the plan's owners, core/local.py; CUDA push_pulls on a
+machine of GPUs: the NCCL stages, core/pipeline/nccl_stages.h)."""
 import numpy as np
 import torch
 
 import byteps.torch as bps
-from conftest import memfd_arenas
 from scenarios import digest, scenario
 
 
@@ -24,17 +21,12 @@ def tensor(rank, rnd, index, count, dtype_name):
     return torch.from_numpy(values(rank, rnd, index, count, np.dtype(dtype_name)))
 
 
-def _local_arenas():
-    """The GPU executor's memfd arenas this process holds."""
-    return [t for t in memfd_arenas(os.getpid()) if t.startswith("/memfd:byteps-local")]
-
-
 @scenario
 def topology_sums(out, args):
     """Every tensor of ``args["tensors"]`` ({name, count, dtype}) in flight at once, for several rounds,
     summed (not averaged), with ``args["compression"]`` (a wire codec's method) if given; local rank 1
     submits them in the reverse order (the native local reduce needs no common order). Returns the
-    exact bytes, byteps.metrics()' local strategy and the executor arenas held (none: no executor runs)."""
+    exact bytes and byteps.metrics()' local strategy."""
     from byteps.compression import WireCompressor
 
     codec = WireCompressor(args["compression"], min_bytes=0) if args.get("compression") else None
@@ -49,14 +41,13 @@ def topology_sums(out, args):
         for name, h in handles:
             res["sums"][f"{name}@{rnd}"] = digest(bps.synchronize(h))
     res["local"] = bps.metrics()["local_strategy"]
-    res["arenas"] = len(_local_arenas())
     return res
 
 
 @scenario
 def cuda_default_path(out, args):
-    """CUDA tensors on the default path (no topology executor: each is staged through host memory, so one
-    GPU may serve every process): in-place, out-of-place and asynchronous push_pull in turn, each input
+    """CUDA tensors on the default path (the copy stages and the host's local reduce, so one GPU may serve
+    every process): in-place, out-of-place and asynchronous push_pull in turn, each input
     written by a kernel queued on torch's current stream just before the call, and a broadcast. Returns
     the exact bytes, the results' devices and whether the out-of-place inputs were left alone."""
     dev = torch.device("cuda", bps.local_rank() % torch.cuda.device_count())
@@ -159,13 +150,11 @@ def topology_declare(out, args):
 
 @scenario
 def topology_cuda(out, args):
-    """topology_sums on CUDA tensors (local rank r on cuda:r): the GPU stages through the engine."""
-    from byteps.common import _job
-
+    """topology_sums on CUDA tensors (local rank r on cuda:r): the NCCL stages."""
     torch.cuda.set_device(bps.local_rank())
     res = {"sums": {}}
     # each tensor is produced on a side stream behind a long kernel and submitted without synchronizing,
-    # as a gradient is from its backward: the GPU stages must wait for that stream (the plugin records
+    # as a gradient is from its backward: the NCCL stages must wait for that stream (the plugin records
     # an event on torch's current stream at submission)
     producer = torch.cuda.Stream()
     for rnd in range(args.get("rounds", 2)):
@@ -179,6 +168,7 @@ def topology_cuda(out, args):
                 handles.append((spec["name"], t, bps.push_pull_async_inplace(t, average=False, name=spec["name"])))
         for name, t, h in handles:
             res["sums"][f"{name}@{rnd}"] = digest(bps.synchronize(h).cpu())
-    ex = _job.engine._local_exec
-    res["gpu_used"] = ex is not None and ex.gpu is not None
+    m = bps.metrics()
+    res["nccl_stages"] = m["local_strategy"]["nccl_stages"]
+    res["collectives"] = m["native"]["gpu"]["collectives"]
     return res

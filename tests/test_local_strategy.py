@@ -1,6 +1,6 @@
 """BYTEPS_LOCAL_STRATEGY=topology inside real jobs: host tensors take the native local reduce with the
-owners the machine's topology plan names (core/local.py); CUDA tensors take the plan's GPU stages
-(core/local_exec.py) where those work.
+owners the machine's topology plan names (core/local.py); CUDA push_pulls on a machine of GPUs take
+the NCCL stages (core/pipeline/nccl_stages.h; tests/test_nccl_stages.py runs them on a fake GPU).
 
 Real scheduler, servers and 2 worker machines of 2-4 processes each (tests/conftest.py). Results
 are compared exactly with sums computed here (small integers: exact in every dtype), and each job
@@ -17,15 +17,13 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from scenarios_local_exec import values  # noqa: E402
+from scenarios_local_strategy import values  # noqa: E402
 
-from byteps.core import local_exec  # noqa: E402
 from byteps.errors import ConfigError  # noqa: E402
 
-#: 4 KB partitions: a tensor of 10,000 float32 is 10 partitions, and the executors work in chunks of
-#: 16 partitions (64 KB), so 40,000 float32 is three chunks
+#: 4 KB partitions: a tensor of 10,000 float32 is 10 partitions
 BASE_ENV = {"BYTEPS_LOCAL_STRATEGY": "topology", "BYTEPS_PARTITION_BYTES": "4096"}
-#: fewer elements than processes, one partition, many partitions (not a multiple of anything), several chunks
+#: fewer elements than processes, one partition, many partitions (not a multiple of anything)
 COUNTS = [1, 3, 700, 10007, 40000]
 DTYPES = ["float32", "float64", "int32", "float16"]
 
@@ -78,10 +76,10 @@ def check_sums(res, specs, rounds):
 
 
 def local(res):
-    """{rank: byteps.metrics()["local_strategy"]}, after checking no process ran the GPU executor."""
+    """{rank: byteps.metrics()["local_strategy"]}, after checking no process takes the NCCL stages (the
+    plans here have no GPUs)."""
     for rank, r in res.items():
-        assert r["value"]["arenas"] == 0, f"rank {rank} holds executor arenas: the host tensors left the native path"
-        assert r["value"]["local"]["gpu_stages"] is False, (rank, r["value"]["local"])
+        assert r["value"]["local"]["nccl_stages"] is False, (rank, r["value"]["local"])
     return {rank: r["value"]["local"] for rank, r in res.items()}
 
 
@@ -102,7 +100,7 @@ def test_cpu_assisted_with_two_groups(cluster):
     check_sums(res, specs, 2)
     for rank, lo in local(res).items():
         assert lo == {"owners": "topology", "plan": "cpu_assisted", "groups": [[0, 1], [2, 3]], "roots": [],
-                      "gpu_stages": False}, lo
+                      "nccl_stages": False}, lo
     for rank, r in res.items():  # every process owns some partitions, and its own never went elsewhere
         got, pushed = reduced(r)
         assert got > 0 and pushed == got and r["native_local"]["coordinated"] > 0, (rank, r["native_local"])
@@ -226,77 +224,6 @@ def test_config_validates_the_variable():
         config.load({"BYTEPS_LOCAL_STRATEGY": "nccl"})
 
 
-@pytest.mark.parametrize("overrides", [{}, {"strategy": "reduce_broadcast", "roots": (1, 2)},
-                                       {"strategy": "reduce_scatter"}, {"switch_size": 2}])
-@pytest.mark.parametrize("count,itemsize", [(0, 4), (1, 4), (3, 8), (10007, 4), (200000, 2), (70001, 8)])
-def test_layout_tiles_every_chunk(overrides, count, itemsize):
-    import byteps.topology as topology
-
-    plan = topology.plan(machine="cpu_2numa", local_size=4, overrides=overrides, env={})
-    lay = local_exec.layout(plan, count, itemsize, 4096)
-    assert lay.chunks[0][0] == 0 and lay.chunks[-1][1] == count
-    index = 0
-    for (c0, c1, first, ranges), nxt in zip(lay.chunks, [*lay.chunks[1:], None]):
-        assert first == index
-        index += len(ranges)
-        assert c1 - c0 <= local_exec.CHUNK_PARTITIONS * (4096 // itemsize)
-        if nxt is not None:
-            assert nxt[0] == c1
-        assert ranges[0][0] == 0 and ranges[-1][1] == c1 - c0
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        owners = [o for *_, o in ranges]
-        if plan.strategy == "reduce_broadcast":
-            assert set(owners) <= {1, 2}
-        else:
-            assert owners == list(range(4))
-    assert index < 1 << local_exec.RANGE_BITS
-
-
-def test_layout_kind_names_the_cut():
-    import byteps.topology as topology
-
-    slices = topology.plan(machine="cpu_2numa", local_size=4, env={})
-    parts = topology.plan(machine="cpu_2numa", local_size=4, overrides={"strategy": "reduce_broadcast"}, env={})
-    three = topology.plan(machine="cpu_2numa", local_size=3, env={})
-    kinds = {local_exec.layout(p, 100, 4, 4096).kind for p in (slices, parts, three)}
-    assert len(kinds) == 3  # a different cut is a different declared operation
-    assert local_exec.layout(slices, 100, 4, 4096).kind == local_exec.layout(slices, 100, 4, 4096).kind
-    assert local_exec.layout(slices, 100, 4, 4096).kind != local_exec.layout(slices, 100, 4, 8192).kind
-
-
-def test_too_many_ranges_is_a_clear_error():
-    import byteps.topology as topology
-
-    plan = topology.plan(machine="cpu_2numa", local_size=4, overrides={"strategy": "reduce_broadcast"}, env={})
-    with pytest.raises(Exception, match="more than the 65536 its wire keys can number; raise BYTEPS_PARTITION_BYTES"):
-        local_exec.layout(plan, 70000 * 16, 1, 16)
-
-
-def test_token_differs_by_job_epoch_and_machine():
-    from byteps import config
-
-    cfg = config.load({"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
-                       "DMLC_PS_ROOT_PORT": "9000", "DMLC_WORKER_ID": "1", "BYTEPS_JOB_ID": "j"})
-    t = local_exec.token(cfg, {"epoch": 0})
-    assert t != local_exec.token(cfg, {"epoch": 1})
-    assert t.endswith("-w1") and len(t) < 40  # abstract socket names stay short
-
-
-def test_locate_names_arenas_of_the_group():
-    import uuid
-
-    from byteps.topology.localsync import LocalGroup
-
-    g = LocalGroup(uuid.uuid4().hex[:12], 0, 1, 1 << 16, timeout=5)
-    try:
-        view = g.peers[0][4096:8192]
-        pid, fd, inode, off = g.locate(view)
-        assert (pid, fd, inode, off) == (os.getpid(), g.arena.fd, g.arena.inode, 4096)
-        assert g.locate(np.zeros(10, dtype=np.uint8)) is None
-    finally:
-        g.close()
-
-
 # ---------------------------------------------------------------------------------------------- GPU
 
 
@@ -313,11 +240,11 @@ def _gpu_reason(min_devices):
     return None
 
 
-def test_gpu_engine_path_cuda_tensors(cluster):
-    """CUDA tensors through the engine: GpuExecutor (NCCL + pinned staging) per machine, ranges pushed
-    by the engine; tensors are produced on a side stream and submitted unsynchronized (the stages must
-    wait for it), bfloat16 included. Needs 2 GPUs, NCCL and a CUDA torch; skips saying why otherwise.
-    tests/test_gpu_stages.py runs the same hand-over on a fake GPU everywhere."""
+def test_nccl_stages_on_gpus(cluster):
+    """CUDA push_pulls on the NCCL stages: 2 machines of 2 GPU processes, tensors produced on a side
+    stream and submitted unsynchronized (the stages must wait for it), bfloat16 included. Needs 2 GPUs,
+    NCCL and a CUDA torch; skips saying why otherwise. tests/test_nccl_stages.py runs the same stages on
+    a fake GPU everywhere."""
     reason = _gpu_reason(2)
     if reason:
         pytest.skip(reason)
@@ -326,12 +253,12 @@ def test_gpu_engine_path_cuda_tensors(cluster):
                  {"BYTEPS_INTRA_STRATEGY": "reduce_scatter"}, servers=1, timeout=300)
     check_sums(res, specs, 2)
     for rank, r in res.items():
-        assert r["value"]["gpu_used"], r["value"]
+        assert r["value"]["nccl_stages"] and r["value"]["collectives"] > 0, r["value"]
 
 
 @pytest.mark.parametrize("machines,local_size", [(2, 1), (1, 2)])
 def test_cuda_tensors_on_the_default_path(cluster, machines, local_size):
-    """CUDA tensors without the topology executor (the default): copied off the GPU and back per partition
+    """CUDA tensors on the default strategy (owners): copied off the GPU and back per partition
     by the native core (COPYD2H / COPYH2D), pushed and pulled. One GPU is enough: every process may share
     it. Results exact, on the input's device, out-of-place inputs left alone; DistributedOptimizer's CUDA
     gradients through the same stages, exact; DDP's buckets through bps.ddp_comm_hook, exact. Skips
@@ -364,16 +291,3 @@ def test_cuda_tensors_on_the_default_path(cluster, machines, local_size):
         ddp = v["ddp"]
         assert ddp["weights"] == [1.0 - 3 * (n + 1)], (rank, ddp)
         assert ddp["calls"] == [v["device"]] and ddp["hook_calls"] == 3, (rank, ddp)
-
-
-def test_executor_stage_lists():
-    import byteps.topology as topology
-    from byteps.core.stages import Stage as S, executor_stage_list
-
-    pcie = topology.plan(machine="pcie_only", env={})
-    assert executor_stage_list(pcie) == (S.NCCL_REDUCE, S.COPYD2H, S.PCIE_REDUCE, S.PUSH, S.PULL, S.COPYH2D,
-                                         S.NCCL_BROADCAST)
-    nvlink = topology.plan(machine="pcie_only", overrides={"strategy": "reduce_scatter"}, env={})
-    assert executor_stage_list(nvlink, owner=False) == (S.NCCL_REDUCE, S.COPYD2H, S.COPYH2D, S.NCCL_BROADCAST)
-    alone = topology.plan(machine="pcie_only", local_size=1, env={})
-    assert executor_stage_list(alone) == (S.COPYD2H, S.PUSH, S.PULL, S.COPYH2D)
