@@ -216,9 +216,6 @@ class Server:
                 if auth_pending:  # the native thread holds this identity's later messages until it knows
                     self.core.admit(frames[0], self.gate.allows(frames[0]))
 
-    def native_stats(self):
-        return self.core.stats() if self.core is not None else None
-
     # ---------------------------------------------------------------- data plane
 
     # The message being handled: all its frames were taken at once (core/transport.py); these read them in order.

@@ -270,6 +270,7 @@ def nccl_sums(out, args):
         return (got // 4 if dtype == np.float16 else got).astype(dtype)
 
     cuda = FakeCuda(device=0)
+    cuda.lib.fake_set_copy_delay_us(args.get("copy_delay_us", 0))
     r, n, lr = bps.rank(), bps.size(), bps.local_rank()
     res = {"ok": {}, "ptrs": {}, "errors": {}}
     for rnd in range(args.get("rounds", 1)):

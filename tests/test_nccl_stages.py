@@ -131,3 +131,30 @@ def test_stage_lists():
     assert nccl_stage_list(False, machines=2) == (R, B)
     assert nccl_stage_list(True, machines=1) == (R, B)
     assert nccl_stage_list(True, machines=1, average=True) == (R, S.COPYD2H, S.COPYH2D, B)
+
+
+@pytest.mark.timeout(200)
+def test_the_timeline_shows_the_stages_overlapping(cluster, fake_cudart, tmp_path):
+    """2 machines of 2 processes, one tensor of 32 partitions, copies of 3 ms: every process's timeline
+    has a NCCL_REDUCE and a NCCL_BROADCAST span per partition, and at each partition's root a later
+    partition is copied off the GPU while an earlier one is pushed (the stages overlap across
+    partitions; no whole-tensor phase); exact."""
+    from byteps.timeline import report
+
+    trace_path = str(tmp_path / "nccl.trace.json")
+    res = run(cluster, fake_cudart, {"tensors": [{"name": "big", "numel": 32 * PART // 4, "dtype": "float32"}],
+                                     "copy_delay_us": 3000}, 2, 2, env={"BYTEPS_TIMELINE": trace_path})
+    assert all(r["value"]["ok"]["big@0"] for r in res.values())
+    trace = report.load(trace_path)
+    for pid in {s["pid"] for s in trace.spans if trace.role(s["pid"]) == "worker"}:
+        spans = {}
+        for s in sorted(trace.spans, key=lambda s: s["ts"]):
+            if s["pid"] == pid and s["args"].get("tensor") == "big":
+                spans.setdefault((s["name"], s["args"]["partition"]), s)
+        for name in ("NCCL_REDUCE", "NCCL_BROADCAST"):
+            assert sorted(p for n, p in spans if n == name) == list(range(32)), (pid, name, sorted(spans))
+        pushed = sorted(p for n, p in spans if n == "PUSH")
+        assert pushed and sorted(p for n, p in spans if n == "COPYD2H") == pushed, (pid, sorted(spans))
+        assert any(spans[("COPYD2H", j)]["ts"] < spans[("PUSH", i)]["end"] and
+                   spans[("PUSH", i)]["ts"] < spans[("COPYD2H", j)]["end"]
+                   for i in pushed for j in pushed if j > i), (pid, sorted(spans))
