@@ -1,7 +1,7 @@
 /* The NCCL stages of CUDA tensors on a machine of several GPU processes (BYTEPS_LOCAL_STRATEGY=topology):
  * NCCL_REDUCE of each partition onto its root's GPU, and NCCL_BROADCAST of its result from there, with
  * the root's COPYD2H / PUSH / PULL / COPYH2D in between (the paper's section 4.2 reduce and broadcast,
- * per partition, in the pipeline: bps_stage_list()).
+ * per partition, in the pipeline: bps_nccl_stage_list()).
  *
  * What it owns, and which threads call it:
  *   - NCCL (nccl_runtime.h), loaded by load() on the first CUDA tensor, and this machine's communicator
@@ -14,14 +14,15 @@
  *     does: a NCCL_REDUCE once every local rank has the partition in that stage (NCCL_READY from the
  *     others), a NCCL_BROADCAST once the root has the result on its GPU (NCCL_READY from the root);
  *     it sends each decision to all (NCCL_ORDER) and every process, itself too, issues collectives
- *     strictly in that order, each as soon as its partition is in that stage here (issuable()).
+ *     strictly in that order, each as soon as its partition is in that stage here (next()).
  *     Nothing waits for a process's program order, so the machine's processes may submit their CUDA
  *     push_pulls in any order;
  *   - broken: once a collective of this machine cannot be issued (an op failed or timed out on some
  *     process, the communicator failed), the order cannot go on for anyone. The communicator is
  *     aborted and every NCCL op here and on the other processes (NCCL_ABORT) fails with the reason.
- * Everything here runs on byteps-net except the init thread; the collectives' events are waited for
- * by the GPU copier's completion thread (gpu_copier.h), like the copies'.
+ * Everything here runs on byteps-net except the init thread, which shares only its Init record (it may
+ * outlive this object: a process that never came leaves it waiting); the collectives' events are
+ * waited for by the GPU copier's completion thread (gpu_copier.h), like the copies'.
  */
 #ifndef BPS_NCCL_STAGES_H
 #define BPS_NCCL_STAGES_H
@@ -32,6 +33,7 @@
 #include <atomic>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -50,14 +52,17 @@ class BpsNcclStages {
     /* (stage, wire key, op number of its table): one collective of the machine */
     typedef std::tuple<int32_t, uint64_t, uint64_t> Entry;
 
-    ~BpsNcclStages() {
-        if (init_.joinable()) {
-            if (init_done_.load()) init_.join();
-            else init_.detach(); /* never completed (a process never came): it keeps waiting, leaked */
-        }
-        /* abort, not destroy: ncclCommDestroy waits for collectives in flight, which the other processes,
-         * stopping too, may never join */
-        if (comm_ != nullptr && init_done_.load()) nccl_.CommAbort(comm_);
+    ~BpsNcclStages() { stop(); }
+
+    /* Before byteps-net's wake fd closes (and at destruction): the communicator is aborted, not destroyed
+     * (ncclCommDestroy waits for collectives in flight, which the other processes, stopping too, may
+     * never join); an init thread still waiting aborts what it gets and wakes nobody. */
+    void stop() {
+        std::lock_guard<std::mutex> lock(init_->mu);
+        if (init_->abandoned) return;
+        init_->abandoned = true;
+        if (init_->done.load() && init_->comm != nullptr && !aborted_) nccl_.CommAbort(init_->comm);
+        aborted_ = true;
     }
 
     /* Before byteps-net starts: this process is local rank ``rank`` of a machine of ``size`` (a peer's
@@ -113,14 +118,14 @@ class BpsNcclStages {
     }
 
     /* byteps-net: the communicator exists (collectives may be issued) */
-    bool ready() const { return init_done_.load() && init_error_.empty(); }
+    bool ready() const { return init_->done.load() && init_->error.empty(); }
     /* byteps-net: why creating the communicator failed ("" if it did not, or is not done) */
-    std::string init_failure() const { return init_done_.load() ? init_error_ : std::string(); }
+    std::string init_failure() const { return init_->done.load() ? init_->error : std::string(); }
     /* what a partition that cannot move waits for, for a time-out's message ("" if not the communicator) */
     std::string waiting_for() const {
         if (!begun_) return "";
         if (!have_id_) return "local rank 0's NCCL id (it has not reached its first CUDA push_pull)";
-        if (!init_done_.load())
+        if (!init_->done.load())
             return "the NCCL communicator of this machine's " + std::to_string(size_) +
                    " processes (a local rank has not reached its first CUDA push_pull)";
         return "";
@@ -179,8 +184,8 @@ class BpsNcclStages {
         size_t count = (size_t)(length / (uint64_t)size);
         issued_.fetch_add(1);
         if (stage == BPS_STAGE_NCCL_REDUCE)
-            return nccl_.check(nccl_.Reduce(dev, dev, count, type, BPS_NCCL_SUM, root, comm_, s), "ncclReduce");
-        return nccl_.check(nccl_.Broadcast(dev, dev, count, type, root, comm_, s), "ncclBroadcast");
+            return nccl_.check(nccl_.Reduce(dev, dev, count, type, BPS_NCCL_SUM, root, init_->comm, s), "ncclReduce");
+        return nccl_.check(nccl_.Broadcast(dev, dev, count, type, root, init_->comm, s), "ncclBroadcast");
     }
 
     /* byteps-net: the machine's order cannot go on (``why``): abort the communicator (a collective
@@ -188,8 +193,8 @@ class BpsNcclStages {
     bool set_broken(const std::string &why) {
         if (!broken_.empty()) return false;
         broken_ = why;
-        if (comm_ != nullptr && init_done_.load()) nccl_.CommAbort(comm_);
-        comm_ = nullptr;
+        if (init_->done.load() && init_->comm != nullptr && !aborted_) nccl_.CommAbort(init_->comm);
+        aborted_ = true;
         order_.clear();
         here_.clear();
         ready_.clear();
@@ -203,20 +208,38 @@ class BpsNcclStages {
     }
 
   private:
+    /* What the init thread hands over: written under ``mu``, then ``done`` */
+    struct Init {
+        std::mutex mu;
+        std::atomic<bool> done{false};
+        bool abandoned = false; /* stop(): nobody waits any more */
+        bps_nccl_comm comm = nullptr;
+        std::string error;
+    };
+
     void start_init() {
+        std::shared_ptr<Init> st = init_;
+        BpsNccl nccl = nccl_; /* copies of the function pointers: the thread may outlive this object */
+        BpsCudart cuda = *cuda_;
         BpsNcclId id = id_;
-        init_ = std::thread([this, id] {
+        int device = device_, size = size_, rank = rank_, wake_fd = wake_fd_;
+        std::thread([st, nccl, cuda, id, device, size, rank, wake_fd] {
             prctl(PR_SET_NAME, "byteps-nccl", 0, 0, 0);
-            std::string err = cuda_->check(cuda_->SetDevice(device_), "cudaSetDevice");
+            std::string err = cuda.check(cuda.SetDevice(device), "cudaSetDevice");
             bps_nccl_comm comm = nullptr;
-            if (err.empty()) err = nccl_.check(nccl_.CommInitRank(&comm, size_, id, rank_), "ncclCommInitRank");
-            comm_ = comm;
-            init_error_ = err;
-            init_done_.store(true);
+            if (err.empty()) err = nccl.check(nccl.CommInitRank(&comm, size, id, rank), "ncclCommInitRank");
+            std::lock_guard<std::mutex> lock(st->mu);
+            st->comm = comm;
+            st->error = err;
+            st->done.store(true);
+            if (st->abandoned) {
+                if (comm != nullptr) nccl.CommAbort(comm);
+                return;
+            }
             uint64_t one = 1;
-            ssize_t rc = write(wake_fd_, &one, sizeof one);
+            ssize_t rc = write(wake_fd, &one, sizeof one);
             (void)rc;
-        });
+        }).detach();
     }
 
     BpsNccl nccl_;
@@ -225,10 +248,8 @@ class BpsNcclStages {
     int device_ = -1;
     bool begun_ = false, have_id_ = false;
     BpsNcclId id_{};
-    std::thread init_;
-    std::atomic<bool> init_done_{false}; /* the init thread wrote comm_ and init_error_ before */
-    bps_nccl_comm comm_ = nullptr;
-    std::string init_error_;
+    std::shared_ptr<Init> init_ = std::make_shared<Init>();
+    bool aborted_ = false; /* the communicator was aborted (set_broken, stop) */
     std::string broken_;
     std::map<Entry, uint64_t> ready_;               /* the coordinator: local ranks ready, per collective */
     std::deque<Entry> order_;                       /* the machine's order, from our next turn on */

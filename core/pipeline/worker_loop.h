@@ -15,6 +15,7 @@ inline BpsWorkerCore::~BpsWorkerCore() {
     stop();
     if (stage_ != nullptr) delete stage_;
     if (gpu_->stop()) delete gpu_;
+    nccl_.stop(); /* an NCCL init thread still waiting must not write to the wake fd once it is closed */
     ::close(wake_fd_);
     ::close(done_fd_);
 }
