@@ -404,7 +404,7 @@ class BpsWorkerCore {
     void nccl_issue();
     void on_nccl(const BpsHeader &h, const void *body, size_t n);
     void nccl_send(int r, uint8_t cmd, int32_t stage, uint64_t key, uint64_t seq, const std::string &body);
-    void nccl_break(const std::string &why, bool tell = true);
+    void nccl_break(const std::string &why, bool here = true);
     std::string nccl_failure(const BpsOp *op) const;
     std::string nccl_waits(const BpsOp *op) const;
 

@@ -98,11 +98,10 @@ inline void BpsWorkerCore::fail(BpsOp *op, int kind, const std::string &text) {
     /* the machine's order of collectives cannot go on without this op's: every process's NCCL ops fail */
     if (op->nccl) {
         size_t bar = text.find('|'); /* a time-out's "<seconds>|<whom it waited for>" */
-        nccl_break("local rank " + std::to_string(local_rank_) + ": " +
-                   (kind == BPS_ERR_TIMEOUT && bar != std::string::npos
-                        ? "tensor '" + op->name + "' waited " + text.substr(0, bar) + " s (BYTEPS_TIMEOUT) for " +
-                              text.substr(bar + 1)
-                        : text));
+        nccl_break(kind == BPS_ERR_TIMEOUT && bar != std::string::npos
+                       ? "tensor '" + op->name + "' waited " + text.substr(0, bar) + " s (BYTEPS_TIMEOUT) for " +
+                             text.substr(bar + 1)
+                       : text);
     }
 }
 

@@ -23,7 +23,7 @@ inline void BpsWorkerCore::nccl_enter(BpsOp *op, int i, int32_t stage) {
     if (stage == BPS_STAGE_NCCL_REDUCE) {
         std::string id, err = nccl_.begin(op->device, gpu_->runtime(), &id);
         if (!err.empty()) {
-            nccl_break("local rank " + std::to_string(local_rank_) + ": tensor '" + op->name + "': " + err);
+            nccl_break("tensor '" + op->name + "': " + err);
             fail(op, BPS_ERR_CUDA, nccl_failure(op));
             return;
         }
@@ -52,7 +52,7 @@ inline void BpsWorkerCore::nccl_issue() {
     if (!nccl_.enabled() || !nccl_.broken().empty()) return;
     std::string failed = nccl_.init_failure();
     if (!failed.empty()) {
-        nccl_break("local rank " + std::to_string(local_rank_) + ": " + failed);
+        nccl_break(failed);
         return;
     }
     if (!nccl_.ready()) return;
@@ -67,7 +67,7 @@ inline void BpsWorkerCore::nccl_issue() {
             return nccl_.collective(stage, dev, p.length, op->dtype, p.nccl_root, s);
         });
         if (!err.empty()) {
-            nccl_break("local rank " + std::to_string(local_rank_) + ": tensor '" + op->name + "': " + err);
+            nccl_break("tensor '" + op->name + "': " + err);
             if (!op->done.load()) fail(op, BPS_ERR_CUDA, nccl_failure(op));
             return;
         }
@@ -89,7 +89,7 @@ inline void BpsWorkerCore::on_nccl(const BpsHeader &h, const void *body, size_t 
             if (nccl_.broken().empty()) nccl_.ordered(e);
             break;
         case BPS_CMD_NCCL_ABORT:
-            nccl_break(std::string((const char *)body, n), false);
+            nccl_break(std::string((const char *)body, n), false); /* it names where it stopped */
             return;
     }
     nccl_issue();
@@ -100,18 +100,19 @@ inline void BpsWorkerCore::nccl_send(int r, uint8_t cmd, int32_t stage, uint64_t
                                      const std::string &body) {
     BpsHeader h = bps_header(cmd, node_id_, key, seq, (uint64_t)stage, BPS_NO_DTYPE, (uint32_t)local_rank_, 0);
     if (local_.send(r, &h, body.data(), body.size()) != 0 && cmd != BPS_CMD_NCCL_ABORT)
-        nccl_break("local rank " + std::to_string(local_rank_) + ": sending to local rank " + std::to_string(r) +
-                   " failed: " + strerror(errno));
+        nccl_break("sending to local rank " + std::to_string(r) + " failed: " + strerror(errno));
 }
 
-/* The machine's order of collectives cannot go on (``why``): the communicator is aborted, the other
- * processes told (``tell``), and every op of ours that waits for a collective fails; those with a
- * collective in flight fail at their next NCCL stage. */
-inline void BpsWorkerCore::nccl_break(const std::string &why, bool tell) {
+/* The machine's order of collectives cannot go on (``why``, which happened here, named so, or a peer's
+ * NCCL_ABORT: ``here`` false): the communicator is aborted, the other processes told (by the process
+ * where it happened), and every op of ours that waits for a collective fails; those with a collective
+ * in flight fail at their next NCCL stage. */
+inline void BpsWorkerCore::nccl_break(const std::string &why, bool here) {
     std::vector<std::pair<BpsOp *, int>> waiting = nccl_.waiting();
-    if (!nccl_.set_broken(why)) return;
-    for (int r = 0; r < local_size_ && tell; ++r)
-        if (r != local_rank_) nccl_send(r, BPS_CMD_NCCL_ABORT, 0, 0, 0, why);
+    std::string text = here ? "local rank " + std::to_string(local_rank_) + ": " + why : why;
+    if (!nccl_.set_broken(text)) return;
+    for (int r = 0; r < local_size_ && here; ++r)
+        if (r != local_rank_) nccl_send(r, BPS_CMD_NCCL_ABORT, 0, 0, 0, text);
     for (auto &w : waiting)
         if (!w.first->done.load()) fail(w.first, BPS_ERR_CUDA, nccl_failure(w.first));
 }
