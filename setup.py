@@ -79,10 +79,14 @@ def extensions():
     ucx = ucx_include_dir()
     # the native cores get the UCX transport when its headers are here (libucp is dlopen()ed: -ldl)
     ucx_macros, ucx_includes, ucx_libs = ([("BPS_HAVE_UCX", "1")], [ucx], ["dl"]) if ucx else ([], [], [])
+    # the C++ is all headers: a change to any of them rebuilds the extensions (Cython sees only those it names)
+    headers = sorted(glob.glob(os.path.join("core", "**", "*.h"), recursive=True)
+                     + glob.glob(os.path.join("summation", "native", "*.h")))
     exts = [
         Extension(
             "byteps.core._reduce",
             ["core/_reduce.pyx"],
+            depends=headers,
             include_dirs=[HERE, numpy.get_include()],
             language="c++",
             # the codecs (bps_codecs.h) must round once per operation: no fused multiply-adds
@@ -99,8 +103,7 @@ def extensions():
         Extension(  # the worker's native data plane (libzmq through core/transport/bps_zmq.h, as _transport)
             "byteps.core._worker_core",
             ["core/_worker_core.pyx"],
-            # its C++ is all headers: a change to any of them rebuilds it (Cython sees only those it names)
-            depends=sorted(glob.glob(os.path.join("core", "**", "*.h"), recursive=True)),
+            depends=headers,
             include_dirs=[HERE] + ucx_includes,
             define_macros=ucx_macros,
             libraries=["dl"],  # dlopen: libzmq, the CUDA runtime (core/pipeline/cuda_runtime.h) and UCX
@@ -113,6 +116,7 @@ def extensions():
         Extension(  # the server's native data plane (summation/native/bps_server.h)
             "byteps.server._server_core",
             ["summation/_server_core.pyx"],
+            depends=headers,
             include_dirs=[HERE] + ucx_includes,
             define_macros=ucx_macros,
             libraries=ucx_libs,
