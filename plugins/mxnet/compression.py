@@ -1,10 +1,6 @@
-"""Gradient compressors for byteps.mxnet: wire codecs (byteps/compression.py).
-
-The tensor is left alone and each partition is encoded only while it crosses the network to a
-server on another machine. Pass one as ``compression=`` to :func:`push_pull` /
-``DistributedOptimizer``, or configure ``DistributedTrainer`` with BytePS's ``compression_params``
-dict ({"compressor": "onebit", "ef": "vanilla", ...}). docs/compression.md.
-"""
+"""Gradient compressors for byteps.mxnet: wire codecs (byteps/compression.py, docs/compression.md), for
+``compression=`` of :func:`push_pull` / ``DistributedOptimizer``; ``DistributedTrainer`` takes
+BytePS's ``compression_params`` dict ({"compressor": "onebit", "ef": "vanilla", ...})."""
 from byteps.compression import Compressor, NoneCompressor, WireCompressions, WireCompressor, from_params, wire_codec
 
 

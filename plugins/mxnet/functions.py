@@ -1,7 +1,7 @@
 """broadcast_parameters for MXNet: Module API dicts of NDArrays and Gluon parameters."""
 import mxnet as mx
 
-from .ops import broadcast_async_, synchronize
+from .ops import _synchronize_copies, broadcast_async_
 
 
 def _arrays(name, value):
@@ -52,7 +52,4 @@ def broadcast_parameters(params, root_rank=0, prefix="Parameter."):
             continue
         arrays = _arrays(name, value)
         pending.append((broadcast_async_(arrays[0], root_rank, name=prefix + name), arrays))
-    for handle, arrays in pending:
-        synchronize(handle)
-        for other in arrays[1:]:  # the other contexts of a Gluon Parameter
-            arrays[0].copyto(other)
+    _synchronize_copies(pending)

@@ -1,11 +1,6 @@
-"""push_pull and broadcast on MXNet NDArrays.
-
-MXNet keeps an NDArray's memory behind its asynchronous engine, so the plugin works on a host
-copy: ``tensor.asnumpy()`` (which first waits for every pending write to the array), the copy's
-bytes go to the Summation Service in place, and the result is written back with
-``tensor[:] = result`` when the handle is synchronized. That is one copy out and one copy in per
-call, on top of the core's own zero-copy path (docs/mxnet.md, "Limits").
-"""
+"""push_pull and broadcast on MXNet NDArrays, through a host copy: ``tensor.asnumpy()`` (which waits for
+pending writes) goes to the Summation Service in place, and ``synchronize`` writes the result back
+with ``tensor[:] = result`` (docs/mxnet.md, "Limits")."""
 import mxnet as mx
 import numpy as np
 
@@ -125,3 +120,13 @@ def poll(handle):
 def synchronize(handle):
     """Wait for ``handle``, write the result into its NDArray and return it (raises the operation's error)."""
     return common.synchronize(handle)
+
+
+def _synchronize_copies(pending):
+    """Wait for each ``(handle, arrays)`` (handle None: nothing to wait for), then copy ``arrays[0]``, which
+    holds the result, into the other arrays (a Gluon Parameter's other contexts)."""
+    for handle, arrays in pending:
+        if handle is not None:
+            synchronize(handle)
+        for other in arrays[1:]:
+            arrays[0].copyto(other)

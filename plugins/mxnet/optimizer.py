@@ -4,19 +4,16 @@ import mxnet as mx
 from byteps import common
 
 from .compression import from_params
-from .ops import _start, broadcast_async_, push_pull_async, synchronize
+from .ops import _start, _synchronize_copies, broadcast_async_, push_pull_async, synchronize
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
     """Wrap ``optimizer`` so that every gradient is averaged over all workers before its update.
 
     ``update``/``update_multi_precision`` push_pull the gradient (tensor name ``gradient_<index>``,
-    priority ``-index``, average) and then call the wrapped optimizer. With aggregated updates
-    (``index`` a list, as MXNet's SGD does by default) all the gradients are sent before the first
-    is waited for. Every other attribute, read or written, is the wrapped optimizer's, so a
-    ``gluon.Trainer(params, DistributedOptimizer(opt), kvstore=None)`` sets the wrapped optimizer's
-    ``param_dict`` and ``rescale_grad``. Parameters are not broadcast: call
-    :func:`broadcast_parameters` first (or use :class:`DistributedTrainer`).
+    priority ``-index``) and then call the wrapped optimizer; aggregated updates (``index`` a list)
+    send every gradient before waiting for the first. Every other attribute, read or written, is the
+    wrapped optimizer's (docs/mxnet.md). Call :func:`broadcast_parameters` first.
     """
 
     def __init__(self, optimizer, compression=None):  # pylint: disable=super-init-not-called
@@ -44,12 +41,10 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         if common.size() == 1:
             return
         comp = self.__dict__.get("_bps_compression")
-        if isinstance(index, (tuple, list)):
-            handles = [push_pull_async(g, average=True, name=f"gradient_{i}", priority=-i, compression=comp)
-                       for i, g in zip(index, grad)]
-        else:
-            handles = [push_pull_async(grad, average=True, name=f"gradient_{index}", priority=-index,
-                                       compression=comp)]
+        if not isinstance(index, (tuple, list)):
+            index, grad = [index], [grad]
+        handles = [push_pull_async(g, average=True, name=f"gradient_{i}", priority=-i, compression=comp)
+                   for i, g in zip(index, grad)]
         for h in handles:
             synchronize(h)
 
@@ -61,46 +56,23 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._do_push_pull(index, grad)
         return self._optimizer.update_multi_precision(index, weight, grad, state)
 
-    # Optimizer's own methods would run on the wrapper and bypass the wrapped class's overrides.
-    def create_state(self, index, weight):
-        return self._optimizer.create_state(index, weight)
-
-    def create_state_multi_precision(self, index, weight):
-        return self._optimizer.create_state_multi_precision(index, weight)
-
     @property
     def learning_rate(self):
         return self._optimizer.learning_rate
 
-    def set_learning_rate(self, lr):
-        return self._optimizer.set_learning_rate(lr)
 
-    def set_lr_scale(self, args_lrscale):
-        return self._optimizer.set_lr_scale(args_lrscale)
+def _delegate(name):
+    def method(self, *args, **kwargs):
+        return getattr(self._optimizer, name)(*args, **kwargs)
 
-    def set_lr_mult(self, args_lr_mult):
-        return self._optimizer.set_lr_mult(args_lr_mult)
+    method.__name__ = name
+    return method
 
-    def set_wd_mult(self, args_wd_mult):
-        return self._optimizer.set_wd_mult(args_wd_mult)
 
-    def _set_current_context(self, device_id):
-        return self._optimizer._set_current_context(device_id)
-
-    def _update_count(self, index):
-        return self._optimizer._update_count(index)
-
-    def _get_lrs(self, indices):
-        return self._optimizer._get_lrs(indices)
-
-    def _get_lr(self, index):
-        return self._optimizer._get_lr(index)
-
-    def _get_wds(self, indices):
-        return self._optimizer._get_wds(indices)
-
-    def _get_wd(self, index):
-        return self._optimizer._get_wd(index)
+# Optimizer's own methods would run on the wrapper and bypass the wrapped class's overrides.
+for _method in ("create_state", "create_state_multi_precision", "set_learning_rate", "set_lr_scale", "set_lr_mult",
+                "set_wd_mult", "_set_current_context", "_update_count", "_get_lrs", "_get_lr", "_get_wds", "_get_wd"):
+    setattr(DistributedOptimizer, _method, _delegate(_method))
 
 
 def _unique_names(params):
@@ -114,29 +86,25 @@ def _unique_names(params):
 
 
 class DistributedTrainer(mx.gluon.Trainer):
-    """A ``gluon.Trainer`` whose gradients are summed over all workers by the Summation Service.
+    """A ``gluon.Trainer`` (``kvstore=None``) whose gradients are summed over all workers by the Summation
+    Service; docs/mxnet.md describes it.
 
-    Created with ``kvstore=None``. Parameters are ordered by name, so every worker sends the same
-    tensors under the same names (``Parameter.<name>``, ``Gradient.<name>``) even if it listed them
-    in another order. Parameters that are already initialized are broadcast from ``root_rank``
-    when the trainer is created; deferred-initialized ones at the first ``step()`` (after the first
-    forward pass has given them a shape). ``step()`` starts every gradient's push_pull (a sum,
-    priority ``-index``) before it waits for the first, and the average comes from the optimizer's
-    ``rescale_grad``, divided by :func:`size` (as BytePS does). Several contexts per worker are
-    summed locally first.
+    Parameters are ordered by name, so every worker sends the same tensors under the same names
+    (``Parameter.<name>``, ``Gradient.<name>``); initialized ones are broadcast from ``root_rank`` at
+    construction, deferred-initialized ones at the first ``step()``. ``step()`` starts every
+    gradient's push_pull before it waits for the first; the average comes from ``rescale_grad``,
+    divided by :func:`size`. Several contexts per worker are summed locally first.
 
     Args:
         params: a ``ParameterDict`` (``net.collect_params()``), a dict of Parameters or a list.
         optimizer: an optimizer name or an ``mx.optimizer.Optimizer`` (not a DistributedOptimizer).
         optimizer_params: keyword arguments for a named optimizer.
         root_rank: the rank whose initial parameters every worker receives.
-        compression_params: BytePS's gradient compression, a dict such as ``{"compressor": "onebit",
-            "ef": "vanilla"}`` (keys: byteps.compression.from_params; docs/compression.md); applied
-            to every gradient on the wire.
+        compression_params: BytePS's gradient compression dict, e.g. ``{"compressor": "onebit",
+            "ef": "vanilla"}`` (byteps.compression.from_params; docs/compression.md).
 
-    With ``BYTEPS_ENABLE_ASYNC=1`` the trainer trains asynchronously (docs/async.md): parameters
-    start from rank 0's (kept by the servers), ``step()`` updates locally from this worker's own
-    gradients, pushes each parameter's delta and continues from the servers' latest values.
+    With ``BYTEPS_ENABLE_ASYNC=1`` it trains asynchronously (docs/async.md): ``step()`` updates from
+    this worker's gradients, pushes each parameter's delta and continues from the servers' values.
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, root_rank=0, compression_params=None):
@@ -176,10 +144,7 @@ class DistributedTrainer(mx.gluon.Trainer):
             elif self._bps_size > 1:
                 handle = broadcast_async_(arrays[0], self._root_rank, name="Parameter." + self._bps_names[id(param)])
                 pending.append((handle, arrays))
-        for handle, arrays in pending:
-            synchronize(handle)
-            for other in arrays[1:]:
-                arrays[0].copyto(other)
+        _synchronize_copies(pending)
         self._params_to_init = deferred
 
     def _async_start(self, param, array):
@@ -197,38 +162,23 @@ class DistributedTrainer(mx.gluon.Trainer):
             arrays = param.list_data()
             pulled[:] = arrays[0] - pulled          # the delta of this step
             pending.append((self._async_start(param, pulled), [pulled, *arrays]))
-        for handle, arrays in pending:               # continue from the servers' latest parameters
-            synchronize(handle)
-            for other in arrays[1:]:
-                arrays[0].copyto(other)
+        _synchronize_copies(pending)  # continue from the servers' latest parameters
 
     def _allreduce_grads(self):
-        if self._bps_async:  # each worker updates from its own gradients; deltas go out in _update
-            for param in self._params:
-                grads = param.list_grad() if param.grad_req != "null" else []
-                for other in grads[1:]:
-                    grads[0] += other.as_in_context(grads[0].context)
-                for other in grads[1:]:
-                    grads[0].copyto(other)
-            return
         pending = []
         for i, param in enumerate(self._params):
             if param.grad_req == "null":
                 continue
             grads = param.list_grad()
-            if grads[0].stype != "default":
+            if grads[0].stype != "default" and not self._bps_async:
                 raise TypeError(f"byteps.mxnet.DistributedTrainer: parameter {param.name!r} has a "
                                 f"{grads[0].stype} gradient; only dense gradients are supported")
             for other in grads[1:]:  # several contexts on this worker: sum them locally first
                 grads[0] += other.as_in_context(grads[0].context)
-            if self._bps_size > 1:
+            handle = None
+            # asynchronous mode: each worker updates from its own gradients; deltas go out in _update
+            if self._bps_size > 1 and not self._bps_async:
                 handle = push_pull_async(grads[0], average=False, name="Gradient." + self._bps_names[id(param)],
                                          priority=-i, compression=self._bps_codec)
-                pending.append((handle, grads))
-            else:
-                pending.append((None, grads))
-        for handle, grads in pending:
-            if handle is not None:
-                synchronize(handle)
-            for other in grads[1:]:
-                grads[0].copyto(other)
+            pending.append((handle, grads))
+        _synchronize_copies(pending)

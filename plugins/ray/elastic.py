@@ -1,13 +1,8 @@
-"""An elastic Summation Service on a Ray cluster: standalone servers follow the CPU-only nodes.
+"""An elastic Summation Service on a Ray cluster: standalone servers follow the CPU-only nodes
+(``RayExecutor(elastic_servers=True)``, BYTEPS_ELASTIC=1; docs/ray.md, "Spot CPU servers").
 
-``RayExecutor(elastic_servers=True)`` runs the job with ``BYTEPS_ELASTIC=1`` (docs/elastic.md) and
-watches ``ray.nodes()``. A CPU-only node that joins the cluster (the autoscaler, ``ray up``, a spot
-instance) gets a standalone server, which joins the running job, while the paper's k stays useful
-(``layout.useful_extra``: at most one extra machine per worker machine); the scheduler then gives every
-server its Eq. 1-2 share for the servers present. A node that goes (preemption, scale-down) takes its
-server with it: the job finds the server lost and goes on without it (scheduler/elastic.py); the
-watcher forgets it, and a spare CPU-only node, if any, takes its place.
-"""
+A CPU-only node that joins gets a standalone server that joins the running job, while k is below the
+plan's; a node that goes takes its server with it and the job goes on without it."""
 import threading
 
 import ray

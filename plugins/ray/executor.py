@@ -5,16 +5,10 @@
     results = executor.run(train_fn, args=[config])   # train_fn calls bps.init() ... bps.shutdown()
     executor.shutdown()
 
-Placement (plugins/ray/layout.py): the workers' bundles form one placement group (PACK by default,
-or one bundle of ``num_workers_per_host`` workers per host with STRICT_SPREAD); the scheduler and
-the servers form a second one whose bundles are pinned to the nodes the layout chose: a colocated
-server on every worker node and standalone servers on CPU-only nodes, ``k`` of them as Eq. 1-2 of
-the BytePS paper advise (``bpslaunch --plan`` prints the same plan).
-
-Faults: a worker that raises, a worker or service actor that dies, a service process that exits with
-an error, all surface in the driver as :class:`BytePSRayError` naming the actor and its node, after
-every actor and placement group of the job has been removed.
-"""
+The workers form one placement group; the scheduler and the servers a second one pinned to the nodes
+plugins/ray/layout.py chose. Any failure surfaces in the driver as :class:`BytePSRayError` naming the
+actor and its node, after every actor and placement group of the job has been removed (docs/ray.md)."""
+import os
 import secrets
 import time
 
@@ -40,7 +34,6 @@ class WorkerActor:
         return ray.get_runtime_context().get_node_id()
 
     def set_env(self, env):
-        import os
         os.environ.update(env)  # read by byteps' init() (byteps/config.py)
 
     def create(self, cls, args, kwargs):
@@ -175,8 +168,7 @@ class RayExecutor:
         ``fn`` joins the job with ``bps.init()`` (the environment is set) and should end with
         ``bps.shutdown()``. ``timeout_s`` bounds the whole call (None: no bound beyond byteps' own
         BYTEPS_TIMEOUT on every operation and its lost-peer detection)."""
-        self._before_call()
-        return self._wait([w.run.remote(fn, list(args or []), dict(kwargs or {})) for w in self.workers], timeout_s)
+        return self._wait(self.run_remote(fn, args, kwargs), timeout_s)
 
     def run_remote(self, fn, args=None, kwargs=None):
         """Like :meth:`run`, without waiting: the ObjectRefs, in rank order."""

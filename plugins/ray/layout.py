@@ -1,26 +1,11 @@
-"""Where a byteps job's processes go on a Ray cluster, as a pure function of the cluster's nodes.
+"""Where a byteps job's processes go on a Ray cluster, as a pure function of the cluster's nodes
+(docs/ray.md, "Placement"; the BytePS paper's §4.1).
 
-The worker bundles are placed by Ray (a placement group); this module takes the nodes they landed on
-and decides the rest, following the BytePS paper's §4.1 (Jiang et al., "A Unified Architecture for
-Accelerating Distributed DNN Training in Heterogeneous GPU/CPU Clusters", OSDI 2020):
-
-* every worker node (a "worker machine", DMLC_WORKER_ID) runs one colocated Summation Service server;
-* ``k`` CPU-only nodes each run one standalone server. A node is CPU-only for the job when it hosts no
-  worker and has none of the special resources the workers ask for (``GPU``, or a custom resource
-  such as ``{"gpu_node": 1}``). By default ``k = min(CPU-only nodes, n)``: Eq. 1-2 give each
-  standalone server ``2(n-1)/(n²+kn-2k)`` of the model, and extra machines beyond ``n`` cannot help
-  (the workers' NICs are then the bottleneck; ``byteps.placement.shares``). With ``n = 1`` nothing
-  crosses the network, so no CPU-only node is used;
-* the scheduler runs on the first worker node.
-
-The servers find their role (colocated / standalone) from host addresses (byteps/placement.py); the
-layout also sets ``BYTEPS_SERVER_ROLE`` on each server explicitly, since it knows. Several Ray nodes
-on one machine (``ray.cluster_utils.Cluster``, or two raylets on a host) report the same address; when
-every node of the job does, each node gets its own loopback address (127.0.0.x), so that byteps sees
-``n`` worker machines and ``k`` extra machines, as the Ray cluster describes them.
-
-No Ray import here: tests check the policy on recorded node tables.
-"""
+Ray places the worker bundles; this module takes the nodes they landed on and decides the rest: a
+colocated server on every worker node, standalone servers on ``k`` CPU-only nodes (by default
+``min(CPU-only nodes, n)``, none for ``n = 1``), the scheduler on the first worker node. When every
+node of the job reports the same address (several Ray nodes on one machine), each gets its own
+127.0.0.x. No Ray import here: tests check the policy on recorded node tables."""
 import dataclasses
 from collections import OrderedDict
 

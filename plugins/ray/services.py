@@ -1,13 +1,9 @@
 """The scheduler and the Summation Service servers of a byteps job, as Ray actors in a placement group.
 
 Each service actor runs ``python -m byteps.scheduler`` or ``python -m byteps.server`` as a child
-process (the same programs bpslaunch starts), with PR_SET_PDEATHSIG so the child dies with its actor
-even when Ray kills the actor with SIGKILL: no byteps process outlives its actor. The actors are
-synchronous (one task at a time, on the actor's main thread), which PDEATHSIG needs: the signal fires
-when the *thread* that forked exits.
-
-:class:`ServiceGroup` is shared by :class:`byteps.ray.RayExecutor` and the Ray Train backend.
-"""
+process with PR_SET_PDEATHSIG, so it dies with its actor even when Ray SIGKILLs it. The actors are
+synchronous (one task at a time, on the main thread): the signal fires when the *thread* that forked
+exits. :class:`ServiceGroup` is shared by :class:`byteps.ray.RayExecutor` and the Ray Train backend."""
 import collections
 import os
 import secrets
@@ -114,12 +110,6 @@ class ServiceActor:
                 self.proc.wait(grace)
 
 
-def pinned_bundles(bundles_by_node):
-    """``placement_group`` arguments that put each bundle on its node: [(node id, bundle)] ->
-    (bundles, bundle_label_selector)."""
-    return [b for _, b in bundles_by_node], [{NODE_ID_LABEL: node} for node, _ in bundles_by_node]
-
-
 def wait_placement_group(pg, what, timeout):
     """Wait until Ray has reserved ``pg``; on time-out remove it and raise naming what it held."""
     try:
@@ -159,14 +149,14 @@ class ServiceGroup:
         """Reserve the bundles (pinned to their nodes), start the scheduler, then the servers."""
         lay = self.layout
         servers = lay.servers
-        bundles, selectors = pinned_bundles(
-            [(lay.scheduler_node, {"CPU": SCHEDULER_CPUS})]
-            + [(s.node_id, {"CPU": self.cpus_per_server}) for s in servers])
-        self.pg = placement_group(bundles, bundle_label_selector=selectors, name=f"{self.job_id}-services")
+        nodes = [lay.scheduler_node] + [s.node_id for s in servers]
+        bundles = [{"CPU": SCHEDULER_CPUS}] + [{"CPU": self.cpus_per_server} for _ in servers]
+        self.pg = placement_group(bundles, bundle_label_selector=[{NODE_ID_LABEL: node} for node in nodes],
+                                  name=f"{self.job_id}-services")
         wait_placement_group(self.pg, f"the byteps scheduler and {len(servers)} server(s) on nodes "
                              f"{', '.join(s.node_id[:8] for s in servers)}", self.timeout)
         tags = ["scheduler"] + [f"server {i} ({s.role})" for i, s in enumerate(servers)]
-        for i, (tag, node) in enumerate(zip(tags, [lay.scheduler_node] + [s.node_id for s in servers])):
+        for i, (tag, node) in enumerate(zip(tags, nodes)):
             actor = ServiceActor.options(
                 num_cpus=bundles[i]["CPU"],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),

@@ -1,13 +1,9 @@
-"""Ray Train integration: ``TorchTrainer(train_fn, torch_config=BytePSConfig(), scaling_config=...)``, or
-``DataParallelTrainer(train_fn, backend_config=BytePSConfig(), ...)`` (Ray 2.60's TorchTrainer names its
-backend configuration ``torch_config``; it passes it on as DataParallelTrainer's ``backend_config``).
+"""Ray Train integration: ``TorchTrainer(train_fn, torch_config=BytePSConfig(), scaling_config=...)`` or
+``DataParallelTrainer(train_fn, backend_config=BytePSConfig(), ...)`` (docs/ray.md, "Ray Train").
 
-Ray Train places the workers (ScalingConfig); on start this backend lays the byteps job out around
-them (plugins/ray/layout.py: a colocated server on each worker node, standalone servers on CPU-only
-nodes as Eq. 1-2 advise), starts the scheduler and the servers as actors in their own placement group
-(plugins/ray/services.py) and sets each worker's DMLC_*/BYTEPS_* environment. ``train_fn`` then calls
-``bps.init()`` as under bpslaunch. At shutdown the services and their placement group are removed.
-"""
+On start the backend lays the byteps job out around Ray Train's workers (plugins/ray/layout.py),
+starts the scheduler and servers in their own placement group and sets each worker's environment;
+at shutdown the services and their placement group are removed."""
 import dataclasses
 import os
 from typing import Optional

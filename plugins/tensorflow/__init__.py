@@ -1,18 +1,12 @@
 """byteps for TensorFlow 2 / Keras 3: ``import byteps.tensorflow as bps``.
 
-BytePS's and Horovod's TF API over the Summation Service: ``push_pull``/``allreduce``,
-``broadcast``, ``broadcast_variables``, ``broadcast_object``, ``DistributedGradientTape`` for
-custom training loops, ``DistributedOptimizer`` for Keras 3 optimizers (``model.fit``), the
-Keras callbacks in :mod:`byteps.tensorflow.callbacks`, Horovod's ``SyncBatchNormalization`` and its
-elastic state (:mod:`byteps.tensorflow.elastic`). Everything works in eager mode and inside
-``tf.function`` (not under XLA: ``jit_compile=False``).
-"""
+BytePS's and Horovod's TF API over the Summation Service: collectives, ``broadcast_variables``,
+``DistributedGradientTape``, ``DistributedOptimizer`` for Keras 3 optimizers, the Keras callbacks,
+``SyncBatchNormalization`` and elastic state. Eager and inside ``tf.function`` (``jit_compile=False``)."""
 import os
 
-# A TF1 session runs independent ops on a pool of TF_NUM_INTEROP_THREADS threads (default: one per core),
-# and each byteps op holds its thread until every worker has joined it: a run of more unordered byteps
-# ops than threads could leave two workers each waiting in an op the other has not started. Read when
-# the first session starts; a value the user set is kept.
+# a TF1 session's independent ops share TF_NUM_INTEROP_THREADS threads, and each byteps op holds one until
+# every worker has joined it: too few threads could deadlock two workers (docs/compat.md). A user's value is kept.
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", "64")
 
 import tensorflow as tf  # noqa: E402
@@ -69,5 +63,6 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            # Horovod
            "Min", "Max", "Product", "Adasum", "grouped_allreduce", "allgather", "grouped_allgather", "alltoall",
            "reducescatter", "grouped_reducescatter", "broadcast_", "broadcast_global_variables",
-           "broadcast_object_fn", "join", "PartialDistributedGradientTape", "rank_op", "size_op", "local_rank_op", "local_size_op", "mpi_built",
-           "gloo_built", "nccl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_enabled", "gloo_enabled", "metrics"]
+           "broadcast_object_fn", "join", "PartialDistributedGradientTape", "rank_op", "size_op", "local_rank_op",
+           "local_size_op", "mpi_built", "gloo_built", "nccl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_enabled",
+           "gloo_enabled", "metrics"]

@@ -1,27 +1,7 @@
-"""Horovod's TensorFlow collectives (``allreduce`` and the rest), over the Summation Service as
-byteps.torch builds them; ops.py holds the transfer they share.
-
-* ``allreduce`` / ``push_pull`` / ``grouped_allreduce``: Average and Sum through ops.py's push_pull
-  (differentiable: the gradient is reduced with the same op and factors).
-
-* ``allgather`` / ``grouped_allgather``: every rank's dim-0 size travels in one int64 push_pull (each
-  rank fills its own slot), then each rank's rows in a broadcast from that rank: bytes are copied,
-  so every dtype (bool, int16, uint16 included) arrives bit for bit. Gradient (Horovod's): the
-  upstream gradient averaged over the ranks, this rank's rows.
-* ``Min`` / ``Max`` / ``Product``: every rank broadcasts its tensor; each reduces them locally.
-* ``alltoall``: the split vectors and the rows travel as two allgathers; each rank keeps the rows
-  addressed to it, in source-rank order. Every rank receives every row (``size`` times Horovod's
-  traffic): for compatibility, not throughput. Returns ``(tensor, received_splits)`` when splits are
-  given, else the tensor (Horovod's).
-* ``reducescatter`` / ``grouped_reducescatter``: a Sum or Average push_pull, then this rank's block of
-  dim 0 (the first ``dim0 % size`` ranks get one row more, as in Horovod).
-* ``IndexedSlices`` in ``allreduce``: values and indices allgathered (Horovod's way); an Average divides
-  the values with TensorFlow's ``/``, so integer values come back as floats, as Horovod's do.
-
-Eager calls run at once; in a graph each call is one ``tf.py_function`` whose unnamed operations are
-named when the graph is built (ops.graph_name). Workers that disagree on a tensor get
-``tf.errors.FailedPreconditionError``. Process sets other than the global one are not supported.
-"""
+"""Horovod's TensorFlow collectives (``allreduce`` and the rest) over ops.py's transfer: push_pull for
+Average and Sum, broadcasts for allgather, alltoall and Min/Max/Product (docs/compat.md says how each
+travels). Eager calls run at once; in a graph each call is one ``tf.py_function``. Workers that
+disagree on a tensor get ``tf.errors.FailedPreconditionError``. Only the global process set."""
 import numpy as np
 import tensorflow as tf
 
@@ -29,8 +9,8 @@ from byteps import common
 from byteps.splits import send_table, splits_row
 
 from .compression import Compression
-from .ops import (Average, Max, Min, Product, Sum, _display_name, _reduce_group, _resolve_op, _scale,
-                  as_tf_error, check_dtypes, check_global_set, dtype_code, graph_call, graph_name, wire_shape)
+from .ops import (Average, Max, Min, Product, Sum, _reduce_group, _resolve_op, _scale, check_dtypes, check_global_set,
+                  dtype_code, graph_call, graph_name, wait_all, wire_shape)
 
 
 # --------------------------------------------------------------------------------- numpy level
@@ -41,18 +21,6 @@ def _start(arr, name, root=None):
     return common.submit(name, arr.reshape(-1).view(np.uint8), code, wire_shape(arr), broadcast_root=root)
 
 
-def _wait(handles):
-    """Wait for every handle; raise the first error (as Horovod's error class) once all are done."""
-    error = None
-    for h in handles:
-        try:
-            common.synchronize(h)
-        except BaseException as e:
-            error = error or e
-    if error is not None:
-        raise as_tf_error(error)
-
-
 def gather_np(arr, name):
     """Every rank's ``arr`` concatenated along dim 0 (a scalar counts as one row): (result, row counts)."""
     arr = np.ascontiguousarray(arr)
@@ -61,18 +29,18 @@ def gather_np(arr, name):
     n, me = common.size(), common.rank()
     counts = np.zeros(n, dtype=np.int64)
     counts[me] = arr.shape[0]
-    _wait([_start(counts, f"{name}.sizes")])
+    wait_all([_start(counts, f"{name}.sizes")])
     offsets = np.concatenate([[0], np.cumsum(counts)])
     out = np.empty((int(offsets[-1]),) + arr.shape[1:], dtype=arr.dtype)
     out[offsets[me]:offsets[me + 1]] = arr
-    _wait([_start(out[offsets[r]:offsets[r + 1]], f"{name}.{r}", root=r) for r in range(n) if counts[r] > 0])
+    wait_all([_start(out[offsets[r]:offsets[r + 1]], f"{name}.{r}", root=r) for r in range(n) if counts[r] > 0])
     return out, counts
 
 
 def _gather_reduce_np(arr, op, name):
     arr = np.ascontiguousarray(arr)
     parts = [arr if r == common.rank() else np.empty_like(arr) for r in range(common.size())]
-    _wait([_start(p, f"{name}.{r}", root=r) for r, p in enumerate(parts)])
+    wait_all([_start(p, f"{name}.{r}", root=r) for r, p in enumerate(parts)])
     stacked = np.stack(parts)
     if op == Min:
         return stacked.min(0)
@@ -141,10 +109,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=None):
             reduced = allreduce(tf.convert_to_tensor(dy), op=Average, name=None if name is None else f"{name}.grad")
             counts = _allgather_raw(tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1]),
                                     None if name is None else f"{name}.grad.counts")
-            begin = tf.reduce_sum(counts[:common.rank()])
-            return tf.slice(reduced, tf.concat([[begin], tf.zeros([tf.rank(x) - 1], tf.int64)], 0),
-                            tf.concat([[counts[common.rank()]], tf.fill([tf.rank(x) - 1], tf.constant(-1, tf.int64))],
-                                      0))
+            return _rows(reduced, tf.reduce_sum(counts[:common.rank()]), counts[common.rank()])
 
         return _allgather_raw(x, name), grad
 
@@ -217,14 +182,18 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     return out if splits is None else (out, received)
 
 
+def _rows(tensor, begin, count):
+    """``count`` rows of ``tensor`` from row ``begin`` (int64 scalars, known in a graph only when it runs)."""
+    rest = tf.rank(tensor) - 1
+    return tf.slice(tensor, tf.concat([[begin], tf.zeros([rest], tf.int64)], 0),
+                    tf.concat([[count], tf.fill([rest], tf.constant(-1, tf.int64))], 0))
+
+
 def _block(tensor, n, me):
     """This rank's block of dim 0: the first ``dim0 % n`` ranks get one row more."""
     rows = tf.shape(tensor, out_type=tf.int64)[0]
     base, extra = rows // n, rows % n
-    begin = me * base + tf.minimum(tf.constant(me, tf.int64), extra)
-    count = base + tf.cast(me < extra, tf.int64)
-    return tf.slice(tensor, tf.concat([[begin], tf.zeros([tf.rank(tensor) - 1], tf.int64)], 0),
-                    tf.concat([[count], tf.fill([tf.rank(tensor) - 1], tf.constant(-1, tf.int64))], 0))
+    return _rows(tensor, me * base + tf.minimum(tf.constant(me, tf.int64), extra), base + tf.cast(me < extra, tf.int64))
 
 
 def _check_reducescatter(tensor, op):
@@ -300,28 +269,14 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         return allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor)
     if op in (Min, Max, Product):
         return gather_reduce(tensor, op, name, prescale_factor, postscale_factor)
-    tensor = tf.convert_to_tensor(tensor)
-    check_dtypes([tensor], [name], "tf.push_pull")
-
-    def reduce(x, nm):
-        return _reduce_group([x], [nm], op, prescale_factor, postscale_factor, compression)[0]
-
-    if not tensor.dtype.is_floating:
-        return reduce(tensor, name)
-
-    @tf.custom_gradient
-    def _pp(x):
-        def grad(dy):
-            return reduce(tf.convert_to_tensor(dy), None if name is None else f"{name}.grad")
-
-        return reduce(x, name), grad
-
-    return _pp(tensor)
+    return _reduce_differentiable([tf.convert_to_tensor(tensor)], [name], op, prescale_factor, postscale_factor,
+                                  compression, "tf.push_pull")[0]
 
 
 def push_pull(tensor, average=None, name=None, compression=Compression.none, op=None):
     """BytePS's name for :func:`allreduce` (default op: Average)."""
     return allreduce(tensor, average=average, name=name, compression=compression, op=op)
+
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=None, name=None):
@@ -334,10 +289,15 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     if op in (Min, Max, Product) or any(isinstance(t, tf.IndexedSlices) for t in tensors):
         return [allreduce(t, op=op, name=nm, compression=compression, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor) for t, nm in zip(tensors, names)]
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    return _reduce_differentiable([tf.convert_to_tensor(t) for t in tensors], names, op, prescale_factor,
+                                  postscale_factor, compression, "tf.grouped_allreduce")
 
+
+def _reduce_differentiable(tensors, names, op, prescale_factor, postscale_factor, compression, prefix):
+    """ops._reduce_group, differentiable when every tensor is a float: the gradients are reduced as one
+    group, with the same op and factors."""
     def reduce(xs, nms):
-        return _reduce_group(xs, nms, op, prescale_factor, postscale_factor, compression, prefix="tf.grouped_allreduce")
+        return _reduce_group(xs, nms, op, prescale_factor, postscale_factor, compression, prefix)
 
     if not all(t.dtype.is_floating for t in tensors):
         return reduce(tensors, names)

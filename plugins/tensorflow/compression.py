@@ -1,10 +1,6 @@
-"""Gradient compressors (BytePS/Horovod ``Compression``): tensor casts and wire codecs.
-
-``Compression.none`` and ``Compression.fp16`` are Horovod's: applied to the tensor before
-push_pull and undone after. The others are wire codecs (byteps/compression.py): the tensor is
-left alone and each partition is encoded only while it crosses the network; call them to set
-options, e.g. ``Compression.onebit(error_feedback=True)``. docs/compression.md.
-"""
+"""Gradient compressors (BytePS/Horovod ``Compression``): ``none`` and ``fp16`` are Horovod's, applied to
+the tensor before push_pull and undone after; the others are wire codecs (byteps/compression.py,
+docs/compression.md), e.g. ``Compression.onebit(error_feedback=True)``."""
 import tensorflow as tf
 
 from byteps.compression import Compressor, NoneCompressor, WireCompressions, WireCompressor, wire_codec

@@ -1,14 +1,9 @@
 """Horovod's elastic training state for TensorFlow: ``hvd.elastic.TensorFlowState``,
 ``TensorFlowKerasState``, ``ObjectState`` and the ``run`` decorator.
 
-A state holds what a worker must agree on with the others (variables, a Keras model and its optimizer,
-plain attributes such as ``epoch`` and ``batch``): ``sync()`` gives every worker rank 0's, ``commit()``
-keeps a copy in memory, ``restore()`` goes back to the last copy. byteps keeps the Summation Service
-elastic (docs/elastic.md) but not the set of workers: a lost worker still ends the job with a report, so
-``run`` syncs the state and runs the training function once; when a byteps operation fails inside it,
-the state is restored to its last commit (as Horovod does before it re-forms the job) and the error is
-raised, since no re-formed job follows.
-"""
+``sync()`` gives every worker rank 0's state, ``commit()`` keeps a copy in memory, ``restore()`` goes
+back to it. byteps' set of workers is fixed for a job, so ``run`` syncs the state and calls the
+function once; a byteps error inside restores the last commit and is raised (docs/compat.md)."""
 import copy
 import functools
 import itertools
@@ -93,55 +88,13 @@ def _values(variables):
     return [np.array(v.numpy(), copy=True) for v in variables]
 
 
-def _assign(variables, values):
-    for v, value in zip(variables, values):
-        v.assign(value)
+class _VariablesState(ObjectState):
+    """Variables (``_variables()``) and keyword attributes, saved, restored and synchronized together."""
 
-
-class TensorFlowState(ObjectState):
-    """``variables`` (tf.Variable or Keras variables) and keyword attributes. Eager mode only, as Horovod's
-    TensorFlow 2 state: TensorFlow 2 has no global variable collection, so ``variables`` is required."""
-
-    def __init__(self, variables=None, session=None, **kwargs):
-        if variables is None:
-            raise ValueError("byteps.tensorflow.elastic.TensorFlowState needs its variables: TensorFlow 2 has no "
-                             "global variable collection to take them from")
-        if not tf.executing_eagerly():
-            raise RuntimeError("byteps.tensorflow.elastic.TensorFlowState works in eager mode only (as Horovod's "
-                               "state on TensorFlow 2)")
-        self.variables = list(variables)
-        self._prefix = f"elastic.TensorFlowState.{next(_instances)}."
-        self._saved_values = _values(self.variables)
-        super().__init__(**kwargs)
-
-    def save(self):
-        self._saved_values = _values(self.variables)
-        super().save()
-
-    def restore(self):
-        _assign(self.variables, self._saved_values)
-        super().restore()
-
-    def sync(self):
-        broadcast_variables(self.variables, root_rank=0, prefix=self._prefix)
-        self._saved_values = _values(self.variables)
-        super().sync()
-
-
-class TensorFlowKerasState(ObjectState):
-    """A Keras 3 ``model``, its ``optimizer`` (default ``model.optimizer``) and keyword attributes: the
-    model's and optimizer's variables are saved, restored and synchronized together."""
-
-    def __init__(self, model, optimizer=None, backend=None, **kwargs):
-        self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        self._prefix = f"elastic.TensorFlowKerasState.{next(_instances)}."
+    def __init__(self, **kwargs):
+        self._prefix = f"elastic.{type(self).__name__}.{next(_instances)}."
         self._saved_values = _values(self._variables())
         super().__init__(**kwargs)
-
-    def _variables(self):
-        optimizer_variables = list(self.optimizer.variables) if self.optimizer is not None else []
-        return list(self.model.variables) + optimizer_variables
 
     def save(self):
         self._saved_values = _values(self._variables())
@@ -153,13 +106,46 @@ class TensorFlowKerasState(ObjectState):
             raise RuntimeError(f"byteps.tensorflow.elastic: the model and optimizer now have {len(variables)} "
                                f"variables, {len(self._saved_values)} when last committed; commit after the "
                                "optimizer's first step")
-        _assign(variables, self._saved_values)
+        for v, value in zip(variables, self._saved_values):
+            v.assign(value)
         super().restore()
 
     def sync(self):
         broadcast_variables(self._variables(), root_rank=0, prefix=self._prefix)
         self._saved_values = _values(self._variables())
         super().sync()
+
+
+class TensorFlowState(_VariablesState):
+    """``variables`` (tf.Variable or Keras variables) and keyword attributes. Eager mode only, as Horovod's
+    TensorFlow 2 state: TensorFlow 2 has no global variable collection, so ``variables`` is required."""
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        if variables is None:
+            raise ValueError("byteps.tensorflow.elastic.TensorFlowState needs its variables: TensorFlow 2 has no "
+                             "global variable collection to take them from")
+        if not tf.executing_eagerly():
+            raise RuntimeError("byteps.tensorflow.elastic.TensorFlowState works in eager mode only (as Horovod's "
+                               "state on TensorFlow 2)")
+        self.variables = list(variables)
+        super().__init__(**kwargs)
+
+    def _variables(self):
+        return self.variables
+
+
+class TensorFlowKerasState(_VariablesState):
+    """A Keras 3 ``model``, its ``optimizer`` (default ``model.optimizer``) and keyword attributes: the
+    model's and optimizer's variables are saved, restored and synchronized together."""
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        super().__init__(**kwargs)
+
+    def _variables(self):
+        optimizer_variables = list(self.optimizer.variables) if self.optimizer is not None else []
+        return list(self.model.variables) + optimizer_variables
 
 
 def run(func):

@@ -5,8 +5,15 @@ import numpy as np
 import tensorflow as tf
 
 from byteps import common
+from byteps.core import dtypes
 
-from .ops import broadcast_group
+from .ops import broadcast_group, check_global_set
+
+
+def _broadcast_values(variables, root_rank, prefix):
+    """root_rank's values of ``variables``, broadcast ``<prefix><i>`` (i: position in the list)."""
+    return broadcast_group([tf.convert_to_tensor(v) for v in variables], root_rank,
+                           [f"{prefix}{i}" for i in range(len(variables))])
 
 
 def broadcast_variables(variables, root_rank, prefix="BroadcastVariables."):
@@ -15,31 +22,24 @@ def broadcast_variables(variables, root_rank, prefix="BroadcastVariables."):
     Works on ``tf.Variable`` and Keras variables, eagerly or inside ``tf.function``. Broadcast
     ``i`` is named ``<prefix><i>`` (i: position in ``variables``), so the list must hold the same
     variables in the same order on every worker; workers whose variables differ in shape or dtype
-    all get an error naming the tensor. Variable names are deliberately not used: Keras derives
-    them from layer names numbered per process (``dense_3/kernel``, ``dense_3_kernel_momentum``),
-    which differ between workers that built different numbers of layers before, and a name only
-    some workers use waits for BYTEPS_TIMEOUT.
+    all get an error naming the tensor. Variable names are deliberately not used: Keras numbers
+    them per process (``dense_3/kernel``), so they differ between workers that built different
+    numbers of layers before, and a name only some workers use waits for BYTEPS_TIMEOUT.
     """
     variables = list(variables)
     if not variables:
         return None
+    values = _broadcast_values(variables, root_rank, prefix)
     if not tf.executing_eagerly() and not tf.inside_function():  # a TF1 graph: the assignments, as one op
-        values = broadcast_group([tf.convert_to_tensor(v) for v in variables], root_rank,
-                                 [f"{prefix}{i}" for i in range(len(variables))])
         return tf.group(*[tf.compat.v1.assign(v, x) for v, x in zip(variables, values)])
-    values = [tf.convert_to_tensor(v) for v in variables]
-    names = [f"{prefix}{i}" for i in range(len(variables))]
-    outs = broadcast_group(values, root_rank, names)
-    for v, o in zip(variables, outs):
-        v.assign(o)  # inside tf.function, automatic control dependencies run the assignments
+    for v, x in zip(variables, values):
+        v.assign(x)  # inside tf.function, automatic control dependencies run the assignments
 
 
 _object_counter = [0]
 
 
 def _bcast_numpy(arr, root_rank, name):
-    from byteps.core import dtypes
-
     code = dtypes.INT64 if arr.dtype == np.int64 else dtypes.UINT8
     h = common.submit(name, arr.reshape(-1).view(np.uint8), code, tuple(arr.shape), broadcast_root=root_rank,
                       finalize=lambda: arr)
@@ -81,13 +81,9 @@ def allgather_object(obj, name=None):
 
 def broadcast_(variables, root_rank, name=None, process_set=None):
     """Horovod's in-place broadcast: assign root_rank's values to ``variables``; returns them."""
-    from .collectives import check_global_set
-
     check_global_set(process_set)
     variables = list(variables)
-    prefix = f"{name or 'broadcast_'}."
-    values = broadcast_group([tf.convert_to_tensor(v) for v in variables], root_rank,
-                             [f"{prefix}{i}" for i in range(len(variables))])
+    values = _broadcast_values(variables, root_rank, f"{name or 'broadcast_'}.")
     assigned = [v.assign(x) for v, x in zip(variables, values)]
     return variables if tf.executing_eagerly() else assigned  # in a graph: the assignments' new values
 
@@ -101,14 +97,11 @@ def broadcast_global_variables(root_rank):
     variables = tf.compat.v1.global_variables()
     if not variables:
         return tf.no_op()
-    values = broadcast_group([tf.convert_to_tensor(v) for v in variables], root_rank,
-                             [f"BroadcastGlobalVariables.{i}" for i in range(len(variables))])
+    values = _broadcast_values(variables, root_rank, "BroadcastGlobalVariables.")
     return tf.group(*[tf.compat.v1.assign(v, x) for v, x in zip(variables, values)])
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=None):
     """Horovod's: a function ``fn(obj)`` that returns root_rank's ``obj`` (``session`` is not needed)."""
-    from .collectives import check_global_set
-
     check_global_set(process_set)
     return lambda obj: broadcast_object(obj, root_rank, name=name)

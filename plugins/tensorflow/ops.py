@@ -1,28 +1,8 @@
 """push_pull (allreduce) and broadcast on TensorFlow tensors, in eager mode and inside ``tf.function``.
 
-Eager mode: each tensor is copied into a contiguous numpy array, whose flat ``uint8`` view goes to
-:func:`byteps.common.submit`; the reply lands in that array, which becomes the result tensor. A
-group of tensors is submitted first and synchronized afterwards, so their transfers overlap.
-
-Graph mode (``tf.function``, ``model.fit``): one ``tf.py_function`` per call (per group for
-gradients) runs the eager implementation at every execution. ``tf.function`` runs stateful ops
-such as ``py_function`` in program order (automatic control dependencies), so every worker
-starts its operations in the same order and unnamed operations get the same automatic names.
-``py_function`` cannot be compiled by XLA: use ``jit_compile=False`` (Keras picks ``False`` on
-CPU-only machines by default; set ``model.compile(..., jit_compile=False)`` on GPUs).
-
-A floating-point tensor's average (without tensor compression) is divided by :func:`size` as the sum
-is copied in, bit for bit as TensorFlow divides (common.submit's ``average_by``); the rest is applied
-with TensorFlow ops outside the transfer: the average of a compressed tensor after decompressing it,
-integer averages and integer scaling truncated toward zero and float16 scaled in float32 (Horovod's
-rounding), the pre/post scale factors.
-
-Unnamed operations built into a graph (``tf.function``, TF1 graphs) are named when the graph is built,
-numbered in build order within graphs numbered in the order they first hold a byteps op, as Horovod
-names them by their op names: the same on every worker however the runtime orders independent ops,
-and never reused by a later graph. Unnamed eager calls are numbered in call order. Workers that
-disagree on a tensor get ``tf.errors.FailedPreconditionError`` naming it, as with Horovod.
-"""
+Eager calls go through numpy copies of the tensors; in a graph, each call is one ``tf.py_function``
+running the eager code (not under XLA). How graph ops are ordered and named, how averages are divided
+and which errors workers get: docs/compat.md ("How byteps.tensorflow runs")."""
 import itertools
 import weakref
 
@@ -36,8 +16,8 @@ from byteps.log import logger
 
 from .compression import Compression, wire_codec
 
-__all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "push_pull", "allreduce", "broadcast", "push_pull_group", "broadcast_group",
-           "dtype_code"]
+__all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "broadcast", "push_pull_group",
+           "broadcast_group", "dtype_code"]
 
 #: reduction ops (Horovod's names; BytePS used the same strings)
 Average = "Average"
@@ -95,10 +75,8 @@ def graph_name(prefix, name):
     building the same graphs); None for an eager call (numbered when it runs)."""
     if name is not None or tf.executing_eagerly():
         return name
-    # numbered per graph in build order, whatever the name scope (tf.custom_gradient opens one only
-    # on the ranks whose tensor is differentiable), and the graph by its number: a name must not come
-    # back in a later graph, where its cached key would let one worker push a tensor that another
-    # worker declares with another shape or dtype, each then waiting for the other until BYTEPS_TIMEOUT
+    # per graph in build order, whatever the name scope (tf.custom_gradient opens one only on the ranks
+    # whose tensor is differentiable); a later graph never reuses a name (docs/compat.md)
     state = _graph_state()
     counts = state["unnamed"]
     counts[prefix] = counts.get(prefix, -1) + 1
@@ -108,17 +86,11 @@ def graph_name(prefix, name):
 def graph_call(fn, inputs, out_dtypes, op_name, what):
     """``fn(*eager tensors) -> outputs`` as one tf.py_function of the graph being built.
 
-    Order: each op blocks a runtime thread until every worker has joined it, and a TF1 session runs
-    independent ops in any order on a few threads; unordered, two workers could each wait in an op
-    the other has not started. So in a TF1 graph an op built after another, with no run in between,
-    runs after it (a control edge; an op built after a run starts a new chain, so that a loop of
-    build-and-run does not re-run every earlier op). ``tf.function`` needs nothing: its automatic
-    control dependencies run stateful ops in program order.
-
-    Errors: a py_function turns every Python exception into UnknownError, so a mismatch (workers
-    disagree on ``what``) comes back as a flag, and a conditional read of a variable that does not
-    exist raises Horovod's FailedPreconditionError, its message naming ``what``; the ranks' shapes are
-    in the worker's log."""
+    In a TF1 graph an op built after another, with no run in between, gets a control edge to it (an op
+    built after a run starts a new chain, so a build-and-run loop does not re-run earlier ops);
+    ``tf.function`` orders stateful ops itself. A py_function turns every exception into UnknownError,
+    so a mismatch (workers disagree on ``what``) comes back as a flag, turned into Horovod's
+    FailedPreconditionError naming ``what`` by a read of a variable that does not exist."""
     state = None if tf.inside_function() else _graph_state()
 
     def body(*xs):
@@ -160,13 +132,25 @@ def as_tf_error(error):
     return error
 
 
+def wait_all(handles, error=None):
+    """Synchronize every handle and return the results; once all are done, raise the first error (or
+    ``error``, raised before) as Horovod's error class."""
+    results = []
+    for h in handles:
+        try:
+            results.append(common.synchronize(h))
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise as_tf_error(error)
+    return results
+
+
 def check_dtypes(tensors, names, prefix, move=False, first_ops=None):
-    """Refuse a call whose tensors byteps cannot move (TypeError naming the tensor), on every rank:
-    this rank declares the operations the call would have started abandoned, under the names they
-    would have had (an unnamed eager call is numbered now, as when it runs; a graph's by build order),
-    so the ranks that make the call fail at once naming this one (common.abandon), and automatic names
-    stay in step. ``first_ops(name)``: the names of the operations a collective of several steps
-    starts first (default: ``[name]``)."""
+    """Refuse a call whose tensors byteps cannot move (TypeError naming the tensor), on every rank: this
+    rank abandons the operations the call would have started, under the names they would have had, so
+    the other ranks fail at once naming it (common.abandon) and automatic names stay in step.
+    ``first_ops(name)``: the operations a collective of several steps starts first (default ``[name]``)."""
     try:
         for t, n in zip(tensors, names):
             dtype_code(t.dtype, _display_name(t, n), move=move)
@@ -202,7 +186,8 @@ def _resolve_op(average, op):
 def check_global_set(process_set):
     """TensorFlow's process sets are not supported: only None / the global set (id 0) is accepted."""
     if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("byteps.tensorflow supports the global process set only")
+        raise NotImplementedError("byteps.tensorflow supports the global process set only (process sets are "
+                                  "available in byteps.torch)")
 
 
 def _check_not_xla():
@@ -237,14 +222,7 @@ def _run_eager(values, names, root, prefix, asynchronous=False, codec=None, aver
             handles.append(_submit(v, n, root, asynchronous, codec, average_by))
     except BaseException as e:  # still wait for what was started, so no handle leaks
         error = e
-    results = []
-    for h in handles:
-        try:
-            results.append(common.synchronize(h))
-        except BaseException as e:
-            error = error or e
-    if error is not None:
-        raise as_tf_error(error)
+    results = wait_all(handles, error)
     return [tf.convert_to_tensor(r, dtype=v.dtype) for r, v in zip(results, values)]
 
 

@@ -67,16 +67,13 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     """Wrap a ``tf.GradientTape`` so that ``gradient()`` returns gradients averaged over all workers.
 
     Use it after recording (``tape = bps.DistributedGradientTape(tape)``) or around a fresh tape
-    (``with bps.DistributedGradientTape(tf.GradientTape()) as tape:``). In eager mode every
-    gradient's push_pull is started before any is awaited; inside ``tf.function`` they travel in one
-    ``tf.py_function``. Gradient ``i`` (position in the flattened ``sources``) is named
-    ``<name or "DistributedGradientTape">.Gradient.<i>``, so every worker must pass the same sources
-    in the same order. ``None`` gradients are skipped (they must be None on every worker);
-    ``IndexedSlices`` are made dense. ``device_*`` and ``sparse_as_dense`` are accepted for
-    BytePS/Horovod compatibility. ``register_local_source(variable)`` keeps a variable's gradient local
-    (Horovod's model parallelism; divided by the number of workers with ``scale_local_gradients``).
-
-    Returns an instance of a subclass of the tape's class, sharing its recording.
+    (``with bps.DistributedGradientTape(tf.GradientTape()) as tape:``); the gradients travel as one
+    group. Gradient ``i`` (position in the flattened ``sources``) is named ``<name or
+    "DistributedGradientTape">.Gradient.<i>``, so every worker must pass the same sources in the same
+    order. ``None`` gradients are skipped (on every worker alike); ``IndexedSlices`` are made dense.
+    ``device_*`` and ``sparse_as_dense`` are accepted for compatibility. ``register_local_source(v)``
+    keeps a variable's gradient local (Horovod's model parallelism; divided by the number of workers
+    with ``scale_local_gradients``). Returns a subclass of the tape's class sharing its recording.
     """
     base = gradtape.__class__
     cls = type(base.__name__, (_DistributedGradientTapeMixin, base), {"__module__": base.__module__})
@@ -208,9 +205,8 @@ def DistributedOptimizer(optimizer, name=None, compression=Compression.none, op=
                          average_aggregated_gradients=False):
     """Wrap a Keras 3 optimizer so that gradients are averaged over all workers before each update.
 
-    Works with ``model.fit`` (``jit_compile=False``: the transfer is a ``tf.py_function``, which XLA
-    cannot compile; Keras already picks ``False`` on CPU-only machines), ``optimizer.apply_gradients``
-    and ``optimizer.apply``, eager or in ``tf.function``. Returns a new optimizer of a subclass of
+    Works with ``model.fit`` (``jit_compile=False``), ``optimizer.apply_gradients`` and
+    ``optimizer.apply``, eager or in ``tf.function``. Returns a new optimizer of a subclass of
     ``optimizer``'s class, made from its config; a built optimizer's state is copied over.
 
     Args:

@@ -1,14 +1,7 @@
 """Horovod's ``hvd.SyncBatchNormalization`` for Keras 3: batch normalization whose training statistics are
-those of every worker's batch together.
-
-In training, each worker sums its inputs, their squares and its element count per channel; one
-allreduce (Sum) of the three adds them over the workers, giving the mean and the variance
-(``E[x^2] - E[x]^2``, as Horovod computes it) of the concatenated batches. Unlike Horovod, which
-averages the workers' moments, the counts weigh each worker's share, so workers may hold batches of
-different sizes. The allreduce is differentiable, so gradients are those of normalizing the
-concatenated batch. Moving statistics are updated from the global moments, identically on every worker.
-In inference, or in a job of one worker, it is Keras's ``BatchNormalization``.
-"""
+those of every worker's batch together, from one differentiable Sum allreduce of the per-channel sums,
+sums of squares and counts (so batch sizes may differ; docs/compat.md). In inference, or in a job of one
+worker, it is Keras's ``BatchNormalization``."""
 import itertools
 
 import keras

@@ -1,11 +1,8 @@
 """byteps for PyTorch: ``import byteps.torch as bps`` -- or, for a Horovod script, ``as hvd``.
 
-BytePS's API (init, push_pull, DistributedOptimizer, broadcast_parameters, ...) over the
-Summation Service, plus Horovod's ``horovod.torch`` names and semantics (allreduce, allgather,
-broadcast, grouped_allreduce, join, Average/Sum/Min/Max/Product, ...; see mpi_ops.py), a DDP
-communication hook (:func:`ddp_comm_hook`) and a ``torch.distributed`` backend named
-``"byteps"`` (process_group.py). See README.md and docs/launchers.md.
-"""
+BytePS's API (push_pull, DistributedOptimizer, broadcast_parameters, ...), Horovod's ``horovod.torch``
+names and semantics (mpi_ops.py), a DDP communication hook and a ``torch.distributed`` backend named
+``"byteps"`` (process_group.py). See README.md and docs/launchers.md."""
 from byteps import common as _common
 from byteps.common import barrier as _bps_barrier  # noqa: F401  (byteps' own barrier, kept importable)
 from byteps.common import is_initialized, local_rank, local_size, metrics, rank, size
@@ -22,10 +19,9 @@ from .mpi_ops import (Adasum, Average, HorovodInternalError, Max, Min, Product, 
                       ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
                       global_process_set, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
                       grouped_allreduce_async_, is_homogeneous, join, mpi_built, mpi_enabled, mpi_threads_supported,
-                      mark_step, nccl_built, reducescatter_async, remove_process_set, rocm_built, start_timeline,
-                      stop_timeline)
-from .collectives import (alltoall, alltoall_async, grouped_allgather, grouped_allgather_async,
-                          grouped_reducescatter, grouped_reducescatter_async, reducescatter, sparse_allreduce_async)
+                      mark_step, nccl_built, remove_process_set, rocm_built, start_timeline, stop_timeline)
+from .collectives import (alltoall, alltoall_async, grouped_allgather, grouped_allgather_async, grouped_reducescatter,
+                          grouped_reducescatter_async, reducescatter, reducescatter_async, sparse_allreduce_async)
 from .ops import (broadcast_, broadcast_async_, declare, poll, push_pull, push_pull_async, push_pull_async_inplace,
                   push_pull_inplace, synchronize)
 from .optimizer import DistributedOptimizer, _DistributedOptimizer  # noqa: F401  (BytePS exports it)

@@ -1,19 +1,10 @@
-"""Asynchronous training (BYTEPS_ENABLE_ASYNC=1): the optimizer's flow when servers keep the parameters.
+"""Asynchronous training (BYTEPS_ENABLE_ASYNC=1, docs/async.md): the servers keep the parameters.
 
-Synchronous training sums gradients; asynchronous training, as in the BytePS paper §5, lets each
-worker move at its own pace:
+At construction every worker push_pulls its parameters once (round 0 of each key: the servers keep
+rank 0's values and return them to all). ``step()`` runs the wrapped optimizer locally, pushes each
+parameter's delta ``new - old`` and continues from the servers' latest values, with no barrier."""
+import contextlib
 
-1. At construction every worker push_pulls its parameters once ("round 0" of each key). The server
-   keeps rank 0's values and returns them to everyone, so all workers start from rank 0's
-   parameters and the servers never start from zeros (original BytePS's defect).
-2. ``step()`` runs the wrapped optimizer locally on the local gradients, then pushes the update
-   ``delta = new - old`` of each parameter. The server adds the delta to its parameters and
-   answers at once with the latest values (no barrier: a slow worker delays nobody), which
-   become both the worker's parameters and its new ``old``.
-
-This is Asynchronous Parallel with f(g) computed by the worker; the paper's Theorem 2 shows the
-two are equivalent, and tests/test_async.py checks it exactly for a scripted interleaving.
-"""
 import torch
 
 from byteps import common
@@ -56,8 +47,6 @@ class _AsyncDistributedOptimizer(torch.optim.Optimizer):
         """Nothing to wait for: asynchronous mode exchanges parameters in ``step()``."""
 
     def skip_synchronize(self):
-        import contextlib
-
         return contextlib.nullcontext()
 
     def step(self, closure=None):

@@ -1,18 +1,6 @@
-"""Horovod's remaining torch collectives, built on mpi_ops' allgather and allreduce.
-
-* ``alltoall`` / ``alltoall_async`` (with or without ``splits``; autograd): every rank's split
-  vector and the rows it sends travel as two allgathers (exact: integers, and bytes copied by
-  broadcasts), then each rank keeps the rows addressed to it, in source-rank order. Every rank
-  receives every rank's rows, so the traffic is ``size`` times Horovod's; alltoall is for
-  compatibility here, not for throughput.
-* ``grouped_allgather`` / ``grouped_allgather_async`` (autograd): one allgather per tensor.
-* ``reducescatter`` with autograd (Horovod: the gradient is the allgathered upstream gradient,
-  times ``size`` for Sum), ``grouped_reducescatter`` / ``grouped_reducescatter_async``.
-* ``sparse_allreduce_async``: Horovod's: allgather the COO indices and values; returns a callable.
-
-Names: ``alltoall.<name>`` (``.splits`` and ``.data`` below it), ``grouped_allgather.<name>.<i>``,
-``grouped_reducescatter.<name>.<i>``; unnamed calls are numbered in call order, on the caller's
-thread, so every rank derives the same names. A name already in flight raises ``ValueError``.
+"""Horovod's remaining torch collectives, built on mpi_ops' allgather and allreduce: alltoall, grouped
+allgather and reducescatter, reducescatter (with autograd) and sparse allreduce. docs/launchers.md
+says how each travels and what its operations are named. A name already in flight raises ``ValueError``.
 """
 import torch
 
@@ -21,20 +9,14 @@ from byteps.splits import rows_sent, send_table, splits_row
 
 from . import completion
 from .compression import Compression
-from .mpi_ops import (Average, Sum, _allgather_start, _contiguous_copy, _finish_with_results, _grouped_start, _members,
-                      _name, _start_chain, _wire_set, global_process_set, reducescatter_async)
+from .mpi_ops import (Average, Sum, _allgather_start, _allreduce_start, _code, _contiguous_copy, _finish_with_results,
+                      _grad_name, _grouped_start, _members, _name, _start_chain, _starting, _when_finished, _wire_set,
+                      global_process_set)
 
 
 class ScalarInputError(BytePSError, ValueError):
     """A scalar where a collective needs dim 0 (Horovod raises ValueError, newer versions RuntimeError)."""
 
-
-def _check_move_dtype(tensor, name, pset, first_ops):
-    """alltoall/allgather move bytes: every byteps dtype plus int16 (UnsupportedTypeError otherwise, after
-    abandoning ``first_ops``, the operations the call would have started first: mpi_ops._code)."""
-    from .mpi_ops import _code
-
-    _code(tensor, name, move=True, pset=pset, first_ops=first_ops)
 
 
 # ------------------------------------------------------------------------------ alltoall
@@ -59,7 +41,7 @@ def _alltoall_start(tensor, splits, name, pset=None):
     row = splits_row(rows, _given_splits(tensor, splits), n)
     full = _name("alltoall", name, pset)
     # its two allgathers' first operations (the splits' and the data's, started together)
-    _check_move_dtype(tensor, full, pset, [f"allgather.{full}.{part}.sizes" for part in ("splits", "data")])
+    _code(tensor, full, move=True, pset=pset, first_ops=[f"allgather.{full}.{p}.sizes" for p in ("splits", "data")])
     # bad splits send no rows: the check after the first gather fails the alltoall on every rank
     src = _contiguous_copy(tensor.narrow(0, 0, rows_sent(row, n)))
     gathers = []
@@ -112,8 +94,8 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *unused):
-        name = None if ctx.name is None else f"{ctx.name}.grad"
-        g, _ = completion.synchronize(_alltoall_start(grad.contiguous(), ctx.received, name, ctx.pset).handle)
+        g, _ = completion.synchronize(_alltoall_start(grad.contiguous(), ctx.received, _grad_name(ctx.name),
+                                                      ctx.pset).handle)
         if g.shape[0] < ctx.rows:  # rows past sum(splits) were not sent: their gradient is zero
             g = torch.cat([g, g.new_zeros((ctx.rows - g.shape[0],) + tuple(g.shape[1:]))])
         return g, None, None, None
@@ -134,7 +116,8 @@ def _grouped_allgather_start(tensors, name, pset=None):
     tensors = list(tensors)
     full = _name("grouped_allgather", name, pset)
     for i, t in enumerate(tensors):
-        _check_move_dtype(t, f"{full}.{i}", pset, [f"allgather.{full}.{j}.sizes" for j in range(len(tensors))])
+        _code(t, f"{full}.{i}", move=True, pset=pset,
+              first_ops=[f"allgather.{full}.{j}.sizes" for j in range(len(tensors))])
     subs = []
 
     def starter(i, t):
@@ -166,9 +149,8 @@ class _GroupedAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        name = None if ctx.name is None else f"{ctx.name}.grad"
-        reduced = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], name, Average,
-                                                        1.0, 1.0, ctx.pset))
+        reduced = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], _grad_name(ctx.name),
+                                                        Average, 1.0, 1.0, ctx.pset))
         me = _members(ctx.pset)[1]
         return (None, None, *[r.narrow(0, sum(c[:me]), c[me]) for r, c in zip(reduced, ctx.counts)])
 
@@ -187,6 +169,28 @@ def _check_reducescatter(tensor, op):
         raise ScalarInputError("Reducescatter does not support scalar inputs")
 
 
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Reduce ``tensor`` over all ranks, then keep this rank's block of dim 0 (the first
+    ``dim0 % size`` ranks get one extra row, as in Horovod). Average and Sum only."""
+    pset = _wire_set(process_set)
+    _check_reducescatter(tensor, op)
+    full = _name("reducescatter", name, pset)
+    with _starting(full) as pending:
+        h = _allreduce_start(_contiguous_copy(tensor), full + ".sum", op, prescale_factor, postscale_factor,
+                             pset=pset)
+    n, me, _ = _members(pset)
+    rows = tensor.shape[0]
+    counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
+
+    def cut(outcomes):
+        (res, _), = outcomes
+        pending.finish(result=res.narrow(0, sum(counts[:me]), counts[me]).clone())
+
+    _when_finished(full, pending, [h], cut)
+    return pending.handle
+
+
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
@@ -196,8 +200,7 @@ class _Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        name = None if ctx.name is None else f"{ctx.name}.grad"
-        g = completion.synchronize(_allgather_start(_contiguous_copy(grad), name, ctx.pset).handle)
+        g = completion.synchronize(_allgather_start(_contiguous_copy(grad), _grad_name(ctx.name), ctx.pset).handle)
         if ctx.op == Sum:  # Horovod: the gradient of a Sum reducescatter is size x the gathered gradient
             g = g * _members(ctx.pset)[0]
         return g, None, None, None, None, None
@@ -242,9 +245,8 @@ class _GroupedReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        name = None if ctx.name is None else f"{ctx.name}.grad"
         gathered = completion.synchronize(_grouped_allgather_start([_contiguous_copy(g) for g in grads],
-                                                                   name, ctx.pset).handle)
+                                                                   _grad_name(ctx.name), ctx.pset).handle)
         if ctx.op == Sum:
             gathered = [g * _members(ctx.pset)[0] for g in gathered]
         return (None, None, None, None, None, *gathered)

@@ -1,20 +1,10 @@
-"""Completion plumbing for operations made of several byteps operations.
+"""Completion plumbing for operations made of several byteps operations (Horovod's allgather, grouped and
+Min/Max/Product allreduces, DDP hook futures, the ``torch.distributed`` backend).
 
-Horovod's allgather, Min/Max/Product allreduces and grouped allreduces, DDP comm-hook futures and
-the ``torch.distributed`` backend all need "do X when these byteps handles have finished"
-without blocking the caller. Two pieces:
-
-* :func:`when_done` runs a function on one helper thread once every given handle has finished
-  (triggered from the engine's completion callbacks, so nothing polls). The function receives
-  each handle's outcome ``(result, error)`` after :func:`byteps.common.synchronize` (which also
-  runs the handle's finalize step: averaging, write-back).
-* :class:`Pending` is a user-visible handle (an int from the same counter as byteps handles)
-  for a multi-stage operation; :func:`poll` / :func:`synchronize` in ``byteps.torch`` accept both.
-
-Functions run on the helper thread must never block on other ranks: they only submit further
-operations and register further :func:`when_done` callbacks. Waiting is left to the user's
-thread, so two ranks can never deadlock on the helper threads' order.
-"""
+:func:`when_done` runs a function on one helper thread once every given handle has finished (from the
+engine's completion callbacks: nothing polls); :class:`Pending` is the user's handle of a multi-stage
+operation. Functions on the helper thread never block on other ranks (they only submit operations and
+register callbacks), so two ranks cannot deadlock on the helper threads' order."""
 import queue
 import threading
 

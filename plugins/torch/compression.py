@@ -1,12 +1,8 @@
-"""Gradient compressors (BytePS/Horovod ``Compression``): tensor casts and wire codecs.
-
-``Compression.none`` and ``Compression.fp16`` are Horovod's: applied to the tensor before
-push_pull and undone after. The others are wire codecs (byteps/compression.py): the tensor is
-left alone and each partition is encoded only while it crosses the network; call them to set
-options, e.g. ``Compression.onebit(error_feedback=True)`` or ``Compression.topk(ratio=0.001)``.
+"""Gradient compressors (BytePS/Horovod ``Compression``): ``none`` and ``fp16`` are Horovod's, applied
+to the tensor before push_pull and undone after; the others are wire codecs (byteps/compression.py),
+which encode each partition only while it crosses the network (docs/compression.md).
 ``DistributedOptimizer(compression=...)`` also takes a dict ``{parameter name or fnmatch pattern:
-compressor}`` for per-tensor choices (unmatched parameters: ``Compression.none``).
-"""
+compressor}`` (unmatched parameters: ``Compression.none``)."""
 import fnmatch
 
 import torch

@@ -1,19 +1,11 @@
 """BytePS's ``byteps.torch.cross_barrier``: ``CrossBarrier`` lets the next iteration start before the
-parameter update of this one has finished (ByteScheduler, SOSP'19: "crossing the barrier").
+parameter update of this one has finished (ByteScheduler's "crossing the barrier").
 
 ``import byteps.torch.cross_barrier as bps`` gives the whole ``byteps.torch`` API plus
 :func:`CrossBarrier`. ``optimizer.step()`` returns at once: a background thread waits for the
-gradients' push_pulls (started during backward, as with :func:`DistributedOptimizer`) and runs the
-wrapped optimizer's update, while the training thread goes on to load the next batch; the model's
-next ``forward`` (and ``zero_grad``, ``state_dict``, ``synchronize``) waits until that update is
-done, so no layer ever computes with stale parameters.
-
-Difference from BytePS: the update is one ``step()`` of the wrapped optimizer once every gradient
-is in, not a per-parameter update as each push_pull finishes, so every torch optimizer works
-(BytePS: SGD, Adam and RMSprop only) and the next forward waits for the whole update; importing
-this module changes nothing else (BytePS patches ``_DistributedOptimizer`` globally).
-``num_steps`` is accepted and unused.
-"""
+gradients and runs the wrapped optimizer's step, while the model's next ``forward`` (and
+``zero_grad``, ``state_dict``, ``synchronize``) waits for that update. How this differs from
+BytePS: docs/compat.md. ``num_steps`` is accepted and unused."""
 import threading
 
 from byteps import common

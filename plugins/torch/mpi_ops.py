@@ -1,25 +1,9 @@
 """Horovod's ``horovod.torch`` collectives on top of byteps' push_pull and broadcast.
 
-A script written for Horovod runs unchanged with ``import byteps.torch as hvd``. Each collective
-maps onto the two byteps primitives (docs/launchers.md has the full table):
-
-* ``allreduce`` with ``Average``/``Sum``: one push_pull (the Summation Service adds); prescale is
-  applied before, postscale and the ``1/size`` of Average after, as Horovod does.
-* ``allreduce`` with ``Min``/``Max``/``Product``: every rank broadcasts its tensor (``size``
-  broadcasts in flight together, one per root), then each rank reduces the gathered tensors
-  locally: exact, and identical on every rank.
-* ``allgather``: a push_pull of an int64 vector in which each rank fills its own slot (exact)
-  gathers the dim-0 sizes; then one broadcast per rank, rooted at that rank, fills its rows of the
-  output. Broadcasts copy bytes, so the result is bit-exact for every dtype (NaN, -0.0 included).
-* ``broadcast``: a real byteps broadcast. ``grouped_allreduce``: one push_pull per tensor.
-
-Names: ``allreduce.<name>``, ``allgather.<name>``, ``grouped_allreduce.<name>`` (unnamed calls are
-numbered in call order, ``allreduce.noname.<n>``); broadcasts are byteps' own (``broadcast_`` and
-``broadcast_async_`` are the same functions for both APIs) and use the name as given.
-
-A cross-rank mismatch of shape, dtype or root raises :class:`byteps.TensorMismatchError` (a
-``RuntimeError``, and a :class:`HorovodInternalError`) on every rank, and the job goes on; a name
-already in flight raises ``ValueError`` at submit time.
+A script written for Horovod runs unchanged with ``import byteps.torch as hvd``; docs/launchers.md
+maps each collective onto the two primitives and gives its operations' names. A cross-rank mismatch
+of shape, dtype or root raises :class:`byteps.TensorMismatchError` (a ``RuntimeError`` and a
+:class:`HorovodInternalError`) on every rank; a name already in flight raises ``ValueError``.
 """
 import contextlib
 import threading
@@ -37,8 +21,8 @@ from . import completion
 from .compression import Compression, wire_codec
 from .ops import (_after_device_copies, _average_by, _broadcast_start, _buffers, _ready_again, _start,
                   _written_back, broadcast_async_ as _bps_broadcast_async_, dtype_code)
-from .process_sets import (ProcessSet, _check_process_set, _members, _wire_set, add_process_set,  # noqa: F401
-                           global_process_set, remove_process_set)
+from .process_sets import (ProcessSet, _members, _wire_set, add_process_set, global_process_set,  # noqa: F401
+                           remove_process_set)
 
 Average = 0
 Sum = 1
@@ -51,10 +35,7 @@ _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: 
 
 #: Horovod's error for a failed collective; byteps' errors are all of this type.
 HorovodInternalError = BytePSError
-
-
 UnsupportedTypeError = errors.UnsupportedTypeError  # a TypeError (byteps) and a ValueError (Horovod)
-
 
 # ------------------------------------------------------------------------------ helpers
 
@@ -83,12 +64,16 @@ def _code(tensor, name, move=False, pset=None, first_ops=None):
         raise
 
 
+def _in_flight(full):
+    return ValueError(f"an operation named {full!r} is already in flight; synchronize it before starting "
+                      "another one with the same name")
+
+
 def _reserve(full):
     """Mark a multi-stage operation's name as in flight (ValueError if it already is)."""
     with _busy_lock:
         if full in _busy:
-            raise ValueError(f"an operation named {full!r} is already in flight; synchronize it before "
-                             "starting another one with the same name")
+            raise _in_flight(full)
         _busy.add(full)
 
 
@@ -153,8 +138,7 @@ def _check_inflight(full):
     with _busy_lock:
         busy = full in _busy
     if busy or full in job.inflight:
-        raise ValueError(f"an operation named {full!r} is already in flight; synchronize it before "
-                         "starting another one with the same name")
+        raise _in_flight(full)
 
 
 def _resolve_op(op, average):
@@ -178,21 +162,28 @@ def _scale_(t, factor):
     if factor == 1.0:
         return t
     with torch.no_grad():
-        return _scale_inplace(t, factor)
-
-
-def _scale_inplace(t, factor):
-    if t.dtype in (torch.float16, torch.bfloat16):
-        t.copy_(t.float().mul_(factor))
-    elif t.dtype.is_floating_point:
-        t.mul_(factor)
-    else:
-        t.copy_(t.double().mul_(factor))
+        if t.dtype in (torch.float16, torch.bfloat16):
+            t.copy_(t.float().mul_(factor))
+        elif t.dtype.is_floating_point:
+            t.mul_(factor)
+        else:
+            t.copy_(t.double().mul_(factor))
     return t
 
 
 def _contiguous_copy(tensor):
     return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _grad_name(name):
+    """The name of the operation that carries the gradient of the one named ``name``."""
+    return None if name is None else f"{name}.grad"
+
+
+def _averaged(grad, name, pset):
+    """A copy of ``grad`` averaged over the ranks: the gradient of a broadcast or an allgather."""
+    full = _name("allreduce", _grad_name(name), pset)
+    return completion.synchronize(_allreduce_start(_contiguous_copy(grad), full, Average, pset=pset))
 
 
 # ------------------------------------------------------------------------------ allreduce
@@ -261,19 +252,17 @@ def _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor, ps
 def _submit_all(thunks, pending, full):
     """Submit operations; if one fails after others started, fail ``pending`` once those finish."""
     handles = []
-    for i, thunk in enumerate(thunks):
-        try:
+    try:
+        for thunk in thunks:
             handles.append(thunk())
-        except BaseException as e:
-            if not handles:
-                raise
-            err = e
-
-            def fail(outcomes, err=err):
+    except BaseException as e:
+        if handles:
+            def fail(outcomes, err=e):
                 _release(full)
                 pending.finish(error=err)
+
             completion.when_done(handles, fail)
-            raise
+        raise
     return handles
 
 
@@ -316,8 +305,7 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        name = None if ctx.name is None else f"{ctx.name}.grad"
-        full = _name("allreduce", name, ctx.pset)
+        full = _name("allreduce", _grad_name(ctx.name), ctx.pset)
         out = completion.synchronize(_allreduce_start(_contiguous_copy(grad), full, ctx.op, *ctx.scale,
                                                       compression=ctx.codec, pset=ctx.pset))
         return out, None, None, None, None, None, None
@@ -385,9 +373,8 @@ class _GroupedAllreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        name = None if ctx.name is None else f"{ctx.name}.grad"
-        outs = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], name, ctx.op, *ctx.scale,
-                                                     ctx.pset))
+        outs = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], _grad_name(ctx.name),
+                                                     ctx.op, *ctx.scale, ctx.pset))
         return (None, None, None, None, None, *outs)
 
 
@@ -419,9 +406,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        name = None if ctx.name is None else f"{ctx.name}.grad"
-        reduced = completion.synchronize(_allreduce_start(_contiguous_copy(grad), _name("allreduce", name, ctx.pset),
-                                                          Average, pset=ctx.pset))
+        reduced = _averaged(grad, ctx.name, ctx.pset)
         if common.rank() != ctx.root_rank:
             reduced = reduced * 0
         return reduced, None, None, None
@@ -448,19 +433,17 @@ def _allgather_start(tensor, name, pset=None):
         first = _start(sizes, f"{full}.sizes", False, 0, pset=pset)
 
     def gather(outcomes):
-        err = completion.first_error(outcomes)
-        if err is not None:
-            _release(full)
-            pending.finish(error=err)
-            return
-        counts = [int(c) for c in sizes.tolist()]
-        pending.extra = counts
-        out = torch.empty((sum(counts),) + tuple(src.shape[1:]), dtype=src.dtype)
-        parts = list(out.split(counts))
-        parts[me].copy_(src)
         try:
+            err = completion.first_error(outcomes)
+            if err is not None:
+                raise err
+            counts = [int(c) for c in sizes.tolist()]
+            pending.extra = counts
+            out = torch.empty((sum(counts),) + tuple(src.shape[1:]), dtype=src.dtype)
+            parts = list(out.split(counts))
+            parts[me].copy_(src)
             handles = [_broadcast_start(parts[i], ranks[i], f"{full}.{i}", pset) for i in range(n) if counts[i] > 0]
-        except Exception as e:  # cannot happen for a consistent job; fail rather than hang
+        except Exception as e:  # the sizes' error, or (never for a consistent job) a refused broadcast
             _release(full)
             pending.finish(error=e)
             return
@@ -486,9 +469,7 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        name = None if ctx.name is None else f"{ctx.name}.grad"
-        reduced = completion.synchronize(_allreduce_start(_contiguous_copy(grad), _name("allreduce", name, ctx.pset),
-                                                          Average, pset=ctx.pset))
+        reduced = _averaged(grad, ctx.name, ctx.pset)
         me = _members(ctx.pset)[1]
         offset = sum(ctx.counts[:me])
         return reduced.narrow(0, offset, ctx.counts[me]), None, None
@@ -498,41 +479,6 @@ def allgather(tensor, name=None, process_set=global_process_set):
     """Every rank's ``tensor`` concatenated along dim 0, in rank order (differentiable); in a process
     set, its members' tensors in the order of its ranks."""
     return _Allgather.apply(tensor, name, _wire_set(process_set))
-
-
-# ------------------------------------------------------------------------------ reducescatter
-
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0):
-    """Reduce ``tensor`` over all ranks, then keep this rank's block of dim 0 (the first
-    ``dim0 % size`` ranks get one extra row, as in Horovod). Average and Sum only."""
-    pset = _wire_set(process_set)
-    if op not in (Average, Sum):
-        raise RuntimeError("Reducescatter currently only supports AVERAGE and SUM.")
-    if tensor.dim() == 0:
-        raise ValueError("Reducescatter does not support scalar inputs")
-    full = _name("reducescatter", name, pset)
-    with _starting(full) as pending:
-        h = _allreduce_start(_contiguous_copy(tensor), full + ".sum", op, prescale_factor, postscale_factor,
-                             pset=pset)
-    n, me, _ = _members(pset)
-    rows = tensor.shape[0]
-    counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
-
-    def cut(outcomes):
-        (res, _), = outcomes
-        pending.finish(result=res.narrow(0, sum(counts[:me]), counts[me]).clone())
-
-    _when_finished(full, pending, [h], cut)
-    return pending.handle
-
-
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
-                  prescale_factor=1.0, postscale_factor=1.0):
-    compressed, ctx = compression.compress(tensor)
-    out = completion.synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor,
-                                                     postscale_factor))
-    return compression.decompress(out, ctx)
 
 
 # ------------------------------------------------------------------------------ join, barrier, misc

@@ -1,22 +1,22 @@
 """push_pull and broadcast on torch tensors, CPU and CUDA.
 
-CPU tensors reach the core as a flat uint8 numpy view of their own memory, so nothing is copied for
-contiguous ones; a non-contiguous one is worked on in a contiguous copy written back when the handle
-is synchronized. A CUDA tensor reaches the native core as its device memory (core/device_buffer.py
-DeviceBuffer), with an event recorded on the caller's current stream after the work that produces it:
-the core copies each partition off the GPU after that event and its result back, partition by partition,
-overlapping the network (COPYD2H / COPYH2D, core/pipeline/gpu_copier.h), and ``synchronize`` makes the
-caller's current stream wait for the op's done event. On a machine of several GPU processes with
-BYTEPS_LOCAL_STRATEGY=topology the same buffer takes the NCCL stages there (core/pipeline/nccl_stages.h).
+A contiguous CPU tensor reaches the core as a uint8 view of its own memory (else a contiguous copy,
+written back at synchronize). A CUDA tensor reaches it as its device memory (core/device_buffer.py)
+with a ready event on the caller's current stream: the core copies it off the GPU and back partition
+by partition, and ``synchronize`` makes the current stream wait for the op's done event.
 """
 import torch
 
 from byteps import common
+from byteps.buffers import MIN_POOLED_BYTES, pool
 from byteps.core import dtypes
 from byteps.core._reduce import byte_array
 from byteps.core.device_buffer import DeviceBuffer
+from byteps.errors import UnsupportedTypeError
 
 from . import completion
+from .compression import Compression, wire_codec
+from .process_sets import _wire_set
 
 __all__ = ["push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace", "broadcast_",
            "broadcast_async_", "poll", "synchronize", "declare"]
@@ -39,8 +39,6 @@ def dtype_code(tensor, name, move=False):
     except KeyError:
         if move and tensor.dtype in _MOVE_ONLY:
             return dtypes.UINT8
-        from byteps.errors import UnsupportedTypeError
-
         supported = ", ".join(str(d) for d in _TORCH_DTYPES)
         moved = ", ".join(str(d) for d in _MOVE_ONLY)
         raise UnsupportedTypeError(f"byteps: tensor {name!r} has unsupported dtype {tensor.dtype}; supported: "
@@ -54,38 +52,24 @@ def _wire_shape(tensor):
     return tuple(tensor.shape)
 
 
-def _host_buffer(tensor):
-    """(work tensor, write_back) of a tensor the core reads in host memory: a contiguous CPU tensor sharing
-    memory with ``tensor`` where it can, else a contiguous host copy that ``finalize`` writes back into
-    ``tensor``."""
-    if tensor.device.type == "cpu" and tensor.is_contiguous():
-        return tensor, None
-    work = tensor.detach().to("cpu", copy=True).contiguous()
-    return work, tensor
-
-
-def _byte_view(work):
-    """A flat uint8 numpy view of contiguous CPU tensor ``work``'s memory (it keeps ``work`` alive)."""
-    return byte_array(work.data_ptr(), work.numel() * work.element_size(), work)
-
-
 def _buffers(tensor):
-    """(work tensor, write_back, buffer for common.submit): ``_host_buffer`` and its byte view; for a CUDA
-    tensor the (contiguous) tensor and its device memory, a DeviceBuffer for the native core."""
-    if not tensor.is_cuda:
-        work, write_back = _host_buffer(tensor)
-        return work, write_back, _byte_view(work)
-    work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    write_back = None if work is tensor else tensor
-    return work, write_back, _native_device_buffer(work)
+    """(work tensor, write_back, buffer for common.submit). ``work`` is ``tensor`` when it is contiguous
+    (and in host memory or on a GPU), else a contiguous copy that finalize writes back into
+    ``write_back``; the buffer is a flat uint8 view of host memory, or a CUDA tensor's DeviceBuffer."""
+    if tensor.is_cuda:
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        return work, None if work is tensor else tensor, _native_device_buffer(work)
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        work, write_back = tensor, None
+    else:
+        work, write_back = tensor.detach().to("cpu", copy=True).contiguous(), tensor
+    return work, write_back, byte_array(work.data_ptr(), work.numel() * work.element_size(), work)
 
 
 def _native_device_buffer(work):
-    """The DeviceBuffer of contiguous CUDA tensor ``work`` for the native copy stages: its device memory,
-    a ready event recorded now on the caller's current stream (the kernels that produce ``work`` may
-    still be queued there: the first copy waits for it on the GPU, the host does not), and a done event
-    the core records after the op's last copy, which ``synchronize`` makes the current stream wait for
-    (:func:`_after_device_copies`). The buffer keeps ``work`` and both events alive while the op runs."""
+    """The DeviceBuffer of contiguous CUDA tensor ``work``: its device memory, a ready event recorded now on
+    the caller's current stream (the first copy waits for it on the GPU, the host does not) and a done
+    event the core records after the op's last copy. It keeps ``work`` and both events alive."""
     stream = torch.cuda.current_stream(work.device)
     ready, done = torch.cuda.Event(), torch.cuda.Event()
     ready.record(stream)
@@ -108,17 +92,14 @@ def _after_device_copies(buf, work):
 
 
 def _average_by(work, size, buf=None):
-    """What common.submit's ``average_by`` takes for an average of ``work`` over ``size`` workers: ``size``
-    for a float tensor in host memory or one the native copy stages move (``buf`` a DeviceBuffer), whose
-    sum is then divided as it is copied in (no pass of its own); else 1, and the caller divides after
-    synchronize."""
+    """common.submit's ``average_by`` for an average of ``work`` over ``size`` workers: ``size`` for a float
+    tensor in host memory or in a DeviceBuffer (divided as it is copied in); else 1 (the caller divides)."""
     native = work.device.type == "cpu" or isinstance(buf, DeviceBuffer)
     return size if size > 1 and work.is_floating_point() and native else 1
 
 
 def _divide_(work, size):
-    """An average's division, in place: true division for a float tensor, floor division for an integer one
-    (documented in docs/architecture.md)."""
+    """An average's division, in place: floor division for an integer tensor (docs/architecture.md)."""
     return work.div_(size) if work.dtype.is_floating_point else work.floor_divide_(size)
 
 
@@ -176,11 +157,7 @@ def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority
 
 def _wire(compression):
     """What common.submit takes: a wire codec, None (the job's default) or False."""
-    if compression is None or compression is False:
-        return compression
-    from .compression import wire_codec
-
-    return wire_codec(compression)
+    return compression if compression is None or compression is False else wire_codec(compression)
 
 
 def push_pull_async(tensor, average=True, name=None, version=0, priority=0, compression=None):
@@ -189,13 +166,9 @@ def push_pull_async(tensor, average=True, name=None, version=0, priority=0, comp
 
 
 def out_of_place(tensor):
-    """A contiguous copy of ``tensor`` to push_pull into and return: the one pass over the tensor that
-    an out-of-place result needs. From 256 KB up, a CPU tensor's copy goes into a block of
-    byteps's host pool (byteps_py/buffers.py) that comes back when the result is freed, so a warm
-    loop of out-of-place calls allocates nothing and takes no page faults (a fresh 64 MB tensor
-    costs 16,384 of them)."""
-    from byteps.buffers import MIN_POOLED_BYTES, pool
-
+    """A contiguous copy of ``tensor`` to push_pull into and return. A large CPU tensor's copy goes into a
+    block of byteps's host pool (byteps_py/buffers.py), returned when the result is freed, so a warm
+    loop of out-of-place calls allocates nothing and takes no page faults."""
     src = tensor.detach()
     nbytes = src.numel() * src.element_size()
     if src.device.type != "cpu" or nbytes < MIN_POOLED_BYTES:
@@ -217,9 +190,9 @@ def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0, co
     return synchronize(_start(tensor, name, average, priority, compression=_wire(compression), sync=True))
 
 
-def _push_pull_out(tensor, average, name, priority, codec):
+def _push_pull_out(tensor, average, name, priority, codec, prefix="push_pull"):
     """A synchronous out-of-place push_pull: the result in a new tensor."""
-    name = name if name is not None else _unnamed_sync("push_pull", tensor)
+    name = name if name is not None else _unnamed_sync(prefix, tensor)
     return synchronize(_start(out_of_place(tensor), name, average, priority, compression=_wire(codec), sync=True))
 
 
@@ -231,9 +204,8 @@ class _PushPull(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        name = _unnamed_sync("push_pull.grad", grad) if ctx.name is None else f"{ctx.name}.grad"
-        out = synchronize(_start(out_of_place(grad), name, ctx.average, 0, compression=_wire(ctx.codec), sync=True))
-        return out, None, None, None, None, None
+        name = None if ctx.name is None else f"{ctx.name}.grad"
+        return _push_pull_out(grad, ctx.average, name, 0, ctx.codec, "push_pull.grad"), None, None, None, None, None
 
 
 def push_pull(tensor, average=True, name=None, version=0, priority=0, compression=None):
@@ -241,14 +213,12 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0, compressio
 
     Differentiable: the gradient is push_pulled the same way.
     """
-    from .compression import Compression
-
     codec = _wire(compression)
     compression = compression or Compression.none
     compressed, ctx = compression.compress(tensor)
     if torch.is_grad_enabled() and compressed.requires_grad:
         out = _PushPull.apply(compressed, average, name, version, priority, codec)
-    else:  # nothing to differentiate: autograd's Function machinery would only cost time (a tenth of a 4 KB call)
+    else:  # nothing to differentiate: skip autograd's Function machinery (it costs time)
         out = _push_pull_out(compressed, average, name, priority, codec)
     return compression.decompress(out, ctx)
 
@@ -259,8 +229,6 @@ def broadcast_async_(tensor, root_rank, name=None, priority=0, process_set=None)
     A real broadcast: only the root's bytes travel, so NaN/Inf on other ranks cannot leak.
     ``process_set`` (Horovod's): only its members take part; ``root_rank`` is a global rank among them.
     """
-    from .process_sets import _wire_set
-
     return _start(tensor, name, False, priority, root=root_rank, prefix="broadcast", pset=_wire_set(process_set))
 
 
@@ -284,6 +252,6 @@ def synchronize(handle):
 
 
 def declare(name):
-    """Accepted for BytePS compatibility. Keys no longer depend on declaration order: the scheduler
-    assigns one per tensor name when every worker first uses it, and checks shapes and dtypes agree."""
+    """Accepted for BytePS compatibility: the scheduler assigns a key per tensor name when every worker
+    first uses it (and checks shapes and dtypes agree), whatever the declaration order."""
     common._require()

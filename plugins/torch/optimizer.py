@@ -6,7 +6,8 @@ import torch
 
 from byteps import common
 
-from .compression import Compression, select, wire_codec
+from .compression import Compression, WireCompressor, select, wire_codec
+from .mpi_ops import Average, ProcessSet, Sum, _allreduce_start, _resolve_op, _wire_set
 from .ops import _divide_, dtype_code, push_pull_async_inplace, synchronize
 
 
@@ -45,13 +46,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles = {}       # param -> (handle, compressed tensor, ctx)
         self._synchronized = False
         self._should_synchronize = True
-        self._warned = False
         self._hooks = []
         # Horovod: on a rank outside the optimizer's process set, step() is the wrapped optimizer's alone
         self._communicates = common.size() > 1 and member
         self._fused = None
         if fusion and self._communicates:
             from byteps.fusion import FusedPushPull
+
             # balanced fusion buffers (byteps/fusion.py): small gradients share buffers in rank 0's
             # first-step order, and every buffer is split over the servers in the k/n proportions
             self._fused = FusedPushPull("DistributedOptimizer.fused")
@@ -59,7 +60,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in all_params:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-            if pset is None:  # the job's partition size, chosen for this model's step (a set's members only would differ)
+            if pset is None:  # the job's partition size, chosen for this model (not for a set's members)
                 common.expect_model(sum(p.numel() * p.element_size() for p in all_params if p.requires_grad))
 
     @property
@@ -71,8 +72,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
 
     def _push(self, p):
-        from .mpi_ops import Average, _allreduce_start
-
         grad = p.grad
         if grad.is_sparse:  # reduced densely, handed back sparse (as Horovod's sparse_as_dense)
             grad = grad.to_dense()
@@ -120,8 +119,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         if p.grad is None:
                             p.grad = torch.zeros_like(p)
                         self._push(p)
-        from .mpi_ops import Average
-
         if self._fused is not None and self._handles:
             self._fused.synchronize()  # every gradient now holds the sum
         for p, (handle, compressed, ctx) in self._handles.items():
@@ -203,9 +200,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             densely (Horovod allgathers them unless this is set) and handed back sparse, as Horovod does.
         process_set: Horovod's: gradients are averaged (or summed) over this process set's members
             only; on the other ranks the optimizer does not communicate (as Horovod's). Not with ``fusion``.
-        fusion: send gradients through balanced fusion buffers (byteps/fusion.py, Herring's):
-            small gradients share buffers laid out once in rank 0's first-step order, and each
-            buffer is split over the servers in the optimal k/n proportions. ``None`` follows
+        fusion: send gradients through balanced fusion buffers (byteps/fusion.py). ``None`` follows
             ``BYTEPS_FUSION`` (default off: every gradient is its own priority-scheduled push_pull).
             CPU gradients, ``op`` Average or Sum, no predivide factor, and no wire compressor.
         asynchronous: ``None`` follows the job (``BYTEPS_ENABLE_ASYNC``); ``True`` insists on
@@ -213,19 +208,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             result is :func:`byteps.torch.async_optimizer.AsyncDistributedOptimizer`: workers push
             parameter deltas and pull the latest parameters, with no barrier (docs/async.md).
     """
-    from .mpi_ops import Adasum, Average, _OP_NAMES, ProcessSet, _wire_set
-
     if asynchronous or (asynchronous is None and common.is_initialized() and common.config().enable_async):
         from .async_optimizer import AsyncDistributedOptimizer
         return AsyncDistributedOptimizer(optimizer, named_parameters)
 
     member = not isinstance(process_set, ProcessSet) or process_set.included()
     pset = _wire_set(process_set) if member else None
-    op = Average if op is None else op
-    if op == Adasum:
-        raise NotImplementedError("byteps does not implement Adasum; use op=hvd.Average or hvd.Sum")
-    if op not in _OP_NAMES:
-        raise ValueError(f"unknown reduction op {op!r}")
+    op = _resolve_op(op, None)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups:
@@ -236,10 +225,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if fusion is None:
         fusion = common.is_initialized() and common.config().fusion
     if fusion:
-        from byteps.compression import WireCompressor
-
-        from .mpi_ops import Sum
-
         if op not in (Average, Sum) or gradient_predivide_factor != 1.0 or pset is not None:
             raise ValueError("DistributedOptimizer(fusion=True) supports op=Average or Sum without "
                              "gradient_predivide_factor, over every rank (no process_set)")

@@ -1,27 +1,13 @@
 """A ``torch.distributed`` backend named ``"byteps"``: unmodified DDP over the Summation Service.
 
-Importing ``byteps.torch`` registers it::
-
-    import byteps.torch                                      # registers backend "byteps"
-    dist.init_process_group(backend="byteps", init_method="byteps://")   # under bpslaunch
-    dist.init_process_group(backend="byteps")                # under torchrun (env://)
-    model = torch.nn.parallel.DistributedDataParallel(model)
-
-The creator joins the byteps job described by the environment (``byteps.init()``; a no-op when
-already initialized) and checks that torch's rank and world size equal byteps'. The
-``byteps://`` rendezvous needs no MASTER_ADDR: it takes rank and size from byteps and hands torch
-a process-local store (enough for the byteps backend, which never uses the store).
-
-:class:`ProcessGroupBytePS` is a Python ``ProcessGroup``: collectives are byteps push_pulls and
-broadcasts named ``pg<group>.<sequence>.<kind>`` (torch requires every rank to issue a group's
-collectives in the same order, so the names agree), each returning a ``Work`` whose future is
-completed from byteps' completion callback. Supported: allreduce (SUM, AVG, MIN, MAX, PRODUCT),
-allreduce_coalesced, broadcast, allgather, all_gather_single/_allgather_base (+ coalesced),
-reduce_scatter, reduce_scatter_single/_reduce_scatter_base (+ coalesced), all_to_all_single with
-equal splits, reduce, gather, scatter, barrier. Not supported: send/recv, alltoall with
-explicit splits, sub-groups that are not the whole job.
-"""
+Importing ``byteps.torch`` registers it (``init_process_group(backend="byteps", init_method="byteps://")``
+under bpslaunch, ``backend="byteps"`` under torchrun); docs/launchers.md lists what it supports.
+Collectives are byteps operations named ``pg<group>.<sequence>.<kind>`` (torch issues a group's
+collectives in the same order on every rank), each returning a ``Work`` completed from byteps'
+completion callback."""
+import importlib
 import itertools
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -126,15 +112,15 @@ class ProcessGroupBytePS(dist.ProcessGroup):
         offset = sum(c.numel() for c in chunks[:self._rank])
         return h, lambda: output.copy_(flat[offset:offset + n].view_as(output))
 
-    def reduce_scatter(self, output_tensors, input_tensor_lists, opts=None):
+    def _reduce_scatters(self, outputs, chunk_lists, opts, kind):
         op = _op(opts)
-        base = self._name("reduce_scatter")
-        handles, afters = [], []
-        for i, (out, chunks) in enumerate(zip(output_tensors, input_tensor_lists)):
-            h, after = self._reduce_scatter_into(out, list(chunks), op, f"{base}.{i}")
-            handles.append(h)
-            afters.append(after)
-        return _work(handles, output_tensors, lambda: [a() for a in afters])
+        base = self._name(kind)
+        parts = [self._reduce_scatter_into(out, list(chunks), op, f"{base}.{i}")
+                 for i, (out, chunks) in enumerate(zip(outputs, chunk_lists))]
+        return _work([h for h, _ in parts], outputs, lambda: [after() for _, after in parts])
+
+    def reduce_scatter(self, output_tensors, input_tensor_lists, opts=None):
+        return self._reduce_scatters(output_tensors, input_tensor_lists, opts, "reduce_scatter")
 
     def reduce_scatter_single(self, output, input, opts=None):
         op = _op(opts)
@@ -145,14 +131,8 @@ class ProcessGroupBytePS(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        op = _op(opts)
-        base = self._name("reduce_scatter_coalesced")
-        handles, afters = [], []
-        for i, (out, inp) in enumerate(zip(outputs, inputs)):
-            h, after = self._reduce_scatter_into(out, list(inp.chunk(self._size)), op, f"{base}.{i}")
-            handles.append(h)
-            afters.append(after)
-        return _work(handles, outputs, lambda: [a() for a in afters])
+        return self._reduce_scatters(outputs, [inp.chunk(self._size) for inp in inputs], opts,
+                                     "reduce_scatter_coalesced")
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -172,12 +152,13 @@ class ProcessGroupBytePS(dist.ProcessGroup):
             outs[self._rank].copy_(inp)
         return [broadcast_async_(o, r, name=f"{name}.{r}") for r, o in enumerate(outs)]
 
+    def _gathers(self, output_lists, inputs, kind):
+        base = self._name(kind)
+        return [h for i, (outs, inp) in enumerate(zip(output_lists, inputs))
+                for h in self._gather_into(list(outs), inp, f"{base}.{i}")]
+
     def allgather(self, output_tensors, input_tensors, opts=None):
-        base = self._name("allgather")
-        handles = []
-        for i, (outs, inp) in enumerate(zip(output_tensors, input_tensors)):
-            handles += self._gather_into(list(outs), inp, f"{base}.{i}")
-        return _work(handles, output_tensors)
+        return _work(self._gathers(output_tensors, input_tensors, "allgather"), output_tensors)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
@@ -189,11 +170,8 @@ class ProcessGroupBytePS(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        base = self._name("all_gather_coalesced")
-        handles = []
-        for i, (out, inp) in enumerate(zip(outputs, inputs)):
-            handles += self._gather_into(list(out.chunk(self._size)), inp, f"{base}.{i}")
-        return _work(handles, outputs)
+        return _work(self._gathers([out.chunk(self._size) for out in outputs], inputs, "all_gather_coalesced"),
+                     outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -266,8 +244,6 @@ def _create(store, rank, world_size, timeout):
 
 def _byteps_rendezvous(url, timeout=None, **kwargs):
     """``init_method="byteps://"``: rank and world size come from the byteps job."""
-    from urllib.parse import urlparse
-
     common.init()
     query = dict(p.split("=", 1) for p in urlparse(url).query.split("&") if "=" in p)
     rank, size = common.rank(), common.size()
@@ -285,8 +261,6 @@ def register():
         return False
     if BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
-    import importlib
-
     rendezvous = importlib.import_module("torch.distributed.rendezvous")
     if BACKEND not in rendezvous._rendezvous_handlers:
         rendezvous.register_rendezvous_handler(BACKEND, _byteps_rendezvous)

@@ -1,22 +1,9 @@
 """Horovod's process sets: ``hvd.ProcessSet``, ``global_process_set``, ``init(process_sets=...)``,
-``add_process_set`` / ``remove_process_set``.
+``add_process_set`` / ``remove_process_set`` (how a set's operations travel: docs/compat.md).
 
-A process set is a subset of the job's ranks that runs collectives among themselves: its tensors
-have keys of their own (the same name in another set is another tensor), the scheduler waits only
-for its members' declarations, and the servers complete a round of its keys with its members'
-pushes alone (each member pushes itself: no local reduce). Results that depend on a rank's
-position (allgather order, reducescatter blocks, alltoall splits) use its index in ``ranks``; a
-broadcast's root is a global rank, as in Horovod.
-
-Sets are numbered in the order they are added (the global set is 0): every rank must add and
-remove the same sets in the same order, as Horovod requires. ``add_process_set`` and
-``remove_process_set`` are collective over the whole job (they check that every rank named the
-same ranks); ``HOROVOD_DYNAMIC_PROCESS_SETS`` / ``init(process_sets="dynamic")`` are accepted, and
-byteps allows adding sets after ``init()`` either way.
-
-A module of its own below ops.py and mpi_ops.py, so that both resolve ``process_set`` arguments
-without importing each other; mpi_ops.py re-exports these names as Horovod's.
-"""
+Sets are numbered in the order they are added (the global set is 0): every rank must add and remove
+the same sets in the same order, as Horovod requires; adding and removing are collective over the job.
+A module of its own, so that ops.py and mpi_ops.py both resolve ``process_set`` arguments."""
 import threading
 
 from byteps import common
@@ -143,8 +130,3 @@ def _members(pset):
         return common.size(), common.rank(), list(range(common.size()))
     ranks = list(pset[1])
     return len(ranks), ranks.index(common.rank()), ranks
-
-
-def _check_process_set(process_set):
-    """Validate a ``process_set`` argument (kept for callers that only check it)."""
-    _wire_set(process_set)

@@ -1,15 +1,7 @@
-"""Horovod's ``hvd.SyncBatchNorm``: batch normalization whose statistics are those of the batch of
-every rank together (CPU and CUDA tensors alike).
-
-Built from two differentiable allreduces (Sum) per forward: the per-channel sums and element
-counts give the global mean; then the per-channel sums of squared deviations from it give the
-global variance (two passes: no cancellation of E[x^2] - E[x]^2). Gradients flow back through the
-same allreduces (the gradient of a Sum allreduce is the Sum allreduce of the gradients), so input,
-weight and bias gradients are those of normalizing the concatenated batch: a rank's weight and
-bias gradients are its share, which the optimizer's allreduce adds up as for any parameter.
-Ranks may hold different batch sizes. Running statistics are updated identically on every rank
-(unbiased variance, as torch.nn.BatchNorm). In eval mode, or alone, it is torch's batch norm.
-"""
+"""Horovod's ``hvd.SyncBatchNorm``: batch normalization over the batch of every rank together (CPU and
+CUDA). Two differentiable Sum allreduces per forward, in float64: per-channel sums and counts give
+the global mean, then sums of squared deviations from it the variance (no ``E[x^2] - E[x]^2``
+cancellation); ranks may hold different batch sizes. docs/compat.md has the details."""
 import itertools
 
 import torch

@@ -1,21 +1,10 @@
 """``byteps.tensorflow.distribute.MirroredStrategy``: BytePS's strategy for ``tf.distribute`` users.
 
-TensorFlow's MirroredStrategy over this process's devices, whose cross-device reductions go on to
-every worker: each reduction first sums this process's replicas (as TensorFlow's
-``ReductionToOneDevice``), then averages over the workers with one push_pull per tensor. Keras
-divides each replica's loss by this process's replica count, so a worker's summed gradient is its
-mean gradient and the average over workers is the whole job's mean, as with
-``DistributedOptimizer``. ``MEAN`` reductions are averaged too. The metrics ``fit`` logs are Keras'
-own, per worker: add ``callbacks.MetricAverageCallback()`` for their average. Each reduction site gets a
-name when it is traced (``MirroredStrategy.<n>.<i>``), the same on every worker that builds the
-same model, and keeps it, so every step reuses its tensors.
-
-Variables are created on every worker from the same initial values only if the script makes them
-so: broadcast them once (``callbacks.BroadcastGlobalVariablesCallback`` in ``fit``, or
-``broadcast_variables``), as with any byteps training. Workers must feed equal per-step batch sizes.
-BytePS's fork supported one GPU per process; this one takes what TensorFlow's MirroredStrategy
-takes (``devices``; CPU included).
-"""
+TensorFlow's MirroredStrategy over this process's devices (CPU included), whose cross-device
+reductions sum this process's replicas and then average over the workers, one push_pull per tensor
+named per reduction site at trace time (``MirroredStrategy.<n>.<i>``). Keras divides each replica's
+loss by the local replica count, so the result is the whole job's mean gradient. Broadcast the
+initial variables once (``callbacks.BroadcastGlobalVariablesCallback``); feed equal batch sizes."""
 import itertools
 
 import tensorflow as tf

@@ -1,10 +1,8 @@
 """byteps for Keras 3 models: ``import byteps.tensorflow.keras as hvd`` (or ``byteps.keras``).
 
-The module Horovod's ``horovod.tensorflow.keras`` and BytePS's ``byteps.tensorflow.keras`` scripts
-import: the basics, ``DistributedOptimizer``, ``load_model``, value collectives that take and return
-numpy values, and :mod:`.callbacks`. Keras 3 is one library for ``tf.keras`` and standalone Keras,
-so ``byteps.keras`` is this same API. What Keras 3 no longer allows is listed in docs/compat.md.
-"""
+What Horovod's ``horovod.tensorflow.keras`` and BytePS's ``byteps.tensorflow.keras`` scripts import:
+the basics, ``DistributedOptimizer``, ``load_model``, numpy-valued collectives and :mod:`.callbacks`.
+What Keras 3 no longer allows is listed in docs/compat.md."""
 import numpy as np
 import tensorflow as tf
 
@@ -34,8 +32,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``num_groups``/``groups`` (fusion hints: byteps partitions and schedules tensors itself) and
     ``scale_local_gradients`` are accepted; ``process_set`` must be the global set.
     """
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("byteps.tensorflow.keras: process sets are available in byteps.torch only")
+    _ops.check_global_set(process_set)
     return _distributed_optimizer(optimizer, name=name, compression=compression, op=op,
                                   backward_passes_per_step=backward_passes_per_step, device_dense=device_dense,
                                   device_sparse=device_sparse, sparse_as_dense=sparse_as_dense,
@@ -70,15 +67,12 @@ def broadcast_global_variables(root_rank):
                        "broadcast_variables(model.variables + model.optimizer.variables, root_rank)")
 
 
-def _value(t):
-    return np.asarray(t)
-
-
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=Compression.none):
     """Average (or sum) a value over all workers; returns a numpy array (Horovod's keras ``allreduce``)."""
-    return _value(_collectives.allreduce(tf.convert_to_tensor(value), average=average, name=name, compression=compression,
-                                 op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+    return np.asarray(_collectives.allreduce(tf.convert_to_tensor(value), average=average, name=name,
+                                             compression=compression, op=op, prescale_factor=prescale_factor,
+                                             postscale_factor=postscale_factor))
 
 
 def push_pull(value, name=None, average=True):
@@ -88,7 +82,7 @@ def push_pull(value, name=None, average=True):
 
 def broadcast(value, root_rank, name=None):
     """``root_rank``'s value on every worker, as a numpy array."""
-    return _value(_ops.broadcast(tf.convert_to_tensor(value), root_rank, name=name))
+    return np.asarray(_ops.broadcast(tf.convert_to_tensor(value), root_rank, name=name))
 
 
 def allgather(value, name=None):

@@ -1,10 +1,6 @@
 """Horovod's ``hvd.elastic`` of its Keras modules: ``KerasState`` and the callbacks that keep a state's
 batch and epoch current and commit it during ``model.fit``; ``run`` is :func:`byteps.tensorflow.elastic.run`.
-
-Horovod's ``UpdateBatchStateCallback`` also shortens the first epoch after a restart by the batches already
-done (it rewrites ``params['steps']``); Keras 3's fit loop does not read that back, and byteps does not
-restart a job with other workers, so here it only records the batch.
-"""
+``UpdateBatchStateCallback`` only records the batch (docs/compat.md)."""
 import keras
 
 from ..elastic import TensorFlowKerasState, run

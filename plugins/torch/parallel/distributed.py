@@ -1,19 +1,11 @@
 """BytePS's ``byteps.torch.parallel.DistributedDataParallel``: a module wrapper that averages
 gradients over every worker during ``backward()``.
 
-As in BytePS: construction broadcasts the module's ``state_dict`` from rank 0; ``forward``
-broadcasts the buffers from rank 0 first (``broadcast_buffers=True``); each parameter's gradient
-starts an asynchronous push_pull (average) as soon as autograd has accumulated it, and when the
-last one has started, the hook waits for all of them, so ``backward()`` returns with averaged
-gradients and a plain (unwrapped) optimizer can step. ``no_sync()`` skips the reduction
-(gradients accumulate locally and are reduced by the next synchronized backward);
-``synchronize()`` finishes a backward in which some parameters got no gradient (their zeros are
-reduced, as the other ranks may have one). CPU and CUDA modules (CUDA gradients are staged
-through host memory).
-
-For PyTorch's own ``torch.nn.parallel.DistributedDataParallel`` on byteps, use the ``"byteps"``
-``torch.distributed`` backend or :func:`byteps.torch.ddp_comm_hook` (docs/launchers.md).
-"""
+As in BytePS: construction broadcasts rank 0's ``state_dict``, ``forward`` rank 0's buffers
+(``broadcast_buffers=True``); each gradient's push_pull starts as soon as autograd has accumulated
+it, and the last one's hook waits for them all, so a plain optimizer can step after ``backward()``.
+``no_sync()`` skips the reduction; ``synchronize()`` finishes a backward in which some parameters
+got no gradient. For torch's own DDP, use the ``"byteps"`` backend or :func:`byteps.torch.ddp_comm_hook`."""
 import contextlib
 import itertools
 
@@ -43,7 +35,6 @@ class DistributedDataParallel(torch.nn.Module):
         self._params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in self._params}
         self._handles = {}   # parameter -> (handle, compressed gradient, ctx)
-        self._buffer_round = 0
         broadcast_parameters(module.state_dict(), root_rank=0, prefix=f"{self._prefix}.init.")
         if common.size() > 1:
             for _, p in self._params:
