@@ -1,83 +1,10 @@
 """Partition size and scheduling credit from the job's link, measured at start instead of assumed.
 
-A push_pull cuts each tensor into partitions of ``partition_bytes`` and keeps at most ``credit`` of
-them on the network at once (core/_pipeline.pyx). Both used to be constants (4,096,000 bytes and
-4), which suit fast links only: on the emulated cluster (docs/benchmarks.md, "Emulated cluster",
-200 Mbit/s, n = 4, k = 2) a step took 1.36x the optimum with 4 MB partitions and 1.07x with 256
-or 512 KB. :func:`choose` derives both from a small model; :func:`probe` measures the two inputs it
-needs from one server with ``PROBE`` echoes (core/wire.py; the server answers in
-summation/server.py ``_on_probe``); :func:`resolve` lets ``BYTEPS_PARTITION_BYTES`` and
-``BYTEPS_SCHEDULING_CREDIT`` override either choice.
-
-At ``init()`` the engine (core/engine.py ``Engine._tune``) probes one server on another host, proposes
-the size its link calls for (:func:`propose`), and agrees with the other workers through the
-scheduler (:func:`agree`: the median proposal, or BYTEPS_PARTITION_BYTES where set), so the whole
-job uses one partition size; each worker keeps its own credit. ``byteps.common.tuning()`` returns
-the result, which every worker also logs at INFO. ``BYTEPS_TEST_LINK=bytes_per_s,rtt_s`` (a test
-hook, not a setting) replaces a worker's probe with that link.
-
-The model (every constant is a module attribute, so tests and benchmarks can vary it):
-
-* **Link.** ``B`` is the rate at which a worker moves partition bytes over its NIC. Bytes for a
-  server on the worker's own machine (``colocated_fraction``) go through shared memory and take
-  no NIC time, so ``B_eff = B / (1 - colocated_fraction)`` (at most ``LOCAL_BPS``); in a job
-  whose servers are all local, ``B`` is what the probe measured to them.
-* **Fixed cost: a lower bound.** Each partition is cut into one piece per server
-  (``BYTEPS_PLACEMENT=balanced``), and each piece costs the worker about ``piece_cost`` of CPU
-  whatever its size (30 us with the Python engine, about 5 us with the native core;
-  docs/benchmarks.md, "Per-partition overhead"). For that to stay under ``OVERHEAD`` (5%) of the
-  partition's time on the wire::
-
-      P_min = pieces * piece_cost * B_eff / OVERHEAD
-
-  More servers mean more pieces per partition, so a larger lower bound.
-* **Pipeline fill and drain: an upper bound.** A server answers a piece only when every machine
-  has pushed it, so each step pays a fill and a drain of about ``FILL_DRAIN`` partitions' time on
-  the wire (fitted to the measurements: 1.07x t_opt at 512 KB, 1.15x at 1 MB and 1.36x at 4 MB
-  for 46.8 MB per step at 200 Mbit/s, and 1.13x at 4 MB for 96 MiB at 1 Gbit/s: the
-  excess is about 3.4 P / M whatever the rate). For that to stay under ``FILL_SHARE`` of a step
-  that pushes M bytes (half the 5% the defaults aim for: fixed costs and the placement's balance
-  take the rest), and for a partition to hold the wire at most ``GRANULARITY_S`` (an urgent
-  tensor waits behind the credit's partitions; priority scheduling needs them short)::
-
-      P_max = min(FILL_SHARE * M / FILL_DRAIN, GRANULARITY_S * B_eff)
-
-  M is ``model_bytes`` when the caller knows it, else ``DEFAULT_MODEL_BYTES`` (about 570 MB: the
-  model whose fill-and-drain bound is BytePS's 4 MB partitions, which fast links then get).
-  ``init()`` cannot know M; the optimizers can. ``DistributedOptimizer`` (and the DDP wrapper)
-  tell the engine the bytes of the gradients they push, and every worker
-  recomputes the agreed choice from the same proposals with that M, so tensors first used after
-  that are cut to the model's size (a 30 MB model at 500 Mbit/s: 128 KB instead of 512 KB).
-* **Cut bound: balance.** ``balanced`` placement cuts a partition over the servers only when its
-  smallest piece (the server with the smallest share) is at least ``MIN_PIECE`` (4 KB,
-  byteps/placement.py); a smaller partition goes whole to one hashed server and the k/n balance
-  that makes a step take t_opt is lost. So ``P >= min_cut = MIN_PIECE / (smallest share)``,
-  rounded up to a power of two. Measured on the emulated cluster (n = 4, k = 3, 200 Mbit/s, where
-  the colocated servers' share is 1/22 and min_cut was 352 KB with 16 KB pieces): 256 KB partitions
-  went whole and took 2.21x t_opt (bytes 16% off Eq. 1-2), like ``hash``; 512 KB ones are cut.
-* **The choice.** ``P = max(P_min, P_max)``: the largest partition the upper bound allows, or the
-  fixed-cost bound when it is larger (throughput first). The upper bound is rounded down to a
-  power of two at most ``OVERHEAD`` above it (the nearest one could exceed it by up to 41%: at 1 Gbit/s, n = 3, the 10 ms bound of
-  1.9 MB became 2 MB partitions, and 96 MiB steps took 1.16-1.20x t_opt against 1.11-1.15x with 1 MB
-  in three alternating pairs on the emulated cluster, docs/benchmarks.md); the fixed-cost bound is
-  rounded to the nearest power of two. Both stay in
-  ``[MIN_PARTITION, MAX_PARTITION]``, so workers whose measurements differ a little still tend to
-  agree (the engine must use one value for the whole job).
-* **Credit.** One partition's round trip is about ``rtt + 2P/B``; to keep the link busy the window
-  must hold ``B * rtt + 2P`` bytes, plus two partitions for skew between workers::
-
-      credit = clamp(MIN_CREDIT + round(B * rtt / P), MIN_CREDIT, MAX_CREDIT)
-
-  On a LAN the bandwidth-delay product is far below one partition and the credit stays 4; a long
-  link gets more. More is not free: the window W = credit x P is what the pushes run ahead of the
-  replies, so a step of pure communication ends about W/B late (emulated cluster, k = 2, 200
-  Mbit/s: W = 1 MB 1.059x t_opt, 4 MB 1.167x, 16 MB 1.28x; earlier 512 KB x 16 1.22x, x 64 1.33x).
-  A training step, where workers' gradients arrive skewed and priorities preempt, once needed
-  16-32 MB (1 Gbit/s) because less urgent bytes held the urgent tensor's credit; the queue now
-  counts only bytes of the same or a more urgent priority (core/pipeline/bps_queue.h), and 2 MB x 4 reaches
-  1.23x DDP-gloo (bench_users.py --cluster).
-
-``bpslaunch --plan --bandwidth 1Gbit --latency 200us`` prints the choice for a job shape.
+:func:`choose` derives both from a small model of the link (bandwidth, round trip) and the job's
+shape; :func:`probe` measures the link with PROBE echoes to one server; :func:`propose` and
+:func:`agree` make the partition size job-wide at ``init()`` (core/engine.py); :func:`resolve`
+applies ``BYTEPS_PARTITION_BYTES`` / ``BYTEPS_SCHEDULING_CREDIT``. The model, its constants and the
+measurements they were fitted to: docs/autotune.md.
 """
 import dataclasses
 import math
@@ -85,6 +12,8 @@ import os
 import time
 import typing
 
+from .config import _int
+from .errors import ConfigError
 from .placement import MIN_PIECE, at_least_cut
 
 #: CPU a worker spends per partition piece with the Python engine (seconds; docs/benchmarks.md)
@@ -97,7 +26,7 @@ OVERHEAD = 0.05
 FILL_SHARE = 0.025
 #: longest time one partition should hold the wire (seconds)
 GRANULARITY_S = 0.010
-#: partitions' wire time a step pays to fill and drain the pipeline (fitted; see above)
+#: partitions' wire time a step pays to fill and drain the pipeline (fitted: docs/autotune.md)
 FILL_DRAIN = 3.4
 #: bytes a step pushes, when the caller cannot say: the model whose fill-and-drain bound is BytePS's
 #: 4 MB partitions (about 570 MB)
@@ -108,14 +37,11 @@ MIN_PARTITION = 64 << 10
 MAX_PARTITION = 64 << 20
 #: bytes/s through shared memory to a colocated server (a copy and a sum: a few GB/s)
 LOCAL_BPS = 4e9
-#: a probe that reads a link faster than this (800 Gbit/s, beyond any NIC and any copy through
-#: loopback) measured its own process's delays, not the link: its fastest 1 MiB echo came back about
-#: as fast as its fastest small one (on the 2-core VM, one of 4 workers starting next to 4 servers
-#: once proposed 64 MB partitions and took credit 64 from such a probe)
+#: a probe that reads a link faster than this (800 Gbit/s) timed its own process's delays, not the link
 MAX_PROBE_BPS = 100e9
 #: rounds of echoes a probe may take before it gives up on such readings
 PROBE_ATTEMPTS = 2
-#: the defaults before this module (used when nothing can be measured)
+#: the defaults when nothing can be measured
 DEFAULT_PARTITION = 4096000
 DEFAULT_CREDIT = 4
 
@@ -148,7 +74,7 @@ def _rate(bps):
 
 def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost_s=PIECE_COST_PYTHON,
            placement="balanced", model_bytes=None, min_cut_bytes=0):
-    """Partition size and credit for a link (see the module docstring for the model).
+    """Partition size and credit for a link (the model: docs/autotune.md).
 
     Args:
         bandwidth_Bps: bytes per second a worker moves to its servers (one direction).
@@ -177,18 +103,15 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
     p_time = GRANULARITY_S * b_eff
     p_max = min(p_fill, p_time)
     if p_min > p_max:
-        target, bound = p_min, "the fixed-cost bound (it exceeds the upper bound)"
-    else:
-        target, bound = p_max, "the upper bound"
-    if p_min <= p_max:  # a bound not to exceed: the largest power of two at most OVERHEAD above it
-        partition = _pow2(2 ** math.floor(math.log2(max(target * (1 + OVERHEAD), 1))), MIN_PARTITION, MAX_PARTITION)
-    else:
-        partition = _pow2(target, MIN_PARTITION, MAX_PARTITION)
+        bound = "the fixed-cost bound (it exceeds the upper bound)"
+        partition = _pow2(p_min, MIN_PARTITION, MAX_PARTITION)
+    else:  # a bound not to exceed: the largest power of two at most OVERHEAD above it
+        bound = "the upper bound"
+        partition = _pow2(2 ** math.floor(math.log2(max(p_max * (1 + OVERHEAD), 1))), MIN_PARTITION, MAX_PARTITION)
     cut = min_cut_bytes if placement == "balanced" else 0
     if partition < cut:
         partition = at_least_cut(partition, cut)
         bound = f"the cut bound {_human(cut)} (smaller partitions are not cut over the servers)"
-    bdp = b_eff * rtt_s
     credit = credit_for(b_eff, rtt_s, partition)
     reason = (f"link {_rate(bandwidth_Bps)}, rtt {rtt_s * 1e6:.0f} us, {num_servers} server(s), "
               f"{colocated_fraction:.0%} of bytes local -> effective {_rate(b_eff)}; "
@@ -196,7 +119,7 @@ def choose(bandwidth_Bps, rtt_s, num_servers, colocated_fraction=0.0, piece_cost
               f">= {_human(p_min)}; fill and drain <= {FILL_SHARE:.1%} of a {_human(model)} step"
               f"{'' if model_bytes is not None else ' (assumed)'} needs <= {_human(p_fill)}, "
               f"{GRANULARITY_S * 1e3:g} ms on the wire <= {_human(p_time)}; {bound} -> {_human(partition)}; "
-              f"bandwidth-delay product {_human(bdp)} -> credit {credit}")
+              f"bandwidth-delay product {_human(b_eff * rtt_s)} -> credit {credit}")
     return Choice(partition, credit, reason)
 
 
@@ -212,15 +135,6 @@ def credit_for(b_eff, rtt_s, partition_bytes):
     return int(min(max(MIN_CREDIT + round(b_eff * rtt_s / partition_bytes), MIN_CREDIT), MAX_CREDIT))
 
 
-def _env_int(env, name, minimum):
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return None
-    from .config import _int
-
-    return _int({name: raw}, name, minimum=minimum)
-
-
 def resolve(choice, env=None):
     """Apply the environment's overrides to a :class:`Choice` (or None: nothing was measured).
 
@@ -229,8 +143,8 @@ def resolve(choice, env=None):
     are a ConfigError naming the variable (byteps.config's rules).
     """
     env = os.environ if env is None else env
-    part = _env_int(env, "BYTEPS_PARTITION_BYTES", 64)
-    credit = _env_int(env, "BYTEPS_SCHEDULING_CREDIT", 0)
+    part = _int(env, "BYTEPS_PARTITION_BYTES", minimum=64)
+    credit = _int(env, "BYTEPS_SCHEDULING_CREDIT", minimum=0)
     if choice is None:
         choice = Choice(DEFAULT_PARTITION, DEFAULT_CREDIT, "nothing measured: the defaults")
     why = choice.reason
@@ -334,20 +248,15 @@ def zmq_echo(sock, node_id=0, timeout_s=5.0, idle=None):
 
 
 # ------------------------------------------------------------------ at job start (core/engine.py)
-#
-# Every worker must cut tensors the same way (wire keys and lengths are compared by the servers), so
-# the partition size is agreed job-wide: each worker probes one server, proposes the size its own
-# link calls for, and sends the proposal to the scheduler in a BARRIER named AGREE_BARRIER; the
-# release carries every worker's proposal, and every worker applies :func:`agree` to the same list,
-# so all get the same size. The credit stays per worker (its own link's bandwidth-delay product).
+# Every worker proposes a partition size in the barrier AGREE_BARRIER and applies agree() to every
+# proposal the release carries, so all cut tensors alike (docs/autotune.md, "At init()").
 
 #: name of the control-plane barrier whose messages carry the proposals (scheduler/scheduler.py)
 AGREE_BARRIER = "byteps.autotune"
 #: test hook: ``bytes_per_s,rtt_s`` replaces this worker's probe (tests make workers disagree)
 TEST_LINK_VAR = "BYTEPS_TEST_LINK"
 #: the probe at start: small and 1 MiB echoes in turn, at most PROBE_REPEATS of each, and no more echoes
-#: of a size once they took PROBE_BUDGET_S (about 0.4 s in all at 200 Mbit/s, a few ms on loopback;
-#: a second round where the first timed the machine's load, see MAX_PROBE_BPS)
+#: of a size once they took PROBE_BUDGET_S
 PROBE_SIZES = (64, 1 << 20)
 PROBE_REPEATS = 5
 PROBE_BUDGET_S = 0.2
@@ -363,9 +272,6 @@ class Agreement(typing.NamedTuple):
     bandwidth_Bps: float = None   # the link this worker's credit came from (None: not measured)
     rtt_s: float = None
     took_s: float = None          # what the probe and the agreement added to init()
-
-    def as_dict(self):
-        return self._asdict()
 
 
 def job_shape(servers, weights, my_host, min_cut=0):
@@ -396,8 +302,6 @@ def test_link(env=None):
     try:
         bw, rtt = (float(x) for x in raw.split(","))
     except ValueError:
-        from .errors import ConfigError
-
         raise ConfigError(f"{TEST_LINK_VAR}={raw!r}: expected 'bytes_per_second,rtt_seconds'") from None
     return Measurement(rtt, bw, {})
 
@@ -406,7 +310,7 @@ def propose(measurement, shape, placement="balanced", piece_cost_s=PIECE_COST_PY
     """This worker's proposal (JSON): the partition size BYTEPS_PARTITION_BYTES sets, else the one its
     measurement calls for (``shape`` from :func:`job_shape`), else none (nothing measured)."""
     env = os.environ if env is None else env
-    part = _env_int(env, "BYTEPS_PARTITION_BYTES", 64)
+    part = _int(env, "BYTEPS_PARTITION_BYTES", minimum=64)
     out = {"worker_id": worker_id, "partition": part, "source": "env" if part is not None else "none"}
     if measurement is not None:
         # with what the choice took, so that every worker can choose again for a model (agree)
@@ -429,20 +333,10 @@ def agree(proposals, rank, shape, env=None, model_bytes=None):
 
     Every worker calls this with the same ``proposals`` ({rank: proposal}, as the scheduler's release
     carries them) and the same ``model_bytes`` (None at ``init()``; the gradients' bytes once an
-    optimizer says: ``Engine.expect_model``), and so gets the same partition size:
-
-    * BYTEPS_PARTITION_BYTES wins where it is set; workers that set different values are a
-      ConfigError naming them (their servers would see mismatched lengths), and a worker without it
-      takes the others' value (logged);
-    * else the median of the probed proposals (the lower one of an even count): one worker whose
-      probe was disturbed by its neighbours' cannot move the job;
-    * else (no probe worked anywhere) the old default.
-
-    The credit is this worker's (BYTEPS_SCHEDULING_CREDIT if set): the bandwidth-delay product of
-    its own measurement, else of its machine's (only local rank 0 probes), else of the job's median.
+    optimizer says: ``Engine.expect_model``), and so gets the same partition size: the one
+    BYTEPS_PARTITION_BYTES sets (ConfigError where workers set different values), else the median of
+    the probed proposals, else the default. The credit is this worker's (docs/autotune.md).
     """
-    from .errors import ConfigError
-
     env = os.environ if env is None else env
     props = {int(r): p for r, p in proposals.items()}
     mine = props.get(rank, {})
@@ -474,10 +368,8 @@ def agree(proposals, rank, shape, env=None, model_bytes=None):
     if link is None:
         same = [p for r, p in sorted(props.items()) if p.get("bw") and p.get("worker_id") == mine.get("worker_id")]
         link = same[0] if same else (props[measured[(len(measured) - 1) // 2][1]] if measured else None)
-    credit = _env_int(env, "BYTEPS_SCHEDULING_CREDIT", 0)
-    bw = rtt = None
-    if link is not None:
-        bw, rtt = link["bw"], link["rtt"]
+    credit = _int(env, "BYTEPS_SCHEDULING_CREDIT", minimum=0)
+    bw, rtt = (link["bw"], link["rtt"]) if link is not None else (None, None)
     if credit is not None:
         credit_why = "BYTEPS_SCHEDULING_CREDIT"
     elif link is not None:

@@ -1,14 +1,10 @@
 """Host memory that byteps hands out again instead of allocating (and page-faulting) on every call.
 
-A fresh 64 MB buffer costs 16,384 page faults the first time it is written: about 65 ms on the
-2-core CI VM, three times the push_pull itself. Out-of-place calls (``bps.push_pull(t)``,
-``push_pull_async``) need a new output tensor each time, so they take it from :class:`HostPool`:
-page-aligned blocks (transparent huge pages where the kernel allows them) that return to the pool
-when the last tensor using them is freed, and are handed out again, already faulted in.
-
-The block comes back through the life of the numpy view the framework tensor was made from
-(``torch.from_numpy`` keeps that exact object alive as long as any tensor shares its storage), so
-a result the caller still holds, or any view of it, is never reused.
+Out-of-place calls (``bps.push_pull(t)``, ``push_pull_async``) need a new output tensor each time (a
+fresh 64 MB buffer costs 16,384 page faults when first written), so they take it from
+:class:`HostPool`: page-aligned blocks that return to the pool, already faulted in, when the numpy
+view the framework tensor was made from is freed (``torch.from_numpy`` keeps that exact object alive
+as long as any tensor shares its storage), so a result the caller still holds is never reused.
 """
 import mmap
 import threading
@@ -77,11 +73,6 @@ class HostPool:
 
     def free_bytes(self):
         return self._free_bytes
-
-    def clear(self):
-        with self._lock:
-            self._free.clear()
-            self._free_bytes = 0
 
 
 #: the process's pool for out-of-place results

@@ -2,22 +2,7 @@
 
 Pure functions of an environment mapping (tests feed them recorded environments); ``bpslaunch
 --slurm`` and ``bpslaunch --k8s`` (launcher.py) apply them and start this task's processes.
-
-**Slurm** (:func:`slurm_task`, docs/slurm.md). One ``srun`` step runs ``bpslaunch --slurm`` as either
-one task per node (bpslaunch starts the node's ``BYTEPS_LOCAL_SIZE`` worker processes) or one task
-per worker process (``--ntasks-per-node=L``: each task is one worker process, local rank
-``SLURM_LOCALID``). Of the step's nodes (``SLURM_STEP_NODELIST``, in Slurm's order), the last
-``--server-nodes K`` run only a standalone Summation Service server (the paper's CPU machines); every
-other node is a worker machine (``DMLC_WORKER_ID`` = its position) with a colocated server, started
-by the task with local id 0. The first node also runs the scheduler, at
-``DMLC_PS_ROOT_URI`` = its host name and a port derived from the job and step ids (every task
-computes the same one; ``DMLC_PS_ROOT_PORT`` overrides it).
-
-**Kubernetes** (:func:`k8s_env`, docs/kubernetes.md). The manifests (examples/kubernetes/) set the
-role (``DMLC_ROLE``), the job's shape and the scheduler's DNS name; the pod's own identity comes
-from the downward API: ``DMLC_WORKER_ID`` from an indexed Job's ``JOB_COMPLETION_INDEX`` or a
-StatefulSet pod's ordinal (the ``-N`` suffix of ``POD_NAME``/``HOSTNAME``), ``DMLC_NODE_HOST`` from
-``POD_IP``; the scheduler binds its own pod IP.
+:func:`slurm_task`: docs/slurm.md; :func:`k8s_env`: docs/kubernetes.md.
 """
 import dataclasses
 import re
@@ -167,10 +152,8 @@ def slurm_task(env, server_nodes=0, local_size=None):
         local_ranks = (local_id,)
     first = local_id == 0
     is_worker_node = node < n
-    if "DMLC_PS_ROOT_PORT" in env and (env.get("DMLC_PS_ROOT_PORT") or "").strip():
-        port = env["DMLC_PS_ROOT_PORT"].strip()
-    else:
-        port = str(_job_port(f"slurm-{_need(env, 'SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID', '0')}") + 1)
+    port = ((env.get("DMLC_PS_ROOT_PORT") or "").strip()
+            or str(_job_port(f"slurm-{_need(env, 'SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID', '0')}") + 1))
     shared = {
         "DMLC_NUM_WORKER": str(n),
         "DMLC_NUM_SERVER": str(len(hosts)),  # a colocated server on each worker node + the server nodes'

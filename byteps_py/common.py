@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from . import config as bps_config, timeline
+from . import compression as _compression, config as bps_config, timeline
 from .core import _reduce, dtypes
 from .core.ops import Cmd, Op
 from .errors import BytePSError, BytePSTimeoutError, NotInitializedError
@@ -39,9 +39,7 @@ class _Job:
         self.barrier_lock = threading.Lock()
         # BYTEPS_COMPRESSOR & co. are read at init() like every other variable (not per call: seven
         # environment look-ups cost more than the rest of a small push_pull's submission)
-        from . import compression
-
-        self.default_codec = compression.default_codec()
+        self.default_codec = _compression.default_codec()
 
 
 def _require():
@@ -136,9 +134,7 @@ def _notify_exit(cfg):
     """Tell the scheduler this worker process is exiting, so the job can end when all have."""
     import zmq
 
-    from byteps.core import wire
-
-    from byteps.core import auth
+    from byteps.core import auth, wire
 
     body = {"worker_id": cfg.worker_id, "local_rank": cfg.local_rank, "pid": os.getpid()}
     ctx = zmq.Context()
@@ -192,12 +188,11 @@ def config():
 
 
 def expect_model(model_bytes):
-    """Say that each training step pushes ``model_bytes`` of gradients. ``DistributedOptimizer`` and
-    ``DistributedDataParallel`` call it; so may a loop that calls push_pull itself. The job's partition
-    size is chosen again for a step of that size (byteps/autotune.py: a small model wants small
-    partitions, which ``init()`` could not know); tensors first used afterwards are cut to it. Every rank
-    must make the same calls at the same points of its program (data parallelism does). The largest
-    model declared so far counts; with BYTEPS_PARTITION_BYTES set nothing changes."""
+    """Say that each training step pushes ``model_bytes`` of gradients (``DistributedOptimizer`` and
+    ``DistributedDataParallel`` call it). The job's partition size is chosen again for a step of that
+    size (docs/autotune.md); tensors first used afterwards are cut to it. Every rank must make the same
+    calls at the same points of its program. The largest model declared so far counts; with
+    BYTEPS_PARTITION_BYTES set nothing changes."""
     job = _require()
     if job.engine is None or model_bytes <= job.model_bytes:
         return
@@ -206,13 +201,13 @@ def expect_model(model_bytes):
 
 
 def tuning():
-    """The partition size and credit this worker uses, and why (byteps/autotune.py): a dict with
+    """The partition size and credit this worker uses, and why (docs/autotune.md): a dict with
     ``partition_bytes``, ``credit``, ``source`` ("probe", "env", "default", or "local" for a job of one
     process, which sends nothing and keeps the configuration's values), ``text`` (the line logged at
     INFO), and the ``bandwidth_Bps`` and ``rtt_s`` its credit came from (None if not measured)."""
     job = _require()
     if job.engine is not None and job.engine.tuning is not None:
-        return job.engine.tuning.as_dict()
+        return job.engine.tuning._asdict()
     cfg = job.cfg
     return {"partition_bytes": cfg.partition_bytes, "credit": cfg.scheduling_credit, "source": "local",
             "text": "a job of one process: nothing crosses a network", "bandwidth_Bps": None, "rtt_s": None}
@@ -231,13 +226,10 @@ def auto_name(prefix, scope=0):
 def sync_name(prefix, dtype, shape):
     """The name of an unnamed *synchronous* call (submitted and waited for by the same call).
 
-    One name per (prefix, dtype, shape), so the tensor is declared once and every later call reuses
-    its key, the servers' stores and the shared-memory staging: a name per call (:func:`auto_name`)
-    costs a declaration round trip and fresh, page-faulting buffers on every call, and holds them
-    until shutdown. Safe because a synchronous call is over before the caller's next one starts, so
-    every worker's n-th call of that shape meets the others' n-th call in the same round. If another
-    thread of this process has one in flight, the call gets an :func:`auto_name` instead (unnamed
-    calls from several threads are ordered by the threads' timing either way).
+    One name per (prefix, dtype, shape), so every later call reuses the tensor's key, stores and
+    staging instead of declaring a new one (a round trip and fresh buffers). Safe because a synchronous
+    call is over before the caller's next one starts, so every worker's n-th call of that shape meets
+    the others' n-th call. If another thread has one in flight, the call gets an :func:`auto_name`.
     """
     job = _require()
     name = f"{prefix}.sync.{dtype}.{'x'.join(str(d) for d in shape) or 'scalar'}"
@@ -250,9 +242,8 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
 
     Args:
         name: the tensor's name, the same on every worker.
-        buf: a writable, C-contiguous uint8 numpy view of the tensor's memory (input and output), or for
-            a CUDA tensor its device memory as a :class:`byteps.core.device_buffer.DeviceBuffer` (the
-            native core copies it off the GPU and back per partition).
+        buf: a writable, C-contiguous uint8 numpy view of the tensor's memory (input and output), or a
+            CUDA tensor's :class:`byteps.core.device_buffer.DeviceBuffer`.
         dtype: a code from :mod:`byteps.core.dtypes`.
         shape: the tensor's shape (compared across workers).
         broadcast_root: None for a sum, or the rank whose data every worker receives.
@@ -260,9 +251,8 @@ def submit(name, buf, dtype, shape, broadcast_root=None, priority=0, finalize=No
         finalize: called with no arguments on the caller's thread by :func:`synchronize`; its
             result is what :func:`synchronize` returns.
         average_by: a float push_pull's average: its sum divided by this many workers, exactly as
-            torch's ``div_`` divides. The native core divides each partition as it copies the sum
-            into ``buf``, so the average costs no pass of its own; results that come another way are
-            divided by :func:`synchronize` before ``finalize``. 1: the sum.
+            torch's ``div_`` divides (by the native core as it copies each partition into ``buf``,
+            else by :func:`synchronize` before ``finalize``). 1: the sum.
         asynchronous: an asynchronous-training exchange (BYTEPS_ENABLE_ASYNC): the first call
             per name hands the servers the parameters (rank 0's are kept), later calls push a
             delta; each returns the servers' latest parameters (docs/async.md).
@@ -350,8 +340,6 @@ def _make_op(job, name, buf, dtype, shape, broadcast_root, priority, asynchronou
                              "float tensor is averaged in place (divide integers and the rest after synchronize)")
         op.divisor = int(average_by)
     if cmd == Cmd.PUSHPULL and compression is not None:
-        from . import compression as _compression
-
         op.codec = _compression.resolve(compression)
     elif cmd == Cmd.PUSHPULL:
         op.codec = job.default_codec
@@ -473,30 +461,22 @@ def metrics():
     """A snapshot of what this worker's data plane did so far, as plain data (JSON-ready).
 
     Keys: ``rank``, ``size``, ``local_rank``, ``local_size``; ``servers`` (per server: ``index``,
-    ``host``, ``colocated``, ``role``, ``weight`` (its share of the k/n plan), ``transport`` ("tcp", "ucx: ...",
-    "zeromq"), ``bytes_sent``, ``bytes_received``); ``partition_bytes`` and ``credit_bytes`` as agreed
-    at start-up; ``placement_mode`` (how keys map to servers: byteps_py/placement.py); ``tensors`` (declared name -> tensor key); ``partitions`` (declared name -> the
-    partitions of each native table the name has: one per size, kind and codec it was used with, in
-    the order first used); ``native`` (ops the native pipeline ran
-    whole, averages it divided, synchronous calls run on the caller's thread, direct links up, the
-    local reduce's counters, ``stages``: partitions it moved into each stage of their lists,
-    ``compressed_pushes``: partitions it pushed encoded by their wire compressor, ``replies_in_place``:
-    servers' replies a TCP link read straight into the tensor, with no copy; the local reduce's
-    ``for_peers``: partitions a process in join() reduced for its local peers); ``credit_stalls``; ``local_group`` (processes of
-    this machine whose copies are summed locally, or None); ``local_strategy`` (None without a local
-    reduce, else ``owners``: "owners", "root" or "topology", the topology ``plan``'s strategy,
-    ``groups`` and ``roots``, and ``nccl_stages``: CUDA push_pulls take the NCCL stages). A job of one worker process has no data plane:
-    only the rank fields are there, with ``servers`` empty.
+    ``host``, ``colocated``, ``role``, ``weight`` in the k/n plan, ``transport`` ("tcp", "ucx: ...",
+    "zeromq"), ``bytes_sent``, ``bytes_received``); ``partition_bytes`` and ``credit_bytes`` as agreed at start-up;
+    ``placement_mode``; ``tensors`` (declared name -> tensor key); ``partitions`` (declared name ->
+    the partitions of each native table it has, one per size, kind and codec, in first-use order);
+    ``native`` (the native pipeline's counters: ops run whole, averages divided, synchronous calls
+    run on the caller's thread, direct links, ``stages``, ``compressed_pushes``, ``replies_in_place``,
+    the local reduce's counters with ``for_peers``); ``credit_stalls``; ``local_group`` (this
+    machine's processes summed locally, or None); ``local_strategy`` (None without a local reduce,
+    else ``owners``, the topology ``plan``'s strategy, ``groups``, ``roots`` and ``nccl_stages``).
+    A job of one worker process has no data plane: only the rank fields, with ``servers`` empty.
     """
     job = _require()
     base = {"rank": job.rank, "size": job.size, "local_rank": job.cfg.local_rank, "local_size": job.cfg.local_size}
     if job.engine is None:
         return dict(base, servers=[])
-    while True:
-        try:  # the engine thread may add a server's first count meanwhile
-            return dict(base, **job.engine.metrics())
-        except RuntimeError:
-            continue
+    return dict(base, **_snapshot(job.engine.metrics))
 
 
 def transport_bytes():
@@ -506,8 +486,13 @@ def transport_bytes():
     job = _require()
     if job.engine is None:
         return {"sent": {}, "received": {}}
+    return _snapshot(job.engine.transport_bytes)
+
+
+def _snapshot(read):
+    """``read()``, again while it fails because the engine thread added a server's first count meanwhile."""
     while True:
-        try:  # the engine thread may add a server's first count meanwhile
-            return job.engine.transport_bytes()
+        try:
+            return read()
         except RuntimeError:
             continue

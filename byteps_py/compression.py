@@ -1,85 +1,22 @@
 """Gradient compression: Horovod-style tensor compressors and BytePS-style wire codecs.
 
-Two layers, as in BytePS (https://github.com/bytedance/byteps: Horovod-style compressors in its framework
-plugins, and the wire compressors of byteps/common/compressor run by workers and servers):
-
 * **Tensor compressors** (:class:`Compressor`, :class:`NoneCompressor`; the plugins add
   ``FP16Compressor``): ``compress(tensor) -> (tensor, ctx)`` runs before push_pull and
   ``decompress`` after, so the whole push_pull, server sum included, sees the compressed tensor.
 * **Wire codecs** (:class:`WireCompressor`): the worker's native core encodes each partition just
-  before it crosses the network to a server on another machine, the server decodes every push into the
-  key's store (which stays in the tensor's dtype), sums, and answers workers that pushed
-  compressed with the re-encoded sum where the method allows. Traffic to a server on the same
-  machine goes through shared memory and is never compressed. The tensor compressor interface of
-  a :class:`WireCompressor` is the identity, so the plugins accept it wherever they accept
+  before it crosses the network to a server on another machine; the server decodes, sums in the
+  tensor's dtype and answers with the re-encoded sum where the method allows. Their tensor
+  compressor interface is the identity, so the plugins accept them wherever they accept
   ``Compression.none``.
 
-Methods (``method``; compressed size for a float32 partition of n elements):
-
-=========== ======================================================= ============== ==================
-method      what is sent                                            size           pull (reply)
-=========== ======================================================= ============== ==================
-fp16        the values cast to IEEE half (round to nearest even)     2n             the sum, recast
-bf16        the values cast to bfloat16 (round to nearest even)      2n             the sum, recast
-onebit      the signs (np.packbits) and one scale, mean |x|          n/8 + 8        the sum, recompressed
-topk        the k largest |x|: uint32 indices + values               8k             the sum on the union of
-                                                                                    pushed indices (sparse;
-                                                                                    exact), or raw if larger
-randomk     values at k indices drawn from (seed, key, round): the   4k             the sum at the same k
-            same on every worker, so no indices travel                              indices (exact)
-dithering   stochastic quantisation to ``levels`` levels of |x|/norm b*n/8 + 8,     the sum, requantised
-            (linear or natural, norm max or l2), b bits per element  b in 2, 4, 8,
-                                                                     16: holds
-                                                                     2*levels + 1
-=========== ======================================================= ============== ==================
-
-The random streams (randomk's indices; dithering's draws, which also depend on the sender so that
-workers draw independently) are PCG64 seeded through SeedSequence with (seed, wire key, round).
-
-Options of every method: ``error_feedback`` (the worker keeps, per partition, what compression
-lost -- ``residual = (input + residual) - decode(encode(input + residual))``, computed in the
-tensor's dtype -- and adds it to the next round's input; the server then keeps a residual for the
-recompressed pull as well, as BytePS does), ``momentum`` (momentum correction on the worker, as
-in BytePS / DGC: ``m = mu * m + g`` and ``m`` is compressed; use it with a plain SGD optimizer;
-``nesterov=True`` sends ``g + mu * m``), ``seed`` (random methods: runs are reproducible and
-randomk's indices agree on every worker), ``min_bytes`` (tensors smaller than this are sent raw; default
-``BYTEPS_MIN_COMPRESS_BYTES``). Only float32 and float64 tensors are compressed; a partition whose
-encoding would not be smaller than its raw bytes is sent raw.
-
-Wire format of one compressed partition: a 32-byte little-endian header, then the payload.
-
-====== ====== ==============================================================
-offset type   field
-====== ====== ==============================================================
-0      2s     magic ``b"CZ"``
-2      u8     codec version (1)
-3      u8     method id (:data:`METHODS`; 7 = sparse, a server's topk reply)
-4      u8     dtype code of the decoded values (float32 0, float64 1)
-5      u8     flags: 1 error feedback, 2 onebit scaling, 4 natural dithering, 8 l2 norm
-6      u16    dithering levels
-8      u64    element count n of the dense partition
-16     u64    k: elements sent (topk, randomk, sparse)
-24     u64    seed: randomk's derived index seed; dithering's configured seed
-====== ====== ==============================================================
-
-The frame header's ``length`` stays the dense byte count (wire.FLAG_COMPRESSED marks the body as
-this blob), so the server's checks that every push of a round has the same length and dtype, and
-the store's allocation, are unchanged; :func:`parse` checks that the blob's own size matches its
-header exactly and that n * itemsize equals that length. Every push of a round must use the same
-compression (the server compares the header fields and fails the round naming the ranks).
-
-The codecs themselves are C++ (``core/kernels/bps_codecs.h``, wrapped by ``byteps.core._reduce``;
-no Python per element, and the GIL is released while they run); this module is their Python API.
-The random streams are numpy's algorithms, reimplemented there: PCG64 raw output seeded through
-SeedSequence (both documented and stable across numpy versions), so any process, and a test with
-numpy itself, draws the same values. Onebit's scale and dithering's l2 norm are sums computed in
-a fixed order by the kernel (eight double lanes), within 1e-14 of the exactly rounded sum.
+The codecs are C++ (``core/kernels/bps_codecs.h``, wrapped by ``byteps.core._reduce``); this module
+is their Python API. Methods, options, the 32-byte blob header and exactness: docs/compression.md.
 """
 import os
-import struct
 
 import numpy as np
 
+from . import config
 from .errors import CodecError, ConfigError
 from .core import _reduce
 
@@ -112,10 +49,7 @@ class NoneCompressor(Compressor):
 
 # --------------------------------------------------------------------------- wire format
 
-MAGIC = b"CZ"
-VERSION = 1
-HEADER = struct.Struct("<2sBBBBHQQQ")
-HEADER_SIZE = HEADER.size  # 32
+HEADER_SIZE = 32  # the blob header (docs/compression.md, "Wire format")
 
 FP16, BF16, ONEBIT, TOPK, RANDOMK, DITHERING, SPARSE = range(1, 8)
 #: method name -> id (SPARSE is only ever produced by a server)
@@ -134,42 +68,6 @@ class Info:
     """A parsed blob: its header fields, and the blob itself (any buffer)."""
 
     __slots__ = ("method", "dtype", "flags", "levels", "n", "k", "seed", "blob")
-
-    @property
-    def itemsize(self):
-        return _NP[self.dtype].itemsize
-
-    @property
-    def nbytes(self):
-        """Bytes of the dense partition this blob decodes to."""
-        return self.n * self.itemsize
-
-    def identity(self):
-        """What every push of one round must agree on (n is checked through the frame's length)."""
-        return (self.method, self.dtype, self.flags, self.levels, self.k, self.seed)
-
-    def describe(self):
-        return describe(self)
-
-
-def describe(info):
-    """Human-readable compression of a push, for error messages (None: sent uncompressed)."""
-    if info is None:
-        return "no compression"
-    name = NAMES.get(info.method, f"method {info.method}")
-    opts = []
-    if info.method in (TOPK, RANDOMK, SPARSE):
-        opts.append(f"k={info.k} of {info.n}")
-    if info.method == RANDOMK:
-        opts.append(f"index seed {info.seed:#x}")
-    if info.method == ONEBIT:
-        opts.append("scaling" if info.flags & F_SCALING else "no scaling")
-    if info.method == DITHERING:
-        opts += [f"levels={info.levels}", "natural" if info.flags & F_NATURAL else "linear",
-                 "l2" if info.flags & F_L2 else "max", f"seed={info.seed}"]
-    if info.flags & F_EF:
-        opts.append("error feedback")
-    return f"{name}({', '.join(opts)})"
 
 
 def payload_size(method, n, itemsize, k=0, levels=0):
@@ -409,37 +307,30 @@ DEFAULT_MIN_BYTES = 65536
 
 
 def min_compress_bytes(env=None):
-    from . import config
-
     env = os.environ if env is None else env
     return config._int(env, "BYTEPS_MIN_COMPRESS_BYTES", DEFAULT_MIN_BYTES, minimum=0)
 
 
+def _number(env, name, default=None):
+    raw = config._get(env, name, default)
+    try:
+        return None if raw is None else float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+
+
 def from_env(env=None):
     """The job-wide wire compressor configured by BYTEPS_COMPRESSOR & co., or None; ConfigError if malformed."""
-    from . import config
-
     env = os.environ if env is None else env
     method = (config._get(env, "BYTEPS_COMPRESSOR", "none")).lower()
     if method in ("none", "0", "off"):
         return None
     if method not in METHODS:
         raise ConfigError(f"BYTEPS_COMPRESSOR={method!r} must be one of none, {', '.join(METHODS)}")
-    raw_k = config._get(env, "BYTEPS_COMPRESSOR_K")
-    k = None
-    if raw_k is not None:
-        try:
-            k = float(raw_k)
-        except ValueError:
-            raise ConfigError(f"BYTEPS_COMPRESSOR_K={raw_k!r} is not a number") from None
-    raw_mu = config._get(env, "BYTEPS_MOMENTUM_MU", "0")
-    try:
-        mu = float(raw_mu)
-    except ValueError:
-        raise ConfigError(f"BYTEPS_MOMENTUM_MU={raw_mu!r} is not a number") from None
+    k = _number(env, "BYTEPS_COMPRESSOR_K")
     kwargs = dict(seed=config._int(env, "BYTEPS_COMPRESSOR_SEED", 0, minimum=0),
-                  error_feedback=config._bool(env, "BYTEPS_ERROR_FEEDBACK"), momentum=mu,
-                  min_bytes=min_compress_bytes(env))
+                  error_feedback=config._bool(env, "BYTEPS_ERROR_FEEDBACK"),
+                  momentum=_number(env, "BYTEPS_MOMENTUM_MU", "0"), min_bytes=min_compress_bytes(env))
     if k is not None:
         kwargs["levels" if method == "dithering" else "k"] = k if method != "dithering" else int(k)
     try:

@@ -10,7 +10,7 @@ import socket
 
 from . import cpus
 from .errors import ConfigError
-from .log import parse_level
+from .log import logger, parse_level
 
 ROLES = ("scheduler", "server", "worker")
 
@@ -97,7 +97,6 @@ _warned_removed = set()
 def _warn_removed(env):
     """Say once per process that a removed variable is set and has no effect (the results were the same
     either way: the variables chose only which code moved the bytes)."""
-    from .log import logger
     for name, now in REMOVED.items():
         if _get(env, name) is not None and name not in _warned_removed:
             _warned_removed.add(name)
@@ -141,14 +140,9 @@ def _float(env, name, default, minimum=0.0):
     return value
 
 
-#: BYTEPS_SPIN_US=auto where the process may run on 2 or more CPUs (measured on the 2-core VM: a 4 KB
-#: call of a machine's 2 processes took 16 us with 50 us of polling against 63-66 us asleep;
-#: docs/benchmarks.md, "Polling before sleeping")
+#: BYTEPS_SPIN_US=auto where the process may run on 2 or more CPUs (docs/env.md has the measurements)
 AUTO_SPIN_US = 50
-#: ... and where the job's worker processes on this host outnumber its CPUs: each call then waits for processes
-#: that take turns on a CPU, and with 50 us the pollers fall asleep, each sleep making the next call
-#: later (4 processes on 2 CPUs, bench_users.py: 46-146 us a 4 KB call with 50 us, 42-70 us with 200;
-#: docs/benchmarks.md, "Shared-memory local links")
+#: ... and where the job's worker processes on this host outnumber its CPUs
 AUTO_SPIN_SHARED_US = 200
 
 

@@ -1,22 +1,10 @@
 """The CPUs a worker process may use, and binding the training threads of the job's worker processes
 on a host to them where there are at least as many processes as CPUs (BYTEPS_CPU_BIND).
 
-Why bind: a synchronous call of one small tensor polls for its answer for a while before it sleeps
-(BYTEPS_SPIN_US), because waking a sleeping process costs more than the call. Processes that poll
-look busy to the kernel's scheduler, and processes that wake each other tend to be woken on one
-CPU; where the processes fill the host, the scheduler can then leave two pollers on one CPU (or
-three of 4 on one of 2) and keep them so for seconds. On the 2-core VM a 4 KB call of 4 processes
-took 75-80 us while three shared a CPU against 33-37 us bound (bench/call_cost.py --blocks), and
-unbound pairs had blocks of 39-65 us against 10-16 us (docs/benchmarks.md, "Shared-memory local
-links"). Binding the training thread (the one that called init(), which is the one that polls) of
-the host's i-th worker process to the i-th usable CPU (round robin) gives every CPU the same number
-of pollers. byteps' own threads, started before, stay free to run on any CPU: binding whole
-processes made 64 MB push_pulls of 2 single-process machines 20-30% slower. Threads and processes
-the training thread starts later (a DataLoader's workers) inherit the binding; that is why it
-applies only where the host's worker processes fill its CPUs anyway.
-
+Only the training thread is bound (it is the one that polls, BYTEPS_SPIN_US): byteps' own threads,
+started before, stay free to run on any CPU. Why, and what it measured: docs/env.md, BYTEPS_CPU_BIND.
 The engine counts the worker processes that registered with this host's address (core/engine.py
-_place_on_cpus): a machine's processes, or with ``bpslaunch --local`` every machine of the job.
+_place_on_cpus).
 """
 import os
 

@@ -1,16 +1,6 @@
-"""BytePS's elastic and telemetry calls: ``suspend()``, ``resume()`` and ``get_pushpull_speed()``.
-
-* ``suspend()`` leaves the job like :func:`byteps.common.shutdown` (a collective of every worker).
-  BytePS kept its tensor declarations for ``resume``; byteps' tensor keys never depend on
-  declaration order (the scheduler assigns them by name), so there is nothing to keep.
-* ``resume(num_workers, num_servers, global_rank=None, context=None)`` sets ``DMLC_NUM_WORKER``
-  and ``DMLC_NUM_SERVER`` (and ``BYTEPS_GLOBAL_RANK``, which BytePS reads; byteps' scheduler
-  assigns ranks by worker id and local rank, so it is informational) and joins the job again with
-  :func:`byteps.common.init`. The new job must be started the same way (scheduler, servers).
-* ``get_pushpull_speed()``: ``(milliseconds since the epoch, MB/s)`` of this worker's push_pull
-  traffic (bytes sent to and received from the servers) since the previous call, averaged over
-  at least ``BYTEPS_SPEED_WINDOW`` seconds (default 10, BytePS's window); ``(0, -5.0)`` until a
-  first window has completed, as in BytePS.
+"""BytePS's elastic and telemetry calls: ``suspend()``, ``resume()`` and ``get_pushpull_speed()``
+(docs/compat.md). byteps' tensor keys never depend on declaration order (the scheduler assigns them
+by name), so ``suspend()`` is a collective ``shutdown()`` with nothing to keep for ``resume()``.
 """
 import os
 import threading
@@ -32,7 +22,8 @@ def suspend():
 
 
 def resume(num_workers, num_servers, global_rank=None, context=None):
-    """Join again after :func:`suspend`, with ``num_workers`` worker machines and ``num_servers`` servers."""
+    """Join again after :func:`suspend`, with ``num_workers`` worker machines and ``num_servers`` servers
+    (``global_rank`` sets BYTEPS_GLOBAL_RANK, which BytePS reads; byteps' scheduler assigns the ranks)."""
     os.environ["DMLC_NUM_WORKER"] = str(int(num_workers))
     os.environ["DMLC_NUM_SERVER"] = str(int(num_servers))
     if global_rank is not None:
@@ -46,7 +37,9 @@ def _total_bytes():
 
 
 def get_pushpull_speed():
-    """``(ms since the epoch, MB/s)`` of push_pull traffic over the last completed window (see above)."""
+    """``(ms since the epoch, MB/s)`` of this worker's push_pull traffic (bytes sent to and received from the
+    servers) over the last completed window of at least ``BYTEPS_SPEED_WINDOW`` seconds (default 10, as
+    BytePS); ``(0, -5.0)`` until a first window has completed, as in BytePS."""
     global _last, _speed
     window = float(os.environ.get("BYTEPS_SPEED_WINDOW", "10"))
     now, total = time.monotonic(), _total_bytes()

@@ -1,30 +1,11 @@
 """Balanced fusion buffers without negotiation (Herring §III.1-2) over byteps push_pull.
 
-Many small tensors cost one round trip each, and a small tensor cannot be spread over the servers.
 :class:`FusedPushPull` copies tensors into a few fusion buffers and push_pulls the buffers; with
-``BYTEPS_PLACEMENT=balanced`` the engine cuts every buffer into one piece per server in exactly the
-optimal k/n proportions (byteps/placement.py), so every server is loaded as the model says at every
-instant, not only on average.
-
-The layout must be identical on every worker, and no step may wait for the workers to agree on
-it (Horovod's per-step negotiation). As in Herring:
-
-1. The first step records the order in which the caller hands the tensors over (the order
-   gradients become ready) and push_pulls each tensor on its own at :meth:`synchronize`, in
-   name order (the same on every worker; see 3).
-2. At the end of the first step rank 0's order is broadcast once (an int32 permutation of the
-   sorted names, one byteps broadcast). Every worker then lays the tensors out in that order:
-   tensors of one dtype are concatenated and cut into buffers of ``buffer_bytes`` (a tensor may
-   span two buffers; all buffers have the same size but the last of each dtype).
-3. Every later step copies each tensor into its fixed place as it is handed over; a buffer is
-   push_pulled as soon as all of its bytes are in and every earlier buffer has been, and
-   :meth:`FusedPushPull.synchronize` copies the sums back into the tensors. Buffers go out in the
-   same order on every worker, whatever order the tensors arrived in: with the engine's byte credit
-   (BYTEPS_SCHEDULING_CREDIT), two workers each holding their credit on buffers the other has not
-   sent yet would wait for each other forever.
-
-The tensors are byte views, as in :func:`byteps.common.submit` (framework plugins convert), and
-results are sums (divide for an average). Copies use the Cython kernel (no Python per element).
+``BYTEPS_PLACEMENT=balanced`` every buffer is cut over the servers in the optimal k/n proportions
+(docs/placement.md). The first step push_pulls each tensor on its own and records the order they
+were handed over; rank 0's order is then broadcast once, and every later step copies the tensors
+into fixed places of that layout and push_pulls each buffer, in layout order, once it is complete.
+The tensors are byte views, as in :func:`byteps.common.submit`, and results are sums.
 """
 import numpy as np
 

@@ -1,34 +1,9 @@
 """Other launchers' environments: torchrun, mpirun and horovodrun (Gloo) become a byteps job.
 
-:func:`translate` is called at the top of :func:`byteps.config.load`. When a worker was started
-by ``torchrun``, ``mpirun``/``mpiexec`` or ``horovodrun --gloo`` and the byteps variables that
-describe the job (``DMLC_NUM_WORKER``, ``DMLC_WORKER_ID``) are not set, it derives them:
-
-============================  =========================  ==========================  ===========================
-byteps                        torchrun                   horovodrun (Gloo)           mpirun (Open MPI / MPICH)
-============================  =========================  ==========================  ===========================
-``DMLC_NUM_WORKER`` (nodes)   WORLD_SIZE /               HOROVOD_CROSS_SIZE          size / local size
-                              LOCAL_WORLD_SIZE
-``DMLC_WORKER_ID`` (node)     GROUP_RANK                 HOROVOD_CROSS_RANK          rank // local size
-``BYTEPS_LOCAL_RANK``         LOCAL_RANK                 HOROVOD_LOCAL_RANK          OMPI_COMM_WORLD_LOCAL_RANK,
-                                                                                     MPI_LOCALRANKID
-``BYTEPS_LOCAL_SIZE``         LOCAL_WORLD_SIZE           HOROVOD_LOCAL_SIZE          OMPI_COMM_WORLD_LOCAL_SIZE,
-                                                                                     MPI_LOCALNRANKS
-``DMLC_PS_ROOT_URI``          MASTER_ADDR                127.0.0.1 on one node       127.0.0.1 on one node
-``DMLC_PS_ROOT_PORT``         MASTER_PORT + 1            RENDEZVOUS_PORT + 1         29501 (see docs)
-``DMLC_NUM_SERVER``           1                          1                           1
-============================  =========================  ==========================  ===========================
-
-Overrides: ``BYTEPS_SCHEDULER_URI`` (``host`` or ``host:port``; required for a multi-node
-mpirun/horovodrun job, where no variable names rank 0's host), ``DMLC_PS_ROOT_URI``,
-``DMLC_PS_ROOT_PORT`` and ``DMLC_NUM_SERVER``.
-
-Nobody else starts a scheduler or servers under these launchers, so the worker with global rank 0
-starts them itself (``python -m byteps.scheduler`` and ``DMLC_NUM_SERVER`` x ``python -m
-byteps.server``, children that get SIGTERM if it dies) the first time it loads its configuration,
-i.e. in ``init()``. They exit by themselves when every worker process has exited (the scheduler
-ends the job then); rank 0 waits for that at its own exit and kills whatever is left after
-``BYTEPS_SERVICES_EXIT_TIMEOUT`` seconds (default 30). docs/launchers.md has the whole story.
+:func:`translate`, called at the top of :func:`byteps.config.load`, derives DMLC_NUM_WORKER,
+DMLC_WORKER_ID, BYTEPS_LOCAL_RANK/SIZE and the scheduler's address from the launcher's variables when
+no byteps job is described, and global rank 0 starts the scheduler and servers itself
+(:func:`start_services`). The mapping, overrides and life cycle: docs/launchers.md.
 """
 import atexit
 import hashlib
@@ -169,20 +144,12 @@ def derive(env, info):
     if not 0 <= info["local_rank"] < local_size or not 0 <= info["node_rank"] < num_nodes:
         raise ConfigError(f"{who}: local rank {info['local_rank']} of {local_size} on node {info['node_rank']} "
                           f"of {num_nodes} is inconsistent")
-    host, port = info["host"], info["port"]
+    host, port, explicit_port = info["host"], info["port"], False
     override = _get(env, "BYTEPS_SCHEDULER_URI")
     if override is not None:
         h, sep, p = override.rpartition(":")
-        if sep and p.isdigit():
-            host, port, explicit_port = h, int(p), True
-        else:
-            host, explicit_port = override, False
-    else:
-        explicit_port = False
-    if _get(env, "DMLC_PS_ROOT_URI") is not None:
-        host = _get(env, "DMLC_PS_ROOT_URI")
-    if host is None:
-        host = _get(env, "MASTER_ADDR")
+        host, port, explicit_port = (h, int(p), True) if sep and p.isdigit() else (override, port, False)
+    host = _get(env, "DMLC_PS_ROOT_URI") or host or _get(env, "MASTER_ADDR")
     if host is None:
         if num_nodes > 1:
             raise ConfigError(f"{who}: a job on {num_nodes} nodes needs the address of global rank 0's host, "
@@ -193,12 +160,8 @@ def derive(env, info):
         sched_port = _int(env, "DMLC_PS_ROOT_PORT", 1)
     elif explicit_port:
         sched_port = port
-    else:
-        if port is None:
-            port = _int(env, "MASTER_PORT", 1)
-        if port is None:
-            port = _job_port(info["job"])
-        sched_port = port + 1
+    else:  # the launcher's port (ports are >= 1), else MASTER_PORT, else one derived from the job id
+        sched_port = (port or _int(env, "MASTER_PORT", 1) or _job_port(info["job"])) + 1
     if not 0 < sched_port < 65536:
         raise ConfigError(f"{who}: scheduler port {sched_port} is outside 1..65535; set DMLC_PS_ROOT_PORT")
     out = {
@@ -230,7 +193,7 @@ def start_services(job_env):
         from . import port_file
         from .procctl import make_preexec as _make_preexec  # PR_SET_PDEATHSIG: they die with this process
 
-        base = {k: v for k, v in job_env.items()}
+        base = dict(job_env)
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
             base.pop(name, None)  # the services are no launcher's ranks
         argv_s = [sys.executable, "-m", "byteps.scheduler"]

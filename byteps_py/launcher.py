@@ -1,31 +1,11 @@
 """bpslaunch: start the processes of a byteps job and take them all down together.
 
-Modes:
-
-* **Local mode** (``bpslaunch --local --workers W --servers S [--local-size L] -- CMD ...``)
-  runs a whole job on this machine: one scheduler (``python -m byteps.scheduler``), S
-  Summation Service servers (``python -m byteps.server``; default W, one per worker machine as
-  in the BytePS design) and W worker "machines" of L processes each running CMD. The
-  scheduler binds a free port and reports it through a file in a private temporary
-  directory, so no fixed port is ever used.
-
-* **Role mode** (no ``--local``; BytePS-compatible): the role comes from ``DMLC_ROLE``.
-  ``scheduler`` and ``server`` run the matching byteps module; ``worker`` runs
-  ``BYTEPS_LOCAL_SIZE`` local copies of CMD with ``BYTEPS_LOCAL_RANK`` set. The environment
-  is validated by :func:`byteps.config.load` first, so a missing or malformed variable is
-  an error (exit status 2), not a silent ``exit 0`` as in the original launcher.
-
-* **Cluster managers**: ``bpslaunch --slurm [--server-nodes K] -- CMD`` under ``srun`` and
-  ``bpslaunch --k8s -- CMD`` in a Kubernetes pod derive the roles and DMLC_* variables from the
-  manager's environment (byteps/cluster_env.py; docs/slurm.md, docs/kubernetes.md).
-
-In every mode every child belongs to one :class:`~byteps.launch_job.Job`, and every way out (normal end, a
-failing child, a signal, ``--timeout``) goes through :meth:`Job.teardown`, which ends the
-children *and their descendants*, drains their output and removes the temporary directory.
-Exit status: 0 when every process succeeded; the first failing child's code (128+N for a
-child killed by signal N, as a shell reports it); 124 for ``--timeout``; 128+N when
-bpslaunch itself got signal N (130 for SIGINT, 143 for SIGTERM); 2 for a usage or
-environment error; 127/126 when CMD cannot be found/executed.
+Its modes (local, role, slurm, k8s, join; launch_args.py's help text and docs/launchers.md) each
+validate the environment first (a ConfigError is exit status 2) and return a function that starts
+the children in one :class:`~byteps.launch_job.Job`, whose teardown ends every child and its
+descendants on every way out. Exit status: 0 when every process succeeded; the first failing
+child's code (128+N for a child killed by signal N); 124 for ``--timeout``; 128+N when bpslaunch
+itself got signal N; 2 for a usage or environment error; 127/126 when CMD cannot be found/executed.
 """
 # Licensed under the Apache License, Version 2.0.
 import os
@@ -43,11 +23,6 @@ SCHEDULER_ARGV = [sys.executable, "-m", "byteps.scheduler"]
 SERVER_ARGV = [sys.executable, "-m", "byteps.server"]
 
 
-# ---------------------------------------------------------------------------------------
-# The two modes: each validates first (ConfigError -> exit 2), then returns a function
-# that runs the job.
-
-
 def _visible_device_count(env):
     """Number of GPUs listed in NVIDIA_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES, or None."""
     for name in ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
@@ -61,15 +36,9 @@ def _visible_device_count(env):
 
 
 def _worker_defaults(env, procs):
-    """Defaults for the worker processes, each only where the user set nothing:
-
-    * OMP_NUM_THREADS = CPUs / worker processes on this machine, as torchrun does. Each worker's
-      framework thread pool otherwise sizes itself to the whole machine; on the 2-core CI machine
-      that made the example job 20x slower.
-    * CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA numbers the GPUs as NVML and the PCIe tree do, which is how
-      byteps maps GPUs to PCIe switches and NVLink groups (topology/detect.py); CUDA's own default
-      order (fastest first) may differ from it.
-    """
+    """Defaults for the worker processes, each only where the user set nothing (docs/env.md): OMP_NUM_THREADS
+    = CPUs / worker processes on this machine, as torchrun does, and CUDA_DEVICE_ORDER=PCI_BUS_ID, the
+    order in which topology/detect.py maps GPUs to PCIe switches."""
     if not env.get("OMP_NUM_THREADS", "").strip():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // procs))
     if not env.get("CUDA_DEVICE_ORDER", "").strip():
@@ -79,9 +48,7 @@ def _worker_defaults(env, procs):
 def _plan_local(opts, command):
     if not command:
         raise ConfigError("--local needs a command to run on the workers (bpslaunch --local ... -- CMD)")
-    # a Summation Service on every worker machine (the design's k = 0): the summing is spread over
-    # them; on one host, 2 single-process machines with 2 servers took 1.2-1.4x less time than with one
-    # server at 64 MB, and 4 with 4 the same as one (docs/benchmarks.md, "Servers per worker machine")
+    # a Summation Service on every worker machine by default (the design's k = 0)
     nw, nl = opts.workers, opts.local_size or 1
     ns = opts.servers or nw
     job_id = f"bps-{os.getpid()}-{secrets.token_hex(4)}"
@@ -252,45 +219,23 @@ def _plan_k8s(opts, command):
 # Command line
 
 
-def _print_plan(opts):
+def _plan_text(opts):
     """bpslaunch --plan: the k/n placement of byteps.placement.plan for the given job shape, and the
     partition size and credit byteps/autotune.py chooses for it."""
     from . import autotune, placement
 
+    n = opts.worker_machines or int(os.environ.get("DMLC_NUM_WORKER", "0") or 0)
+    if n < 1 or opts.extra < 0:
+        raise ValueError("--plan needs --worker-machines N >= 1 (or DMLC_NUM_WORKER) and --extra K >= 0")
+    plan = placement.plan(n, opts.extra, placement.parse_bytes(opts.model_bytes), placement.parse_rate(opts.bandwidth))
+    return plan.table() + "\n" + autotune.plan_text(plan, autotune.parse_duration(opts.latency))
+
+
+def _print_report(make, errors):
+    """--plan, --stages, --topology: print ``make()``, or name its error and return exit status 2."""
     try:
-        n = opts.worker_machines or int(os.environ.get("DMLC_NUM_WORKER", "0") or 0)
-        if n < 1 or opts.extra < 0:
-            raise ValueError("--plan needs --worker-machines N >= 1 (or DMLC_NUM_WORKER) and --extra K >= 0")
-        plan = placement.plan(n, opts.extra, placement.parse_bytes(opts.model_bytes),
-                              placement.parse_rate(opts.bandwidth))
-        rtt = autotune.parse_duration(opts.latency)
-    except ValueError as e:
-        say(f"error: {e}")
-        return 2
-    print(plan.table())
-    print(autotune.plan_text(plan, rtt))
-    return 0
-
-
-def _print_stages(opts):
-    """bpslaunch --stages: the stage lists core/stages.py builds, as the engine would for this environment."""
-    from byteps.core import stages
-
-    try:
-        print(stages.situations_text(opts.local_size or 2))
-    except ConfigError as e:
-        say(f"error: {e}")
-        return 2
-    return 0
-
-
-def _print_topology(opts):
-    """bpslaunch --topology [FILE]: the §4.2.3 plan for this machine or a description (docs/topology.md)."""
-    from .topology import TopologyError, plan_text
-
-    try:
-        print(plan_text(opts.topology or None, local_size=opts.local_size))
-    except TopologyError as e:
+        print(make())
+    except errors as e:
         say(f"error: {e}")
         return 2
     return 0
@@ -308,11 +253,15 @@ def main(argv=None):
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else 2
     if opts.plan:
-        return _print_plan(opts)
-    if opts.topology is not None:
-        return _print_topology(opts)
-    if opts.stages:
-        return _print_stages(opts)
+        return _print_report(lambda: _plan_text(opts), ValueError)
+    if opts.topology is not None:  # the §4.2.3 plan for this machine or a description (docs/topology.md)
+        from .topology import TopologyError, plan_text
+
+        return _print_report(lambda: plan_text(opts.topology or None, local_size=opts.local_size), TopologyError)
+    if opts.stages:  # the stage lists core/stages.py builds, as the engine would for this environment
+        from byteps.core import stages
+
+        return _print_report(lambda: stages.situations_text(opts.local_size or 2), ConfigError)
     if opts.timeline:  # every child inherits it; the scheduler (ours or a role-mode one) writes the file
         os.environ["BYTEPS_TIMELINE"] = os.path.abspath(opts.timeline)
     try:

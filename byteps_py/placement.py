@@ -1,56 +1,10 @@
 """Which server sums which bytes: the paper's optimal k/n workload split (BytePS §4.1, Eq. 1-7).
 
-A job has ``n`` worker machines and ``k`` extra machines. A Summation Service server on a worker
-machine (SS_GPU in the paper, even when the worker trains on CPU; here "colocated") shares that
-machine's NIC with the worker; one on an extra machine (SS_CPU; here "standalone") has a NIC to
-itself. Per iteration a worker machine moves ``M + (n-2)·m_gpu`` bytes each way (its worker pushes
-and pulls the ``M - m_gpu`` bytes other machines sum, its server takes ``m_gpu`` from each of the
-other ``n-1`` machines and answers them) and an extra machine ``n·m_cpu``. Equal times give
-
-* each standalone server sums ``2(n-1) / (n² + kn - 2k)`` of the model bytes (Eq. 1),
-* each colocated server ``(n-k) / (n² + kn - 2k)`` (Eq. 2),
-* in ``t_opt = 2n(n-1)M / ((n² + kn - 2k)B)`` (Eq. 6), ``γ_a = (n² + kn - 2k)/n²`` times faster
-  than ring all-reduce and ``γ_p = (n² + kn - 2k)/(2k(n-1))`` times faster than plain
-  (non-colocated) PS with the same k (Eq. 7).
-
-``k = 0`` is all-reduce-like colocated PS (each server ``1/n``); ``k = n`` is plain PS (colocated
-servers get nothing); more extra machines cannot help (the workers' own NICs are the bottleneck),
-so for ``k > n`` the standalone servers split the model evenly; with ``n = 1`` everything is
-summed on the worker's own machine and nothing crosses the network.
-
-:func:`plan` evaluates this model for a job (``bpslaunch --plan`` prints it). :class:`Placement`
-applies it in the worker's engine (core/engine.py) from the address book, one of two ways
-(``BYTEPS_PLACEMENT``):
-
-``balanced`` (default)
-    Every partition of ``BYTEPS_PARTITION_BYTES`` is cut into one piece per server, sized in
-    exactly the Eq. 1-2 proportions (cuts at the nearest :data:`ALIGN`-byte boundary, so each
-    piece is within one unit of its target). Every partition, hence every fusion buffer
-    (byteps/fusion.py, Herring's balanced fusion buffers), loads the servers in the optimal
-    proportions at every instant, not only on average. Every worker sends a partition's pieces in
-    the same order (successive partitions start at successive servers): the credit's exception for
-    the most urgent tensor relies on it (core/pipeline/bps_queue.h). In a partition too small for
-    that (a small tensor, the tail of a large one, or tiny BYTEPS_PARTITION_BYTES), the servers whose
-    piece would be under :data:`MIN_PIECE` pool their bytes into pieces of about MIN_PIECE, given
-    to some of them picked by a hash of (tensor key, partition) in proportion to their weights;
-    the others keep their exact pieces. Each server's bytes still follow Eq. 1-2 on average, and a
-    partition under MIN_PIECE goes whole to one server (fuse small tensors with byteps/fusion.py
-    to balance them at every instant too).
-``hash``
-    The paper's approximation: equal partitions, each placed by hashing its (tensor key,
-    partition index) into ``[0, n² + kn - 2k)``, where standalone servers own ``2(n-1)`` slots
-    each and colocated ones ``n-k``. Balanced on average over many partitions.
-
-Both are pure functions of the address book, the tensor key and the partition index, so every
-worker computes the same placement without talking to the others, and it is stable across steps.
-Piece ``s`` of partition ``j`` has partition index ``j·S + s`` (S servers): the server is the index
-modulo S, which is all a process needs that adopts another rank's partition (join()).
-
-A server's role is decided from the address book (:func:`server_roles`): colocated when a worker
-announces the same host address, standalone otherwise; ``BYTEPS_SERVER_ROLE`` on the server
-overrides it. Address books that do not fit the model (several servers on one host, worker
-machines without a server) are handled by :func:`host_shares`, which solves the same equal-time
-condition for the hosts that exist.
+:func:`plan` evaluates the model for a job shape (``bpslaunch --plan``); :func:`weights_for_book`
+turns an address book into integer server weights; :class:`Placement` cuts each partition over the
+servers in those proportions (``BYTEPS_PLACEMENT``: ``balanced`` or ``hash``), as a pure function
+of the book, the tensor key and the partition index, so every worker agrees without messages. The
+model, both modes and their measurements: docs/placement.md.
 """
 import dataclasses
 import math
@@ -59,10 +13,7 @@ from fractions import Fraction
 
 #: bytes: pieces are cut at multiples of this (a multiple of every element size; a cache line)
 ALIGN = 64
-#: bytes: no server is sent a piece of a partition smaller than this when the partition could go to
-#: fewer servers instead (Placement._piece_weights); a 4 KB piece costs the native core a few
-#: microseconds. Sent whole to hashed servers, the pieces below it of a ResNet-18 of 30 MB (n = 4,
-#: k = 3, 128 KB partitions) put 1.2-1.6% more bytes on the busiest host than Eq. 1-2; pooled, 0.1%
+#: bytes: smaller pieces of a partition are pooled onto fewer servers (Placement._piece_weights)
 MIN_PIECE = 4 << 10
 MODES = ("balanced", "hash")
 ROLES = ("colocated", "standalone")
@@ -78,14 +29,8 @@ def shares(n, k):
     """
     if n < 1 or k < 0:
         raise ValueError(f"need n >= 1 worker machines and k >= 0 extra machines, got n={n}, k={k}")
-    if n == 1:
-        return Fraction(0), Fraction(1)
-    if k == 0:
-        return Fraction(0), Fraction(1, n)
-    if k >= n:
-        return Fraction(1, k), Fraction(0)
-    d = n * n + k * n - 2 * k
-    return Fraction(2 * (n - 1), d), Fraction(n - k, d)
+    cpu, gpu, total = slots(n, k)  # k = n: 2(n-1) slots of 2n(n-1) each, i.e. 1/k
+    return Fraction(cpu, total), Fraction(gpu, total)
 
 
 def slots(n, k):
@@ -161,16 +106,10 @@ class Plan:
     gamma_a: float                   #: Eq. 7
     gamma_p: float                   #: Eq. 7 (None for k = 0)
 
-    def as_dict(self):
-        return dataclasses.asdict(self)
-
     def table(self):
         """The plan as text (what ``bpslaunch --plan`` prints)."""
-        def t(x):
-            return "n/a" if x is None else f"{x:.3f} s"
-
-        def g(x):
-            return "n/a" if x is None else f"{x:.3f}"
+        def f(x, unit=""):
+            return "n/a" if x is None else f"{x:.3f}{unit}"
         lines = [f"BytePS placement for n={self.n} worker machines, k={self.k} extra machines, "
                  f"model {_human(self.model_bytes)}, {self.bandwidth * 8 / 1e9:g} Gbit/s per machine",
                  f"  standalone server share (Eq. 1): {float(self.standalone_share):.6f}",
@@ -181,9 +120,9 @@ class Plan:
         lines.append("  machine       sends/push_pull  receives/push_pull")
         for h in self.hosts:
             lines.append(f"  {h.name:<13} {h.tx_bytes:>15} {h.rx_bytes:>19}")
-        lines += [f"  t_opt (Eq. 6): {t(self.t_opt)}   ring all-reduce: {t(self.t_allreduce)}   "
-                  f"plain PS: {t(self.t_plain_ps)}",
-                  f"  gamma_a (vs all-reduce): {g(self.gamma_a)}   gamma_p (vs plain PS): {g(self.gamma_p)}"]
+        lines += [f"  t_opt (Eq. 6): {f(self.t_opt, ' s')}   ring all-reduce: {f(self.t_allreduce, ' s')}   "
+                  f"plain PS: {f(self.t_plain_ps, ' s')}",
+                  f"  gamma_a (vs all-reduce): {f(self.gamma_a)}   gamma_p (vs plain PS): {f(self.gamma_p)}"]
         return "\n".join(lines)
 
 
@@ -310,8 +249,6 @@ def weights_for_book(book, roles=None):
     cpu, gpu = host_shares(n, len(coloc_hosts), k)
     fracs = [(cpu if role == "standalone" else gpu) / len(per_host[(role, s["host"])])
              for s, role in zip(book["servers"], roles)]
-    if sum(fracs) == 0:  # nothing fits the model (cannot happen with >= 1 server); share evenly
-        fracs = [Fraction(1)] * len(fracs)
     denom = math.lcm(*(f.denominator for f in fracs))
     ints = [int(f * denom) for f in fracs]
     g = math.gcd(*ints)
@@ -322,9 +259,7 @@ def weights_for_book(book, roles=None):
 
 def at_least_cut(partition_bytes, min_cut_bytes):
     """``partition_bytes``, or the power of two at or above ``min_cut_bytes`` when it is smaller: a balanced
-    placement cuts a partition in the exact Eq. 1-2 proportions only from ``Placement.min_cut`` up; below
-    it the servers with the smallest shares get their bytes pooled, right on average only (the start-up
-    choice, byteps/autotune.py, and each new server membership: :meth:`Placement.resized`)."""
+    placement cuts a partition in the exact Eq. 1-2 proportions only from ``Placement.min_cut`` up."""
     if partition_bytes >= min_cut_bytes:
         return partition_bytes
     return 1 << math.ceil(math.log2(min_cut_bytes))
@@ -401,10 +336,7 @@ class Placement:
 
     def resized(self, partition_bytes):
         """The same servers and shares with partitions of ``partition_bytes``, or of the power of two at
-        or above ``min_cut`` where that is larger (balanced mode): a smaller partition would not be cut
-        in the exact Eq. 1-2 proportions (on the emulated cluster with n = 3 and k = 2, when such
-        partitions still went whole to hashed servers, 128 KB partitions sent one standalone server 0.51
-        of the bytes instead of 0.36)."""
+        or above ``min_cut`` where that is larger (balanced mode; docs/placement.md)."""
         if self.mode == "balanced" and partition_bytes < self.min_cut:
             partition_bytes = at_least_cut(partition_bytes, self.min_cut)
         if partition_bytes == self.partition_bytes:
@@ -465,11 +397,8 @@ class Placement:
             size = min(step, nbytes - start)
             lengths = apportion(size, self._piece_weights(tkey, j, size))
             offs = [start + sum(lengths[:s]) for s in range(s_count)]
-            # every worker sends a partition's pieces in the same order, successive partitions
-            # starting at successive servers. Not rotated by rank: a worker whose credit is full may
-            # send the most urgent tensor one piece at a time (core/pipeline/bps_queue.h); with rank-rotated
-            # orders each worker's piece went to a different server, each server waited for a piece
-            # another worker's credit held back, and the job hung (tests/test_autotune.py)
+            # the same order on every worker, never rotated by rank: the credit may let the most urgent
+            # tensor out one piece at a time, and rank-rotated orders deadlocked (docs/placement.md)
             first = (tkey + j) % s_count
             for s in (*range(first, s_count), *range(first)):
                 if lengths[s]:

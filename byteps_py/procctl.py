@@ -30,13 +30,9 @@ PRCTL = _libc_prctl()
 def make_preexec():
     """A preexec_fn that makes the child get SIGTERM when its parent dies, even by SIGKILL.
 
-    Why PDEATHSIG and not a new process group: the children stay in bpslaunch's process
-    group, so Ctrl-C in a terminal still reaches each of them directly (like any shell job),
-    and PDEATHSIG also covers the one case no teardown code can handle, bpslaunch being
-    SIGKILLed. A separate group would need bpslaunch alive to killpg() it. The death signal
-    fires when the *thread* that forked exits, so children are only started from the
-    thread that runs main(). The function is resolved before fork and only calls prctl and
-    getppid, so it is safe next to the output reader threads.
+    Not a new process group: Ctrl-C in a terminal still reaches each child directly, and PDEATHSIG
+    also covers the parent being SIGKILLed. It fires when the *thread* that forked exits, so start
+    children from the main thread. Only prctl and getppid run after fork (safe next to threads).
     """
     if PRCTL is None:
         return None

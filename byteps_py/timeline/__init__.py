@@ -1,14 +1,10 @@
 """One merged timeline for the whole job (``BYTEPS_TIMELINE=PATH``; docs/timeline.md).
 
 Every worker and server records spans (one stage of one partition on one thread) into bounded
-in-memory buffers: the native threads into core/pipeline/bps_trace.h's buffer, Python's engine threads into
-this module's :class:`Recorder`. Each node estimates the offset of its clock to the scheduler's
-with timestamped round trips on the control plane (:class:`Clock`, NTP's rule) and sends its spans
-with its current estimate to the scheduler (``TRACE`` messages, every
-``BYTEPS_TIMELINE_FLUSH_STEPS`` steps and at the end), which writes one Chrome/Perfetto JSON file
-(byteps/timeline/trace.py). ``python -m byteps.timeline PATH`` summarises it (report.py).
-
-Nothing here runs per partition while tracing is off: the engines test ``recorder is not None``.
+buffers: the native threads into core/pipeline/bps_trace.h's, Python's engine threads into this
+module's :class:`Recorder`. Each node estimates its clock's offset to the scheduler's (:class:`Clock`)
+and sends its spans to the scheduler, which writes one Chrome/Perfetto JSON file (trace.py).
+While tracing is off the engines only test ``recorder is not None``.
 """
 import collections
 import os
@@ -28,14 +24,8 @@ BURST = 8
 
 
 class Clock:
-    """This node's offset to the scheduler's clock from timestamped round trips (NTP's rule).
-
-    A probe carries our send time t0; the scheduler answers with its receive and send times t1, t2;
-    we note the arrival t3. Then offset = ((t1 - t0) + (t2 - t3)) / 2 and the true offset lies within
-    +- (round trip - time at the scheduler) / 2 of it. Of the recent probes the one with the shortest
-    round trip gives the estimate (the least queueing, so the tightest bound); probes continue every
-    ``interval`` seconds so a drifting clock is followed.
-    """
+    """This node's offset to the scheduler's clock from timestamped round trips (NTP's rule; docs/timeline.md,
+    "One clock"): of the recent probes, the one with the shortest round trip gives the estimate."""
 
     def __init__(self, interval):
         self.interval = interval

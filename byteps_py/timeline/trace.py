@@ -1,12 +1,7 @@
 """The scheduler's side of the timeline: collect every node's spans and write one trace file.
 
-Output is Chrome's JSON trace format, which the Perfetto UI and its trace processor read: one
-process track per worker, server and the scheduler, one thread track per recording thread (its
-Linux name: byteps-net, byteps-serve, byteps-engine, ...) with the work done there (STAGE, PULL,
-RECV, SUM, ...), lanes beside it for the waits that overlap (QUEUE, PUSH, ROUND: ``byteps-net:
-PUSH #3``), one ``X`` event per span with the tensor, partition, round, bytes and server in
-``args``, a ``steps`` track of each worker's steps, and ``otherData.byteps`` with each node's clock
-offset and error bound and its dropped spans. Every track's slices nest properly, as Perfetto
+Output is Chrome's JSON trace format, which the Perfetto UI reads (its tracks and events:
+docs/timeline.md, "What is in the trace"). Every track's slices nest properly, as Perfetto
 requires of JSON traces.
 """
 import json
