@@ -7,15 +7,9 @@ With BYTEPS_JOB_SECRET set (bpslaunch --local generates one), every connection s
     client -> AUTH      {mac:   HMAC(secret, "client" | n_s | client identity)}   (or REGISTER / EXIT
                                                                                     carrying "auth")
 
-The secret never crosses the wire; the labels keep the two directions apart, so answering a
-stranger's HELLO gives nothing that could be replayed as a client; fresh nonces prevent replay.
-A client checks the proof before it sends anything that matters (a worker never pushes gradients
-to a server that cannot prove it knows the secret); a server ignores every data or control
-message from an identity that has not authenticated, and logs the refusal (throttled).
-
-What a stranger can make a gate keep is bounded: an open handshake (HELLO answered, AUTH not yet
-come) expires after PENDING_TTL_S, and at most PENDING_LIMIT are open at once (the oldest goes
-first); only identities that passed are remembered for good, and those are the job's own.
+The secret never crosses the wire, the labels keep the two directions apart and fresh nonces prevent
+replay; what a stranger can make a gate keep is bounded (PENDING_TTL_S, PENDING_LIMIT).
+docs/architecture.md, "Authentication", has the rest.
 """
 import collections
 import hashlib

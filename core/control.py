@@ -30,9 +30,8 @@ class ControlClient:
         self.secret = auth.job_secret()
         self._knock = auth.Knock(self.secret, self.identity) if self.secret else None
         self.node_id = wire.NO_SENDER
-        now = time.monotonic()
         self._last_sent = 0.0
-        self._last_heard = now
+        self._last_heard = time.monotonic()
         self._heard_once = False
 
     def send(self, cmd, body=None, key=0, arg=0):
@@ -77,9 +76,8 @@ class ControlClient:
 
     def tick(self):
         """Send a heartbeat when due; raise PeerLostError if the scheduler has gone silent."""
+        self.beat()
         now = time.monotonic()
-        if now - self._last_sent >= self.cfg.heartbeat_interval:
-            self.send(wire.Cmd.HEARTBEAT)
         if timeline.recorder is not None and self.node_id != wire.NO_SENDER:  # registered: the scheduler answers
             timeline.probe_clock(self)
         silent = now - self._last_heard

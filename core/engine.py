@@ -1,21 +1,12 @@
 """The worker's engine: the control plane of one training process, on one background thread.
 
-The data plane is native: the thread "byteps-net" (core/pipeline/, through core/_worker_core.pyx)
-moves every partition through its stages without the GIL, and "byteps-complete" delivers finished
-ops. This thread does what is per job, per tensor or rare, as in Horovod's background loop:
-
-1. start-up: registration, the address book, authentication (core/auth.py), the partition size and
-   credit (byteps/autotune.py), CPU placement, links to servers and to this machine's processes,
-   then the hand-over of those sockets to the native core;
-2. declarations: a new (name, shape, dtype) is declared to the scheduler, which compares it across
-   workers and returns one tensor key (or a mismatch error for every worker); the op then goes to
-   the native core, its table of partitions registered once per tensor (wire key ``t << 32 | i``,
-   server and length by byteps/placement.py, in the paper's optimal k/n proportions);
-3. heartbeats, barriers, join(), elastic server membership, the timeline, and time-outs of ops
-   still waiting for their declaration (the native core times out the ops it runs).
-
-ZeroMQ sockets are not thread-safe: this thread owns the control socket, and the data sockets until
-it hands them over. No Python runs per partition or per element.
+The data plane is native (thread "byteps-net", through core/_worker_core.pyx; "byteps-complete"
+delivers finished ops). This thread does what is per job, per tensor or rare, as in Horovod's
+background loop: start-up (core/engine_setup.py), tensor declarations (the scheduler compares a new
+(name, shape, dtype) across workers and returns one key, or a mismatch error for all), heartbeats,
+barriers, join(), elastic servers (core/engine_elastic.py), the timeline, and time-outs of ops still
+waiting for their declaration. ZeroMQ sockets are not thread-safe: this thread owns the control
+socket, and the data sockets until it hands them to the native core (docs/architecture.md).
 """
 import collections
 import fcntl
@@ -66,7 +57,6 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self.partition_bytes = None  # a new tensor's partition size, once a model's size changed it (expect_model)
         self._lost_at_start = set()  # indices of servers lost while init() ran (elastic): not waited for
         self._thread = threading.Thread(target=self._main, name="byteps-engine", daemon=True)
-        # engine-thread state
         self._declaring = {}        # (name, seq, set id) -> [ops waiting for the key]
         self._decl_spec = {}        # (name, seq, set id) -> spec
         self._decl_pending = {}     # (name, spec) -> (name, seq, set id) of its declaration in flight
@@ -90,12 +80,9 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self._link_offers = {}      # local rank -> (port, token, DEALER identity, ring offer or None): links offered
         self._io = {}               # data-plane socket -> its message I/O (core/transport.py)
         self._dropped = stages.from_env()  # optional stages switched off by BYTEPS_PIPELINE
-        self._stage_lists = {}      # (owner, colocated, kind) -> the partition's stages (core/stages.py)
-        # join() (Horovod): ranks that joined add zeros; a joined process still owns its partitions
-        self.joined = frozenset()   # ranks that have joined
-        # joins this process saw end; LOCAL_READY carries its parity (FLAG_JOIN_EPOCH), so a copy that a
-        # local peer sent after a join ended is never adopted by a process that has not yet heard the end
-        self._joins_ended = 0
+        self._stage_lists = {}      # (colocated, kind, local) -> the partition's stages (core/stages.py)
+        self.joined = frozenset()   # ranks in join() (Horovod): they add zeros, and still own their partitions
+        self._joins_ended = 0  # joins this process saw end: LOCAL_READY carries its parity (wire.FLAG_JOIN_EPOCH)
         self._gate = auth.Gate(None)  # who may send to our local ROUTER (set up in _knock_all)
         self.join_result = None     # the last rank to join, once every rank has
         # the native data plane (core/pipeline/bps_worker.h): owns the server sockets once authenticated
@@ -111,9 +98,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self._completer = None      # thread delivering native completions
         self.native_submitted = 0   # ops handed to the native thread (tests check the path really ran)
         self.native_averaged = 0    # of them, averages the native core divided as it copied the sums in
-        # the native thread also runs this machine's local reduce (core/pipeline/bps_worker.h "Local reduce"):
-        # set once at start from the job's config, so every local rank decides alike
-        self._native_local = False
+        self._native_local = False  # the native thread runs this machine's local reduce (set once at start)
         self._owed_zeros = {}  # bytes -> zeros: a joined owner's own (absent) copy (_reduce_owed)
         self.native_local_submitted = 0  # push_pulls the native thread reduced locally
 
@@ -148,17 +133,16 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         return op
 
     def abandon(self, name, process_set, reason):
-        """A call this rank refused before declaring ``name`` (common.submit): say so in its place (any
-        thread), so that the ranks that make it get an error naming us at once: in the servers' rounds of a
-        tensor we used before (_abandon_rounds; at once, as submit() sends an op of a known tensor, so a
-        later call of it cannot take those rounds first), else in its declaration (_abandon)."""
+        """A call this rank refused before declaring ``name`` (common.submit), so that the ranks that make
+        it get an error naming us at once (any thread): in the servers' rounds of a tensor we used before
+        (_abandon_rounds, at once, as submit() would), else in its declaration (_abandon)."""
         if not self._inbox and self._abandon_rounds(name, process_set, reason):
             return
         self._inbox.append(("abandon", name, None, (process_set, reason)))
         self._wake()
 
     def request(self, kind, name="", value=None):
-        """Run a control-plane collective ("barrier" or "leave"); return an event set on release.
+        """Run a control-plane request ("barrier", "leave", "join" or "timeline"); return an event set on release.
 
         A barrier with a ``value`` hands every member all of them: ``barrier_values[name]`` maps each
         rank to its value once the event is set."""
@@ -185,6 +169,12 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         except BlockingIOError:  # the pipe is full, so the engine is awake anyway
             pass
 
+    def _read_wake(self):
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+
     # ---------------------------------------------------------------- engine thread
 
     def _main(self):
@@ -205,7 +195,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self.failure = self.failure or error
         if self._native is not None:
             self._native.fail_all()
-        for op in list(self._outstanding_ops()):
+        for op in [op for ops in self._declaring.values() for op in ops]:  # the native core failed the others
             op.fail(self.failure)
         while self._inbox:
             item = self._inbox.popleft()
@@ -216,11 +206,6 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         for ev in self._requests.values():
             ev.set()
 
-    def _outstanding_ops(self):
-        """Ops waiting for their declaration's answer (the native core holds the others)."""
-        for ops in self._declaring.values():
-            yield from ops
-
     def _loop(self):
         tick_ms = min(self.cfg.heartbeat_interval, 1.0) * 1000
         next_check = 0.0
@@ -229,14 +214,9 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
             began = time.monotonic()
             for sock, _ in events:
                 if sock == self._wake_r:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
+                    self._read_wake()
                 elif sock is self.control.sock:
                     self._drain(sock, lambda _: self._on_control())
-                elif sock is self._local_sock:  # not when the native thread runs the local reduce
-                    self._drain_data(sock, self._on_local)
             self._drain_native()  # the servers' sockets are the native thread's: their replies come from it
             self._drain_inbox()
             now = time.monotonic()
@@ -316,7 +296,6 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
             self.rank = body["you"]["rank"]
             self.size = body["size"]
             self.control.node_id = body["you"]["node_id"]
-            self.workers = {w["rank"]: w for w in body["workers"]}
             if body.get("timeline") or timeline.recorder is not None:  # BYTEPS_TIMELINE here or at the scheduler
                 self._start_timeline()
         elif cmd == Cmd.DECLARE:
@@ -328,14 +307,10 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
                 self.barrier_errors[body.get("name")] = body["error"]
             if "values" in body:
                 self.barrier_values[body.get("name")] = {int(r): v for r, v in body["values"].items()}
-            ev = self._requests.pop(("barrier", body.get("name")), None)
-            if ev is not None:
-                ev.set()
+            self._release("barrier", body.get("name"))
         elif cmd == Cmd.LEAVE:
             self._left = True
-            ev = self._requests.pop(("leave", ""), None)
-            if ev is not None:
-                ev.set()
+            self._release("leave")
         elif cmd == Cmd.JOIN:
             self._on_join(body)
         elif cmd == Cmd.TRACE:  # another worker called start_timeline(): record too
@@ -348,6 +323,12 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
             raise BytePSError(f"the scheduler refused this worker: {body.get('error')}")
         else:
             logger.warning("unexpected control message %s", Cmd(cmd).name)
+
+    def _release(self, kind, name=""):
+        """The scheduler released our request (barrier, leave or join): wake its caller."""
+        ev = self._requests.pop((kind, name), None)
+        if ev is not None:
+            ev.set()
 
     def _start_timeline(self, path=""):
         """Record spans from now on (start_timeline(), or the scheduler relaying another node's)."""
@@ -370,9 +351,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
             self.join_result = body["last"]
             if self._native_local:
                 self._native.set_local_joined(0)
-            ev = self._requests.pop(("join", ""), None)
-            if ev is not None:
-                ev.set()
+            self._release("join")
             return
         self.joined = frozenset(body["joined"])
         if self.local is None:
@@ -431,8 +410,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
             waiting = self._decl_pending.get((op.name, op.spec))  # a dict: 10,000 new tensors stay linear
             if waiting is None:
                 set_id = 0 if op.pset is None else op.pset[0]
-                seq = self._decl_seq[(op.name, set_id)]  # counted per set: a set's members meet each other
-                self._decl_seq[(op.name, set_id)] += 1
+                seq = self._next_seq(op.name, set_id)
                 waiting = (op.name, seq, set_id)
                 self._decl_spec[waiting] = op.spec
                 self._decl_pending[(op.name, op.spec)] = waiting
@@ -445,10 +423,9 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
             self._declaring[waiting].append(op)
 
     def _abandon(self, name, pset, reason):
-        """Declare ``name`` abandoned, with the reason: in the declaration this rank would have made (the
-        same per-name count, so later declarations stay in step), which the scheduler answers with an
-        error naming us on every rank that declares it. A name this rank ran before: the others reuse its
-        key without declaring, so its rounds are abandoned at the servers instead (_abandon_rounds)."""
+        """Declare ``name`` abandoned, with the reason, in the declaration this rank would have made (so
+        later ones stay in step); the scheduler fails it on every rank. A name this rank ran before has a
+        key the others reuse without declaring: its rounds are abandoned at the servers (_abandon_rounds)."""
         set_id, members = 0, None
         if pset is not None:
             set_id, members = int(pset[0]), sorted(int(r) for r in pset[1])
@@ -458,12 +435,16 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
             return
         if any(n == name for n, _ in self._keys) or any(n == name for n, _ in self._decl_pending):
             return  # its declaration in flight
-        seq = self._decl_seq[(name, set_id)]
-        self._decl_seq[(name, set_id)] += 1
-        body = {"name": name, "seq": seq, "abandoned": reason}
+        body = {"name": name, "seq": self._next_seq(name, set_id), "abandoned": reason}
         if members is not None:
             body.update(set_id=set_id, members=members)
         self.control.send(Cmd.DECLARE, body)
+
+    def _next_seq(self, name, set_id):
+        """This rank's count of declarations of ``name``, per process set: a set's members meet each other."""
+        seq = self._decl_seq[(name, set_id)]
+        self._decl_seq[(name, set_id)] += 1
+        return seq
 
     def _dispatch(self, op, tkey):
         """Hand the op, now keyed, to the native core."""
@@ -476,9 +457,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self._native_submit(op, tkey)
 
     def _note_stall(self, name):
-        """Log (once) that the send queue's head went past a stalled credit (either engine's)."""
-        if self._stall_noted:
-            return
+        """Log (once: _loop asks only until then) that the send queue's head went past a stalled credit."""
         self._stall_noted = True
         logger.info("tensor %s went past the scheduling credit: what was in flight had no reply for %.0f s (a "
                     "slow peer, or workers that give a tensor different priorities; logged once)", name,

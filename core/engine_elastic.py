@@ -5,13 +5,12 @@ import time
 
 import zmq
 
-from byteps.errors import BytePSError, BytePSTimeoutError, ProtocolError
+from byteps.errors import BytePSError, BytePSTimeoutError
 from byteps.log import logger
 from byteps.placement import Placement
 
-from . import auth, shm, transport, wire
+from . import auth, shm, wire
 from .stages import Stage
-
 
 
 Cmd = wire.Cmd
@@ -82,26 +81,18 @@ class ElasticServers:
         if index != len(self.servers):
             raise BytePSError(f"the scheduler admitted server {index}, but this worker knows {len(self.servers)} "
                               "servers: a membership change was missed")
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, auth.new_identity())
-        sock.connect(f"tcp://{info['host']}:{info['port']}")
+        sock = self._dealer(f"tcp://{info['host']}:{info['port']}")
+        ident = sock.getsockopt(zmq.IDENTITY)
         limit, who = min(self.cfg.timeout, 10.0), f"server {index} ({info['host']}:{info['port']})"
         secret = auth.job_secret()
         if secret is not None:
-            knock = auth.Knock(secret, sock.getsockopt(zmq.IDENTITY))
+            knock = auth.Knock(secret, ident)
             header, body = self._ask(sock, wire.control(Cmd.HELLO, self.control.node_id, knock.hello()), limit, who)
-            if header.cmd != Cmd.CHALLENGE:
-                raise BytePSError(f"{who} answered {Cmd(header.cmd).name} to our HELLO: {body.get('error')}")
-            sock.send_multipart(wire.control(Cmd.AUTH, self.control.node_id, {"mac": knock.answer(body, who)}))
-        fd = -1
+            self._answer_challenge(sock, knock, header, body, who)
+        fd = None
         header, answer = self._ask(sock, wire.control(Cmd.LINK, self.control.node_id), limit, who)
         if header.cmd == Cmd.LINK and "port" in answer:
-            try:
-                fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
-                                         sock.getsockopt(zmq.IDENTITY), self.control.node_id, limit)
-            except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:
-                logger.warning("no direct link to %s: %s; its data goes through ZeroMQ", who, e)
+            fd = self._open_server_link(who, info["host"], answer, ident)
         shared = (self.cfg.enable_ipc and Stage.STAGE not in self._dropped and info["host"] == self.cfg.node_host
                   and shm.can_share(info.get("shm"), self._maps))
         if shared and self._shm is None:
@@ -109,8 +100,8 @@ class ElasticServers:
         self.colocated.append(shared)
         self._native.set_colocated(index, shared)
         self.servers.append(sock)
-        self._native.add_server_live(sock, fd)
-        logger.info("%s joined: %s", who, "direct TCP link" if fd >= 0 else "ZeroMQ")
+        self._native.add_server_live(sock, -1 if fd is None else fd)
+        logger.info("%s joined: %s", who, "ZeroMQ" if fd is None else "direct TCP link")
 
     def _ask(self, sock, frames, limit, who):
         """Send ``frames`` on ``sock`` and wait up to ``limit`` s for its answer: (header, body)."""

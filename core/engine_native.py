@@ -5,7 +5,6 @@ length, server, staging region, local owner, whether its push is compressed), pe
 the servers; each op is then one submit() with no per-partition Python. Completions come back on
 the thread "byteps-complete" (or to a caller in synchronize()), per op.
 """
-import collections
 import dataclasses
 
 import numpy as np
@@ -54,38 +53,22 @@ class _TableSpec:
 class NativePlane:
     """Native tables, submission and completion of :class:`~byteps.core.engine.Engine` (a mixin)."""
 
-    @property
-    def native_direct_calls(self):
-        """Synchronous calls whose round trip ran on the caller's thread (tests check the path ran)."""
-        return self._native.direct_calls if self._native is not None else 0
-
-    @property
-    def native_link_transports(self):
-        """Per server, what carries its link: "tcp", "ucx: <UCX transports>" or "" (ZeroMQ)."""
-        if self._native is None:
-            return []
-        return [self._native.link_transport(i) for i in range(len(self.servers))]
-
-    @property
-    def native_links(self):
-        """Servers this worker reaches over a working direct link, TCP or UCX (tests check the path really ran)."""
-        return self._native.links_up if self._native is not None else 0
+    def _root_self(self, cmd, root):
+        """Whether this rank is the root of a broadcast (its table and submission differ)."""
+        return cmd == Cmd.BROADCAST and root == self.rank
 
     def _native_eligible(self, op):
-        """Whether ``op`` may run in this job: every op may, but with elastic servers (BYTEPS_ELASTIC=1)
-        only plain push_pulls and broadcasts, which the native core moves to a lost server's
-        replacement; _dispatch fails the others, saying so. A function of the op and the job's config,
-        so every rank decides alike."""
+        """Whether ``op`` may run in this job: with BYTEPS_ELASTIC=1 only plain push_pulls and broadcasts,
+        which the native core moves to a lost server's replacement (the job's config: every rank agrees)."""
         if not self.cfg.elastic:
             return True
         return op.pset is None and op.cmd != Cmd.ASYNC_PUSHPULL and self._wire_codec(op) is None
 
     def _native_table(self, op, tkey):
-        """(table id, partitions) of ``op``'s tensor in the native core, registered on first use: per
-        partition its wire key, offset, length, server and staging region (colocated server). With
+        """(table id, partitions) of ``op``'s tensor in the native core, registered on first use; with
         elastic servers, each later membership's partitions too, from the op number the scheduler cut
         that membership's change at (a tensor first used after a change still counts its ops from 0)."""
-        root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
+        root_self = self._root_self(op.cmd, op.root)
         codec = self._wire_codec(op)
         # the key fixes name, shape and dtype; a table keeps its codec's state, so one per codec setting
         nccl = self.nccl_stages and isinstance(op.buf, DeviceBuffer) and op.cmd == Cmd.PUSHPULL and op.pset is None
@@ -97,13 +80,12 @@ class NativePlane:
                           nccl)
         with self._native_lock:  # the staging allocator is shared with the engine thread
             first, *later = self._memberships
-            table = self._native.add_table(op.name, self._table_rows(spec, first), self._codec_settings(codec))
+            rows = self._table_rows(spec, first)
+            table = self._native.add_table(op.name, rows, self._codec_settings(codec))
             for m in later:
-                self._native.add_segment(table, m["cuts"].get(spec.cut_name, 0), self._table_rows(spec, m))
-            count = len(self._table_rows(spec, self._memberships[-1])) if later else None
-            entry = (table, count if count is not None else len(self._placement_of(first, spec).partitions(
-                tkey, op.buf.nbytes, dtypes.itemsize(op.dtype))))
-            self._native_parts[ident] = entry
+                rows = self._table_rows(spec, m)
+                self._native.add_segment(table, m["cuts"].get(spec.cut_name, 0), rows)
+            entry = self._native_parts[ident] = (table, len(rows))
             self._native_specs[table] = spec
         return entry
 
@@ -150,13 +132,9 @@ class NativePlane:
         travel raw: docs/compression.md), or None."""
         return op.codec if op.cmd == Cmd.PUSHPULL and op.pset is None else None
 
-    @staticmethod
-    def _codec_ident(codec):
-        """What a native table's codec state depends on: the codec's method and options (None: no codec)."""
-        if codec is None:
-            return None
-        return (codec.method_id, codec.flags, codec.levels, codec.k, codec.seed, codec.momentum, codec.nesterov,
-                codec.min_bytes)
+    def _codec_ident(self, codec):
+        """What a native table's codec state depends on: the codec's settings and size threshold."""
+        return None if codec is None else (self._codec_settings(codec), codec.min_bytes)
 
     def _codec_settings(self, codec):
         """A native table's codec (WorkerCore.add_table): its options and this worker's rank, or None."""
@@ -172,9 +150,8 @@ class NativePlane:
 
     def _native_submit(self, op, tkey, sync=False, lazy=False):
         """Hand ``op`` to the native thread (``sync``: or run it on this thread if it is small and the
-        native thread idle). ``lazy``: its completion is left to its caller for a while (see prompt()); only
-        where the caller submits it itself, since a caller that started an op still being declared
-        waits on its event, which only a delivery sets."""
+        native thread idle). ``lazy``: its completion is left to its caller for a while (prompt()); only
+        where the caller submits it itself (an op that waited for its declaration needs a delivery)."""
         op.tkey = tkey
         table, count = self._native_table(op, tkey)
         if not count:  # an empty tensor: nothing to send
@@ -186,7 +163,7 @@ class NativePlane:
             return
         nid = next(self._native_ids)
         self._native_ops[nid] = op  # before submit: the completion thread may deliver it at once
-        root_self = op.cmd == Cmd.BROADCAST and op.root == self.rank
+        root_self = self._root_self(op.cmd, op.root)
         op.divided = op.divisor > 1  # the native core divides as it copies each partition's sum in; set before
         # submit, which the completion thread may race to deliver
         if gpu:
@@ -207,9 +184,9 @@ class NativePlane:
 
     def _abandon_rounds(self, name, pset, reason):
         """This rank refused a call of ``name``, a tensor it ran before (any thread): the native core takes
-        the rounds the call would have had, in the tensor's latest table here, and pushes the reason in
-        place of data (core/wire.py FLAG_ABANDON), so the servers fail those rounds on every rank and our
-        round counters stay in step. False if no table of ``name`` (in that process set) exists here."""
+        the rounds the call would have had in the tensor's latest table and pushes the reason in place of
+        data (wire.FLAG_ABANDON), so the servers fail those rounds on every rank. False if no table of
+        ``name`` (in that process set) exists here."""
         set_id = 0 if pset is None else int(pset[0])
         if pset is not None and self.rank not in pset[1]:
             return True  # the members do not wait for a non-member
@@ -223,44 +200,34 @@ class NativePlane:
         op = Op(name, np.zeros(spec.nbytes, np.uint8), spec.dtype, (spec.nbytes,), spec.cmd, spec.root, pset=pset)
         nid = next(self._native_ids)
         self._native_ops[nid] = op  # its completion (the servers' error) is delivered and dropped
-        root_self = spec.cmd == Cmd.BROADCAST and spec.root == self.rank
+        root_self = self._root_self(spec.cmd, spec.root)
         self._native.submit_abandon(nid, table, spec.cmd, spec.dtype, spec.root, root_self, op.buf,
                                     f"rank {self.rank} refused the call ({reason})")
         op.native_id = nid
         return True
 
     def _gpu_unavailable(self):
-        """Load the CUDA runtime for CUDA tensors' copy stages at the first one (core/device_buffer.py), with
-        a staging ring of BYTEPS_GPU_STAGING_BYTES in slots of one partition, and NCCL for the NCCL stages
-        where they run; why they cannot run here (kept in ``self._gpu``), or "" once loaded."""
+        """Load the CUDA runtime (and NCCL for the NCCL stages) at the first CUDA tensor, with a staging
+        ring of BYTEPS_GPU_STAGING_BYTES in slots of one partition; why it cannot run here, or "" once loaded."""
         with self._native_lock:
             if self._gpu is None:
-                path = device_buffer.cudart_path(self.cfg.cudart)
+                path = device_buffer.library_path("cudart", self.cfg.cudart)
                 slot = max(self.cfg.partition_bytes, self.placement.partition_bytes)
                 try:
                     if path is None:
                         raise RuntimeError("no CUDA runtime library was found (BYTEPS_CUDART names one)")
-                    self._native.enable_gpu(path, slot, device_buffer.staging_slots(self.cfg.gpu_staging_bytes, slot))
+                    # at least 2 slots: one partition's copy overlaps another's round trip
+                    self._native.enable_gpu(path, slot, max(2, self.cfg.gpu_staging_bytes // slot))
                 except RuntimeError as e:
                     self._gpu = f"{e} (BYTEPS_CUDART={self.cfg.cudart})" if self.cfg.cudart else str(e)
                     return self._gpu
                 try:
                     if self.nccl_stages:  # found at start-up (_nccl_stages)
-                        self._native.enable_nccl(device_buffer.nccl_path(self.cfg.nccl))
+                        self._native.enable_nccl(device_buffer.library_path("nccl", self.cfg.nccl))
                     self._gpu = ""
                 except RuntimeError as e:
                     self._gpu = f"{e} (BYTEPS_NCCL={self.cfg.nccl})" if self.cfg.nccl else str(e)
             return self._gpu
-
-    def credit_stalls(self):
-        """Times the send queue's head went past a stalled credit (core/pipeline/bps_queue.h)."""
-        return self._native.credit_stalls()[0] if self._native is not None else 0
-
-    def native_local_stats(self):
-        """The native local reduce's counters (tests check the path really ran), or None."""
-        if not self._native_local:
-            return None
-        return dict(self._native.local_stats(), ops=self.native_local_submitted)
 
     def _deliver_native(self):
         """Completion thread: sets the events of ops the native thread finished (per op, not per partition)."""
@@ -318,11 +285,8 @@ class NativePlane:
         return core is not None and core.is_done(op.native_id)
 
     def prompt(self, op):
-        """``op`` has a done callback now: have the completion thread deliver it as soon as it is done.
-
-        Native ops their caller submits are lazy: their completion waits (BPS_LAZY_DELIVERY_S,
-        core/pipeline/bps_worker.h) for the caller's synchronize() to finish them on its own thread, so the
-        completion thread does not take the GIL from a training thread for ops nobody listens to yet."""
+        """``op`` has a done callback now: have the completion thread deliver it as soon as it is done,
+        not wait for a lazy op's caller to finish it (BPS_LAZY_DELIVERY_S, core/pipeline/bps_worker.h)."""
         if op.native_id is not None and self._native is not None:
             self._native.prompt(op.native_id)
 
@@ -343,65 +307,45 @@ class NativePlane:
 
     def transport_bytes(self):
         """Bytes sent to / received from each server on the data sockets (both paths)."""
-        sent, received = collections.Counter(), collections.Counter()
-        if self._native is not None:
-            for i in range(len(self.servers)):
-                sent[i] += self._native.bytes_sent(i)
-                received[i] += self._native.bytes_received(i)
-        return {"sent": {k: v for k, v in sent.items() if v}, "received": {k: v for k, v in received.items() if v}}
-
-    def _partition_counts(self):
-        """{tensor name: [partitions of each of its native tables]}: how each use of the name is cut."""
-        names = {tkey: name for (name, _), tkey in self._keys.items()}
-        out = {}
-        for (tkey, *_), (_, count) in sorted(self._native_parts.items(), key=lambda kv: kv[1][0]):
-            out.setdefault(names.get(tkey, str(tkey)), []).append(count)
-        return out
+        core, servers = self._native, range(len(self.servers))
+        return {"sent": {i: n for i in servers if (n := core.bytes_sent(i))},
+                "received": {i: n for i in servers if (n := core.bytes_received(i))}}
 
     def metrics(self):
-        """What this worker's data plane did so far, for users, tests and bench/ (byteps.metrics())."""
+        """What this worker's data plane did so far, for users, tests and bench/ (byteps.metrics();
+        its docstring says what each key means)."""
+        native, placement = self._native, self.placement
         traffic = self.transport_bytes()
-        links = self.native_link_transports
-        placement = getattr(self, "placement", None)  # set once the address book is in
         # the placement numbers the servers of the current membership by position (docs/elastic.md)
-        memberships = getattr(self, "_memberships", None)  # set once the address book is in
-        ids = memberships[-1]["ids"] if memberships else list(range(len(self.servers)))
-        place = {sid: pos for pos, sid in enumerate(ids)} if placement is not None else {}
-        hosts = [s["host"] for s in self.book["servers"]] if self.book else []
-        servers = [{"index": i, "host": hosts[i] if i < len(hosts) else None, "colocated": bool(self.colocated[i]),
+        place = {sid: pos for pos, sid in enumerate(self._memberships[-1]["ids"])}
+        hosts = {s["index"]: s["host"] for s in self.book["servers"]}
+        servers = [{"index": i, "host": hosts.get(i), "colocated": bool(self.colocated[i]),
                     "role": placement.roles[place[i]] if i in place else "removed",
                     "weight": placement.weights[place[i]] if i in place else 0,
-                    "transport": (links[i] if i < len(links) else "") or "zeromq",
+                    "transport": native.link_transport(i) or "zeromq",
                     "bytes_sent": traffic["sent"].get(i, 0), "bytes_received": traffic["received"].get(i, 0)}
                    for i in range(len(self.servers))]
-        native = self._native
+        names = {tkey: name for (name, _), tkey in self._keys.items()}
+        partitions = {}  # per tensor name, the partitions of each of its tables, in table order
+        for (tkey, *_), (_, count) in sorted(self._native_parts.items(), key=lambda kv: kv[1][0]):
+            partitions.setdefault(names.get(tkey, str(tkey)), []).append(count)
+        local_reduce = dict(native.local_stats(), ops=self.native_local_submitted) if self._native_local else None
         return {
             "servers": servers,
             # what a tensor first used now is cut to (an optimizer's model may have changed it: expect_model)
-            "partition_bytes": self.partition_bytes or (placement.partition_bytes if placement is not None else None),
-            "placement_mode": placement.mode if placement is not None else None,
-            "credit_bytes": native.credit if native is not None else None,
+            "partition_bytes": self.partition_bytes or placement.partition_bytes,
+            "placement_mode": placement.mode,
+            "credit_bytes": native.credit,
             "tensors": {name: tkey for (name, _), tkey in self._keys.items()},
-            # each tensor's partitions in the native core, per table (size, kind, codec), in table order
-            "partitions": self._partition_counts(),
+            "partitions": partitions,
             "native": {"ops": self.native_submitted, "averaged": self.native_averaged,
-                       "direct_calls": self.native_direct_calls, "links_up": self.native_links,
-                       "direct_adopted": native.direct_adopted if native is not None else 0,
-                       # CUDA tensors' copies issued and most staging slots held (core/pipeline/gpu_copier.h)
-                       "gpu": native.gpu_stats() if native is not None else None,
-                       "results_sent": native.results_sent if native is not None else 0,
-                       # partitions it pushed encoded by their wire compressor (core/pipeline/worker_codec.h)
-                       "compressed_pushes": native.compressed_pushes if native is not None else 0,
-                       # replies a TCP link read straight into their partition's bytes (worker_stages.h)
-                       "replies_in_place": native.replies_in_place if native is not None else 0,
-                       "local_reduce": self.native_local_stats(),
-                       # partitions byteps-net moved into each stage of their lists (worker_stages.h)
-                       "stages": {Stage(code).label: n for code, n in native.stage_entries().items() if n}
-                       if native is not None else {}},
-            "credit_stalls": self.credit_stalls(),
-            "local_group": self.local.size if self.local else None,  # processes whose copies are summed locally
-            # who owns each partition of the local reduce (core/local.py), and whether CUDA push_pulls take
-            # the NCCL stages (core/pipeline/nccl_stages.h)
+                       "direct_calls": native.direct_calls, "links_up": native.links_up,
+                       "direct_adopted": native.direct_adopted, "gpu": native.gpu_stats(),
+                       "results_sent": native.results_sent, "compressed_pushes": native.compressed_pushes,
+                       "replies_in_place": native.replies_in_place, "local_reduce": local_reduce,
+                       "stages": {Stage(code).label: n for code, n in native.stage_entries().items() if n}},
+            "credit_stalls": native.credit_stalls()[0],
+            "local_group": self.local.size if self.local else None,
             "local_strategy": self._local_strategy(),
         }
 
@@ -416,9 +360,8 @@ class NativePlane:
                 "nccl_stages": self.nccl_stages}
 
     def stages_of(self, op, server):
-        """The ordered stages of a partition of ``op`` that this process pushes itself (no local
-        reduce: a broadcast, an asynchronous push_pull, a process set's or a one-process machine's;
-        core/stages.py). The native core plans the local reduce's lists itself (bps_stages.h)."""
+        """The ordered stages of a partition of ``op`` that this process pushes itself (core/stages.py);
+        the native core plans the local reduce's lists itself (bps_stages.h)."""
         kind = KINDS[op.cmd]
         local = self.local is not None and op.pset is None  # a process set's members push themselves
         ident = (self.colocated[server], kind, local)
@@ -442,9 +385,8 @@ class NativePlane:
 
     def _reduce_owed(self, key, rnd, dtype, nbytes):
         """In join(): a local peer sent its copy of a partition this process owns. The native core
-        reduces the peers' copies (adding nothing of ours), pushes the sum and hands the result back,
-        as for our own ops; we give it the partition's one-row table (server, shared region), whose push
-        is encoded as our peers' pushes of the tensor are (_owed_codec)."""
+        reduces the peers' copies (adding nothing of ours) and pushes the sum, from the partition's
+        one-row table given here (encoded as our peers' pushes are: _owed_codec)."""
         if self.rank not in self.joined:  # asked just before our join ended: the copy waits for our next op
             return
         tkey, part = wire.split_key(key)
@@ -474,11 +416,9 @@ class NativePlane:
     def _owed_codec(self, tkey, dtype, nbytes, server):
         """How a joined process pushes a partition of tensor ``tkey`` for its peers: (table whose codec
         and state it shares, or -1; whether it is encoded; the codec's settings when it has its own).
-        The tensor's table here, if this process pushed it before it joined, encodes it as the peers'
-        tables do, continuing its state (error feedback, momentum). A tensor it never pushed has no
-        known compressor or size: the job's BYTEPS_COMPRESSOR, judged as if the tensor were this
-        partition (a tensor of several partitions smaller than BYTEPS_MIN_COMPRESS_BYTES each may then
-        differ from the peers' pushes, which the server reports)."""
+        A tensor this process pushed before it joined continues its latest table's codec state; one it
+        never pushed gets the job's BYTEPS_COMPRESSOR, judged as if the tensor were this partition (a
+        mismatch with the peers' pushes is then the server's to report)."""
         specs = [(t, s) for t, s in self._native_specs.items()
                  if s.tkey == tkey and s.cmd == Cmd.PUSHPULL and s.pset is None]
         if specs:

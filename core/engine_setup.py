@@ -1,11 +1,9 @@
 """The engine's start-up (core/engine.py): from registration to the hand-over of the data sockets.
 
-In order: register and wait for the address book; connect to every server and to this machine's
-other processes; authenticate both ways (core/auth.py); agree on the partition size and credit
-(byteps/autotune.py); place the training thread on a CPU (byteps/cpus.py); open direct links (TCP,
-UCX, shared-memory rings between local processes); then hand the sockets and links to the native
-core (core/pipeline/), which owns them from then on. Later local handshakes and link offers still
-come here (_on_local).
+In order (_setup): register and wait for the address book; connect to every server and to this
+machine's other processes; authenticate both ways (core/auth.py); agree on the partition size and
+credit (byteps/autotune.py); open direct links; then hand the sockets and links to the native core,
+which owns them from then on. Later local handshakes and link offers still come here (_on_local).
 """
 import dataclasses
 import os
@@ -81,6 +79,35 @@ class EngineSetup:
         logger.info("native data plane: partitions to %d servers on thread byteps-net (%d over direct TCP links)",
                     len(self.servers), core.links_up)
 
+    def _dealer(self, endpoint):
+        """A DEALER connected to ``endpoint``, with an unguessable identity (core/auth.py)."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, auth.new_identity())
+        sock.connect(endpoint)
+        return sock
+
+    def _open_server_link(self, who, host, answer, ident):
+        """A direct TCP link to a server, from its LINK answer: the fd, or None (logged: its data goes
+        through ZeroMQ)."""
+        try:
+            return transport.open_link(host, int(answer["port"]), bytes.fromhex(answer["token"]), ident,
+                                       self.control.node_id, min(self.cfg.timeout, 10.0))
+        except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:  # TypeError: no TCP port
+            logger.warning("no direct link to %s: %s; its data goes through ZeroMQ", who, e)
+            return None
+
+    def _answer_challenge(self, sock, knock, header, body, who):
+        """Send our AUTH for the CHALLENGE that answered our HELLO, once its sender proved it knows the secret."""
+        if header.cmd != Cmd.CHALLENGE:
+            raise BytePSError(f"{who} answered {Cmd(header.cmd).name} to our HELLO: "
+                              f"{body.get('error', 'does it use the same BYTEPS_JOB_SECRET?')}")
+        try:
+            mac = knock.answer(body, who)
+        except auth.AuthError as e:
+            raise PeerLostError(str(e)) from None
+        sock.send_multipart(wire.control(Cmd.AUTH, self.control.node_id, {"mac": mac}))
+
     def _open_links(self, core):
         """Direct TCP links to the servers (core/transport/bps_link.h): ask each for a one-time token over the
         authenticated ZeroMQ socket, connect, present it, and hand the socket to the native thread. A
@@ -123,30 +150,20 @@ class EngineSetup:
             if use_ucx:
                 self._open_ucx_link(core, i, info["host"], answer, ident)
                 continue
-            try:
-                fd = transport.open_link(info["host"], int(answer["port"]), bytes.fromhex(answer["token"]),
-                                         ident, self.control.node_id, min(self.cfg.timeout, 10.0))
-            except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:  # TypeError: no TCP port
-                logger.warning("no direct link to server %d (%s:%s): %s; its data goes through ZeroMQ", i,
-                               info["host"], answer.get("port"), e)
-                continue
-            core.add_link(i, fd)
+            fd = self._open_server_link(f"server {i} ({info['host']}:{answer.get('port')})", info["host"], answer,
+                                        ident)
+            if fd is not None:
+                core.add_link(i, fd)
 
     def _open_local_links(self):
-        """Direct links to this machine's other worker processes (core/pipeline/bps_worker.h, "Local links"),
-        after the local handshake: {local rank: (socket fd, its DEALER identity toward our ROUTER, ring
-        fd or None, whether we are the lower rank)}.
+        """Direct links to this machine's other worker processes, after the local handshake: {local rank:
+        (socket fd, its DEALER identity toward our ROUTER, ring fd or None, whether we are the lower rank)}.
 
-        Each pair has one link; the higher local rank listens on 127.0.0.1. It offers each lower rank a
-        one-time token over its authenticated DEALER (Cmd.LINK {port, token}, behind its AUTH on the
-        same pipe); the lower rank connects and presents the token, as a worker does to a server
-        (transport.open_link). Everyone first offers, then connects upward, then accepts from below:
-        the highest rank waits for nobody, so no wait is circular. A pair whose link does not come up
-        within the time limit stays on ZeroMQ (logged with the local rank waited for).
-
-        The offer also names a memfd of shared-memory rings that the higher rank made for the pair ({"ring": {pid, fd, inode}}); the lower rank opens it and says so in its
-        hello (arg 1), and then both ends carry the link's bytes through it (core/transport/bps_link.h
-        BpsShmLink). A ring that does not open leaves that pair on the TCP socket alone."""
+        The higher rank of each pair listens on 127.0.0.1 and offers the lower one a one-time token
+        (LINK {port, token, ring}) over its authenticated DEALER; the lower one connects and presents it
+        (transport.open_link), with arg 1 if it mapped the offered shared-memory rings
+        (core/transport/bps_link.h BpsShmLink). Everyone offers, then connects upward, then accepts from
+        below, so no wait is circular; a pair whose link does not come up stays on ZeroMQ (logged)."""
         me, node = self.cfg.local_rank, self.control.node_id
         lower = sorted(lr for lr in self._local_peers if lr < me)
         higher = sorted(lr for lr in self._local_peers if lr > me)
@@ -169,18 +186,18 @@ class EngineSetup:
         if listener is not None:
             poller.register(listener.fileno(), zmq.POLLIN)
 
-        def serve(timeout_ms):  # our ROUTER (offers, late knocks) and, below us, connections
-            for sock, _ in poller.poll(timeout=timeout_ms):
-                if sock is self._local_sock:
-                    self._drain_data(sock, self._on_local)
-                elif listener is not None and sock == listener.fileno():
-                    self._accept_local_link(listener, expected, links, limit, rings)
-            self.control.tick()
+        def serve_until(done):  # our ROUTER (offers, late knocks) and, below us, connections
+            deadline = time.monotonic() + limit
+            while not done() and time.monotonic() < deadline:
+                for sock, _ in poller.poll(timeout=100):
+                    if sock is self._local_sock:
+                        self._drain_data(sock, self._on_local)
+                    elif listener is not None and sock == listener.fileno():
+                        self._accept_local_link(listener, expected, links, limit, rings)
+                self.control.tick()
 
         for lr in higher:
-            deadline = time.monotonic() + limit
-            while lr not in self._link_offers and time.monotonic() < deadline:
-                serve(100)
+            serve_until(lambda: lr in self._link_offers)
             offer = self._link_offers.pop(lr, None)
             if offer is None:
                 logger.warning("local rank %d offered no direct link within %g s; "
@@ -203,9 +220,7 @@ class EngineSetup:
                     os.close(ring_fd)
                 continue
             links[lr] = (fd, ident, ring_fd, True)
-        deadline = time.monotonic() + limit
-        while any(lr not in links for lr in lower) and time.monotonic() < deadline:
-            serve(100)
+        serve_until(lambda: all(lr in links for lr in lower))
         for lr in lower:
             if lr not in links:
                 logger.warning("local rank %d did not open its direct link within %g s; its local messages go "
@@ -233,11 +248,11 @@ class EngineSetup:
             ident = body[transport.TOKEN_BYTES:]
             if lr is not None and not self._gate.allows(ident):  # its AUTH may still wait on our ROUTER
                 self._drain_data(self._local_sock, self._on_local)
-            if lr is None or not self._gate.allows(ident):
+            accepted = lr is not None and self._gate.allows(ident)
+            conn.sendall(transport.link_pack([wire.pack(Cmd.LINK, sender=self.control.node_id, arg=int(accepted))]))
+            if not accepted:
                 logger.warning("refused a local direct link: its token does not match one we offered")
-                conn.sendall(transport.link_pack([wire.pack(Cmd.LINK, sender=self.control.node_id, arg=0)]))
                 return
-            conn.sendall(transport.link_pack([wire.pack(Cmd.LINK, sender=self.control.node_id, arg=1)]))
             conn.setblocking(False)
             ring_fd = rings.pop(lr, None) if header.arg == 1 else None
             links[lr] = (conn.detach(), ident, ring_fd, False)
@@ -284,10 +299,7 @@ class EngineSetup:
                                   "registered")
         self._place_on_cpus()
         for info in self.book["servers"]:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, auth.new_identity())  # unguessable: see core/auth.py
-            sock.connect(f"tcp://{info['host']}:{info['port']}")
+            sock = self._dealer(f"tcp://{info['host']}:{info['port']}")
             self.poller.register(sock, zmq.POLLIN)
             self.servers.append(sock)
             self._io[sock] = transport.wrap(sock)
@@ -334,26 +346,29 @@ class EngineSetup:
                                   "start-up; its log says which worker did not answer the change")
 
     def _serve_control_until(self, done, limit, late):
-        """Take the scheduler's messages and send our heartbeats until ``done()``; BytePSTimeoutError(``late``)
-        after ``limit`` seconds."""
+        """Take the scheduler's messages (and this machine's processes' knocks) and send our heartbeats until
+        ``done()``; BytePSTimeoutError(``late``) after ``limit`` seconds."""
         deadline = time.monotonic() + limit
         while not done():
             if self._stopped.is_set():
                 raise BytePSError("init() was interrupted")
             if time.monotonic() > deadline:
                 raise BytePSTimeoutError(late)
-            if self.control.sock.poll(100):
-                self._drain(self.control.sock, lambda _: self._on_control())
+            for sock, _ in self.poller.poll(timeout=100):
+                if sock is self.control.sock:
+                    self._drain(sock, lambda _: self._on_control())
+                elif sock is self._local_sock:
+                    self._drain_data(sock, self._on_local)
+                elif sock == self._wake_r:
+                    self._read_wake()
+                elif sock in self._server_index:  # a late PROBE echo (a timed-out probe): drop it
+                    self._drain_data(sock, lambda s, frames: None)
             self.control.tick()
 
     def _tune(self):
-        """Partition size (job-wide) and credit (this worker's) from the link (byteps/autotune.py).
-
-        Probe one server unless BYTEPS_PARTITION_BYTES and BYTEPS_SCHEDULING_CREDIT are both set
-        (with local reduce only local rank 0 probes: its machine's processes share one NIC), then
-        agree through the scheduler: every worker's proposal comes back to all, and all apply the
-        same rule to the same list, so the partition sizes cannot differ.
-        """
+        """Partition size (job-wide) and credit (this worker's) from the link (byteps/autotune.py): probe
+        one server (with local reduce, local rank 0 only: its machine shares one NIC), then agree through
+        the scheduler, which hands every worker's proposal to all, so the partition sizes cannot differ."""
         started = time.monotonic()
         env = os.environ
         weights, me = self.placement.weights, self.cfg.node_host
@@ -365,35 +380,17 @@ class EngineSetup:
             alive = [0 if i in self._lost_at_start else w for i, w in enumerate(weights)]
             measurement = autotune.test_link(env) or self._probe(
                 autotune.probe_target(self.book["servers"], alive, me, self.rank))
-        # a machine that reduces locally keeps the Python engine's per-piece cost in the model, as it had before
-        # its local reduce moved into the native core (not re-measured since; byteps/autotune.py)
+        # a machine that reduces locally has its own per-piece cost in the model (byteps/autotune.py)
         mine = autotune.propose(measurement, shape, self.cfg.placement,
                                 autotune.PIECE_COST_NATIVE if self.local is None else autotune.PIECE_COST_PYTHON,
                                 self.cfg.worker_id, env)
         self.control.send(Cmd.BARRIER, {"name": autotune.AGREE_BARRIER, "value": mine})
         # the scheduler answers, naming the ranks it lacks, after BYTEPS_TIMEOUT; this wait is longer
         limit = self.cfg.timeout + 5
-        deadline = time.monotonic() + limit
-        while self._agreed is None:
-            if self._stopped.is_set():
-                raise BytePSError("init() was interrupted")
-            if time.monotonic() > deadline:
-                raise BytePSTimeoutError(
-                    f"init() waited {limit:g} s for the scheduler at {self.cfg.scheduler_endpoint} to hand out the "
-                    "job's partition size (it needs every worker's link probe; its log names the ranks it lacks)")
-            for sock, _ in self.poller.poll(timeout=100):
-                if sock is self.control.sock:
-                    self._drain(sock, lambda _: self._on_control())
-                elif sock is self._local_sock:  # this machine's other processes may still knock
-                    self._drain_data(sock, self._on_local)
-                elif sock == self._wake_r:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                elif sock in self._server_index:  # a late PROBE echo (a timed-out probe): drop it
-                    self._drain_data(sock, lambda s, frames: None)
-            self.control.tick()
+        self._serve_control_until(lambda: self._agreed is not None, limit,
+                                  f"init() waited {limit:g} s for the scheduler at {self.cfg.scheduler_endpoint} to "
+                                  "hand out the job's partition size (it needs every worker's link probe; its log "
+                                  "names the ranks it lacks)")
         if "error" in self._agreed:
             raise BytePSTimeoutError(f"the job's partition size was not agreed: {self._agreed['error']}")
         self._tune_shape = shape
@@ -406,11 +403,10 @@ class EngineSetup:
         logger.info("%s; %.0f ms", tuning.text, tuning.took_s * 1e3)
 
     def expect_model(self, model_bytes):
-        """An optimizer pushes ``model_bytes`` of gradients per step (any thread; every rank makes the same
-        call at the same point of its program). Choose the partition size again for that step, from the
-        proposals every worker holds (byteps/autotune.py ``agree``), so that every rank cuts alike;
-        tensors first used from now on get it (ops carry it from ``submit``), those cut before keep
-        theirs. Nothing changes where BYTEPS_PARTITION_BYTES is set or nothing was measured."""
+        """An optimizer pushes ``model_bytes`` of gradients per step (any thread; every rank calls it at the
+        same point): choose the partition size again from the proposals every worker holds, so that every
+        rank cuts alike, for tensors first used from now on. Nothing changes where BYTEPS_PARTITION_BYTES
+        is set or nothing was measured."""
         if self.tuning is None or self.tuning.source != "probe" or self._agreed is None:
             return
         tuning = autotune.agree(self._agreed["values"], self.rank, self._tune_shape, model_bytes=model_bytes)
@@ -473,14 +469,7 @@ class EngineSetup:
                         body = wire.decode(sock.recv())
                     self._discard(sock)
                     knock, who = waiting.pop(sock)
-                    if header.cmd != Cmd.CHALLENGE:
-                        raise BytePSError(f"{who} answered {Cmd(header.cmd).name} to our HELLO: "
-                                          f"{body.get('error', 'does it use the same BYTEPS_JOB_SECRET?')}")
-                    try:
-                        mac = knock.answer(body, who)
-                    except auth.AuthError as e:
-                        raise PeerLostError(str(e)) from None
-                    sock.send_multipart(wire.control(Cmd.AUTH, self.control.node_id, {"mac": mac}))
+                    self._answer_challenge(sock, knock, header, body, who)
                 elif self._server_index.get(sock) in self._lost_at_start:  # removed, yet it had sent something:
                     sock.recv()  # dropped, or it would stay readable and this wait would spin
                     self._discard(sock)
@@ -514,10 +503,7 @@ class EngineSetup:
         for w in self.local.peers:
             if w["local_rank"] == self.cfg.local_rank:
                 continue
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, auth.new_identity())
-            sock.connect(f"tcp://127.0.0.1:{w['local_port']}")
+            sock = self._dealer(f"tcp://127.0.0.1:{w['local_port']}")
             self._local_peers[w["local_rank"]] = sock
             self._io[sock] = transport.wrap(sock)
         self.poller.register(self._local_sock, zmq.POLLIN)
@@ -542,7 +528,7 @@ class EngineSetup:
             why = "this machine's topology plan has no GPU per process"
         elif cfg.elastic:
             why = "BYTEPS_ELASTIC=1"
-        elif device_buffer.nccl_path(cfg.nccl) is None:
+        elif device_buffer.library_path("nccl", cfg.nccl) is None:
             why = "NCCL is not found (BYTEPS_NCCL, or a CUDA build of PyTorch that ships it)"
         if why is not None:
             logger.info("CUDA push_pulls take the copy stages and the host's local reduce, not the NCCL stages: %s",
@@ -578,7 +564,6 @@ class EngineSetup:
                                                                offer.get("ring"))
             except (ProtocolError, KeyError, TypeError, ValueError) as e:
                 logger.warning("dropped a malformed local link offer: %s", e)
-            return
 
     def _local_handshake(self, sock, peer, header, raw):
         if self._gate.secret is None:

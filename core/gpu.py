@@ -1,13 +1,10 @@
 """Where the CUDA runtime and NCCL are, and whether they work here.
 
 byteps is not compiled against CUDA, NCCL or any framework: the native core dlopens ``libcudart``
-(the copy stages, core/pipeline/cuda_runtime.h) and ``libnccl`` (the NCCL stages,
-core/pipeline/nccl_runtime.h) when the first CUDA tensor comes, from the places
-:func:`library_candidates` lists: the configured path (``BYTEPS_CUDART``, ``BYTEPS_NCCL``), the
-``nvidia-*`` wheels PyTorch installs, then the system's. This module finds them in that same order, so
-that a process holds one CUDA runtime, and answers Horovod's build queries (byteps/build_info.py) and
-why a GPU test skips (:func:`unavailable_reason`), through ctypes; ``import byteps.core.gpu`` works on
-any machine.
+(the copy stages) and ``libnccl`` (the NCCL stages) at the first CUDA tensor, from the places
+:func:`library_candidates` lists, so that a process holds one CUDA runtime. Through ctypes, this
+module also answers Horovod's build queries (byteps/build_info.py) and why a GPU test skips
+(:func:`unavailable_reason`); ``import byteps.core.gpu`` works on any machine.
 """
 import ctypes
 import ctypes.util
@@ -23,17 +20,11 @@ class GpuError(BytePSError):
     """The CUDA runtime or NCCL is missing here, or a query of it failed."""
 
 
-def pip_lib_dirs():
-    """lib/ folders of the nvidia-* wheels (nvidia/cuda_runtime/lib, nvidia/nccl/lib, ...)."""
-    dirs = []
-    for entry in sys.path:
-        dirs += glob.glob(os.path.join(entry, "nvidia", "*", "lib"))
-    return dirs
-
-
 def wheel_libraries(stem):
-    """lib<stem>.so* of the nvidia-* wheels (PyTorch's CUDA runtime, NCCL), newest name first per folder."""
-    return [path for d in pip_lib_dirs() for path in sorted(glob.glob(os.path.join(d, f"lib{stem}.so*")), reverse=True)]
+    """lib<stem>.so* of the nvidia-* wheels PyTorch installs (nvidia/cuda_runtime/lib, nvidia/nccl/lib, ...
+    on sys.path), newest name first per folder."""
+    dirs = [d for entry in sys.path for d in glob.glob(os.path.join(entry, "nvidia", "*", "lib"))]
+    return [path for d in dirs for path in sorted(glob.glob(os.path.join(d, f"lib{stem}.so*")), reverse=True)]
 
 
 def library_candidates(stem, sonames=(), configured=""):

@@ -1,40 +1,12 @@
-"""Intra-machine aggregation: a machine's worker processes sum through shared memory, and only one
-copy of each machine's sum crosses the network (the CPU analogue of the paper's §4.2 local
-reduce, with §6.2's shared memory).
+"""Intra-machine aggregation: which local rank owns each partition of a machine's local reduce.
 
-Partition ``i`` of tensor key ``t`` is owned by local rank ``(t + i) % L``, so the partitions of a
-tensor, and single-partition tensors across a model, spread over the machine's processes (a
-reduce-scatter at partition granularity); BYTEPS_LOCAL_PUSH=root makes local rank 0 own all. For each partition and round:
-
-1. COORDINATE: every other local rank copies its partition into its shared staging region and
-   sends the owner LOCAL_READY with a descriptor of it.
-2. LOCAL_REDUCE: once all L copies are there, the owner sums them
-   (``sum_many``, fp16/bf16 accumulated in fp32 and rounded once) into the owner's staging region.
-3. PUSH / PULL: the owner pushes the machine's sum to the partition's server (shared memory if
-   the server is on this machine, TCP otherwise); the server expects one push per machine.
-4. LOCAL_BROADCAST: the owner sends LOCAL_DONE with a descriptor of the result (its staging
-   region, or the colocated server's store) to the others; every process copies it into its tensor.
-
-A staging region is reused by the next round only after everyone has moved on: a process sends
-LOCAL_READY for round r+1 only once it has copied out round r.
-
-The native core runs these steps (core/pipeline/worker_local_reduce.h): the network thread
-byteps-net owns the local sockets, and the sums and copies of partitions >= 256 KB run on its
-stage thread (byteps-reduce), by priority. A process in join() adds nothing but still owns its
-partitions of its peers' ops: its core reduces their copies and hands the result back. This
-module keeps the plan: which local rank owns each partition (the engine writes it into the
-native core's tables).
-
-With BYTEPS_LOCAL_STRATEGY=topology the machine's topology plan (docs/topology.md) names the owners
-of host tensors' partitions, on the same native steps: ``reduce_broadcast`` gives every partition to
-one of the plan's roots in turn (the other processes never push). ``reduce_scatter`` and
-``cpu_assisted`` keep every local rank in turn: that is a reduce-scatter at partition granularity,
-and on the CPU, where every group of the plan is the same memory, the owner sums all the machine's
-copies at once (contiguous slices, which NCCL's reduce-scatter needs, gained nothing on the CPU:
-docs/benchmarks.md). CUDA push_pulls on a machine whose plan has a GPU per process take the NCCL
-stages instead (core/pipeline/nccl_stages.h), with these owners as their roots. Owners are a
-machine's own choice: servers count one push per machine and key, whoever makes it, so machines of
-other plans (or strategies) work together.
+A machine's worker processes sum their copies through shared memory, and only one copy of each
+machine's sum crosses the network (the CPU analogue of the paper's §4.2 local reduce). The native
+core runs the steps (COORDINATE, LOCAL_REDUCE, PUSH/PULL, LOCAL_BROADCAST:
+core/pipeline/worker_local_reduce.h; docs/architecture.md, "Local reduce in the native core"); this
+module keeps the plan of owners, which the engine writes into the native core's tables. Owners are
+a machine's own choice: servers count one push per machine and key, whoever makes it. With
+BYTEPS_LOCAL_STRATEGY=topology the machine's topology plan names them (docs/topology.md).
 """
 import dataclasses
 

@@ -3,7 +3,6 @@
 It lives apart from core/engine.py so that the engine's helpers can name it without importing the
 engine: dependencies point one way, from the engine down.
 """
-import collections
 import threading
 import time
 
@@ -17,9 +16,9 @@ _done_lock = threading.Lock()
 
 
 class Done:
-    """An op's completion flag: ``threading.Event``'s ``is_set`` / ``set`` / ``wait``, with the event
-    (a lock and a condition, about 1.5 us to make and 1 us to set) made only when someone waits before
-    the op is done: a synchronous call that completes on its caller's thread never needs one."""
+    """An op's completion flag: ``threading.Event``'s ``is_set`` / ``set`` / ``wait``, with the (costly)
+    event made only when someone waits before the op is done: a synchronous call that completes on its
+    caller's thread never needs one."""
 
     __slots__ = ("_set", "_event")
 
@@ -52,9 +51,8 @@ class Done:
 class Op:
     """One push_pull or broadcast of one tensor, in flight."""
 
-    __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey",
-                 "servers", "error", "done", "started", "callbacks", "codec", "native_id", "pset", "divisor",
-                 "divided", "partition_bytes")
+    __slots__ = ("name", "buf", "dtype", "shape", "cmd", "root", "priority", "spec", "tkey", "error", "done",
+                 "started", "callbacks", "codec", "native_id", "pset", "divisor", "divided", "partition_bytes")
 
     def __init__(self, name, buf, dtype, shape, cmd=Cmd.PUSHPULL, root=0, priority=0, pset=None):
         self.name = name
@@ -69,7 +67,6 @@ class Op:
         self.pset = pset
         self.spec = (self.shape, dtype, int(cmd), pset)
         self.tkey = None
-        self.servers = collections.Counter()  # ("server", 1) / ("local rank", 0) / "the copy stage" -> replies owed
         self.error = None
         self.done = Done()
         self.started = time.monotonic()

@@ -104,11 +104,9 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def prefault(mapping, offset, nbytes):
-    """Fault the pages of ``mapping[offset:offset + nbytes]`` in with one system call. Shared memory
-    gets no transparent huge pages, so a fresh 64 MB region takes 16,384 faults at its first write
-    (73-96 ms on the CI VM); populating it in the kernel costs 20-25% less, and moves the cost to
-    the region's allocation (once per key) out of the first push_pull's copy. Best effort: older
-    kernels fault on first touch as before."""
+    """Fault the pages of ``mapping[offset:offset + nbytes]`` in with one system call, at the region's
+    allocation (once per key) rather than page by page in the first push_pull's copy (shared memory
+    gets no transparent huge pages). Best effort: older kernels fault on first touch."""
     if nbytes <= 0 or not hasattr(mapping, "madvise"):
         return
     try:
@@ -143,7 +141,7 @@ class PeerMaps:
 
     def _open(self, pid, fd, inode):
         path = f"/proc/{pid}/fd/{fd}"
-        try:
+        try:  # the texts match core/transport/bps_wire.h open_arena's (tests/test_native_server.py)
             target = os.readlink(path)
             # only byteps's own memfd arenas: a descriptor must not map any file the peer has open
             if not target.startswith("/memfd:byteps"):

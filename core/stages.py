@@ -1,52 +1,11 @@
 """The pipeline's stage lists: which stages one partition of a tensor goes through, in order.
 
-The paper (§6.1) runs every partition through a fixed sequence of stages, each with its own
-thread and priority queue, chosen for the machine. Here a stage list is built per tensor from
-the process's role on its machine (the partition's local owner or not), the local size, whether
-the server is on this machine (shared memory), the tensor's operation and the topology plan, by
-one rule: ``bps_stage_list()`` in core/pipeline/bps_stages.h, which :func:`stage_list` calls. The stages are
-numbered there too, for the native cores, this module's :class:`Stage` and the timeline's spans.
-A list is plain data, so it is configured from the environment without recompiling
-(``BYTEPS_PIPELINE``: drop optional stages), printed by ``bpslaunch --stages`` and checked by the
-engine at every step of a partition.
-
-Stages and the thread that runs them (the native worker core, core/pipeline/worker_stages.h):
-
-===================  =================================================  =====================
-stage                work                                               thread (queue)
-===================  =================================================  =====================
-COORDINATE           a non-owner hands its copy to the partition's      network (byteps-net)
-                     owner (LOCAL_READY with a shared-memory descriptor)
-LOCAL_REDUCE         the owner sums the machine's copies (``sum_many``)  ``byteps-reduce`` (the
-                                                                         stage thread, by
-                                                                         priority; small inline)
-STAGE                the partition is copied into this process's shared  byteps-net (inline), or
-                     region for a colocated server (the server then      ``byteps-reduce`` from
-                     sums straight from it)                              256 KB
-PUSH                 send the partition (or descriptor) to its server    network (send queue:
-                                                                         priority + credit)
-PULL                 receive the reply into the tensor (``recv_into``    network
-                     or a copy from the server's shared store)
-LOCAL_BROADCAST      the owner tells the others where the result is;     network
-                     each copies it into its tensor
-COPYD2H              a CUDA tensor's partition into a page-locked        byteps-net issues it on
-                     staging slot (after the producer's ready event)     a byteps stream; the
-                                                                         thread ``byteps-gpu``
-                                                                         waits for its event
-COPYH2D              its result from the slot back into the tensor       (the same)
-NCCL_REDUCE          the machine's GPUs sum the partition onto its       byteps-net issues it in
-                     root's GPU (ncclReduce)                             the machine's order on
-                                                                         a byteps NCCL stream;
-                                                                         ``byteps-gpu`` waits
-NCCL_BROADCAST       the root's result to every GPU (ncclBroadcast)      (the same)
-===================  =================================================  =====================
-
-A CUDA tensor's partitions start with COPYD2H and end with COPYH2D around the host stages
-(``stage_list(device="cuda")``; core/pipeline/gpu_copier.h). With BYTEPS_LOCAL_STRATEGY=topology the
-machine's plan names the owners of the local reduce (core/local.py), and on a machine whose plan has
-a GPU per process CUDA push_pulls take the NCCL stages instead of the host's local reduce
-(:func:`nccl_stage_list`; core/pipeline/nccl_stages.h): NCCL_REDUCE onto the partition's root, whose
-COPYD2H, PUSH, PULL and COPYH2D sit between it and NCCL_BROADCAST.
+A list follows from the process's role for the partition (owner or not), the local size, whether
+its server is colocated, the operation and the device, by one rule: ``bps_stage_list()`` in
+core/pipeline/bps_stages.h, which :func:`stage_list` calls; the stages are numbered there too.
+Lists are plain data: ``BYTEPS_PIPELINE`` drops optional stages without recompiling, and
+``bpslaunch --stages`` prints them. The stages, their threads and the NCCL variant are in
+docs/architecture.md, "The pipeline of one partition".
 """
 import enum
 import os
@@ -98,18 +57,14 @@ def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", 
                root=False):
     """The ordered stages of one partition of a tensor on this process.
 
-    Args:
-        owner: this process reduces and pushes the partition for its machine (core/local.py).
-        local_size: worker processes on this machine.
-        local_reduce: the machine's processes sum locally first (BYTEPS_LOCAL_REDUCE and > 1 process).
-        colocated: the partition's server is on this machine and shares memory with us.
-        kind: "push_pull", "broadcast" or "async push_pull" (the last two never reduce locally).
-        device: "cpu" or "cuda": a CUDA tensor's partition is copied off the GPU first (COPYD2H) and its
-            result back last (COPYH2D), per partition (core/pipeline/gpu_copier.h).
-        machines: worker machines in the job (DMLC_NUM_WORKER). With one, the local reduce is the whole
-            sum: the owner broadcasts it at once, without a server round trip (as BytePS, which needs no
-            server for one machine).
-        root: this process is a broadcast's root (a CUDA root copies nothing back, the others nothing off).
+    ``owner``: this process reduces and pushes the partition for its machine (core/local.py);
+    ``local_size``: worker processes on this machine; ``local_reduce``: they sum locally first;
+    ``colocated``: the partition's server shares memory with us; ``kind``: "push_pull", "broadcast" or
+    "async push_pull" (the last two never reduce locally); ``device``: "cpu" or "cuda" (a CUDA
+    partition is copied off the GPU first, COPYD2H, and its result back last, COPYH2D);
+    ``machines``: worker machines in the job (with one, the local reduce is the whole sum: no server
+    round trip); ``root``: this process is a broadcast's root (a CUDA root copies nothing back, the
+    others nothing off).
     """
     codes = _pipeline.stage_codes(kind, owner, bool(local_reduce and local_size > 1), colocated, machines == 1,
                                   device == "cuda", root)
@@ -118,14 +73,10 @@ def stage_list(*, owner, local_size, local_reduce, colocated, kind="push_pull", 
 
 def nccl_stage_list(root, *, colocated=False, machines=None, average=False):
     """The ordered stages of one partition of a CUDA push_pull on the NCCL stages (several GPU processes
-    on a machine, BYTEPS_LOCAL_STRATEGY=topology).
-
-    Args:
-        root: this process's GPU gets the machine's sum (the plan's owner of the partition), and pushes it.
-        colocated: the partition's server is on this machine (the root stages its push in shared memory).
-        machines: worker machines in the job: with one, the machine's sum is the result.
-        average: an averaged push_pull (on one machine the root divides it on the host, between copies).
-    """
+    on a machine, BYTEPS_LOCAL_STRATEGY=topology). ``root``: this process's GPU gets the machine's sum
+    and pushes it; ``colocated``: the root stages its push in shared memory; ``machines``: with one, the
+    machine's sum is the result; ``average``: an averaged push_pull (on one machine the root divides it
+    on the host, between copies)."""
     codes = _pipeline.nccl_stage_codes(root, colocated, machines == 1, average)
     return tuple(Stage(code) for code in codes)
 

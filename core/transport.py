@@ -1,17 +1,12 @@
-"""Data-plane message I/O: whole messages in one call (core/_transport.pyx).
+"""Data-plane message I/O: whole messages in one call (core/_transport.pyx), and direct links' handshake.
 
-The worker's engine and the server take every data-plane message whole with
+The worker's engine and the server take every data-plane message that reaches Python whole with
 ``wrap(sock).recv_multipart()`` (None when nothing is queued; it never blocks) and send small
-messages with ``send_multipart(frames)``. The Cython module calls libzmq directly: about 1.2-1.5 us
-of CPU per small message, sent and received, when a window of 100 messages is in flight, against
-10-13 us through pyzmq's calls (0.8 and 5-6 us on a quieter day); that is the calls' cost, not a
-latency: one message at a time, echoed back, takes 46-61 us per round trip over loopback TCP
-(ZeroMQ's I/O threads and the kernel; 78-92 us through pyzmq). bench/bench_transport.py measures
-both; docs/benchmarks.md, "Per-partition overhead". The native cores call the same libzmq, so a pyzmq
-whose libzmq is not a separate shared library cannot run byteps: :func:`wrap` says why.
-
-Frames below :data:`COPY_BELOW` bytes arrive as ``bytes``; larger ones as zero-copy frames that
-support ``len()`` and the buffer protocol (wrap them in ``memoryview`` for slicing).
+messages with ``send_multipart(frames)``. The Cython module calls libzmq directly, several times
+cheaper than pyzmq's calls per message (docs/benchmarks.md, "Per-partition overhead"). The native
+cores call the same libzmq, so a pyzmq whose libzmq is not a separate shared library cannot run
+byteps: :func:`wrap` says why. Frames below :data:`COPY_BELOW` bytes arrive as ``bytes``; larger
+ones as zero-copy frames that support ``len()`` and the buffer protocol.
 """
 import socket
 import struct

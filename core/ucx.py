@@ -1,16 +1,10 @@
 """The UCX transport's Python side: which libucp the native cores call, and whether to use it.
 
-The native threads call UCP themselves (core/transport/bps_ucx.h); this module only finds the library and
-hands its path to each native module (``ucx_load``), which resolves the calls with dlsym:
-
-* the ``libucx`` wheel (``pip install libucx-cu12``: UCX's tcp, shared-memory and cma transports, no
-  verbs), loaded through its own loader, which follows RAPIDS' convention: with
-  ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true`` a system UCX (an RDMA host's, built with verbs, e.g.
-  Debian's ``libucx0`` or MLNX_OFED's) is loaded instead when one is installed;
-* without the wheel, a system ``libucp.so.0``.
-
-:func:`choose` turns ``BYTEPS_TRANSPORT`` (auto|tcp|ucx) into the transport of this process's links
-and logs the choice once per process (docs/ucx.md).
+The native threads call UCP themselves (core/transport/bps_ucx.h); this module only finds the library
+(the ``libucx`` wheel through its own loader, which honours RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY, else
+a system ``libucp.so.0``) and hands its path to each native module (``ucx_load``). :func:`choose`
+turns ``BYTEPS_TRANSPORT`` (auto|tcp|ucx) into the transport of this process's links and logs the
+choice once per process (docs/ucx.md).
 """
 import ctypes
 import ctypes.util
@@ -109,18 +103,10 @@ def _rdma_devices():
     return rdma.discover().devices
 
 
-#: UCX's tcp transport moves data in segments of 8 KB by default; 1 MB segments took push_pull over it at
-#: 16 MB from 0.6x to 1.15x of byteps' own TCP links (docs/ucx.md, "Measured here"). Set only where the
-#: user has not set them; UCX reads them when byteps creates its context, after choose().
+#: byteps' UCX defaults, set only where the user has not set them (UCX reads them when byteps creates
+#: its context, after choose()); docs/ucx.md, "Measured here", says why. Larger tcp segments:
 TCP_SEGMENTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
-
-
-#: Without an RDMA device UCX's lanes are its tcp transport (and shared memory where the user allows it).
-#: There a rendezvous costs a handshake round trip to save one copy at the receiver; on verbs it is the
-#: zero-copy read that frees the Summation Service's CPU. So without one byteps sends messages up to 1 MB
-#: eagerly: push_pull over UCX tcp went from 149 to 274 MB/s at 64 KB and from 1065 to 1276 MB/s at 1 MB
-#: (docs/benchmarks.md, "Transports"). With an RDMA device UCX keeps its own threshold. Set only where
-#: the user has not set it.
+#: without an RDMA device, eager messages up to 1 MB (a rendezvous over tcp costs a round trip)
 TCP_ONLY = {"UCX_RNDV_THRESH": "1m"}
 
 

@@ -46,11 +46,9 @@ MAX_CONTROL_BODY = 16 << 20
 FLAG_SHM = 1
 #: flag: the body is a compressed partition (byteps/compression.py); ``length`` stays the dense byte count
 FLAG_COMPRESSED = 2
-#: flag (PUSHPULL, BROADCAST, LOCAL_READY): the sender refused the call this round belongs to (a tensor whose
-#: key it had: the others do not declare it again); the body is the UTF-8 reason, ``length`` its size. The
-#: server fails the round: every pusher of it gets an ERROR with the reason, and the key's next round is
-#: normal. A local peer's LOCAL_READY carries it to the partition's owner, which pushes it on
-#: (core/engine.py abandon, summation/native/sync_rounds.h abandon)
+#: flag (PUSHPULL, BROADCAST, LOCAL_READY): the sender refused the call this round belongs to; the body is
+#: the UTF-8 reason. The server fails the round for every pusher of it with the reason; the key's next
+#: round is normal (core/engine.py abandon, summation/native/sync_rounds.h abandon)
 FLAG_ABANDON = 4
 #: flag (LOCAL_READY): the sender has seen an odd number of join()s end. Rounds restart at 0 when a join
 #: ends, and the end reaches a machine's processes at different moments: a process still in join() must not
@@ -86,14 +84,11 @@ class Cmd(enum.IntEnum):
     LOCAL_DONE = 25    # owner -> others: the machine's result is in shared memory here
     ASYNC_PUSHPULL = 26  # worker -> server (BYTEPS_ENABLE_ASYNC): round 0 the parameters, then a delta;
                          # reply: the server's latest parameters (docs/async.md)
-    PROBE = 27         # worker -> server: any bytes; reply: PROBE with the same bytes (byteps/autotune.py
-                       # measures round trip and bandwidth with it before choosing the partition size)
-    LINK = 28          # worker -> server (authenticated, over ZeroMQ): may I open a direct TCP link? reply:
-                       # LINK {port, token} or {error}; then, first on the new link: LINK with token + identity,
-                       # answered by LINK with arg 1 (accepted) or 0 (core/transport/bps_link.h)
-                       # Local plane: a higher local rank offers a lower one LINK {port, token, local_rank}
-                       # over its authenticated DEALER; the same handshake follows (core/engine.py
-                       # _open_local_links)
+    PROBE = 27         # worker -> server: any bytes, echoed back (byteps/autotune.py times the link with it)
+    LINK = 28          # worker -> server (authenticated, over ZeroMQ): may I open a direct link? reply:
+                       # LINK {port, token} or {error}; first on the new link: LINK with token + identity,
+                       # answered by LINK arg 1 (accepted) or 0 (core/transport/bps_link.h). Local plane: a
+                       # higher local rank offers a lower one LINK {port, token, local_rank} (_open_local_links)
     # elastic servers (docs/elastic.md): the scheduler's membership change, in two steps
     MEMBERS = 29       # scheduler -> worker: {phase: "prepare"|"commit", members, servers, dead, ...}, or to a
                        # worker still in init(): {phase: "lost", server, reason} (stop waiting for it);

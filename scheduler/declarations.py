@@ -59,20 +59,16 @@ class Declarations:
         if set_id:
             self._on_set_declare(ident, name, seq, spec, set_id, members)
             return
-        if "abandoned" in spec:
-            pending = self.declares.setdefault((name, seq), {"since": time.monotonic(), "specs": {}})
-            pending["specs"][ident] = spec
-            self._maybe_declared(name, seq)
-            return
-        if spec["kind"] == "broadcast" and self.joined:
-            self._refuse([ident], name, seq, f"broadcast of {name!r} is not supported while ranks "
-                                              f"{self._joined_ranks()} have joined (join())")
-            return
-        agreed = (name, (tuple(spec["shape"]), spec["dtype"], spec["kind"]))
-        if agreed in self.missed.get(ident, ()):  # declared by the others while this rank was in join()
-            self.missed[ident].discard(agreed)
-            self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "key": self.keys[agreed]})
-            return
+        if "abandoned" not in spec:
+            if spec["kind"] == "broadcast" and self.joined:
+                self._refuse([ident], name, seq, f"broadcast of {name!r} is not supported while ranks "
+                                                  f"{self._joined_ranks()} have joined (join())")
+                return
+            agreed = (name, (tuple(spec["shape"]), spec["dtype"], spec["kind"]))
+            if agreed in self.missed.get(ident, ()):  # declared by the others while this rank was in join()
+                self.missed[ident].discard(agreed)
+                self._send(ident, Cmd.DECLARE, {"name": name, "seq": seq, "key": self.keys[agreed]})
+                return
         pending = self.declares.setdefault((name, seq), {"since": time.monotonic(), "specs": {}})
         pending["specs"][ident] = spec
         self._maybe_declared(name, seq)

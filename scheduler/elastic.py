@@ -146,10 +146,13 @@ class ElasticServers:
 
     def _commit(self):
         """Every worker holds: the cut is the largest op count per tensor; the new membership starts there."""
+        from byteps import placement
         ch, self.change = self.change, None
         servers = ch["servers"]
         self.book = dict(self.book, servers=servers)
-        shares = self._shares(servers)
+        # each server's Eq. 1-2 share of the model under the new membership, for the logs
+        weights = placement.weights_for_book(self.book, placement.server_roles(self.book))
+        shares = {s["index"]: f"{w}/{sum(weights)}" for s, w in zip(servers, weights)}
         for w in self._active_workers():
             self._send(w, Cmd.MEMBERS, {"phase": "commit", "members": ch["members"], "servers": servers,
                                         "cuts": ch["counts"], "reason": ch["reason"]})
@@ -159,13 +162,6 @@ class ElasticServers:
                        ch["members"], ch["reason"], [s["index"] for s in servers], shares,
                        time.monotonic() - ch["since"])
         self._start_change()
-
-    def _shares(self, servers):
-        """Each server's Eq. 1-2 share of the model under the new membership, for the logs."""
-        from byteps import placement
-        book = dict(self.book, servers=servers)
-        weights = placement.weights_for_book(book, placement.server_roles(book))
-        return {s["index"]: f"{w}/{sum(weights)}" for s, w in zip(servers, weights)}
 
     def _check_change(self, now):
         if self.change is not None and now - self.change["since"] > self.cfg.timeout:

@@ -32,12 +32,6 @@ class Registration:
         """Servers an epoch waits for: DMLC_NUM_SERVER, less those the job has lost (elastic)."""
         return max(1, self.cfg.num_server - self.servers_lost)
 
-    def _local_sizes(self):
-        sizes = {}
-        for info in self.workers.values():
-            sizes[info["worker_id"]] = info["local_size"]
-        return sizes
-
     def _missing(self):
         """Names of the nodes that have not registered yet, for the startup-timeout message."""
         missing = []
@@ -49,7 +43,7 @@ class Registration:
     def _missing_workers(self):
         missing = []
         have = {(i["worker_id"], i["local_rank"]) for i in self.workers.values()}
-        sizes = self._local_sizes()
+        sizes = {info["worker_id"]: info["local_size"] for info in self.workers.values()}
         for wid in range(self.cfg.num_worker):
             if wid not in sizes:
                 missing.append(f"worker DMLC_WORKER_ID={wid} (no process registered)")
@@ -188,10 +182,8 @@ class Registration:
         self.left.add(ident)
         # shutdown() is collective: the releases go out when every worker of this epoch has left
         if set(self.workers) <= self.left:
-            for w in self.workers:
-                self._send(w, Cmd.LEAVE, {"epoch": self.epoch})
-            for s in self.servers:
-                self._send(s, Cmd.LEAVE, {"epoch": self.epoch})
+            for ident in [*self.workers, *self.servers]:
+                self._send(ident, Cmd.LEAVE, {"epoch": self.epoch})
             logger.info("epoch %d ended: every worker called shutdown()", self.epoch)
             self.epoch += 1
             self.workers = {}

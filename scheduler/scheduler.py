@@ -1,19 +1,11 @@
 """Scheduler event loop.
 
-One ROUTER socket at DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT serves every node's DEALER. Phases:
-
-1. Registration (registration.py): servers and worker processes register; once all are in, ranks
-   are assigned and every node gets the address book. Nodes still missing after BYTEPS_TIMEOUT are
-   named in the error.
-2. Running: barriers and tensor declarations (declarations.py, stalls.py), Horovod's join()
-   (join.py), heartbeats both ways (here).
-3. An epoch ends when every worker has called shutdown() (LEAVE); workers may register again
-   (init after shutdown) and servers drop their state. The job ends when every worker process
-   has sent EXIT: servers are told to terminate and the scheduler exits 0.
-
-Any node that goes silent for BYTEPS_HEARTBEAT_TIMEOUT is declared lost: every other node gets
-ABORT naming it, and the scheduler exits 1. With BYTEPS_ELASTIC=1 a lost server that is not the
-last one is removed instead, and servers may join the running job (elastic.py).
+One ROUTER socket at DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT serves every node's DEALER. The handlers of
+each phase live in their own module: registration and epochs (registration.py), barriers and tensor
+declarations (declarations.py, stalls.py), Horovod's join() (join.py), elastic servers (elastic.py);
+heartbeats both ways are here. A node silent for BYTEPS_HEARTBEAT_TIMEOUT is declared lost: every
+other node gets ABORT naming it, and the scheduler exits 1 (with BYTEPS_ELASTIC=1 a lost server that
+is not the last one is removed instead).
 """
 import os
 import signal
@@ -160,16 +152,15 @@ class Scheduler(Registration, Declarations, Join, ElasticServers):
             if not backlog:
                 self._check_timeouts()
             if self._job_complete():
-                for s in self.servers:
-                    self._send(s, Cmd.TERMINATE)
                 logger.info("job complete: every worker process exited")
-                return 0
-            if self.idle_since is not None and now - self.idle_since > self.cfg.timeout:
+            elif self.idle_since is not None and now - self.idle_since > self.cfg.timeout:
                 logger.warning("every worker called shutdown() but not every worker process reported its exit "
                                "within %g s (BYTEPS_TIMEOUT); ending the job", self.cfg.timeout)
-                for s in self.servers:
-                    self._send(s, Cmd.TERMINATE)
-                return 0
+            else:
+                continue
+            for s in self.servers:
+                self._send(s, Cmd.TERMINATE)
+            return 0
 
     def _dispatch(self, frames):
         arrived = time.monotonic_ns()  # a clock probe's t1: before any work on the message

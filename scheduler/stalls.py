@@ -1,13 +1,8 @@
-"""Waits that can never end: workers blocked in different collectives.
+"""Waits that can never end: workers blocked in different collectives (docs/bad_input.md).
 
-A worker in a barrier (``barrier()``, a process-set check, ``shutdown``'s agreement) is blocked: it
-makes no other call until the barrier is released. So when every active worker sits in a barrier but
-not all in the same one, or a worker sits in a barrier while a tensor it has not declared waits for
-its declaration, nothing can finish: typically one rank raised an error and skipped the collectives
-the others went on to. Rather than let every rank wait out BYTEPS_TIMEOUT (and every later call
-meet a partner that is still waiting), the scheduler fails all of them with one message naming who
-waits where, once the picture has stood still for a short grace period (another thread of a blocked
-worker may still be about to declare).
+A worker in a barrier makes no other call until it is released, so when the active workers wait in
+different barriers, or one waits in a barrier while a tensor it has not declared waits for it,
+nothing can finish: the scheduler fails them all with one message naming who waits where.
 """
 
 

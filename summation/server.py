@@ -1,17 +1,12 @@
 """Summation Service server: the control plane, and the hand-over of the data socket to the native core.
 
 Data plane: one ROUTER socket on DMLC_NODE_HOST (random port, announced to the scheduler). Once the
-first address book has arrived, it belongs to the thread "byteps-serve" (summation/native/bps_server.h,
+first address book has arrived it belongs to the thread "byteps-serve" (summation/native/bps_server.h,
 through summation/_server_core.pyx), which receives, checks, sums and answers every push without the
-GIL: plain ones over TCP or shared memory (FLAG_SHM: the server sums straight from the worker's region
-and answers with a descriptor of its store), compressed ones (FLAG_COMPRESSED: decoded into the
-store, answered with the re-encoded sum: compressed_rounds.h), asynchronous ones (async_rounds.h) and
-process sets' keys. A push of the wrong round, a duplicate, or a length/dtype that differs fails that
-round for every worker of it, each told the ranks and values.
-
-This loop keeps the control plane (address book, join(), process sets' keys, LEAVE, the timeline)
-and answers what the native thread forwards: handshakes (core/auth.py), strangers, PROBE, LINK and
-malformed data messages. Its replies go out through the native thread, which alone touches the socket.
+GIL (plain, shared-memory, compressed, asynchronous and process sets' rounds). This loop keeps the
+control plane (address book, join(), process sets' keys, LEAVE, the timeline) and answers what the
+native thread forwards: handshakes (core/auth.py), strangers, PROBE, LINK and malformed data
+messages, its replies going out through the native thread, which alone touches the socket.
 """
 import itertools
 import os
@@ -29,10 +24,6 @@ from byteps.log import logger
 from . import _server_core
 
 Cmd = wire.Cmd
-#: replies whose body is smaller than this are copied into ZeroMQ (cheaper than a zero-copy send)
-COPY_BELOW = transport.COPY_BELOW
-
-
 #: a server has no steps: it sends its spans to the scheduler this often while tracing
 SERVER_FLUSH_S = 5.0
 
@@ -68,8 +59,8 @@ class Server:
         self.epoch = None
         if not _server_core.available:
             raise BytePSError(f"the native server core cannot run here: {_server_core.unavailable_reason}")
-        self._frames, self._next = [], 0
-        self.poller = None
+        self.poller = zmq.Poller()
+        self.poller.register(self.control.sock, zmq.POLLIN)
         # the native data plane (summation/native/bps_server.h): owns the data socket once the address book is in
         self.core = None
         self._zero_copy = {}  # token -> a body ZeroMQ still reads (sent through the native thread)
@@ -94,11 +85,11 @@ class Server:
             logger.info("server %d serving %d workers (epoch %d)", self.index, self.num_workers, self.epoch)
             self._log_role(body)
             if body.get("timeline") or timeline.recorder is not None:  # BYTEPS_TIMELINE here or at the scheduler
-                timeline.start(self.cfg).node.update(role="server", index=self.index, host=self.cfg.node_host)
+                self._start_timeline()
             if self.core is None:
                 self._start_native()
-            if self.core is not None:  # before our answer: no push can arrive before the book
-                self.core.set_book(self.num_workers, self.pushers, self.control.node_id, self.ranks)
+            # before our answer: no push can arrive before the book
+            self.core.set_book(self.num_workers, self.pushers, self.control.node_id, self.ranks)
             # workers get the address book only after every server has answered this
             self.control.send(Cmd.ADDRBOOK, {"epoch": self.epoch})
         elif header.cmd == Cmd.LEAVE:
@@ -114,10 +105,7 @@ class Server:
                 self.core.set_pushers(int(body["key"]), int(body["pushers"]))
             self.control.send(Cmd.DECLARE, {"key": body["key"]})
         elif header.cmd == Cmd.TRACE:  # a worker called start_timeline(): record too
-            rec = timeline.start(self.cfg)
-            rec.node.update(role="server", index=self.index, host=self.cfg.node_host)
-            if self.core is not None:
-                rec.add_native(_server_core.trace_buffer())
+            self._start_timeline()
         elif header.cmd == Cmd.MEMBERS:  # the server set changed (docs/elastic.md): say our new share
             logger.warning("server %d: membership %d (%s): shares %s", self.index, body.get("members"),
                            body.get("reason"), body.get("shares"))
@@ -130,6 +118,12 @@ class Server:
         elif header.cmd == Cmd.ERROR:
             raise BytePSError(f"the scheduler refused this server: {body.get('error')}")
         return None
+
+    def _start_timeline(self):
+        rec = timeline.start(self.cfg)
+        rec.node.update(role="server", index=self.index, host=self.cfg.node_host)
+        if self.core is not None:  # else _start_native adds it
+            rec.add_native(_server_core.trace_buffer())
 
     def _log_role(self, book):
         """Say which role (colocated SS_GPU / standalone SS_CPU) and share of the model this server has."""
@@ -180,8 +174,7 @@ class Server:
             timeline.recorder.add_native(_server_core.trace_buffer())
         core.start()
         self.core = core
-        if self.poller is not None:
-            self.poller.register(core.notify_fd, zmq.POLLIN)
+        self.poller.register(core.notify_fd, zmq.POLLIN)
         logger.info("native data plane: pushes received, summed and answered on thread byteps-serve "
                     "(%s)", f"{self.cfg.server_engine_threads} sum threads" if self.cfg.server_engine_threads
                     else "sums inline")
@@ -218,44 +211,24 @@ class Server:
 
     # ---------------------------------------------------------------- data plane
 
-    # The message being handled: all its frames were taken at once (core/transport.py); these read them in order.
-    def _more(self):
-        return self._next < len(self._frames)
-
-    def _take(self):
-        """The next frame of the current message: bytes, or a zero-copy frame for a large body."""
-        frame = self._frames[self._next]
-        self._next += 1
-        return frame
-
-    def _discard_rest(self):
-        self._next = len(self._frames)
-
     def _send(self, frames, copy=True):
-        """Send a message through the native thread, which owns the socket; large bodies go zero-copy."""
+        """Send a message through the native thread, which owns the socket; large bodies go zero-copy
+        (smaller ones are cheaper to copy)."""
         token = None
-        if not copy and len(frames[-1]) >= COPY_BELOW:
+        if not copy and len(frames[-1]) >= transport.COPY_BELOW:
             token = next(self._tokens)
             self._zero_copy[token] = frames[-1]  # alive until the native thread says it is released
         if not self.core.send(frames, token) and token is not None:
             self._zero_copy.pop(token, None)
 
-    def _reply_error(self, ident, header, msg):
-        body = wire.encode({"error": msg})
-        self._send([ident, wire.pack(Cmd.ERROR, sender=self.control.node_id, key=header.key, round=header.round,
-                                     length=len(body)), body])
-
-    def _on_probe(self, ident, header):
+    def _on_probe(self, ident, header, body):
         """PROBE from an authenticated worker: echo its body, so it can time the link (byteps/autotune.py)."""
-        body = self._take() if self._more() else b""
-        self._discard_rest()
         self._send([ident, wire.pack(Cmd.PROBE, sender=self.control.node_id, key=header.key, round=header.round,
                                      length=len(body)), body], copy=False)
 
     def _on_link(self, ident):
         """LINK from an authenticated worker: a one-time token for a direct TCP link (core/transport/bps_link.h),
         or why not (the worker then stays on ZeroMQ)."""
-        self._discard_rest()
         if self.link_port is None and self.ucx_port is None:
             answer = {"error": f"this server cannot listen for direct links on {self.cfg.node_host}"}
         else:
@@ -267,54 +240,50 @@ class Server:
         self._send([ident] + wire.control(Cmd.LINK, self.control.node_id, answer))
 
     def _handle(self, frames):
-        """One data-plane message the native thread forwarded; True."""
-        self._frames, self._next = frames, 2
+        """One data-plane message the native thread forwarded: [identity, header, body...]."""
         if len(frames) < 2:
-            return True
+            return
         ident, raw = frames[0], frames[1]
+        body = frames[2] if len(frames) > 2 else b""
         try:
             header = wire.unpack(raw)
             if header.cmd in (Cmd.HELLO, Cmd.AUTH):
-                self._on_handshake(ident, header)
-                return True
+                self._on_handshake(ident, header, body)
+                return
             if not self.gate.allows(ident):
-                self._discard_rest()
                 self.gate.refusals.warning("ignored data from an unauthenticated peer %r (it never proved it knows "
                                            "BYTEPS_JOB_SECRET)", ident)
-                return True
+                return
             if header.cmd == Cmd.PROBE:
-                self._on_probe(ident, header)
-                return True
+                self._on_probe(ident, header, body)
+                return
             if header.cmd == Cmd.LINK:
                 self._on_link(ident)
-                return True
+                return
             if header.cmd == Cmd.RESULT:  # only the native thread takes over a lost server's rounds
-                self._discard_rest()
                 logger.warning("dropped a worker's RESULT of key %s round %d: this server's Python loop does not take "
                                "over a lost server's keys (docs/elastic.md)", wire.split_key(header.key), header.round)
-                return True
+                return
             if header.cmd not in (Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.ASYNC_PUSHPULL):
                 raise ProtocolError(f"{Cmd(header.cmd).name} is not a data request")
         except ProtocolError as e:
-            self._discard_rest()
             self.gate.refusals.warning("rejected a malformed data message: %s", e)
-            return True
+            return
         # the native thread sums every well-formed push: what comes here cannot join a round
-        self._discard_rest()
         rank = self.ranks.get(header.sender, f"node {header.sender}")
         why = ("before the address book" if self.num_workers is None else
                "without its body frame" if len(frames) < 3 else "that is malformed")
         msg = f"key {wire.split_key(header.key)}: rank {rank} sent a {Cmd(header.cmd).name} {why}"
         self.gate.refusals.warning("rejected a data message: %s", msg)
-        self._reply_error(ident, header, msg)
-        return True
+        error = wire.encode({"error": msg})
+        self._send([ident, wire.pack(Cmd.ERROR, sender=self.control.node_id, key=header.key, round=header.round,
+                                     length=len(error)), error])
 
-    def _on_handshake(self, ident, header):
+    def _on_handshake(self, ident, header, raw):
         try:
-            body = wire.decode(self._take()) if self._more() else {}
+            body = wire.decode(raw) if raw else {}
         except ProtocolError:
             body = {}
-        self._discard_rest()
         if self.gate.secret is None:
             if header.cmd == Cmd.HELLO:  # say why at once rather than let the worker time out
                 self._send([ident] + wire.control(Cmd.ERROR, self.control.node_id, {
@@ -329,12 +298,10 @@ class Server:
 
     def run(self):
         self.control.register()
-        poller = self.poller = zmq.Poller()
-        poller.register(self.control.sock, zmq.POLLIN)
         tick_ms = min(self.cfg.heartbeat_interval, 1.0) * 1000
         next_check = 0.0
         while True:
-            events = dict(poller.poll(timeout=tick_ms))
+            events = dict(self.poller.poll(timeout=tick_ms))
             if self.control.sock in events:
                 code = self._on_control()
                 if code is not None:
@@ -366,9 +333,8 @@ class Server:
         self.data.close(linger=1000)
         timeline.flush(self.control, final=True)  # after byteps-serve stopped: its last spans are in
         self.control.close()
-        # replies are sent zero-copy from the stores: let ZeroMQ's I/O thread finish with them (at
-        # most the linger above) before the interpreter frees them at exit, or it aborts on a send
-        # from freed memory ("Bad address (src/tcp.cpp)"; found by tests/test_stress.py)
+        # replies are sent zero-copy from the stores: ZeroMQ's I/O thread must finish with them (at most
+        # the linger above) before they are freed, or it aborts on a send from freed memory
         self.ctx.term()
         self.core = None  # its stores are unmapped now that ZeroMQ has released every reply
         self._zero_copy.clear()

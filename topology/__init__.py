@@ -1,10 +1,8 @@
 """Machine topology: the model of a machine, its detection, the §4.2.3 strategy and its cost.
 
-:func:`plan` is the entry point; ``bpslaunch --topology [FILE]`` prints its result. Modules:
-``model`` (dataclasses + JSON descriptions + fixtures), ``detect`` (sysfs, NVML, nvidia-smi),
-``strategy`` (the rules -> :class:`~byteps.topology.strategy.Plan`), ``cost`` (Eq. 8-9, J, ring
-all-reduce). A plan names the owners of a machine's local reduce and the roots of its NCCL stages
-(core/local.py). docs/topology.md explains the design.
+:func:`plan` is the entry point; ``bpslaunch --topology [FILE]`` prints its result. A plan names the
+owners of a machine's local reduce and the roots of its NCCL stages (core/local.py).
+docs/topology.md explains the design and the modules.
 """
 import os
 
@@ -106,11 +104,11 @@ def plan(machine=None, description=None, model_bytes=1e9, overrides=None, local_
 def plan_text(target=None, local_size=None, model_bytes=1e9, env=None):
     """What ``bpslaunch --topology [target]`` prints: ``target`` is a description file, a fixture
     name, or None for BYTEPS_TOPOLOGY_FILE / the detected machine."""
-    if target and not os.path.exists(target) and target in fixture_names():
-        return plan(machine=target, local_size=local_size, model_bytes=model_bytes, env=env).describe()
     if target and not os.path.exists(target):
-        raise TopologyError(f"{target}: no such machine description file or fixture "
-                            f"(fixtures: {', '.join(fixture_names())})")
+        if target not in fixture_names():
+            raise TopologyError(f"{target}: no such machine description file or fixture "
+                                f"(fixtures: {', '.join(fixture_names())})")
+        return plan(machine=target, local_size=local_size, model_bytes=model_bytes, env=env).describe()
     text = plan(description=target or None, local_size=local_size, model_bytes=model_bytes, env=env).describe()
     if target or (env if env is not None else os.environ).get("BYTEPS_TOPOLOGY_FILE", "").strip():
         return text

@@ -1,26 +1,11 @@
 """The cost model of §4.2: per-link traffic, job time J, the brute-force mix (Eq. 8-9) and ring all-reduce.
 
-The paper's PCIe-only analysis (§4.2.1) models the machine as a tree of GPUs N_i under switches
-S_j under CPUs C_j and defines the job completion time of aggregating M bytes as
-``J = max(t(N_i,S_j)/b(N_i,S_j), t(S_j,C_j)/b(S_j,C_j))``. A fraction x of the data is sent by
-brute-force copy (every GPU copies it straight to the CPU), the rest y = 1 - x by CPU-assisted
-aggregation:
-
-* Eq. 8: ``t(S_j, C_j) = (n x + y) M``
-* Eq. 9: ``t(N_i, S_j) = ((2n-1)/n y + x) M``
-
-:func:`optimal_mix` solves for the x* that balances the two links (1/5 on the paper's box);
-:func:`cpu_assisted_time` is the paper's J_ca = M/b(S,C) max(1, (2n-1)/(kn)) with k = b(N,S)/b(S,C),
-and :func:`ring_allreduce_time` its J_ar = 2(np-1)M / (np b_bottleneck).
-
-:func:`traffic` generalises the accounting to any :class:`~byteps.topology.strategy.Plan`: the
-bytes each link carries in the reduce half of one push_pull (the broadcast half mirrors it in the
-other direction), counted like Eq. 9, i.e. a ring's send and receive on a GPU link add up. Links:
-``gpuK-pcie`` (GPU to its switch), ``SW-uplink`` (switch to CPU), ``gpuK-nvlink`` (all of a
-GPU's NVLinks), ``copy SWa->SWb`` (GPU-to-GPU copies across switches, at the measured
-cross-switch bandwidth), ``qpi``, and each NIC. J is taken over the machine's internal links (the
-paper's J); ``J_net`` also counts the NICs' line rate. Bandwidths are Gbit/s, bytes are bytes,
-times seconds.
+The paper's formulas (:func:`eq8_switch_cpu`, :func:`eq9_gpu_switch`, :func:`optimal_mix` for x*,
+:func:`cpu_assisted_time` for J_ca, :func:`ring_allreduce_time` for J_ar), and :func:`traffic`,
+which generalises their accounting to any :class:`~byteps.topology.strategy.Plan`: the bytes each
+link carries in the reduce half of one push_pull, counted like Eq. 9. J is taken over the machine's
+internal links, ``J_net`` also over the NICs' line rate. Bandwidths are Gbit/s, bytes are bytes,
+times seconds; docs/topology.md, "The cost model", explains the links and checks the paper's figures.
 """
 import dataclasses
 import itertools

@@ -1,20 +1,7 @@
 """Detect the local machine's topology: sysfs for the PCI tree, NUMA nodes and NICs; NVML or
-``nvidia-smi topo -m`` for NVLinks.
+``nvidia-smi topo -m`` for NVLinks (docs/topology.md, "Detection").
 
-* **GPUs**: PCI devices of NVIDIA (vendor 0x10de) with a display/3D class, in PCI address order
-  (NVML's order; set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA agrees).
-* **Switches**: a device's PCI path is ``pci0000:00/<root port>/<switch ports...>/<device>``;
-  GPUs are grouped by the root port they sit under, the link whose bandwidth the paper calls
-  b(S_j, C_j): every GPU below one root port shares it, whether one switch or a cascade sits in
-  between. A GPU directly on a root port is a group of one.
-* **Bandwidths**: PCIe links from ``max_link_speed`` x ``max_link_width`` (128b/130b encoding from
-  8 GT/s on), NVLinks 200 Gbps per link per direction (160 for NVLink 1).
-* **NICs**: ``/sys/class/net/*`` and ``/sys/class/infiniband/*`` that are PCI devices; a NIC
-  under a root port holding GPUs shares that switch, otherwise it is on the CPU's own lanes.
-  Line rate from ``speed`` (Mbit/s), 100 Gbps when unknown (virtual NICs report -1).
-* **NUMA nodes**: ``/sys/devices/system/node/node*`` with their CPU lists; a device's node is its
-  ``numa_node`` (-1, as on single-node machines, means node 0).
-
+GPUs are grouped by the PCIe root port they sit under (the uplink every GPU below it shares).
 Every source is optional: a machine without GPUs (such as CI) is detected as a CPU-only machine
 with its real NUMA nodes and NICs. Parsers take the sysfs root and command output as arguments so
 they are tested on recorded trees and text.

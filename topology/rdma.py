@@ -1,17 +1,10 @@
 """RDMA devices of this machine: names, ports, link rates, GIDs, states and NUMA nodes.
 
-Three readers, one result (:class:`Discovery`):
-
-* :func:`from_pyverbs`: rdma-core's Python binding (Debian ``python3-pyverbs``): the devices libibverbs
-  opens, each port's state, link layer and GID table; the rate and NUMA node from sysfs;
-* :func:`from_sysfs`: ``/sys/class/infiniband/<dev>/ports/<n>/{state,rate,link_layer,gids/<i>}`` and
-  ``<dev>/device/numa_node``, the kernel's own description (no library needed);
-* :func:`parse_ibv_devinfo`: the text of ``ibv_devinfo -v`` (recorded descriptions, tests).
-
-:func:`discover` tries pyverbs, then sysfs; on a machine without RDMA (no kernel support, or no
-device) it says "no RDMA device" and why, and raises nothing. The fastest active port's rate is the
-bandwidth ``B`` that placement and ``bpslaunch --topology`` use for the network (docs/topology.md).
-BYTEPS_TRANSPORT=auto picks UCX only when a device is found (core/ucx.py).
+:func:`discover` reads them through pyverbs (rdma-core's Python binding) when it is installed, else
+from sysfs (``/sys/class/infiniband``); :func:`parse_ibv_devinfo` reads ``ibv_devinfo -v``'s text
+(recorded descriptions, tests). A machine without RDMA gets "no RDMA device" and why, never an
+error. A device's fastest active port's rate is its NIC's bandwidth in the machine model
+(topology/detect.py); BYTEPS_TRANSPORT=auto picks UCX only when a device is found (core/ucx.py).
 """
 import os
 import re
@@ -92,10 +85,6 @@ def read_file(path, default=""):
         return default
 
 
-def _read(path):
-    return read_file(path, None)
-
-
 def _numa(text):
     try:
         n = int(text)
@@ -106,18 +95,18 @@ def _numa(text):
 
 def _sysfs_port(root, dev, number):
     base = os.path.join(root, dev, "ports", str(number))
-    state = _read(os.path.join(base, "state")) or ""
+    state = read_file(os.path.join(base, "state"))
     # sysfs: "4: ACTIVE"
     state = state.split(":", 1)[1].strip() if ":" in state else state
     gids = []
     gid_dir = os.path.join(base, "gids")
     if os.path.isdir(gid_dir):
         for idx in sorted(os.listdir(gid_dir), key=lambda s: int(s) if s.isdigit() else 1 << 30):
-            g = _read(os.path.join(gid_dir, idx))
+            g = read_file(os.path.join(gid_dir, idx))
             if g and g != _ZERO_GID:
                 gids.append(g)
-    return RdmaPort(number=number, state=state or "UNKNOWN", rate_gbps=parse_rate(_read(os.path.join(base, "rate"))),
-                    link_layer=_read(os.path.join(base, "link_layer")) or "", gids=gids)
+    return RdmaPort(number=number, state=state or "UNKNOWN", rate_gbps=parse_rate(read_file(os.path.join(base, "rate"))),
+                    link_layer=read_file(os.path.join(base, "link_layer")), gids=gids)
 
 
 def from_sysfs(root=SYSFS_ROOT):
@@ -128,8 +117,8 @@ def from_sysfs(root=SYSFS_ROOT):
     for dev in sorted(os.listdir(root)):
         ports_dir = os.path.join(root, dev, "ports")
         numbers = sorted(int(p) for p in os.listdir(ports_dir) if p.isdigit()) if os.path.isdir(ports_dir) else []
-        devices.append(RdmaDevice(name=dev, numa_node=_numa(_read(os.path.join(root, dev, "device", "numa_node"))),
-                                  node_guid=_read(os.path.join(root, dev, "node_guid")) or "",
+        devices.append(RdmaDevice(name=dev, numa_node=_numa(read_file(os.path.join(root, dev, "device", "numa_node"))),
+                                  node_guid=read_file(os.path.join(root, dev, "node_guid")),
                                   ports=[_sysfs_port(root, dev, n) for n in numbers]))
     return devices
 
@@ -137,7 +126,7 @@ def from_sysfs(root=SYSFS_ROOT):
 def parse_ibv_devinfo(text):
     """The devices in the output of ``ibv_devinfo -v``: hca_id blocks, their ports, rates and GIDs.
     (ibv_devinfo prints no NUMA node; sysfs has it.)"""
-    devices, dev, port = [], None, None
+    devices, dev, port, width = [], None, None, "1X"
     for raw in text.splitlines():
         line = raw.strip()
         if line.startswith("hca_id:"):
@@ -149,7 +138,7 @@ def parse_ibv_devinfo(text):
         elif line.startswith("node_guid:"):
             dev.node_guid = line.split(":", 1)[1].strip()
         elif re.match(r"port:\s*\d+$", line):
-            port = RdmaPort(number=int(line.split(":")[1]), state="UNKNOWN", rate_gbps=None)
+            port, width = RdmaPort(number=int(line.split(":")[1]), state="UNKNOWN", rate_gbps=None), "1X"
             dev.ports.append(port)
         elif port is None:
             continue
@@ -158,10 +147,9 @@ def parse_ibv_devinfo(text):
         elif line.startswith("link_layer:"):
             port.link_layer = line.split(":", 1)[1].strip()
         elif line.startswith("active_width:"):
-            port._width = line.split(":", 1)[1].split("(")[0].strip()  # noqa: SLF001 (combined below)
+            width = line.split(":", 1)[1].split("(")[0].strip()
         elif line.startswith("active_speed:"):  # "active_speed: 25.0 Gbps (32)"
             m = re.search(r"([\d.]+)\s*Gbps", line)
-            width = getattr(port, "_width", "1X")
             lanes = int(width.rstrip("X")) if width.rstrip("X").isdigit() else 1
             if m:
                 port.rate_gbps = float(m.group(1)) * lanes
@@ -169,9 +157,6 @@ def parse_ibv_devinfo(text):
             gid = line.split("]:", 1)[1].strip().split(",")[0].strip()
             if gid and gid != _ZERO_GID:
                 port.gids.append(gid)
-    for d in devices:
-        for p in d.ports:
-            p.__dict__.pop("_width", None)
     return devices
 
 

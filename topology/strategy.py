@@ -1,29 +1,13 @@
 """Choosing the intra-machine aggregation strategy by the BytePS paper's rules (§4.2.3).
 
-Two principles (§4.2.3): 1) never copy GPU-to-GPU across PCIe switches, it is slow; 2) keep the
-switch-to-CPU link that a NIC shares with GPUs free for the NIC. With S_n the switches holding
-GPUs *and* a NIC, and S_g those holding only GPUs:
-
-* **asymmetric** (S_n > 0 and S_g > 0, like the DGX-1 of Fig. 8): ``reduce_broadcast``: reduce to
-  roots on GPU-only switches (preferably on the NIC's CPU socket), copy the sum to host memory
-  from there, and broadcast the pulled result back from the same roots (§4.2.2);
-* **symmetric** (S_n = 0 or S_g = 0): reduce-scatter + all-gather so every switch carries the same
-  traffic. Without NVLink that is ``cpu_assisted`` aggregation (§4.2.1): reduce-scatter only
-  *inside* each switch, copy the slices to host memory, let the CPU sum the switch groups
-  (PCIE_REDUCE), and go back the same way. With NVLink joining all GPUs it is ``reduce_scatter``
-  over NVLink across all GPUs.
-* several NICs ("multi-NIC", Fairring's rails): each slice (or root) leaves through the NIC under
-  its own switch, else one on its socket; S_n/S_g change accordingly (§4.2.3).
-* no GPUs (the CPU analogue): worker processes are grouped by NUMA node as if the nodes were
-  switches; the plan then names which local rank owns each partition of the native local reduce
-  in shared memory (core/local.py).
-
-A :class:`Plan` says which strategy, which local ranks form each group, the roots, each rank's
-NIC, and *why* in plain text. :meth:`Plan.root_for` gives each partition its root in turn; the
-native local reduce's owners and the NCCL stages' roots follow it (core/local.py).
-
-Experts can override through the environment (validated, clear errors): ``BYTEPS_INTRA_STRATEGY``,
-``BYTEPS_REDUCE_ROOTS``, ``BYTEPS_PCIE_SWITCH_SIZE`` (docs/env.md).
+Two principles: never copy GPU-to-GPU across PCIe switches, and keep the switch uplink a NIC shares
+with GPUs free for the NIC. With S_n the switches holding GPUs and a NIC, S_g those holding only
+GPUs: asymmetric machines (S_n > 0 and S_g > 0) take ``reduce_broadcast`` to roots on GPU-only
+switches; symmetric ones take ``reduce_scatter`` over NVLink, or ``cpu_assisted`` aggregation
+without it; several NICs shard the traffic over rails; a machine without GPUs groups its processes
+by NUMA node. A :class:`Plan` says which strategy, groups, roots and NICs, and *why* in plain text.
+The rules, their table and the overrides (``BYTEPS_INTRA_STRATEGY``, ``BYTEPS_REDUCE_ROOTS``,
+``BYTEPS_PCIE_SWITCH_SIZE``) are in docs/topology.md.
 """
 import dataclasses
 import os
@@ -77,11 +61,7 @@ class Plan:
 def overrides_from_env(env=None):
     """The expert overrides set in the environment, parsed and checked (TopologyError if malformed)."""
     env = os.environ if env is None else env
-    found = {}
-    for name, key in ENV_OVERRIDES.items():
-        raw = env.get(name, "").strip()
-        if raw:
-            found[key] = raw
+    found = {key: raw for name, key in ENV_OVERRIDES.items() if (raw := env.get(name, "").strip())}
     return parse_overrides(found, from_env=True)
 
 
@@ -139,6 +119,18 @@ def _ranks(ranks):
     return ", ".join(map(str, ranks))
 
 
+def _runs(n, size, what):
+    """Local ranks 0..n-1 in groups of ``size`` (BYTEPS_PCIE_SWITCH_SIZE), which must divide them equally."""
+    if n % size:
+        raise TopologyError(f"BYTEPS_PCIE_SWITCH_SIZE={size} does not divide the {n} local {what}")
+    return tuple(tuple(range(s, s + size)) for s in range(0, n, size))
+
+
+def _forced(overrides):
+    """The strategy an override forces (roots force reduce_broadcast), or None."""
+    return "reduce_broadcast" if "roots" in overrides else overrides.get("strategy")
+
+
 def choose(machine, local_size=None, devices=None, overrides=None):
     """Apply §4.2.3 to ``machine`` for ``local_size`` local processes; return a :class:`Plan`.
 
@@ -170,10 +162,7 @@ def _switch_groups(machine, devices, switch_size, reasons):
     """Local ranks grouped by PCIe switch (or in runs of switch_size when overridden)."""
     n = len(devices)
     if switch_size:
-        if n % switch_size:
-            raise TopologyError(f"BYTEPS_PCIE_SWITCH_SIZE={switch_size} does not divide the {n} local "
-                                "GPUs into equal switch groups")
-        groups = tuple(tuple(range(s, s + switch_size)) for s in range(0, n, switch_size))
+        groups = _runs(n, switch_size, "GPUs into equal switch groups")
         names = tuple(machine.gpu(devices[g[0]]).switch for g in groups)
         reasons.append(f"switch groups overridden (BYTEPS_PCIE_SWITCH_SIZE={switch_size}): "
                        + " ".join(f"[{_ranks(g)}]" for g in groups))
@@ -233,9 +222,7 @@ def _choose_gpu(machine, devices, overrides):
     reasons.append("NVLink/NVSwitch joins all local GPUs" if nvlink else
                    "no NVLink joining all local GPUs: GPU-to-GPU traffic goes over PCIe")
 
-    forced = overrides.get("strategy")
-    if "roots" in overrides:
-        forced = "reduce_broadcast"
+    forced = _forced(overrides)
     if forced:
         strategy = forced
         reasons.append(f"strategy forced to {forced} by an override (BYTEPS_INTRA_STRATEGY / BYTEPS_REDUCE_ROOTS); "
@@ -319,25 +306,19 @@ def _choose_cpu(machine, local_size, overrides):
     reasons = ["no GPUs on this machine: the CPU analogue; worker processes stand in for GPUs and sum "
                "through shared memory"]
     n = local_size
+    numas = [nd.id for nd in machine.numas] or [0]
+    per_node = -(-n // len(numas))  # contiguous blocks, as a NUMA-pinned launcher would place them
     size = overrides.get("switch_size")
     if size:
-        if n % size:
-            raise TopologyError(f"BYTEPS_PCIE_SWITCH_SIZE={size} does not divide the {n} local processes into "
-                                "equal groups")
-        groups = tuple(tuple(range(s, s + size)) for s in range(0, n, size))
+        groups = _runs(n, size, "processes into equal groups")
         names = tuple(f"group{i}" for i in range(len(groups)))
         reasons.append(f"groups overridden (BYTEPS_PCIE_SWITCH_SIZE={size})")
     else:
-        numas = [nd.id for nd in machine.numas] or [0]
-        per = -(-n // len(numas))  # contiguous blocks, as a NUMA-pinned launcher would place them
-        groups = tuple(tuple(range(s, min(s + per, n))) for s in range(0, n, per))
+        groups = tuple(tuple(range(s, min(s + per_node, n))) for s in range(0, n, per_node))
         names = tuple(f"numa{numas[i]}" for i in range(len(groups)))
         reasons.append(f"{len(numas)} NUMA node(s): processes grouped by node, so only one partial sum per node "
                        "crosses the socket interconnect")
-    forced = overrides.get("strategy")
-    if "roots" in overrides:
-        forced = "reduce_broadcast"
-    strategy = "none" if n == 1 else (forced or "cpu_assisted")
+    strategy = "none" if n == 1 else (_forced(overrides) or "cpu_assisted")
     roots = ()
     if strategy == "reduce_broadcast":
         roots = overrides.get("roots") or (0,)
@@ -355,9 +336,7 @@ def _choose_cpu(machine, local_size, overrides):
     else:
         reasons.append("one local process: nothing to aggregate")
         roots = (0,)
-    # each process's NIC: one on its NUMA node (processes fill the nodes in contiguous blocks), else any
-    numas = [nd.id for nd in machine.numas] or [0]
-    per_node = -(-n // len(numas))
+    # each process's NIC: one on its NUMA node, else any
     rails = []
     for r in range(n):
         near = [nic for nic in machine.nics if nic.numa == numas[r // per_node]] or list(machine.nics)
