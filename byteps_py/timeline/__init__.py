@@ -1,19 +1,18 @@
 """One merged timeline for the whole job (``BYTEPS_TIMELINE=PATH``; docs/timeline.md).
 
-Every worker and server records spans (one stage of one partition on one thread) into bounded
-buffers: the native threads into core/pipeline/bps_trace.h's, Python's engine threads into this
-module's :class:`Recorder`. Each node estimates its clock's offset to the scheduler's (:class:`Clock`)
-and sends its spans to the scheduler, which writes one Chrome/Perfetto JSON file (trace.py).
-While tracing is off the engines only test ``recorder is not None``.
+Every worker and server records spans (one stage of one partition on one thread) into the native
+cores' bounded buffers (core/pipeline/bps_trace.h); this module's :class:`Recorder` empties them, adds
+the step marks, and sends them to the scheduler with this node's clock offset (:class:`Clock`); the
+scheduler writes one Chrome/Perfetto JSON file (trace.py).
 """
 import collections
 import os
 import threading
 import time
 
-from .spans import CODES, encode, pack
+from .spans import encode, pack
 
-#: the process's recorder while tracing, else None (the engines' hot paths test exactly this)
+#: the process's recorder while tracing, else None
 recorder = None
 #: steps this process has marked (mark_step)
 steps = 0
@@ -58,14 +57,12 @@ class Clock:
 
 
 class Recorder:
-    """This process's spans: Python's own, plus the native buffers it empties when it sends."""
+    """This process's step marks and the native span buffers it empties when it sends."""
 
     def __init__(self, capacity, flush_steps, clock_interval, path=""):
         self.capacity = capacity
         self.flush_steps = flush_steps
         self.path = path            # set on the node that asked for it (start_timeline); the scheduler's wins
-        self.spans = []
-        self.dropped = 0
         self.marks = []             # (step, t_ns, tid)
         self.keys = {}              # tensor key -> name (workers; servers only see keys)
         self.node = {"pid": os.getpid()}
@@ -77,16 +74,6 @@ class Recorder:
         self.last_sent = time.monotonic()
         self.stopped = False
         self._lock = threading.Lock()
-
-    def span(self, stage, t0, key, rnd, nbytes, server=-1, priority=0, peer=-1):
-        """Record [t0, now] of ``stage`` (a name in spans.STAGES) on the calling thread."""
-        if self.stopped:
-            return
-        if len(self.spans) >= self.capacity:
-            self.dropped += 1
-            return
-        self.spans.append((t0, time.monotonic_ns(), key, rnd, nbytes, priority, server, peer,
-                           threading.get_native_id(), CODES[stage]))  # spans.SPAN_DTYPE's order
 
     def add_native(self, address):
         from byteps.core import _trace
@@ -122,14 +109,12 @@ class Recorder:
         from byteps.core import _trace
 
         with self._lock:
-            rows, self.spans = self.spans, []
-            dropped, self.dropped = self.dropped, 0
-            raws = []
+            raws, dropped = [], 0
             for address in self.native:
                 raw, lost = _trace.drain(address)
                 raws.append(raw)
                 dropped += lost
-            spans = pack(rows, raws)
+            spans = pack(raws)
             marks, self.marks = self.marks, []
             self.flush_due = False
         self.remember_threads()
@@ -181,13 +166,6 @@ def mark_step():
     r = recorder
     if r is not None:
         r.mark_step(steps)
-
-
-def span(stage, t0, key, rnd, nbytes, server=-1, priority=0, peer=-1):
-    """Record a Python engine's span if tracing (see Recorder.span)."""
-    r = recorder
-    if r is not None:
-        r.span(stage, t0, key, rnd, nbytes, server, priority, peer)
 
 
 def flush(control, final=False):

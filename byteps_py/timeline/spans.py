@@ -2,8 +2,8 @@
 
 A span is one stage of one partition on one thread: :data:`SPAN_DTYPE`'s fields, times in the
 recording process's CLOCK_MONOTONIC nanoseconds. The native threads record exactly this layout
-(core/pipeline/bps_trace.h ``BpsSpan``) and Python's spans are tuples in the same order, so a batch travels
-to the scheduler as one base64 string of the packed records: no per-span work on the node.
+(core/pipeline/bps_trace.h ``BpsSpan``), so a batch travels to the scheduler as one base64 string of the
+packed records: no per-span work on the node.
 """
 import base64
 
@@ -40,11 +40,9 @@ SPAN_DTYPE = np.dtype([("t0", "<u8"), ("t1", "<u8"), ("key", "<u8"), ("round", "
                        ("priority", "<i8"), ("server", "<i4"), ("peer", "<i4"), ("tid", "<i4"), ("stage", "<i4")])
 
 
-def pack(python_rows, native_raws):
-    """One array of Python's span tuples and the drained native buffers' bytes (spans begun before
-    tracing started, t0 == 0, are left out)."""
-    parts = [np.array(python_rows, dtype=SPAN_DTYPE)] + [np.frombuffer(r, dtype=SPAN_DTYPE) for r in native_raws]
-    a = np.concatenate(parts)
+def pack(native_raws):
+    """One array of the drained native buffers' spans (those begun before tracing started, t0 == 0, left out)."""
+    a = np.concatenate([np.empty(0, SPAN_DTYPE)] + [np.frombuffer(r, dtype=SPAN_DTYPE) for r in native_raws])
     return a[a["t0"] > 0]
 
 
