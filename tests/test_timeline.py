@@ -77,6 +77,20 @@ def check_trace(path, workers, servers, steps):
     return trace
 
 
+def _job(tmp_path, servers, env, path):
+    """2 workers running 4 steps of tests/timeline_worker.py (exact sums) under ``env``: the trace at ``path``."""
+    c = Cluster(str(tmp_path), 2, servers, env=env).start()
+    try:
+        for wid in range(2):
+            c.workers.append(c._spawn([sys.executable, WORKER, "4"], "worker", {"DMLC_WORKER_ID": str(wid)},
+                                      log=f"worker{wid}.log"))
+        codes, _, sched_code = c.wait_all(60)
+    finally:
+        c.kill_all()
+    assert codes == [0, 0] and sched_code == 0, c.all_logs()
+    return report.load(path)
+
+
 @pytest.fixture(scope="module")
 def loopback(tmp_path_factory):
     """2 workers and 2 servers on loopback, started by bpslaunch --timeline."""
@@ -128,16 +142,7 @@ def test_compressed_push_pulls_record_the_same_stages(tmp_path):
     byteps-net records QUEUE, PUSH, PULL, the server RECV, ROUND, REPLY on byteps-serve, and the
     pushes nest in the same way. The sums are small integers, exact in fp16."""
     path = str(tmp_path / "py.trace.json")
-    c = Cluster(str(tmp_path), 2, 2, env={"BYTEPS_TIMELINE": path, "BYTEPS_COMPRESSOR": "fp16"}).start()
-    try:
-        for wid in range(2):
-            c.workers.append(c._spawn([sys.executable, WORKER, "4"], "worker", {"DMLC_WORKER_ID": str(wid)},
-                                      log=f"worker{wid}.log"))
-        codes, _, sched_code = c.wait_all(60)
-    finally:
-        c.kill_all()
-    assert codes == [0, 0] and sched_code == 0, c.all_logs()
-    trace = report.load(path)
+    trace = _job(tmp_path, 2, {"BYTEPS_TIMELINE": path, "BYTEPS_COMPRESSOR": "fp16"}, path)
     names = {s["name"] for s in trace.spans}
     assert {"QUEUE", "PUSH", "PULL", "RECV", "ROUND", "REPLY"} <= names, names
     pulls = {trace.threads.get((s["pid"], s["tid"])) for s in trace.spans if s["name"] == "PULL"}
@@ -264,16 +269,7 @@ def test_span_buffers_are_bounded_and_count_what_they_drop(tmp_path):
     spans of the job and counts the rest as dropped; the sums are still exact (the worker checks)."""
     path = str(tmp_path / "small.trace.json")
     env = {"BYTEPS_TIMELINE": path, "BYTEPS_TIMELINE_BUFFER": "3", "BYTEPS_TIMELINE_FLUSH_STEPS": "0"}
-    c = Cluster(str(tmp_path), 2, 1, env=env).start()
-    try:
-        for wid in range(2):
-            c.workers.append(c._spawn([sys.executable, WORKER, "4"], "worker", {"DMLC_WORKER_ID": str(wid)},
-                                      log=f"worker{wid}.log"))
-        codes, _, sched_code = c.wait_all(60)
-    finally:
-        c.kill_all()
-    assert codes == [0, 0] and sched_code == 0, c.all_logs()
-    trace = report.load(path)
+    trace = _job(tmp_path, 1, env, path)
     for label, node in trace.nodes.items():
         if label == "scheduler":
             continue
