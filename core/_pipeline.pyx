@@ -1,14 +1,9 @@
 # distutils: language = c++
 """Python's view of the native pipeline's rules: the stage lists (core/pipeline/bps_stages.h), which
-``bpslaunch --stages`` and core/stages.py read from here, and the scheduling primitive.
-
-The primitive is ``BpsQueue`` (core/pipeline/bps_queue.h), a priority queue with a byte credit: larger
-priority first, then smaller tie (the send queue's tie is the partition's wire key, one order on every
-worker), FIFO among equals, and at most ``credit`` bytes handed out and not yet released, so a large,
-late tensor cannot starve an urgent one (BYTEPS_SCHEDULING_CREDIT). byteps-net's send queue and the
-stage thread use it in C++; :class:`PriorityQueue` is its binding, through which
-tests/test_pipeline_queue.py checks those rules on the very code the core runs. Waiting happens in C
-with the GIL released. The queue holds integer task ids only; the owner maps them to objects.
+``bpslaunch --stages`` and core/stages.py read from here, and :class:`PriorityQueue`, the binding of
+the priority queue with a byte credit that byteps-net's send queue and the stage thread use
+(core/pipeline/bps_queue.h has its rules), through which tests/test_pipeline_queue.py checks them on
+the very code the core runs. Waiting happens in C with the GIL released.
 """
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libcpp cimport bool as cbool

@@ -65,10 +65,8 @@ def default_threads(env=None):
     ``clamp(cores // 4, 1, 4)``, where ``cores`` is this process's share of the machine: the CPUs it
     may run on, or ``OMP_NUM_THREADS`` when that is smaller (bpslaunch sets it to CPUs / local
     processes). A summing thread pays off only where it does not take the core that the training
-    thread or the engine's and servers' network threads need: on a 2-core host two threads made a
-    64 MB push_pull 2-3x slower than one (docs/benchmarks.md, "Kernel threads"); a sum is bound by
-    memory bandwidth, which a few threads saturate. The helpers sleep between calls (they never
-    spin; core/kernels/bps_pool.h).
+    thread or the network threads need (docs/benchmarks.md, "Kernel threads"), and a sum is bound by
+    memory bandwidth, which a few threads saturate.
 
     Raises:
         ConfigError: BYTEPS_OMP_THREAD_PER_GPU is not an integer in 1..64.
@@ -291,8 +289,7 @@ def aligned_empty(Py_ssize_t nbytes):
 
     From 2 MB up (servers' stores, fusion buffers) the array is its own private anonymous mapping
     with MADV_HUGEPAGE: where the kernel has transparent huge pages in ``madvise`` mode, its first
-    write takes one fault per 2 MB instead of one per 4 KB (a fresh 64 MB buffer: 32 faults and
-    about 12 ms instead of 16,384 and 55 ms on the CI VM). The mapping is freed with the array.
+    write takes one fault per 2 MB instead of one per 4 KB. The mapping is freed with the array.
 
     Args:
         nbytes: size in bytes (>= 0).

@@ -160,10 +160,6 @@ cdef class Frame:
         return PyBytes_FromStringAndSize(<char *>_msg_data(&self.msg), _msg_size(&self.msg))
 
 
-cdef object _zmq_error(int err):
-    return zmq.ZMQError(err)
-
-
 cdef class FastSocket:
     """libzmq calls on a pyzmq socket's handle. Use it only from the thread that owns the socket."""
     cdef void *handle
@@ -195,7 +191,7 @@ cdef class FastSocket:
                     continue
                 if err == EAGAIN and not frames:
                     return None
-                raise _zmq_error(err)
+                raise zmq.ZMQError(err)
             size = _msg_size(&msg)
             more = _msg_more(&msg)
             if <Py_ssize_t>size < self.copy_below:
@@ -237,6 +233,6 @@ cdef class FastSocket:
                     if err == EINTR:
                         PyErr_CheckSignals()
                         continue
-                    raise _zmq_error(err)
+                    raise zmq.ZMQError(err)
             finally:
                 PyBuffer_Release(&buf)

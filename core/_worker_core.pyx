@@ -116,7 +116,6 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         uint64_t gpu_grown()
         cbool add_server(void *sock)
         cbool add_server_live(void *sock, int fd)
-        int nservers()
         vector[uint64_t] hold(const vector[int] &dead)
         void commit(const vector[int] &alive, const vector[int64_t] &tables, const vector[uint64_t] &start,
                     vector[vector[BpsPart]] segs)
@@ -162,7 +161,6 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         uint64_t local_owner_direct()
         void start()
         void stop()
-        int done_fd()
         void submit(BpsOp *op)
         void send_raw(BpsRawSend *m)
         void reset_rounds()
@@ -216,6 +214,15 @@ cdef vector[BpsPart] _parts(const int64_t[:, ::1] parts):
         p.nccl_root = <int32_t>parts[i, 12] if parts.shape[1] > 12 else -1
         table.push_back(p)
     return table
+
+
+cdef unsigned char *_address(buf, uint64_t *nbytes) except? NULL:
+    """The address and length of ``buf``'s bytes; the caller keeps ``buf`` (and so its memory) alive."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    nbytes[0] = view.len
+    PyBuffer_Release(&view)
+    return <unsigned char *>view.buf
 
 
 cdef class WorkerCore:
@@ -348,14 +355,10 @@ cdef class WorkerCore:
 
     def add_local_link(self, int local_rank, int fd, bytes ident, int ring_fd=-1, bint low=False):
         """Hand over a direct TCP link to local rank ``local_rank`` (after :meth:`add_local`, before
-        start): a connected socket whose token was checked; ``ident`` is that rank's DEALER identity
-        toward our ROUTER (its messages on the link are taken as from it). The native thread owns the
-        fd from now on and closes it; the DEALER stays the fallback.
-
-        ``ring_fd`` >= 0: the pair's shared-memory rings (:data:`RING_REGION_BYTES`, made by the higher
-        rank; ``low``: we are the lower one), which then carry the link's bytes (core/transport/bps_link.h
-        BpsShmLink); the caller still owns ``ring_fd``. Returns "" or why the rings could not be mapped
-        (the socket is closed then, so that both ends fall back to the DEALER)."""
+        start), whose token was checked; ``ident`` is that rank's DEALER identity toward our ROUTER.
+        The native thread owns the fd from now on. ``ring_fd`` >= 0: the pair's shared-memory rings
+        (:data:`RING_REGION_BYTES`; ``low``: we are the lower rank; the caller still owns ``ring_fd``).
+        Returns "" or why the rings could not be mapped (both ends then fall back to the DEALER)."""
         return self.core.add_local_link(local_rank, fd, ident, ring_fd, low).decode()
 
     @property
@@ -387,11 +390,8 @@ cdef class WorkerCore:
         """Reduce a partition this joined process owns (``table``: its one row) in round ``rnd``: its
         peers' copies, pushed and pulled, the result handed back to them. ``buf``: zeros of the
         partition's size (kept alive by the caller until the op is forgotten)."""
-        cdef Py_buffer view
-        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
-        cdef unsigned char *data = <unsigned char *>view.buf
-        cdef uint64_t nbytes = view.len
-        PyBuffer_Release(&view)
+        cdef uint64_t nbytes
+        cdef unsigned char *data = _address(buf, &nbytes)
         self.core.submit_owed(op_id, table, rnd, dtype, data, nbytes)
 
     def forwarded_local(self):
@@ -430,11 +430,6 @@ cdef class WorkerCore:
         with nogil:
             self.core.stop()
 
-    @property
-    def done_fd(self):
-        """An eventfd that becomes readable when ops complete."""
-        return self.core.done_fd()
-
     def add_table(self, str name, const int64_t[:, ::1] parts, codec=None, int64_t codec_of=-1):
         """Register a tensor's partitions once; returns the id :meth:`submit` takes. ``parts`` rows:
         wire key, offset, length, server, staging address (0: none), the staging region's
@@ -461,11 +456,8 @@ cdef class WorkerCore:
         its completion waits for the caller (:meth:`wait_op`) before :meth:`wait` reports it
         (BPS_LAZY_DELIVERY_S), unless :meth:`prompt` is called. ``divisor``: an average of a float
         push_pull, divided into each partition's result as it is copied into ``buf`` (1: a sum)."""
-        cdef Py_buffer view
-        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
-        cdef unsigned char *data = <unsigned char *>view.buf
-        cdef uint64_t nbytes = view.len
-        PyBuffer_Release(&view)  # the caller keeps ``buf`` (and so its memory) alive
+        cdef uint64_t nbytes
+        cdef unsigned char *data = _address(buf, &nbytes)
         # with the GIL held: the call only takes the core's mutex briefly and writes an eventfd, and
         # releasing the GIL here would let another Python thread take it for up to a switch interval
         self.core.submit_table(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes, lazy,
@@ -477,11 +469,8 @@ cdef class WorkerCore:
         by the caller, never sent) whose partitions take the rounds the call would have had and push
         ``reason`` instead of data, so the servers fail those rounds on every rank (core/wire.py
         FLAG_ABANDON). It completes like any op, with the servers' error."""
-        cdef Py_buffer view
-        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
-        cdef unsigned char *data = <unsigned char *>view.buf
-        cdef uint64_t nbytes = view.len
-        PyBuffer_Release(&view)
+        cdef uint64_t nbytes
+        cdef unsigned char *data = _address(buf, &nbytes)
         self.core.submit_abandon(op_id, table, cmd, dtype, root, root_self, data, nbytes, reason.encode())
 
     def enable_gpu(self, str cudart, uint64_t slot_bytes, int slots):
@@ -522,11 +511,8 @@ cdef class WorkerCore:
         """A synchronous call's fast path (BpsWorkerCore::submit_direct): run the op's round trip on
         this thread, without the GIL, when byteps-net is idle; True if it ran (done, or handed to
         byteps-net after a short wait), False if the fast path does not apply (then :meth:`submit`)."""
-        cdef Py_buffer view
-        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
-        cdef unsigned char *data = <unsigned char *>view.buf
-        cdef uint64_t nbytes = view.len
-        PyBuffer_Release(&view)  # the caller keeps ``buf`` (and so its memory) alive
+        cdef uint64_t nbytes
+        cdef unsigned char *data = _address(buf, &nbytes)
         cdef cbool ran
         with nogil:
             ran = self.core.submit_direct(op_id, table, cmd, dtype, root, priority, root_self, data, nbytes, divisor)
@@ -708,7 +694,6 @@ cdef extern from "core/transport/bps_link.h":
         cbool pending_input()
         cbool arm_to_sleep()
         void poll_ring(cbool on)
-        int flush()
         const string &error()
 
 
@@ -753,9 +738,6 @@ cdef class RingPair:
 
     def arm_to_sleep(self, int i):
         return self._end(i).arm_to_sleep()
-
-    def flush(self, int i):
-        return self._end(i).flush()
 
     def socket_bytes(self, int i):
         """Bell bytes waiting in end ``i``'s socket (FIONREAD)."""

@@ -171,11 +171,6 @@ cdef class ServerCore:
             raise ValueError(f"a link token is 16 bytes, not {len(token)}")
         self.core.expect_link(ident, token)
 
-    @property
-    def links_accepted(self):
-        """Direct links accepted so far (tests and logs check the path really ran)."""
-        return self.core.links_accepted()
-
     def start(self):
         self.core.start()
 

@@ -1,16 +1,10 @@
-/* The summation kernels' thread pool: helpers that sleep (never spin) between calls.
+/* The summation kernels' thread pool: helpers that sleep (never spin) between calls, unlike
+ * OpenMP's, whose idle threads spin after every parallel region and took the core the network
+ * thread needed on a small host. A call that finds the pool busy (another thread is summing) runs on
+ * its own thread rather than queueing: then the cores are busy anyway.
  *
- * The kernels used OpenMP before. libgomp's idle threads spin for up to GOMP_SPINCOUNT iterations
- * (about a millisecond) after every parallel region and read their wait policy from the
- * environment once, when the library loads: on a small host that spin took the core the engine's
- * network thread needed (a 64 MB push_pull went from about 20 ms with one thread to 45-71 ms with
- * two on a 2-core host). These helpers block on a condition variable instead, so an idle helper
- * costs nothing, and a call that finds the pool busy (another thread of the process is summing)
- * runs on its own thread rather than queueing: then the cores are busy anyway.
- *
- * One pool per shared object that includes this header (each is `static`); helpers are started
- * on first use, named "byteps-sum", and are not inherited by a fork()ed child (the child starts
- * its own when it needs them). */
+ * One pool per shared object that includes this header (each is `static`); helpers are started on
+ * first use, named "byteps-sum", and are not inherited by a fork()ed child. */
 #ifndef BPS_POOL_H_
 #define BPS_POOL_H_
 

@@ -1,28 +1,15 @@
 /* A thread-safe priority queue with a byte credit, for the pipeline's stages.
  *
  * Order: larger priority first; among equal priorities, the smaller tie first, then earlier
- * arrival (a strict weak ordering on (priority, tie, seq), unlike ps-lite's threadsafe_pqueue).
- * The credit counts the bytes in flight of tasks at least as urgent as the task, (priority, tie)
- * wise: a task is handed out while those plus its size fit the credit, or when none are in flight
- * (so one task larger than the credit still runs).
+ * arrival (a strict weak ordering on (priority, tie, seq)). A task is handed out while the bytes in
+ * flight of tasks at least as urgent as it, plus its size, fit the credit, or when none are in
+ * flight (so one task larger than the credit still runs). Less urgent bytes never count: other
+ * workers may have deferred them for this task, so they may be stuck behind it.
  *
- * Less urgent bytes never count, because they may be stuck: worker A may fill its credit with
- * tensor X before the more urgent Y was queued, while worker B, which saw Y first, sends Y and
- * defers X; A's X then waits for B's, which waits for Y. Counting X against Y, Y went out one
- * piece per round trip on A (the rule was "above every priority in flight"), and a training step
- * on the emulated cluster (bench_users.py --cluster, 2 MB partitions, credit 4) ran at 0.68x
- * DDP's speed.
- *
- * Urgency must be one order on every worker, so the send queues' tie is the partition's wire key
- * (the same on every worker), not arrival: with ties by arrival, worker A that queued X then Y at
- * one priority filled its credit with X, worker B that queued Y then X filled it with Y, and each
- * waited for the other's push for ever (two processes calling push_pull in different orders, or two
- * machines whose local sums finished in different orders). With one order, the most urgent
- * unfinished partition fits on every worker, so the job progresses. Where urgency still differs
- * between workers (they gave one tensor different priorities), the owner of the queue sends its head
- * past the credit after a second without progress (pop's stall_ms; the native core does the same).
- * Tasks are plain integers: the Python side keeps the objects, so no C thread ever touches a
- * Python object.
+ * Urgency must be one order on every worker, so the send queues' tie is the wire key, not arrival
+ * (docs/architecture.md, "Scheduling"); where workers still disagree, the queue's owner sends its
+ * head past the credit after a stall (pop's stall_ms). Tasks are plain integers: no C thread ever
+ * touches a Python object.
  */
 #ifndef BPS_QUEUE_H
 #define BPS_QUEUE_H

@@ -1,11 +1,9 @@
 /* The pipeline's stages: one list for the native cores, core/stages.py (``Stage``) and the job
  * timeline's span kinds (byteps_py/timeline/spans.py); tests/test_stages_cli.py keeps the three equal.
  *
- * A partition of a tensor goes through an ordered list of these (the paper's multi-stage pipeline,
- * section 6.1), built once per tensor from the op, this process's role on its machine and the
- * machine's strategy by bps_stage_list(), the one rule ``bpslaunch --stages`` prints. The span-only
- * kinds (QUEUE and the server's RECV, SUM, ROUND, REPLY) are timeline spans of the same numbering:
- * they time waits and the server's side of a round, which are not steps of a partition's list.
+ * Each partition goes through an ordered list of these, built by bps_stage_list() (the rule
+ * ``bpslaunch --stages`` prints). The span-only kinds (QUEUE and the server's RECV, SUM, ROUND,
+ * REPLY) time waits and the server's side of a round, which are not steps of a partition's list.
  */
 #pragma once
 

@@ -1,17 +1,9 @@
 /* Per-partition spans of the native threads for the job timeline (BYTEPS_TIMELINE; docs/timeline.md).
  *
- * One buffer per process (bps_trace()), filled by byteps-net / byteps-reduce on a worker and
- * byteps-serve / byteps-sum-i on a server at each stage boundary, emptied by Python
- * (byteps/timeline) through core/_trace.pyx. Why it looks like this:
- *
- *  - off costs one relaxed atomic load per boundary (bps_span returns before reading the clock);
- *  - on, a span is 64 bytes appended under a mutex that only the recording threads and the
- *    occasional drain take (a few threads, no contention worth a lock-free ring);
- *  - the buffer is bounded: when it is full new spans are dropped and counted, never grown, so a
- *    job that never drains cannot run out of memory; the count travels with the trace;
- *  - times are CLOCK_MONOTONIC nanoseconds, the clock Python's time.monotonic_ns() reads, so native
- *    and Python spans of one process need no conversion; byteps/timeline shifts both onto the
- *    scheduler's clock.
+ * One buffer per process (bps_trace()), filled by the native threads at each stage boundary and
+ * emptied by Python through core/_trace.pyx. Off costs one relaxed atomic load per boundary; on, a
+ * span is 64 bytes appended under a mutex. The buffer is bounded: when full, new spans are dropped and
+ * counted. Times are CLOCK_MONOTONIC nanoseconds, the clock of Python's time.monotonic_ns().
  */
 #pragma once
 

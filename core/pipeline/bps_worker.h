@@ -1,90 +1,15 @@
-/* The worker's native data plane: one thread that sends partitions and takes replies without the GIL.
+/* The worker's native data plane: the network thread byteps-net, which moves every partition through
+ * its stage list without the GIL (docs/architecture.md, "Threads, and where the GIL is taken").
  *
- * core/engine.py (Python) keeps what is per tensor or rare: declarations, the control plane,
- * authentication, join()'s bookkeeping (which partitions a joined process owes: owed()), the topology
- * executor's plan.
- * Once a tensor's key is known, a plain push_pull or broadcast is handed over whole with
- * BpsWorkerCore::submit() (on the caller's thread, under a mutex; no Python object crosses). From then
- * on, the network thread ("byteps-net") moves each partition through its list of stages, built when
- * its op starts (bps_stage_list(): core/pipeline/bps_stages.h), with advance() (worker_stages.h),
- * which moves it with step(), as a direct caller's thread does (worker_direct.h):
+ * BpsWorkerCore is the coordinator: byteps-net's loop, submit, advance(), the local reduce's groups,
+ * the hand-overs from direct callers. Each part with a seam of its own is a class it owns, in its own
+ * header, whose top comment says what it owns and which threads call it (server_links.h,
+ * local_peers.h, elastic_router.h, early_copies.h, send_queue.h, stage_thread.h, gpu_copier.h,
+ * nccl_stages.h, op_table.h). Its member functions live in one header per part (worker_*.h),
+ * included at the end of this one.
  *
- *     queued (priority, credit)  ->  [STAGE: copy into shared memory, colocated server]
- *       ->  PUSH (header + body zero-copy from the tensor, or a 32-byte descriptor)
- *       ->  PULL (REPLY: copy into the tensor from ZeroMQ's buffer or the server's shared store)
- *       ->  op complete (completion queue + eventfd; Python's completion thread sets the event)
- *
- * On a machine with L > 1 worker processes a push_pull partition instead goes through the local
- * reduce of core/local.py (same protocol and wire messages; worker_local_reduce.h):
- *
- *   owner (LocalPlan: local rank (t + i) % L, or 0):
- *     LOCAL_REDUCE: wait for the L-1 LOCAL_READYs, sum the L copies into our shared region (on the
- *       stage thread "byteps-reduce" by priority when >= 256 KB, else inline)
- *       ->  PUSH of the region (queued by priority within the credit, like any partition) -> PULL
- *       ->  LOCAL_BROADCAST: LOCAL_DONE (descriptor of our region or the server's store) or ERROR
- *           to every other local rank; copy the result into our tensor
- *   other local ranks:
- *     COORDINATE: copy into our shared region, LOCAL_READY (its descriptor) to the owner
- *       ->  LOCAL_DONE from the owner: copy the result into the tensor  (ERROR: the op fails)
- *
- * The local ROUTER (LOCAL_READY / LOCAL_DONE from the others) and DEALERs (to them) are handed over
- * after Python authenticated them; the handshakes of late peers still reach Python (forwarded).
- * Local links: a direct link (BpsLink on 127.0.0.1) per other local rank,
- * opened by Python after that handshake (core/engine.py _open_local_links: a one-time token offered over
- * the authenticated ZeroMQ plane) and handed over with add_local_link. BpsLocalPeers::send() uses it
- * while it works, else the DEALER; what comes in on it is taken as if it came on the ROUTER from that peer's
- * DEALER identity, so the messages Python gets (forwarded) look the same either way.
- *
- * Python moves no partition. Its few messages on the data sockets (the answers to late local peers'
- * handshakes) go through this thread: it sends what Python queues with send_raw(), and forwards every
- * message it does not own (a handshake, a link offer, a reply for an unknown (key, round), ...) to
- * Python's queue, waking the engine through its pipe. Rounds of every wire key are counted here.
- *
- * Transport seam (core/transport/bps_link.h): a message to a server is a BpsFrames, sent by
- * BpsServerLinks::send() (server_links.h) over the server's direct TCP link (BpsLink, once Python set
- * one up: add_link) or its ZeroMQ DEALER;
- * for a colocated server the body is a shared-memory descriptor (core/transport/bps_wire.h). Replies come back
- * on either, whole, as a BpsMessage. A link is a BpsConn: a TCP socket (BpsLink) or a UCX endpoint
- * (BpsUcxLink, core/transport/bps_ucx.h: BYTEPS_TRANSPORT=ucx), both polled in run() like the sockets.
- *
- * BpsWorkerCore is the coordinator: byteps-net's loop (run), submit, advance(), the local reduce's
- * groups, the hand-overs from direct callers. The state of each part with a seam of its own lives in
- * a class it owns, in its own header, with its own locks and a comment at its top on what it owns and
- * which threads call it:
- *
- *     BpsServerLinks    server_links.h    per server: its DEALER, its direct link (TCP or UCX) and that
- *                                         link's lock, the UCP worker, byte counters, colocated / dead,
- *                                         broken links for Python, servers that joined
- *     BpsLocalPeers     local_peers.h     the local ROUTER, a DEALER and a direct link per local rank
- *                                         (locks, identities, counters), admission of local peers
- *     BpsElasticRouter  elastic_router.h  hold / commit, each change's reroute, stranded partitions,
- *                                         retained results (its membership side is guarded by mu_)
- *     BpsEarlyCopies    early_copies.h    LOCAL_READYs that came before their op
- *     BpsSendQueue      send_queue.h      partitions waiting for the byte credit, bytes in flight
- *     BpsStageThread    stage_thread.h    byteps-reduce: the local reduce's big sums and copies
- *     BpsGpuCopier      gpu_copier.h      CUDA tensors: COPYD2H / COPYH2D per partition, the staging
- *                                         ring, the byteps streams, byteps-gpu (waits for copies)
- *     BpsNcclStages     nccl_stages.h     CUDA tensors on several GPU processes: NCCL, the machine's
- *                                         communicator, the order of its collectives
- *     BpsOpTable        op_table.h        every op until Python forgets it, the ops byteps-net runs,
- *                                         completions: waits, lazy delivery (its mutex after mu_)
- *
- * BpsWorkerCore's member functions live in one header per part, each included at the end of this one:
- *
- *     worker_stages.h        each partition's stage list, step(): the one place it moves on, advance()
- *     worker_loop.h          byteps-net: start/stop, submit, run(), the inbox, PULL (on_message, receive)
- *     worker_send_queue.h    PUSH from the send queue (BpsSendQueue, send_queue.h), Python's raw sends
- *     worker_completions.h   errors, failing and completing ops, time-outs
- *     worker_local_reduce.h  the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread
- *     worker_nccl.h          the NCCL stages: NCCL_READY / NCCL_ORDER, issuing collectives, breaking
- *     worker_direct.h        direct calls: submit_direct, submit_local_direct, submit_owner_direct
- *     worker_elastic.h       elastic: hold / commit on the tables and ops, a dead server's partitions
- *     worker_codec.h         wire compression: a table's codec and state, a push's encoding, a reply's decoding
- *     worker_types.h         the records (BpsOp, BpsPart, BpsTable, ...); stage_thread.h: byteps-reduce
- *
- * The data members are listed below, each mutex with what it guards. Their order is their order of
- * construction and destruction: servers_ comes before elastic_, which keeps a reference to it (and
- * within BpsServerLinks the UCP worker outlives its links), and ops_ before them both.
+ * The data members' order is their order of construction and destruction: servers_ comes before
+ * elastic_, which keeps a reference to it, and ops_ before them both.
  */
 #ifndef BPS_WORKER_H
 #define BPS_WORKER_H
@@ -178,7 +103,6 @@ class BpsWorkerCore {
     }
     std::string link_transport(int server) { return servers_.transport(server); }
     int links_up() const { return servers_.up(); }
-    int nservers() const { return servers_.count(); }
     void add_link(int server, int fd) { servers_.add_link(server, fd); }
     uint64_t bytes_sent(int server) { return servers_.bytes_sent(server); }
     uint64_t bytes_received(int server) { return servers_.bytes_received(server); }
@@ -202,7 +126,6 @@ class BpsWorkerCore {
     void forwarded(std::vector<BpsForward> *out);
     void released(std::vector<int64_t> *out);
     static void zc_free(void *, void *hint);
-    int done_fd() const { return done_fd_; }
 
     /* the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread (worker_local_reduce.h) */
     static bool local_header(BpsMessage &msg, BpsHeader *h);
@@ -246,11 +169,10 @@ class BpsWorkerCore {
                        bool root_self, unsigned char *buf, uint64_t nbytes, uint32_t divisor = 1);
     void end_direct(BpsOp *op, bool replied, uint64_t rnd, std::vector<BpsQueued> *adopt);
     void count_direct(bool replied, bool more);
-    static BpsMessage *keep_message(BpsMessage &msg);
     static bool wait_link(BpsConn *l, double deadline, double spin_until);
-    BpsOp *begin_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part, const std::string &name,
-                              uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, unsigned char *buf,
-                              uint64_t nbytes, uint32_t divisor, bool awaits_done);
+    BpsOp *begin_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part, const std::string &name,
+                        uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, bool root_self, unsigned char *buf,
+                        uint64_t nbytes, uint32_t divisor, bool local, bool awaits_done);
     bool submit_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part, const std::string &name,
                              uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority, unsigned char *buf,
                              uint64_t nbytes, uint32_t divisor);
@@ -260,11 +182,8 @@ class BpsWorkerCore {
     bool owner_direct_wait(const BpsPart &p, const std::vector<int> &peers,
                            std::vector<std::vector<std::string>> *copies, bool *strays);
     bool local_direct_wait(BpsOp *op, int owner, BpsConn *l, bool *strays);
-    /* How long a direct caller polls for its reply (yielding its core between polls) before it sleeps
-     * (BYTEPS_SPIN_US). Waking a thread that sleeps in poll costs 25-30 us per hop on a VM, more than a
-     * small round trip takes when both ends are awake (9 us for 4 KB over loopback on the 2-core VM,
-     * against 57-58 us asleep: bench/raw_exchange.py --poll); sched_yield lets any thread that is ready
-     * to run on this core go first. */
+    /* How long a direct caller polls for its reply, yielding its core between polls, before it sleeps
+     * (BYTEPS_SPIN_US): waking a sleeping thread costs more than a small round trip between awake ends. */
     void set_direct_spin(double seconds) { direct_spin_s_ = seconds > 0 ? seconds : 0; }
     /* Calls that completed on the caller's thread (submit_direct; tests check the path ran). */
     uint64_t direct_calls() const { return direct_calls_.load(); }
@@ -423,7 +342,7 @@ class BpsWorkerCore {
     double timeout_;
     int nthreads_;
     int notify_fd_;
-    int wake_fd_, done_fd_;
+    int wake_fd_;
     /* zero-copy sends Python queued and a link released (zc_free): declared before the links, since a
      * link destroyed with such frames still queued releases them as it goes */
     std::mutex zc_mu_;

@@ -16,7 +16,6 @@ typedef int bps_cuda_error;                /* cudaError_t */
 typedef void *bps_cuda_stream;             /* cudaStream_t */
 typedef void *bps_cuda_event;              /* cudaEvent_t */
 
-static const int BPS_CUDA_SUCCESS = 0;
 static const int BPS_CUDA_MEMCPY_H2D = 1;  /* cudaMemcpyHostToDevice */
 static const int BPS_CUDA_MEMCPY_D2H = 2;  /* cudaMemcpyDeviceToHost */
 static const unsigned BPS_CUDA_STREAM_NON_BLOCKING = 0x01; /* cudaStreamNonBlocking: no sync with stream 0 */
@@ -25,6 +24,7 @@ static const unsigned BPS_CUDA_EVENT_FLAGS = 0x01 | 0x02;
 static const unsigned BPS_CUDA_HOST_ALLOC_PORTABLE = 0x01; /* cudaHostAllocPortable: pinned for every context */
 
 struct BpsCudart : BpsDlLibrary {
+    BpsCudart() : BpsDlLibrary("the CUDA runtime", "CUDA") {}
     bps_cuda_error (*SetDevice)(int) = nullptr;
     bps_cuda_error (*StreamCreateWithFlags)(bps_cuda_stream *, unsigned) = nullptr;
     bps_cuda_error (*StreamDestroy)(bps_cuda_stream) = nullptr;
@@ -36,11 +36,10 @@ struct BpsCudart : BpsDlLibrary {
     bps_cuda_error (*MemcpyAsync)(void *, const void *, size_t, int, bps_cuda_stream) = nullptr;
     bps_cuda_error (*HostAlloc)(void **, size_t, unsigned) = nullptr;
     bps_cuda_error (*FreeHost)(void *) = nullptr;
-    const char *(*GetErrorString)(bps_cuda_error) = nullptr;
 
     /* dlopen ``path`` and look up every function; "" on success, else why not */
     std::string load(const std::string &path) {
-        std::string err = open(path, "the CUDA runtime");
+        std::string err = open(path);
         if (!err.empty()) return err;
         find(&SetDevice, "cudaSetDevice");
         find(&StreamCreateWithFlags, "cudaStreamCreateWithFlags");
@@ -54,13 +53,7 @@ struct BpsCudart : BpsDlLibrary {
         find(&HostAlloc, "cudaHostAlloc");
         find(&FreeHost, "cudaFreeHost");
         find(&GetErrorString, "cudaGetErrorString");
-        return complete(path, "the CUDA runtime");
-    }
-
-    /* "" for cudaSuccess, else "<what> failed: <CUDA's error string> (error <n>)" */
-    std::string check(bps_cuda_error rc, const char *what) const {
-        if (rc == BPS_CUDA_SUCCESS) return "";
-        return failed(what, GetErrorString != nullptr ? GetErrorString(rc) : nullptr, "CUDA", rc);
+        return complete(path);
     }
 };
 

@@ -1,18 +1,15 @@
 /* Elastic servers on the worker: which server each partition goes to while the servers change, and
- * the results a lost server's replacement needs.
+ * the results a lost server's replacement needs (docs/elastic.md).
  *
- * A change comes in two steps from the scheduler (BpsWorkerCore::hold, commit; docs/elastic.md): hold()
- * marks servers dead and holds the ops submitted from then on; commit() names the new membership, moves
- * every dead server's partitions to its replacement (bps_replacement) and keeps the change, so that a
- * table registered later is rerouted the same way (replay). Between the two, byteps-net strands the
- * partitions of dead servers (awaiting_commit). Each key's latest result is retained (set_retain) and
- * sent to the replacement of the server it came from (send_results), before any push of the new
- * membership.
+ * hold() marks servers dead and holds the ops submitted from then on; commit() moves every dead
+ * server's partitions to its replacement and keeps the change, so that a table registered later is
+ * rerouted the same way (replay). Between the two, byteps-net strands the dead servers' partitions.
+ * Each key's latest result is retained and sent to its server's replacement before any push of the
+ * new membership.
  *
  * Threads: the membership side (hold, commit, holding, held ops, take_turn) is guarded by the core's
- * mu_, which its callers hold: it changes together with the core's tables and inbox. The turn side
- * (awaiting_commit, replacement, stranded partitions, send_results) is byteps-net's. Retained results
- * have their own mutex: byteps-net and direct callers retain them.
+ * mu_, which its callers hold. The turn side (awaiting_commit, replacement, stranded partitions,
+ * send_results) is byteps-net's. Retained results have their own mutex (byteps-net, direct callers).
  */
 #ifndef BPS_ELASTIC_ROUTER_H
 #define BPS_ELASTIC_ROUTER_H

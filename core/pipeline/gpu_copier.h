@@ -1,24 +1,19 @@
-/* The GPU copy stages COPYD2H and COPYH2D of CUDA tensors, per partition (the paper's multi-stage
- * pipeline, section 6.1: while partition i is pushed, partition i+1 is copied off the GPU).
+/* The GPU copy stages COPYD2H and COPYH2D of CUDA tensors, per partition (docs/architecture.md,
+ * "CUDA tensors").
  *
  * What it owns, and which threads call it:
- *   - the CUDA runtime (cuda_runtime.h), loaded by load() (once, on the first CUDA tensor's submission:
- *     a job without CUDA tensors never loads it), which also starts byteps-gpu;
- *   - one byteps stream per device (non-blocking), on which every copy of that device runs in the order
- *     byteps-net issues them, a second one for the NCCL stages' collectives (nccl_stages.h), and per
- *     device a pool of events that mark the end of each piece of work;
- *   - the staging ring: ``slots`` page-locked buffers of ``slot_bytes`` each (cudaHostAlloc, allocated on
- *     first use and kept): a partition of a CUDA tensor holds one from its first stage to its last, its
- *     host bytes (BpsPart::host). When none is free, partitions wait for one, handed out by priority
- *     (then arrival) as slots come back: the bound on pinned memory is slots * slot_bytes, except where
- *     partitions waited BPS_SLOT_STALL_S with no slot coming back (workers that hold slots for
- *     partitions the others have not reached, all of them waiting for each other): then the ring grows
- *     by one slot (counted: grown()), as the send queue goes past its credit after a stall;
- *   - the completion thread "byteps-gpu": it waits for each copy's event in issue order with
- *     cudaEventSynchronize (a blocking-sync event: it sleeps, no polling) and hands the copy back to
- *     byteps-net through ``done`` and byteps-net's wake eventfd, like the stage thread.
- * byteps-net calls everything except release() (any thread: a failed op's slots come back when Python
- * forgets it) and the completion thread's loop; one mutex guards the ring, another the thread's queues.
+ *   - the CUDA runtime (cuda_runtime.h), loaded by load() on the first CUDA tensor, which also starts
+ *     byteps-gpu;
+ *   - per device a non-blocking byteps stream for the copies, one for the NCCL stages' collectives,
+ *     and a pool of events;
+ *   - the staging ring: ``slots`` page-locked buffers of ``slot_bytes`` (allocated on first use), one
+ *     per partition from its first stage to its last, handed out by priority (then arrival). Where
+ *     partitions waited BPS_SLOT_STALL_S with no slot coming back (workers holding slots for
+ *     partitions the others have not reached), the ring grows by one slot (grown());
+ *   - the completion thread byteps-gpu: it waits for each event in issue order (blocking-sync
+ *     events: it sleeps) and hands the copy back to byteps-net through ``done`` and its eventfd.
+ * byteps-net calls everything except release() (any thread) and the completion thread's loop; one
+ * mutex guards the ring, another the thread's queues.
  */
 #ifndef BPS_GPU_COPIER_H
 #define BPS_GPU_COPIER_H
@@ -337,9 +332,7 @@ class BpsGpuCopier {
             c.error = cuda_.check(cuda_.EventSynchronize(c.event), "cudaEventSynchronize");
             lock.lock();
             done_.push_back(std::move(c));
-            uint64_t one = 1;
-            ssize_t rc = write(wake_fd_, &one, sizeof one);
-            (void)rc;
+            bps_signal(wake_fd_);
         }
     }
 

@@ -47,13 +47,10 @@ class BpsLocalPeers {
     }
 
     /* A direct link to local rank ``r`` (before start(), after setup()): a connected socket whose
-     * one-time token was checked (core/engine.py _open_local_links). ``ident`` is r's DEALER identity
-     * toward our ROUTER: its messages on the link are taken as from that identity. This object owns
-     * and closes the fd; the DEALER stays the fallback. ``ring_fd`` >= 0: the pair's shared-memory
-     * rings (BPS_RING_REGION bytes; BpsShmLink carries the bytes, the socket only bells), ``low``: we
-     * are the lower local rank. The caller keeps ``ring_fd`` (a mapping outlives it). "" or why the
-     * ring could not be mapped: the socket is then closed, so that the peer's end of the link dies too
-     * and both sides use the DEALER. */
+     * token was checked; ``ident`` is r's DEALER identity toward our ROUTER. This object owns and closes
+     * the fd. ``ring_fd`` >= 0: the pair's shared-memory rings (BpsShmLink; the caller keeps the fd),
+     * ``low``: we are the lower local rank. "" or why the ring could not be mapped: the socket is then
+     * closed, so that both ends fall back to the DEALER. */
     std::string add_link(int r, int fd, const std::string &ident, int ring_fd, bool low) {
         if (ring_fd >= 0) {
             void *region = mmap(nullptr, BPS_RING_REGION, PROT_READ | PROT_WRITE, MAP_SHARED, ring_fd, 0);

@@ -17,7 +17,6 @@
 
 typedef int bps_nccl_result;       /* ncclResult_t */
 typedef void *bps_nccl_comm;       /* ncclComm_t */
-static const int BPS_NCCL_SUCCESS = 0;
 static const int BPS_NCCL_SUM = 0; /* ncclSum */
 static const int BPS_NCCL_ID_BYTES = 128;
 struct BpsNcclId {                 /* ncclUniqueId */
@@ -40,16 +39,16 @@ static inline int bps_nccl_dtype(int dtype) {
 }
 
 struct BpsNccl : BpsDlLibrary {
+    BpsNccl() : BpsDlLibrary("NCCL", "NCCL") {}
     bps_nccl_result (*GetUniqueId)(BpsNcclId *) = nullptr;
     bps_nccl_result (*CommInitRank)(bps_nccl_comm *, int, BpsNcclId, int) = nullptr;
     bps_nccl_result (*CommAbort)(bps_nccl_comm) = nullptr;
     bps_nccl_result (*Reduce)(const void *, void *, size_t, int, int, int, bps_nccl_comm, bps_cuda_stream) = nullptr;
     bps_nccl_result (*Broadcast)(const void *, void *, size_t, int, int, bps_nccl_comm, bps_cuda_stream) = nullptr;
-    const char *(*GetErrorString)(bps_nccl_result) = nullptr;
 
     /* dlopen ``path`` and look up every function; "" on success, else why not */
     std::string load(const std::string &path) {
-        std::string err = open(path, "NCCL");
+        std::string err = open(path);
         if (!err.empty()) return err;
         find(&GetUniqueId, "ncclGetUniqueId");
         find(&CommInitRank, "ncclCommInitRank");
@@ -57,13 +56,7 @@ struct BpsNccl : BpsDlLibrary {
         find(&Reduce, "ncclReduce");
         find(&Broadcast, "ncclBroadcast");
         find(&GetErrorString, "ncclGetErrorString");
-        return complete(path, "NCCL");
-    }
-
-    /* "" for ncclSuccess, else "<what> failed: <NCCL's error string> (error <n>)" */
-    std::string check(bps_nccl_result rc, const char *what) const {
-        if (rc == BPS_NCCL_SUCCESS) return "";
-        return failed(what, GetErrorString != nullptr ? GetErrorString(rc) : nullptr, "NCCL", rc);
+        return complete(path);
     }
 };
 

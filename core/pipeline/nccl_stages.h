@@ -1,28 +1,18 @@
-/* The NCCL stages of CUDA tensors on a machine of several GPU processes (BYTEPS_LOCAL_STRATEGY=topology):
- * NCCL_REDUCE of each partition onto its root's GPU, and NCCL_BROADCAST of its result from there, with
- * the root's COPYD2H / PUSH / PULL / COPYH2D in between (the paper's section 4.2 reduce and broadcast,
- * per partition, in the pipeline: bps_nccl_stage_list()).
+/* The NCCL stages of CUDA tensors on a machine of several GPU processes (BYTEPS_LOCAL_STRATEGY=topology;
+ * docs/architecture.md, "NCCL stages"): NCCL_REDUCE onto the root's GPU, NCCL_BROADCAST from there.
  *
  * What it owns, and which threads call it:
- *   - NCCL (nccl_runtime.h), loaded by load() on the first CUDA tensor, and this machine's communicator
- *     of its L processes. Local rank 0 makes its unique id and sends it to the others (NCCL_ID on the
- *     local links); each process creates its rank on its own thread "byteps-nccl", since
- *     ncclCommInitRank blocks until all L have called it, and byteps-net must not;
- *   - the order of the collectives. NCCL needs every rank to issue a communicator's collectives in one
- *     order; here partitions reach their NCCL stages in whatever order their ops, priorities and the
- *     network give each process. So local rank 0 (the coordinator) decides the order, as BytePS's root
- *     does: a NCCL_REDUCE once every local rank has the partition in that stage (NCCL_READY from the
- *     others), a NCCL_BROADCAST once the root has the result on its GPU (NCCL_READY from the root);
- *     it sends each decision to all (NCCL_ORDER) and every process, itself too, issues collectives
- *     strictly in that order, each as soon as its partition is in that stage here (next()).
- *     Nothing waits for a process's program order, so the machine's processes may submit their CUDA
- *     push_pulls in any order;
- *   - broken: once a collective of this machine cannot be issued (an op failed or timed out on some
- *     process, the communicator failed), the order cannot go on for anyone. The communicator is
- *     aborted and every NCCL op here and on the other processes (NCCL_ABORT) fails with the reason.
- * Everything here runs on byteps-net except the init thread, which shares only its Init record (it may
- * outlive this object: a process that never came leaves it waiting); the collectives' events are
- * waited for by the GPU copier's completion thread (gpu_copier.h), like the copies'.
+ *   - NCCL (nccl_runtime.h), loaded on the first CUDA tensor, and the machine's communicator. Local
+ *     rank 0 sends its unique id (NCCL_ID); each process creates its rank on the thread byteps-nccl,
+ *     since ncclCommInitRank blocks until all L have called it;
+ *   - the order of the collectives: NCCL needs one order on every rank, so local rank 0 decides it
+ *     from the NCCL_READYs and sends it (NCCL_ORDER); every process issues strictly in that order,
+ *     each as soon as its partition is in that stage here (next()), so the processes may submit in
+ *     any order;
+ *   - broken: once a collective cannot be issued anywhere, the communicator is aborted and every NCCL
+ *     op here and on the others (NCCL_ABORT) fails with the reason.
+ * Everything runs on byteps-net except the init thread, which shares only its Init record (it may
+ * outlive this object); byteps-gpu waits for the collectives' events, like the copies'.
  */
 #ifndef BPS_NCCL_STAGES_H
 #define BPS_NCCL_STAGES_H
@@ -236,9 +226,7 @@ class BpsNcclStages {
                 if (comm != nullptr) nccl.CommAbort(comm);
                 return;
             }
-            uint64_t one = 1;
-            ssize_t rc = write(wake_fd, &one, sizeof one);
-            (void)rc;
+            bps_signal(wake_fd);
         }).detach();
     }
 

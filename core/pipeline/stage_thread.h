@@ -100,9 +100,7 @@ class BpsStageThread {
             t.rc = bps_run_task(t, nthreads_);
             lock.lock();
             done_.push_back(std::move(t));
-            uint64_t one = 1;
-            ssize_t rc = write(wake_fd_, &one, sizeof one);
-            (void)rc;
+            bps_signal(wake_fd_);
         }
     }
 

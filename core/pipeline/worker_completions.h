@@ -115,9 +115,6 @@ inline void BpsWorkerCore::flush_completions() {
     if (!have_done_) return;
     have_done_ = false;
     ops_.notify();
-    uint64_t one = 1;
-    ssize_t rc = write(done_fd_, &one, sizeof one);
-    (void)rc;
 }
 
 inline void BpsWorkerCore::check_timeouts(double now) {

@@ -7,13 +7,10 @@
 
 #include "core/pipeline/bps_worker.h"
 
-/* A synchronous call's fast path: the caller's thread sends its op's one partition on the server's
- * link and reads the reply itself, without the two thread hand-offs of the normal path (wake
- * byteps-net; byteps-net wakes the caller), when byteps-net has nothing in flight or queued and the
- * link is idle. Runs without the GIL. If the reply has not come within BPS_DIRECT_WINDOW_S, the
- * partition is handed to byteps-net as if it had sent it (adopted) and the caller waits as usual.
- * Messages for others that arrive meanwhile go to byteps-net in order. Returns false (nothing
- * done) when the fast path does not apply: the caller then submits as usual. */
+/* A synchronous call's fast path (docs/architecture.md, "Direct synchronous calls"): the caller's
+ * thread sends its op's one partition on the server's link and reads the reply itself, when
+ * byteps-net is idle. A reply later than BPS_DIRECT_WINDOW_S hands the partition to byteps-net
+ * (adopted); messages for others go to byteps-net in order. False: the fast path does not apply. */
 inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd, uint8_t dtype, uint32_t root,
                                          int64_t priority, bool root_self, unsigned char *buf, uint64_t nbytes,
                                          uint32_t divisor) {
@@ -51,33 +48,14 @@ inline bool BpsWorkerCore::submit_direct(int64_t id, int64_t table, uint8_t cmd,
     if (l == nullptr || (strcmp(l->kind(), "tcp") != 0 && !ucx_lock.owns_lock())) return false;
     /* placing: byteps-net is reading a reply into a partition on it (check_placed ends that) */
     if (l->dead() || l->wants_write() || l->pending_input() || l->placing()) return false;
-    BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
-    op->name = name;
-    op->parts.push_back(part);
-    op->parts_left = 1;
-    op->started = bps_now();
-    op->direct.store(true);
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        BpsTable &t = tables_.at((size_t)table);
-        /* another thread submitted on this table meanwhile, or the servers are changing: the normal path */
-        if (ops_.running() != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
-            t.count != seq) {
-            delete op;
-            return false;
-        }
-        op->table = table;
-        op->seq = t.count++;
-        ops_.add(op, false);
-    }
+    BpsOp *op = begin_direct(id, table, seq, part, name, cmd, dtype, root, priority, root_self, buf, nbytes, divisor,
+                             false, false);
+    if (op == nullptr) return false;
     servers_.set_direct_owned(server, true);
     BpsPart &p = op->parts[0];
-    uint64_t rnd = next_round(p.key);
-    p.rnd = rnd;
-    p.has_rnd = true;
+    uint64_t rnd = p.rnd;
     bool empty = cmd == BPS_CMD_BROADCAST && !root_self;
     uint64_t body_len = empty ? 0 : p.length;
-    plan(op, 0);
     /* STAGE (a colocated server) copies nothing: for so few bytes a descriptor saves nothing, the bytes
      * go inline */
     if (step(op, 0) == BPS_STAGE_STAGE) step(op, 0); /* PUSH */
@@ -121,16 +99,6 @@ inline void BpsWorkerCore::count_direct(bool replied, bool more) {
     else direct_adopted_.fetch_add(1);
 }
 
-/* A message a direct caller read for someone else, moved out of ``msg`` for byteps-net. */
-inline BpsMessage *BpsWorkerCore::keep_message(BpsMessage &msg) {
-    BpsMessage *keep = new BpsMessage();
-    for (int i = 0; i < msg.count; ++i) msg.take(i, &keep->frames[i]);
-    keep->count = msg.count;
-    keep->truncated = msg.truncated;
-    msg.count = 0;
-    return keep;
-}
-
 /* A direct caller's sleep on its link until input (or room to write) or ``deadline``; false once
  * the deadline has passed. Before ``spin_until`` it only yields its core and returns, so that the
  * caller polls the link again. */
@@ -149,17 +117,18 @@ inline bool BpsWorkerCore::wait_link(BpsConn *l, double deadline, double spin_un
     return true;
 }
 
-/* A direct local call's op (either side of the local reduce), registered with its round taken, or
- * NULL when byteps-net is busy, join() handed the local reduce to Python, the servers are changing or
- * another thread submitted on the table meanwhile. ``awaits_done``: a non-owner, whose LOCAL_DONE
- * byteps-net keeps if it reaches the ROUTER (local_direct_ids_). */
-inline BpsOp *BpsWorkerCore::begin_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part,
-                                                const std::string &name, uint8_t cmd, uint8_t dtype, uint32_t root,
-                                                int64_t priority, unsigned char *buf, uint64_t nbytes, uint32_t divisor,
-                                                bool awaits_done) {
-    BpsOp *op = new_op(id, cmd, dtype, root, priority, false, buf, nbytes, divisor);
+/* A direct call's op, registered with its round taken and its stages planned, or NULL (the normal
+ * path) when byteps-net is busy, the servers are changing, another thread submitted on the table
+ * meanwhile or (``local``: either side of the local reduce) join() handed the local reduce to Python.
+ * ``awaits_done``: a non-owner, whose LOCAL_DONE byteps-net keeps if it reaches the ROUTER
+ * (local_direct_ids_). */
+inline BpsOp *BpsWorkerCore::begin_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part,
+                                          const std::string &name, uint8_t cmd, uint8_t dtype, uint32_t root,
+                                          int64_t priority, bool root_self, unsigned char *buf, uint64_t nbytes,
+                                          uint32_t divisor, bool local, bool awaits_done) {
+    BpsOp *op = new_op(id, cmd, dtype, root, priority, root_self, buf, nbytes, divisor);
     op->name = name;
-    op->local = true;
+    op->local = local;
     op->parts.push_back(part);
     op->parts_left = 1;
     op->started = bps_now();
@@ -168,7 +137,7 @@ inline BpsOp *BpsWorkerCore::begin_local_direct(int64_t id, int64_t table, uint6
     std::lock_guard<std::mutex> lock(mu_);
     BpsTable &t = tables_.at((size_t)table);
     if (ops_.running() != 0 || !inbox_.empty() || !raw_.empty() || abort_ || stopping_ || elastic_.changing() ||
-        self_joined_ || t.count != seq) {
+        (local && self_joined_) || t.count != seq) {
         delete op;
         return nullptr;
     }
@@ -182,12 +151,10 @@ inline BpsOp *BpsWorkerCore::begin_local_direct(int64_t id, int64_t table, uint6
     return op;
 }
 
-/* submit_direct for a partition of the machine's local reduce that another local rank owns (a
- * synchronous push_pull of one partition): the caller copies it into its shared region, sends
- * LOCAL_READY on the link to the owner and reads the owner's LOCAL_DONE itself, sparing the two
- * hand-offs between the caller and byteps-net. The owner's side is unchanged. Handed to byteps-net
- * (adopted) after BPS_DIRECT_WINDOW_S, as for a server; byteps-net keeps a LOCAL_DONE that reaches
- * it meanwhile (early_done_). False: the fast path does not apply. */
+/* submit_direct for a partition of the machine's local reduce that another local rank owns: the
+ * caller copies it into its shared region, sends LOCAL_READY on the link to the owner and reads the
+ * owner's LOCAL_DONE itself. Adopted as for a server; byteps-net keeps a LOCAL_DONE that reaches it
+ * meanwhile (early_done_). False: the fast path does not apply. */
 inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part,
                                                const std::string &name, uint8_t cmd, uint8_t dtype, uint32_t root,
                                                int64_t priority, unsigned char *buf, uint64_t nbytes,
@@ -199,8 +166,8 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
     std::unique_lock<std::recursive_mutex> link_lock(local_.link_mu(owner));
     BpsConn *l = local_.live(owner);
     if (l == nullptr || strcmp(l->kind(), "ucx") == 0 || l->wants_write() || l->pending_input()) return false;
-    BpsOp *op = begin_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor,
-                                   true);
+    BpsOp *op = begin_direct(id, table, seq, part, name, cmd, dtype, root, priority, false, buf, nbytes, divisor, true,
+                             true);
     if (op == nullptr) return false;
     BpsPart &p = op->parts[0];
     local_.set_direct_owned(owner, true);
@@ -236,14 +203,10 @@ inline bool BpsWorkerCore::submit_local_direct(int64_t id, int64_t table, uint64
 }
 
 /* submit_direct for a partition of the machine's local reduce that this process owns, on a machine
- * that is the whole job (its sum is the result: no server round trip). The caller takes the other
- * local ranks' copies itself (those that came first from byteps-net, which holds them in early_,
- * the rest from their links), sums them with its own into its shared region, sends each LOCAL_DONE
- * and copies the sum into the tensor: the whole LOCAL_REDUCE / LOCAL_BROADCAST / COPY_OUT of the
- * partition on its thread, without the two hand-offs to byteps-net and back. A copy still missing
- * after BPS_DIRECT_WINDOW_S (a late rank, one in join()), a broken link, or a copy that is not
- * readable hands the partition to byteps-net with the copies taken so far (take_direct), whose
- * checks, time-outs and error reports then apply. False: the fast path does not apply. */
+ * that is the whole job: the caller takes the other local ranks' copies (from early_, then their
+ * links), sums them into its shared region, sends each LOCAL_DONE and copies the sum into the tensor.
+ * A copy still missing after BPS_DIRECT_WINDOW_S, a broken link or an unreadable copy hands the
+ * partition to byteps-net with the copies taken so far. False: the fast path does not apply. */
 inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64_t seq, const BpsPart &part,
                                                const std::string &name, uint8_t cmd, uint8_t dtype, uint32_t root,
                                                int64_t priority, unsigned char *buf, uint64_t nbytes,
@@ -263,8 +226,8 @@ inline bool BpsWorkerCore::submit_owner_direct(int64_t id, int64_t table, uint64
         link_locks.push_back(std::move(lk));
         peers.push_back(r);
     }
-    BpsOp *op = begin_local_direct(id, table, seq, part, name, cmd, dtype, root, priority, buf, nbytes, divisor,
-                                   false);
+    BpsOp *op = begin_direct(id, table, seq, part, name, cmd, dtype, root, priority, false, buf, nbytes, divisor, true,
+                             false);
     if (op == nullptr) return false;
     BpsPart &p = op->parts[0];
     Ident me(p.key, p.rnd);
@@ -412,7 +375,7 @@ inline bool BpsWorkerCore::direct_wait(BpsOp *op, int server, BpsConn *l, uint64
             bool mine = msg.count >= 1 && bps_parse_header(msg.data(0), msg.size(0), &h) && h.key == p.key &&
                         h.round == rnd;
             if (!mine) { /* someone else's: byteps-net handles it, in arrival order */
-                BpsMessage *keep = keep_message(msg);
+                BpsMessage *keep = msg.moved();
                 std::lock_guard<std::mutex> lock(mu_);
                 strays_in_.push_back(std::make_pair(server, keep));
                 *strays = true;

@@ -15,7 +15,7 @@ inline bool BpsWorkerCore::local_header(BpsMessage &msg, BpsHeader *h) {
 
 /* A local message a direct caller read for someone else: byteps-net handles it, in arrival order. */
 inline void BpsWorkerCore::stray_local(BpsMessage &msg, bool *strays) {
-    BpsMessage *keep = keep_message(msg);
+    BpsMessage *keep = msg.moved();
     std::lock_guard<std::mutex> lock(mu_);
     local_strays_in_.push_back(keep);
     *strays = true;
@@ -276,7 +276,7 @@ inline void BpsWorkerCore::abandon_local(BpsOp *op, int i) {
         advance(op, i);
         return;
     }
-    std::string body = bps_json_error(p.abandon);
+    std::string body = bps_error_json(p.abandon);
     set_error(op, BPS_ERR_SERVER, body);
     local_broadcast(op, i, nullptr, body);
     part_done(op);
@@ -337,7 +337,7 @@ inline void BpsWorkerCore::owner_pulled(BpsOp *op, int i, int server, const BpsH
 /* A partition of an owner failed: the op fails, and the others are told (ERROR), as in Python. */
 inline void BpsWorkerCore::local_failed(BpsOp *op, int i, int kind, const std::string &text) {
     set_error(op, kind, text);
-    local_broadcast(op, i, nullptr, bps_json_error(text));
+    local_broadcast(op, i, nullptr, bps_error_json(text));
     part_done(op);
 }
 
@@ -390,12 +390,8 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
     }
     auto a = awaiting_.find(id);
     if ((h.cmd == BPS_CMD_LOCAL_DONE || h.cmd == BPS_CMD_ERROR) && a == awaiting_.end() && held_direct(id)) {
-        BpsMessage *keep = new BpsMessage(); /* a direct caller's, come by the ROUTER: kept for its hand-over */
-        for (int i = 0; i < m->count; ++i) m->take(i, &keep->frames[i]);
-        keep->count = m->count;
-        m->count = 0;
         delete early_done_[id].first; /* (none: one reply per partition) */
-        early_done_[id] = std::make_pair(keep, linked);
+        early_done_[id] = std::make_pair(m->moved(), linked); /* a direct caller's, come by the ROUTER */
         take_direct();
         return;
     }

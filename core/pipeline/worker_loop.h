@@ -8,7 +8,6 @@ inline BpsWorkerCore::BpsWorkerCore(uint32_t node_id, int64_t credit, double tim
     : node_id_(node_id), sendq_(credit), timeout_(timeout), nthreads_(nthreads), notify_fd_(notify_fd),
       servers_(node_id), elastic_(servers_, node_id) {
     wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    done_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 }
 
 inline BpsWorkerCore::~BpsWorkerCore() {
@@ -17,7 +16,6 @@ inline BpsWorkerCore::~BpsWorkerCore() {
     if (gpu_->stop()) delete gpu_;
     nccl_.stop(); /* an NCCL init thread still waiting must not write to the wake fd once it is closed */
     ::close(wake_fd_);
-    ::close(done_fd_);
 }
 
 inline void BpsWorkerCore::start() {
@@ -139,11 +137,7 @@ inline void BpsWorkerCore::reset_rounds() {
     rounds_.clear();
 }
 
-inline void BpsWorkerCore::wake() {
-    uint64_t one = 1;
-    ssize_t rc = write(wake_fd_, &one, sizeof one);
-    (void)rc;
-}
+inline void BpsWorkerCore::wake() { bps_signal(wake_fd_); }
 
 inline void BpsWorkerCore::run() {
     prctl(PR_SET_NAME, "byteps-net", 0, 0, 0);
@@ -184,11 +178,7 @@ inline void BpsWorkerCore::run() {
         int rc = bps_zmq.poll(items.data(), (int)items.size(), buffered ? 0 : 100);
         if (servers_.has_ucx()) ucx_lock.lock();
         if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
-        if (items[wake_at].revents) {
-            uint64_t n;
-            ssize_t got = read(wake_fd_, &n, sizeof n);
-            (void)got;
-        }
+        if (items[wake_at].revents) bps_drain(wake_fd_);
         take_inbox();
         take_direct();
         take_stage_done();

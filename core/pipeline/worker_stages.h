@@ -1,27 +1,18 @@
-/* BpsWorkerCore, the stages: how a partition moves through the pipeline.
+/* BpsWorkerCore, the stages: how a partition moves through the pipeline (docs/architecture.md).
  *
- * When its op starts, each partition gets its list of stages (plan(): bps_stage_list(), the rule
- * ``bpslaunch --stages`` prints) from the op's kind, this process's role for the partition on its
- * machine (owner or not, local reduce or not) and where its server is. step() alone moves a
- * partition on: it leaves the stage it is in and enters the next one of its list; after the last one
- * the partition is done. On byteps-net, advance() steps and starts the new stage's work; what ends
- * each stage calls advance() again:
+ * plan() gives each partition its stage list when its op starts (bps_stage_list()). step() alone
+ * moves a partition into the next stage of its list; on byteps-net, advance() steps and starts the
+ * new stage's work, and what ends each stage calls advance() again:
  *
- *     COORDINATE       our copy is in shared memory, LOCAL_READY sent   ends: the owner's LOCAL_DONE (on_local)
- *     LOCAL_REDUCE     wait for the machine's copies, sum them          ends: the sum (after_task)
- *     STAGE            wait for the credit (send queue), copy into shm  ends: the copy (push)
- *     PUSH             wait for the credit, send to the server          ends: the server's reply (on_message)
- *     PULL             the reply into the tensor (or our shared region) ends: at once
- *     LOCAL_BROADCAST  owner: LOCAL_DONE to the others; copy the result into the tensor
- *                                                                       ends: the copy (after_task)
- *     COPYD2H/COPYH2D  a CUDA partition off the GPU / back (gpu_copier.h)  ends: its event (byteps-gpu)
- *     NCCL_REDUCE      the machine's GPUs onto the root's (worker_nccl.h)   ends: its event (byteps-gpu)
- *     NCCL_BROADCAST   the root's result to every GPU (worker_nccl.h)       ends: its event (byteps-gpu)
+ *     COORDINATE       ends: the owner's LOCAL_DONE (on_local)
+ *     LOCAL_REDUCE     ends: the sum (after_task)
+ *     STAGE, PUSH      wait for the credit; end: the copy (push) / the server's reply (on_message)
+ *     PULL             ends: at once
+ *     LOCAL_BROADCAST  ends: the copy into the tensor (after_task)
+ *     COPYD2H/COPYH2D, NCCL_REDUCE, NCCL_BROADCAST  end: their event (byteps-gpu)
  *
- * A failed partition leaves its list at once (part_done, or fail() for the whole op). A direct call
- * (worker_direct.h) plans its one partition's list and steps through it on the caller's thread, doing
- * each stage's work there; when its window passes, byteps-net takes the partition over in the stage
- * it is in, and advance() moves it on from there.
+ * A failed partition leaves its list at once. A direct call (worker_direct.h) steps through its
+ * partition's list on the caller's thread; byteps-net takes over in the stage it is in.
  */
 #ifndef BPS_WORKER_STAGES_H
 #define BPS_WORKER_STAGES_H

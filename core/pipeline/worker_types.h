@@ -193,28 +193,6 @@ struct BpsRetained {
 /* Servers a worker can have over a job's life (elastic servers join and leave). */
 static const int BPS_MAX_SERVERS = 256;
 
-/* The JSON body of an ERROR for the other local ranks: {"error": text} (core/wire.py encode). */
-static inline std::string bps_json_escape(const std::string &text) {
-    std::string out;
-    for (unsigned char c : text) {
-        if (c == '"' || c == '\\') {
-            out += '\\';
-            out += (char)c;
-        } else if (c < 0x20) {
-            char buf[8];
-            snprintf(buf, sizeof buf, "\\u%04x", c);
-            out += buf;
-        } else {
-            out += (char)c;
-        }
-    }
-    return out;
-}
-
-static inline std::string bps_json_error(const std::string &text) {
-    return "{\"error\":\"" + bps_json_escape(text) + "\"}";
-}
-
 /* The "error" string of a server's JSON ERROR body, still JSON-escaped ("" if there is none). */
 static inline std::string bps_json_error_field(const std::string &body) {
     size_t at = body.find("\"error\"");

@@ -1,27 +1,17 @@
 /* The transport seam of the native threads: a message is up to 8 frames, sent over a ZeroMQ socket or
- * over a direct TCP link.
- *
- * Why a direct link: every ZeroMQ message crosses ZeroMQ's I/O thread on both sides, two more thread
- * wake-ups per hop. On a 2-core host a ZeroMQ round trip measured 91-168 us against 9-36 us for the
- * same bytes over a plain TCP socket (docs/benchmarks.md), and a synchronous push_pull is a round trip.
- * So once a worker and a server have authenticated over ZeroMQ, the worker asks the server for a link
- * (Cmd.LINK: the server answers a port and a one-time token), connects a TCP socket, presents the
- * token, and from then on the native threads (byteps-net, byteps-serve) write and read that socket
- * themselves, with no thread in between. ZeroMQ stays for the control plane, for a peer whose link
- * could not be opened, and as the fallback when a link breaks.
+ * over a direct TCP link, which the native threads read and write themselves: a ZeroMQ message
+ * crosses its I/O thread on both sides, two more wake-ups per hop (docs/architecture.md).
  *
  * Framing on a link (little-endian):
  *
  *     u32 magic "BPLK" | u32 frame count n (1..8) | n x u64 frame length | the frames, back to back
  *
- * Frames are what ZeroMQ would have carried (a ROUTER's identity frame is not sent: the server knows
- * who is on each link). Received frames are ZeroMQ messages (zmq_msg_init_size), so BpsMessage and
- * everything that takes frames out of it work unchanged; a large frame is read straight into its
- * message, small ones are copied out of a 256 KB read buffer (one recv for many small messages).
+ * Frames are what ZeroMQ would have carried (no ROUTER identity: the server knows who is on each
+ * link), received as ZeroMQ messages so that BpsMessage works unchanged; a large frame is read
+ * straight into its message, small ones are copied out of a 256 KB read buffer.
  *
- * Sends never block: what the socket does not take at once is queued and written when it is writable
- * (POLLOUT). A zero-copy frame is read in place until it is written, then its free function runs on
- * the sending thread, as ZeroMQ's would on its I/O thread; a frame that is never sent is released too.
+ * Sends never block: what the socket does not take is queued and written on POLLOUT. A zero-copy
+ * frame's free function runs on the sending thread once it is written, or if it never is.
  */
 #ifndef BPS_LINK_H
 #define BPS_LINK_H
@@ -467,28 +457,15 @@ class BpsLink : public BpsConn {
     uint64_t lens_[BPS_LINK_MAX_FRAMES];
 };
 
-/* Shared-memory local links (wherever the rings can be mapped): two worker processes of one machine
- * write their link's bytes into a ring in shared memory instead of a TCP socket.
+/* Shared-memory local links: two worker processes of one machine write their link's bytes into rings
+ * in shared memory instead of the TCP socket (docs/architecture.md, "Local reduce in the native
+ * core"). The socket stays only to ring a bell that wakes a reader sleeping in poll, and for the
+ * peer's EOF. Framing, queueing and zero-copy frames are BpsLink's: only write_iov / read_some change.
  *
- * Why: a small synchronous push_pull of a machine's processes is a few tiny messages (LOCAL_READY,
- * LOCAL_DONE: a header and a 32-byte descriptor; the data is in shared regions already). Over TCP
- * loopback each costs a send and a recv system call and the kernel's TCP path on both ends. A 4 KB
- * push_pull of a machine's 2 processes took 9 us through the rings against 16-27 us over the TCP
- * socket, and of 4 processes on 2 cores 27-31 us against 45-51 us (bench/call_cost.py;
- * docs/benchmarks.md, "Shared-memory local links").
- *
- * The TCP socket stays, for two jobs only: it wakes a reader that sleeps in poll (a "bell": one byte,
- * written only when the reader is not polling the ring and no bell is pending), and it tells that the
- * peer is gone (EOF), as before. So byteps-net, which sleeps in poll, sees a ring's message exactly
- * as it saw the socket's; a direct caller that polls its link (BYTEPS_SPIN_US) reads the ring with no
- * system call at all, and its peer writes no bell meanwhile. Framing, queueing and zero-copy frames
- * are BpsLink's: only the byte pipe underneath (write_iov, read_some) is the ring.
- *
- * Layout of the region (one memfd per pair of local ranks, made by the higher rank; the lower one
- * opens it: core/engine.py _open_local_links): [ring low -> high][ring high -> low], each a
- * BpsRingHead followed by BPS_RING_BYTES of data. Each ring has one writing and one reading process,
- * and within a process one thread at a time (the link's lock): head and tail are a single-producer /
- * single-consumer pair.
+ * Layout (one memfd per pair of local ranks, made by the higher rank; core/engine.py
+ * _open_local_links): [ring low -> high][ring high -> low], each a BpsRingHead followed by
+ * BPS_RING_BYTES of data. Each ring has one writing and one reading process, and within a process one
+ * thread at a time (the link's lock): head and tail are a single-producer / single-consumer pair.
  *
  * No lost wake-up: the writer publishes its bytes, then reads ``reader_polls``; the reader clears
  * ``reader_polls`` (or ``rung``), then reads the ring again before it sleeps. Both are sequentially

@@ -1,43 +1,14 @@
-/* The UCX transport under the link seam (core/transport/bps_link.h): the same messages as a direct TCP link,
- * carried by UCP Active Messages, so that on a machine with an RDMA NIC they go over verbs (RC/DC)
- * and here over UCX's tcp and shared-memory transports (docs/ucx.md).
+/* The UCX transport under the link seam (core/transport/bps_link.h): the same messages as a direct
+ * TCP link, carried by UCP Active Messages (docs/ucx.md has the design: one UCP worker per native
+ * thread, the token hello, the split form, registration, wake-ups).
  *
- * One BpsUcxWorker (a ucp_context and a ucp_worker) per native thread: byteps-net on a worker,
- * byteps-serve on a server. A server listens (ucp_listener on a TCP port, which Python hands out in
- * its LINK answer with the one-time token); a worker connects one endpoint per server and presents
- * the token as its first message, exactly as on a TCP link: the server's link_hello() admits the
- * endpoint or answers "refused" and closes it. Nothing but that hello is read from an endpoint
- * before it is admitted.
+ * A message is one Active Message: the user header carries the frame lengths ("BPLK" | n | n x u64),
+ * the data is the frames as an IOV; a message with one large frame goes split (BPS_UCX_SPLIT_MAGIC):
+ * its small frames in the user header, the body alone and contiguous, so that it can carry a memh.
+ * Both sides send with UCP_AM_SEND_FLAG_REPLY, so the receiver routes a message by its reply_ep.
  *
- * A message is one Active Message: the user header carries the frame lengths (the TCP link's prefix,
- * "BPLK" | n | n x u64), the data is the frames as an IOV (zero-copy frames are read in place until
- * the send completes; then their free function runs, on the owning thread, inside progress). A
- * message with one large frame (a partition's body) goes "split" instead (BPS_UCX_SPLIT_MAGIC): its
- * small frames inside the user header, the body alone and contiguous as the data. Both sides send
- * with UCP_AM_SEND_FLAG_REPLY, so the receiver knows the endpoint a message came on (reply_ep) and
- * routes it to that link. Received frames are ZeroMQ messages (zmq_msg_init_size) as on a TCP link:
- * an eager message is copied out of UCX's buffer; a rendezvous one (large: over 1 MB here, where
- * byteps sets UCX_RNDV_THRESH without an RDMA device, UCX's choice over verbs) is received with
- * ucp_am_recv_data_nbx straight into its frames. The server sums from there (its first push is held
- * as it arrived, later ones are added into the store): one copy fewer than "receive, then copy into
- * the store" and the same as the TCP link.
- *
- * Registration (what a NIC needs before it reads or writes memory): a large body is received into a
- * buffer reused across steps (BpsUcxRecvPool) that the worker registers with ucp_mem_map the first
- * time and whose handle it passes with every later receive into it, and with a reply sent from it
- * (ucp_request_param_t.memh, contiguous data only: hence the split form). The tensors workers send
- * from, and a server's stores, are left to UCX's registration cache (rcache), which also registers
- * once and finds the registration on later steps: a tensor's memory is torch's to free and reuse,
- * and only UCX's memory hooks see that happen, so a registration made by hand could outlive it.
- *
- * Wake-ups: the thread's poll includes ucp_worker_get_efd(); before it sleeps, pending_input()
- * progresses the worker and arms it (ucp_worker_arm); UCS_ERR_BUSY means events came meanwhile:
- * do not sleep. A peer that dies is reported by the endpoint's error handler (peer failure mode):
- * the link is dead, as a TCP link whose socket closed.
- *
- * libucp is not linked: Python finds it (the libucx wheel, or a system UCX built with verbs when
- * RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true: core/ucx.py) and bps_ucx_load() resolves the calls with
- * dlsym. Without UCX headers at build time (no BPS_HAVE_UCX) the same names exist and say so.
+ * libucp is not linked: core/ucx.py finds it and bps_ucx_load() resolves the calls with dlsym.
+ * Without UCX headers at build time (no BPS_HAVE_UCX) the same names exist and say so.
  */
 #ifndef BPS_UCX_H
 #define BPS_UCX_H

@@ -6,14 +6,11 @@
 
 #include "core/transport/bps_ucx_api.h"
 
-/* Buffers that large received frames (>= 64 KB) land in, reused across steps: the same partition
- * size comes back every step, so the same addresses do. That is what makes registration pay on an
- * RDMA NIC: each receiving UCP worker registers a buffer (ucp_mem_map) the first time it receives
- * into it and passes that handle to every later receive into it (BpsUcxWorker::pool_memh); a fresh
- * allocation per message would be registered (and page-faulted) every time. Process-wide, any
- * thread may give a buffer back (the frame's free function: a sum thread, Python); at most 1 GiB is
- * kept idle. A buffer's generation changes when it is freed, so that a registration of a freed
- * buffer is never used for a new one that malloc put at the same address. */
+/* Buffers that large received frames (>= 64 KB) land in, reused across steps so that a UCP worker
+ * registers each once (BpsUcxWorker::pool_memh; docs/ucx.md). Process-wide, any thread may give a
+ * buffer back (the frame's free function); at most 1 GiB is kept idle. A buffer's generation changes
+ * when it is freed, so that a registration of a freed buffer is never used for a new one that malloc
+ * put at the same address. */
 class BpsUcxRecvPool {
   public:
     static const size_t MIN_BYTES = 64 << 10;

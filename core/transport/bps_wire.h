@@ -76,20 +76,7 @@ static_assert(sizeof(BpsDescriptor) == BPS_DESCRIPTOR_SIZE, "descriptor is 32 by
 
 static inline BpsHeader bps_header(uint8_t cmd, uint32_t sender, uint64_t key, uint64_t round, uint64_t length,
                                    uint8_t dtype, uint32_t arg, uint8_t flags) {
-    BpsHeader h;
-    h.magic[0] = 'B';
-    h.magic[1] = 'P';
-    h.version = BPS_WIRE_VERSION;
-    h.cmd = cmd;
-    h.dtype = dtype;
-    h.flags = flags;
-    h.reserved = 0;
-    h.sender = sender;
-    h.arg = arg;
-    h.key = key;
-    h.round = round;
-    h.length = length;
-    return h;
+    return BpsHeader{{'B', 'P'}, BPS_WIRE_VERSION, cmd, dtype, flags, 0, sender, arg, key, round, length};
 }
 
 /* True if ``p`` (``n`` bytes) is a header of this wire version; the command is not checked here. */
@@ -99,15 +86,72 @@ static inline bool bps_parse_header(const void *p, size_t n, BpsHeader *out) {
     return out->magic[0] == 'B' && out->magic[1] == 'P' && out->version == BPS_WIRE_VERSION;
 }
 
+/* ``text`` as the inside of a JSON string, as core/wire.py's json.dumps writes it (ensure_ascii; invalid
+ * UTF-8 as surrogateescape) */
+static inline std::string bps_json_escape(const std::string &text) {
+    std::string out;
+    char buf[16];
+    auto esc = [&](unsigned cp) {
+        snprintf(buf, sizeof buf, "\\u%04x", cp);
+        out += buf;
+    };
+    const unsigned char *p = (const unsigned char *)text.data();
+    size_t n = text.size();
+    for (size_t i = 0; i < n;) {
+        unsigned c = p[i];
+        if (c == '"') { out += "\\\""; ++i; continue; }
+        if (c == '\\') { out += "\\\\"; ++i; continue; }
+        if (c == '\n') { out += "\\n"; ++i; continue; }
+        if (c == '\r') { out += "\\r"; ++i; continue; }
+        if (c == '\t') { out += "\\t"; ++i; continue; }
+        if (c == '\b') { out += "\\b"; ++i; continue; }
+        if (c == '\f') { out += "\\f"; ++i; continue; }
+        if (c >= 0x20 && c < 0x7f) { out += (char)c; ++i; continue; }
+        if (c < 0x80) { esc(c); ++i; continue; }
+        int extra = c >= 0xf0 && c < 0xf5 ? 3 : c >= 0xe0 ? 2 : c >= 0xc2 && c < 0xe0 ? 1 : -1;
+        unsigned cp = extra == 3 ? c & 7 : extra == 2 ? c & 15 : c & 31;
+        bool ok = extra > 0 && i + (size_t)extra < n;
+        for (int k = 1; ok && k <= extra; ++k) {
+            if ((p[i + k] & 0xc0) != 0x80) ok = false;
+            else cp = (cp << 6) | (p[i + k] & 0x3f);
+        }
+        if (ok && ((extra == 2 && (cp < 0x800 || (cp >= 0xd800 && cp < 0xe000))) ||
+                   (extra == 3 && (cp < 0x10000 || cp > 0x10ffff))))
+            ok = false;
+        if (!ok) { esc(0xdc00 + c); ++i; continue; } /* os.fsdecode's surrogateescape */
+        if (cp >= 0x10000) {
+            cp -= 0x10000;
+            esc(0xd800 + (cp >> 10));
+            esc(0xdc00 + (cp & 0x3ff));
+        } else {
+            esc(cp);
+        }
+        i += extra + 1;
+    }
+    return out;
+}
+
+/* An ERROR's body: json.dumps({"error": text}, separators=(",", ":")) */
+static inline std::string bps_error_json(const std::string &text) {
+    return "{\"error\":\"" + bps_json_escape(text) + "\"}";
+}
+
+/* Wake the native thread that polls eventfd ``fd``, and (that thread) take the wake-up. */
+static inline void bps_signal(int fd) {
+    uint64_t one = 1;
+    ssize_t rc = write(fd, &one, sizeof one);
+    (void)rc;
+}
+
+static inline void bps_drain(int fd) {
+    uint64_t n;
+    ssize_t rc = read(fd, &n, sizeof n);
+    (void)rc;
+}
+
 static inline BpsDescriptor bps_descriptor(int32_t pid, int32_t fd, uint64_t inode, uint64_t offset,
                                            uint64_t length) {
-    BpsDescriptor d;
-    d.pid = pid;
-    d.fd = fd;
-    d.inode = inode;
-    d.offset = offset;
-    d.length = length;
-    return d;
+    return BpsDescriptor{pid, fd, inode, offset, length};
 }
 
 /* Mappings of other processes' arenas, opened once through /proc/<pid>/fd/<fd> (core/shm.py). */

@@ -108,6 +108,15 @@ struct BpsMessage {
         bps_zmq.msg_init(out);
         bps_zmq.msg_move(out, &frames[i]);
     }
+    /* Every frame moved into a new message (kept for later); this one is left empty. */
+    BpsMessage *moved() {
+        BpsMessage *out = new BpsMessage();
+        for (int i = 0; i < count; ++i) take(i, &out->frames[i]);
+        out->count = count;
+        out->truncated = truncated;
+        count = 0;
+        return out;
+    }
 };
 
 /* Receive one whole message without blocking. 1: got one; 0: none queued; -1: error (errno set). */
@@ -164,18 +173,6 @@ static inline int bps_send_zero_copy(void *sock, void *data, size_t n, bool more
         int err = bps_zmq.errno_();
         if (err == EINTR) continue;
         bps_zmq.msg_close(&msg); /* runs ffn: the send never happened */
-        errno = err;
-        return -1;
-    }
-}
-
-/* Send a frame that the caller owns as a ZeroMQ message (moved: ``msg`` is empty afterwards). */
-static inline int bps_send_msg(void *sock, bps_zmq_msg *msg, bool more) {
-    for (;;) {
-        int rc = bps_zmq.msg_send(msg, sock, more ? BPS_ZMQ_SNDMORE : 0);
-        if (rc >= 0) return 0;
-        int err = bps_zmq.errno_();
-        if (err == EINTR) continue;
         errno = err;
         return -1;
     }

@@ -1,30 +1,12 @@
-/* The Summation Service server's native data plane: receive, check, sum and reply without the GIL.
- *
- * summation/server.py (Python) keeps what is per job or rare: the control plane, the authentication
- * handshake (core/auth.py), PROBE echoes, and malformed messages.
- * After the first address book it hands the data ROUTER socket to BpsServerCore, whose thread
- * "byteps-serve" owns it from then on. BpsServerCore composes the parts, each in its own header:
- *
- *     server_links.h    BpsServerLinks: the ROUTER, workers' direct links and their accept loop
- *     sync_rounds.h     BpsSyncRounds: a push, from its checks to the round's replies
- *     compressed_rounds.h BpsCompressedRounds: compressed pushes and the re-encoded reply
- *     async_rounds.h    BpsAsyncRounds: asynchronous training's parameters and deltas
- *     round_checks.h    the checks every policy makes of a push, and their error texts
- *     elastic_rounds.h  BpsElasticRounds: keys taken over from a lost server (BYTEPS_ELASTIC)
- *     round.h           BpsRound, and BpsRounds: the store of rounds (keys, stores, sum threads)
- *     store.h           BpsStoreAllocator: the memory stores are cut from
- *     sum_pool.h        BpsSumPool: the sum threads (BYTEPS_SERVER_ENGINE_THREAD)
- *     replies.h         BpsBook (the address book) and BpsServerReplies (REPLY, ERROR)
- *     server_texts.h    constants, and the shared pieces of its texts
+/* The Summation Service server's native data plane: receive, check, sum and reply without the GIL
+ * (docs/architecture.md, byteps-serve). After the first address book summation/server.py hands the
+ * data ROUTER to BpsServerCore, whose thread byteps-serve owns it from then on; its parts are in
+ * the headers it includes.
  *
  * This file: what Python calls (commands through an inbox, from any thread), the thread's loop, and
- * who handles each message. Everything but pushes goes to Python unchanged, in arrival order,
- * through forwarded() and a notify eventfd: handshakes, messages of identities not admitted yet
- * (after an AUTH, an identity's later messages wait here until Python says whether it passed:
- * admit()), PROBE, LINK, and anything malformed (a data message before the address book or without
- * its body). Every push, plain, compressed (compressed_rounds.h) or asynchronous (async_rounds.h),
- * is served here: Python never sums. Python's own replies go out through send() on this thread (it
- * alone touches the socket).
+ * who handles each message. Every push is served here; everything else goes to Python unchanged, in
+ * arrival order, through forwarded() and a notify eventfd (handshakes, identities not admitted yet,
+ * PROBE, LINK, anything malformed). Python's own replies go out through send() on this thread.
  */
 #ifndef BPS_SERVER_H
 #define BPS_SERVER_H
@@ -89,11 +71,9 @@ class BpsServerCore {
           links_(sock, book_.node_id, logger()), replies_(links_, book_, rounds_.alloc()),
           sync_(rounds_, book_, replies_, logger()), async_(rounds_, book_, replies_, logger()),
           elastic_(rounds_, book_, replies_, logger()) {
-        /* Every push's body arrives in a fresh message of its partition's size (core/transport/bps_link.h),
-         * freed once summed. glibc serves such a block with a new mapping or trims the heap after it is
-         * freed, so the next round took a page fault per 4 KB: 2,500 per 64 MB push_pull between two
-         * hosts; without them the servers' CPU per GB fell by up to a fifth (docs/benchmarks.md). The
-         * server process is ours: freed partitions stay in its heap for the next round. */
+        /* Every push's body arrives in a fresh message of its partition's size, freed once summed: keep
+         * freed partitions in the heap for the next round, not a new mapping that faults per 4 KB page
+         * (docs/benchmarks.md). */
         mallopt(M_MMAP_THRESHOLD, 32 << 20);  /* glibc's largest; partitions are 4 MB by default */
         mallopt(M_TRIM_THRESHOLD, 1 << 30);
         wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -260,17 +240,9 @@ class BpsServerCore {
         wake();
     }
 
-    void wake() {
-        uint64_t one = 1;
-        ssize_t rc = write(wake_fd_, &one, sizeof one);
-        (void)rc;
-    }
+    void wake() { bps_signal(wake_fd_); }
 
-    void notify() {
-        uint64_t one = 1;
-        ssize_t rc = write(notify_fd_, &one, sizeof one);
-        (void)rc;
-    }
+    void notify() { bps_signal(notify_fd_); }
 
     /* The parts' warnings go to Python with this thread's own (logs()). */
     BpsServerLog logger() {
@@ -301,11 +273,7 @@ class BpsServerCore {
             bool buffered = links_.poll_items(items);
             int rc = bps_zmq.poll(items.data(), (int)items.size(), buffered ? 0 : 100);
             if (rc < 0 && bps_zmq.errno_() != EINTR) break; /* the context was terminated */
-            if (items[1].revents) {
-                uint64_t n;
-                ssize_t got = read(wake_fd_, &n, sizeof n);
-                (void)got;
-            }
+            if (items[1].revents) bps_drain(wake_fd_);
             take_inbox();
             links_.cork(true); /* this turn's replies leave in as few writes as possible */
             sync_.take_sums();
@@ -454,10 +422,7 @@ class BpsServerCore {
 
     void forward(BpsMessage *m, bool auth = false) {
         BpsServerForward *f = new BpsServerForward();
-        f->msg = new BpsMessage();
-        for (int i = 0; i < m->count; ++i) m->take(i, &f->msg->frames[i]);
-        f->msg->count = m->count;
-        m->count = 0; /* moved out: nothing left to close */
+        f->msg = m->moved();
         f->auth = auth;
         {
             std::lock_guard<std::mutex> lock(mu_);
@@ -472,11 +437,7 @@ class BpsServerCore {
             if (queue.size() == BPS_MAX_PARKED) log("dropped messages from a peer whose authentication is still open");
             return;
         }
-        BpsMessage *held = new BpsMessage();
-        for (int i = 0; i < m->count; ++i) m->take(i, &held->frames[i]);
-        held->count = m->count;
-        m->count = 0;
-        queue.push_back(held);
+        queue.push_back(m->moved());
     }
 
     /* Python checked an AUTH of ``ident``: admit it or not, then handle what it sent meanwhile, in order. */

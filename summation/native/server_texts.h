@@ -1,10 +1,9 @@
-/* The server's constants, and the pieces of the texts it writes: ranks, keys and the JSON body of
- * an ERROR (core/wire.py's encoding, byte for byte). */
+/* The server's constants, and the pieces of the texts it writes: ranks and keys (an ERROR's JSON
+ * body: bps_error_json, core/transport/bps_wire.h). */
 #ifndef BPS_SERVER_TEXTS_H
 #define BPS_SERVER_TEXTS_H
 
 #include <stdint.h>
-#include <stdio.h>
 #include <time.h>
 
 #include <string>
@@ -59,47 +58,4 @@ static inline std::string bps_key_name(uint64_t key) {
     return "key (" + std::to_string(key >> 32) + ", " + std::to_string(key & 0xFFFFFFFFull) + ")";
 }
 
-/* json.dumps({"error": text}, separators=(",", ":")) (ensure_ascii; invalid UTF-8 as surrogateescape) */
-static inline std::string bps_error_json(const std::string &text) {
-    std::string out = "{\"error\":\"";
-    char buf[16];
-    auto esc = [&](unsigned cp) {
-        snprintf(buf, sizeof buf, "\\u%04x", cp);
-        out += buf;
-    };
-    const unsigned char *p = (const unsigned char *)text.data();
-    size_t n = text.size();
-    for (size_t i = 0; i < n;) {
-        unsigned c = p[i];
-        if (c == '"') { out += "\\\""; ++i; continue; }
-        if (c == '\\') { out += "\\\\"; ++i; continue; }
-        if (c == '\n') { out += "\\n"; ++i; continue; }
-        if (c == '\r') { out += "\\r"; ++i; continue; }
-        if (c == '\t') { out += "\\t"; ++i; continue; }
-        if (c == '\b') { out += "\\b"; ++i; continue; }
-        if (c == '\f') { out += "\\f"; ++i; continue; }
-        if (c >= 0x20 && c < 0x7f) { out += (char)c; ++i; continue; }
-        if (c < 0x80) { esc(c); ++i; continue; }
-        int extra = c >= 0xf0 && c < 0xf5 ? 3 : c >= 0xe0 ? 2 : c >= 0xc2 && c < 0xe0 ? 1 : -1;
-        unsigned cp = extra == 3 ? c & 7 : extra == 2 ? c & 15 : c & 31;
-        bool ok = extra > 0 && i + (size_t)extra < n;
-        for (int k = 1; ok && k <= extra; ++k) {
-            if ((p[i + k] & 0xc0) != 0x80) ok = false;
-            else cp = (cp << 6) | (p[i + k] & 0x3f);
-        }
-        if (ok && ((extra == 2 && (cp < 0x800 || (cp >= 0xd800 && cp < 0xe000))) ||
-                   (extra == 3 && (cp < 0x10000 || cp > 0x10ffff))))
-            ok = false;
-        if (!ok) { esc(0xdc00 + c); ++i; continue; } /* os.fsdecode's surrogateescape */
-        if (cp >= 0x10000) {
-            cp -= 0x10000;
-            esc(0xd800 + (cp >> 10));
-            esc(0xdc00 + (cp & 0x3ff));
-        } else {
-            esc(cp);
-        }
-        i += extra + 1;
-    }
-    return out + "\"}";
-}
 #endif

@@ -17,6 +17,7 @@
 
 #include "core/kernels/bps_reduce.h"
 #include "core/pipeline/bps_trace.h"
+#include "core/transport/bps_wire.h"
 #include "core/transport/bps_zmq.h"
 
 
@@ -123,9 +124,7 @@ class BpsSumPool {
             }
             idle_cv_.notify_all();
             delete t;
-            uint64_t one = 1;
-            ssize_t rc = write(wake_fd_, &one, sizeof one);
-            (void)rc;
+            bps_signal(wake_fd_);
         }
     }
 

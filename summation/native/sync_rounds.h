@@ -142,11 +142,7 @@ class BpsSyncRounds {
     bool hold_early(BpsRound &st, const std::string &ident, const BpsHeader &h, int64_t rank, BpsMessage *m) {
         if (h.round != st.round + 1 || std::find(st.senders.begin(), st.senders.end(), rank) == st.senders.end())
             return false;
-        BpsMessage *keep = new BpsMessage();
-        for (int i = 0; i < m->count; ++i) m->take(i, &keep->frames[i]);
-        keep->count = m->count;
-        m->count = 0;
-        st.early.push_back(std::make_pair(ident, keep));
+        st.early.push_back(std::make_pair(ident, m->moved()));
         return true;
     }
 
