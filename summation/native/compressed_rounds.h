@@ -22,7 +22,7 @@
 #include "core/kernels/bps_codecs.h"
 #include "summation/native/round.h"
 
-/* byteps.compression.describe(): "onebit(scaling, error feedback)", or "no compression" (NULL) */
+/* A push's codec as the server's errors name it: "onebit(scaling, error feedback)", or "no compression" (NULL) */
 static inline std::string bps_cz_describe(const BpsCodecInfo *info) {
     if (info == nullptr) return "no compression";
     std::vector<std::string> opts;
