@@ -5,26 +5,6 @@ used (the ones a CUDA build of PyTorch ships; core/gpu.py finds them), so :func:
 :func:`nccl_built` answer for this process, as Horovod's do for its build. Re-exported by every framework plugin."""
 
 
-def mpi_threads_supported():
-    return False
-
-
-def mpi_enabled():
-    return False
-
-
-def mpi_built():
-    return False
-
-
-def gloo_enabled():
-    return False
-
-
-def gloo_built():
-    return False
-
-
 def nccl_built():
     """NCCL's version as an integer (2.21.5 -> 22105), as Horovod returns it, when NCCL loads here (the NCCL
     stages among a machine's GPUs use it: core/pipeline/nccl_stages.h); 0 otherwise."""
@@ -34,14 +14,6 @@ def nccl_built():
         return gpu.nccl_version()
     except gpu.GpuError:
         return 0
-
-
-def ddl_built():
-    return False
-
-
-def ccl_built():
-    return False
 
 
 def cuda_built():
@@ -56,5 +28,10 @@ def cuda_built():
         return False
 
 
-def rocm_built():
+def _not_built():
+    """byteps has no such controller or library."""
     return False
+
+
+mpi_threads_supported = mpi_enabled = mpi_built = _not_built
+gloo_enabled = gloo_built = ddl_built = ccl_built = rocm_built = _not_built

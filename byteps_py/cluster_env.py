@@ -7,6 +7,7 @@ Pure functions of an environment mapping (tests feed them recorded environments)
 import dataclasses
 import re
 
+from .config import _get
 from .errors import ConfigError
 from .launch_env import _job_port
 
@@ -92,8 +93,8 @@ class SlurmTask:
 
 
 def _need(env, name):
-    value = (env.get(name) or "").strip()
-    if not value:
+    value = _get(env, name)
+    if value is None:
         raise ConfigError(f"{name} is not set: bpslaunch --slurm runs inside a Slurm job step "
                           "(srun ... bpslaunch --slurm -- CMD); see docs/slurm.md")
     return value
@@ -116,7 +117,7 @@ def slurm_task(env, server_nodes=0, local_size=None):
             BYTEPS_LOCAL_SIZE, else SLURM_GPUS_ON_NODE, else 1).
     """
     hosts = expand_nodelist(env.get("SLURM_STEP_NODELIST") or _need(env, "SLURM_JOB_NODELIST"))
-    nodename = (env.get("SLURMD_NODENAME") or "").strip()
+    nodename = _get(env, "SLURMD_NODENAME", "")
     if nodename:
         if nodename not in hosts:
             raise ConfigError(f"SLURMD_NODENAME={nodename!r} is not in the step's node list {hosts}")
@@ -134,7 +135,7 @@ def slurm_task(env, server_nodes=0, local_size=None):
     if len(tasks) != len(hosts):
         raise ConfigError(f"SLURM_TASKS_PER_NODE={tasks_text!r} describes {len(tasks)} nodes, the node list "
                           f"{len(hosts)}")
-    local_id = _count(env, "SLURM_LOCALID") if (env.get("SLURM_LOCALID") or "").strip() else 0
+    local_id = _count(env, "SLURM_LOCALID") if _get(env, "SLURM_LOCALID") else 0
     per_node = set(tasks[:n])
     if len(per_node) != 1:
         raise ConfigError(f"byteps needs the same number of tasks on every worker node, but the step has "
@@ -152,18 +153,17 @@ def slurm_task(env, server_nodes=0, local_size=None):
         local_ranks = (local_id,)
     first = local_id == 0
     is_worker_node = node < n
-    port = ((env.get("DMLC_PS_ROOT_PORT") or "").strip()
-            or str(_job_port(f"slurm-{_need(env, 'SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID', '0')}") + 1))
+    step = f"slurm-{_need(env, 'SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID', '0')}"
     shared = {
         "DMLC_NUM_WORKER": str(n),
         "DMLC_NUM_SERVER": str(len(hosts)),  # a colocated server on each worker node + the server nodes'
-        "DMLC_PS_ROOT_URI": (env.get("DMLC_PS_ROOT_URI") or "").strip() or hosts[0],
-        "DMLC_PS_ROOT_PORT": port,
+        "DMLC_PS_ROOT_URI": _get(env, "DMLC_PS_ROOT_URI", hosts[0]),
+        "DMLC_PS_ROOT_PORT": _get(env, "DMLC_PS_ROOT_PORT", str(_job_port(step) + 1)),
         "BYTEPS_LOCAL_SIZE": str(local_size),
         "BYTEPS_LAUNCHER": "slurm",
     }
-    if not (env.get("BYTEPS_JOB_ID") or "").strip():
-        shared["BYTEPS_JOB_ID"] = f"slurm-{_need(env, 'SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID', '0')}"
+    if not _get(env, "BYTEPS_JOB_ID"):
+        shared["BYTEPS_JOB_ID"] = step
     if is_worker_node:
         shared["DMLC_WORKER_ID"] = str(node)
     return SlurmTask(hosts=tuple(hosts), node=node, scheduler=node == 0 and first,
@@ -176,13 +176,13 @@ def slurm_task(env, server_nodes=0, local_size=None):
 def pod_index(env):
     """This pod's index: an indexed Job's JOB_COMPLETION_INDEX, else the StatefulSet ordinal at the end
     of POD_NAME (or HOSTNAME). None when neither says."""
-    raw = (env.get("JOB_COMPLETION_INDEX") or "").strip()
+    raw = _get(env, "JOB_COMPLETION_INDEX", "")
     if raw:
         if not raw.isdigit():
             raise ConfigError(f"JOB_COMPLETION_INDEX={raw!r} is not a non-negative integer")
         return int(raw)
     for name in ("POD_NAME", "HOSTNAME"):
-        m = re.search(r"-(\d+)$", (env.get(name) or "").strip())
+        m = re.search(r"-(\d+)$", _get(env, name, ""))
         if m:
             return int(m.group(1))
     return None
@@ -190,23 +190,23 @@ def pod_index(env):
 
 def k8s_env(env):
     """The variables ``bpslaunch --k8s`` adds for this pod's role (see the module docstring)."""
-    role = (env.get("DMLC_ROLE") or "").strip().lower()
+    role = _get(env, "DMLC_ROLE", "").lower()
     if role not in ("scheduler", "server", "worker"):
         raise ConfigError(f"DMLC_ROLE={env.get('DMLC_ROLE')!r}: bpslaunch --k8s needs the pod's role "
                           "(scheduler, server or worker) in DMLC_ROLE; see examples/kubernetes/")
     out = {"BYTEPS_LAUNCHER": "kubernetes"}
-    pod_ip = (env.get("POD_IP") or "").strip()
-    if pod_ip and not (env.get("DMLC_NODE_HOST") or "").strip():
+    pod_ip = _get(env, "POD_IP", "")
+    if pod_ip and not _get(env, "DMLC_NODE_HOST"):
         out["DMLC_NODE_HOST"] = pod_ip
     if role == "scheduler" and pod_ip:
         # the others reach it by its DNS name; it binds the pod's own address
         out["DMLC_PS_ROOT_URI"] = pod_ip
-    if role == "worker" and not (env.get("DMLC_WORKER_ID") or "").strip():
+    if role == "worker" and not _get(env, "DMLC_WORKER_ID"):
         index = pod_index(env)
         if index is None:
             raise ConfigError("bpslaunch --k8s: a worker pod needs JOB_COMPLETION_INDEX (indexed Job) or a "
                               "StatefulSet name ending in -N in POD_NAME to derive DMLC_WORKER_ID")
-        num = (env.get("DMLC_NUM_WORKER") or "").strip()
+        num = _get(env, "DMLC_NUM_WORKER", "")
         if num.isdigit() and index >= int(num):
             raise ConfigError(f"worker pod index {index} >= DMLC_NUM_WORKER={num}: the Job's completions and "
                               "DMLC_NUM_WORKER disagree")

@@ -339,10 +339,8 @@ def _make_op(job, name, buf, dtype, shape, broadcast_root, priority, asynchronou
             raise ValueError(f"average_by={average_by} for tensor {name!r}: only a synchronous-mode push_pull of a "
                              "float tensor is averaged in place (divide integers and the rest after synchronize)")
         op.divisor = int(average_by)
-    if cmd == Cmd.PUSHPULL and compression is not None:
-        op.codec = _compression.resolve(compression)
-    elif cmd == Cmd.PUSHPULL:
-        op.codec = job.default_codec
+    if cmd == Cmd.PUSHPULL:
+        op.codec = job.default_codec if compression is None else _compression.resolve(compression)
     return op
 
 
@@ -423,22 +421,8 @@ def barrier():
     job = _require()
     if job.engine is None:
         return
-    name = "barrier"
     with job.barrier_lock:
-        released = job.engine.request("barrier", name)
-        if not released.wait(job.cfg.timeout):
-            raise BytePSTimeoutError(f"barrier() waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the other workers")
-        _raise_barrier_failure(job, name)
-
-
-def _raise_barrier_failure(job, name):
-    """After barrier ``name`` was released: the job's failure, or the scheduler's reason for failing it."""
-    if job.engine.failure is not None:
-        raise job.engine.failure
-    reason = job.engine.barrier_errors.pop(name, None)
-    if reason is not None:
-        job.engine.barrier_values.pop(name, None)
-        raise BytePSError(f"{name}: {reason}")
+        _meet(job, "barrier", "barrier()")
 
 
 def exchange(name, value):
@@ -447,14 +431,24 @@ def exchange(name, value):
     job = _require()
     if job.engine is None:
         return {job.rank: value}
-    released = job.engine.request("barrier", name, value)
-    if not released.wait(job.cfg.timeout + 5):
-        raise BytePSTimeoutError(f"{name}: waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the other workers")
-    _raise_barrier_failure(job, name)
+    _meet(job, name, f"{name}:", value, slack=5)
     values = job.engine.barrier_values.pop(name, None)
     if values is None:
         raise BytePSTimeoutError(f"{name}: the scheduler released the barrier without the workers' values")
     return values
+
+
+def _meet(job, name, what, value=None, slack=0):
+    """Barrier ``name``, handing over ``value``; raise the job's failure, the scheduler's reason for failing
+    it, or a time-out naming ``what``."""
+    if not job.engine.request("barrier", name, value).wait(job.cfg.timeout + slack):
+        raise BytePSTimeoutError(f"{what} waited {job.cfg.timeout:g} s (BYTEPS_TIMEOUT) for the other workers")
+    if job.engine.failure is not None:
+        raise job.engine.failure
+    reason = job.engine.barrier_errors.pop(name, None)
+    if reason is not None:
+        job.engine.barrier_values.pop(name, None)
+        raise BytePSError(f"{name}: {reason}")
 
 
 def metrics():

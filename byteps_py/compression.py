@@ -12,6 +12,7 @@
 The codecs are C++ (``core/kernels/bps_codecs.h``, wrapped by ``byteps.core._reduce``); this module
 is their Python API. Methods, options, the 32-byte blob header and exactness: docs/compression.md.
 """
+import collections
 import os
 
 import numpy as np
@@ -64,10 +65,8 @@ _NP = {_F32: np.dtype(np.float32), _F64: np.dtype(np.float64)}
 _MAX_COUNT = 1 << 32  # indices travel as uint32
 
 
-class Info:
-    """A parsed blob: its header fields, and the blob itself (any buffer)."""
-
-    __slots__ = ("method", "dtype", "flags", "levels", "n", "k", "seed", "blob")
+#: a parsed blob: its header fields, and the blob itself (any buffer)
+Info = collections.namedtuple("Info", "method dtype flags levels n k seed blob")
 
 
 def payload_size(method, n, itemsize, k=0, levels=0):
@@ -79,10 +78,7 @@ def payload_size(method, n, itemsize, k=0, levels=0):
 
 def parse(buf):
     """Parse and validate a blob (any buffer); raise :class:`CodecError` on anything malformed."""
-    info = Info()
-    info.method, info.dtype, info.flags, info.levels, info.n, info.k, info.seed = _reduce.codec_parse(buf)
-    info.blob = buf
-    return info
+    return Info(*_reduce.codec_parse(buf), buf)
 
 
 # --------------------------------------------------------------------------- random streams
@@ -151,7 +147,7 @@ class _State:
         self.has_residual = False  # the first round has nothing to add yet
 
 
-class WireCompressor(Compressor):
+class WireCompressor(NoneCompressor):
     """A wire codec: a method with its options, and the worker's per-partition state.
 
     ``compress``/``decompress`` (the tensor compressor interface) are the identity. A push_pull's
@@ -228,13 +224,6 @@ class WireCompressor(Compressor):
                       | (F_NATURAL if method == "dithering" and partition == "natural" else 0)
                       | (F_L2 if method == "dithering" and normalize == "l2" else 0))
         self._state = {}  # wire key -> _State (engine thread only)
-
-    # the tensor compressor interface: nothing happens to the tensor itself
-    def compress(self, tensor):
-        return tensor, None
-
-    def decompress(self, tensor, ctx):
-        return tensor
 
     def __call__(self, **overrides):
         kwargs = dict(self._kwargs)
@@ -319,6 +308,11 @@ def _number(env, name, default=None):
         raise ConfigError(f"{name}={raw!r} is not a number") from None
 
 
+def _k_option(method, k):
+    """BytePS's one ``k`` setting as an option: dithering's levels, else topk/randomk's k."""
+    return {"levels": int(k)} if method == "dithering" else {"k": float(k)}
+
+
 def from_env(env=None):
     """The job-wide wire compressor configured by BYTEPS_COMPRESSOR & co., or None; ConfigError if malformed."""
     env = os.environ if env is None else env
@@ -332,7 +326,7 @@ def from_env(env=None):
                   error_feedback=config._bool(env, "BYTEPS_ERROR_FEEDBACK"),
                   momentum=_number(env, "BYTEPS_MOMENTUM_MU", "0"), min_bytes=min_compress_bytes(env))
     if k is not None:
-        kwargs["levels" if method == "dithering" else "k"] = k if method != "dithering" else int(k)
+        kwargs.update(_k_option(method, k))
     try:
         return WireCompressor(method, **kwargs)
     except ValueError as e:
@@ -424,11 +418,8 @@ def from_params(params):
     if mom:
         kwargs.update(momentum=float(params.get("momentum_mu", 0.9)), nesterov=mom == "nesterov")
     if "k" in params:
-        kwargs["levels" if method == "dithering" else "k"] = (int(params["k"]) if method == "dithering"
-                                                              else float(params["k"]))
-    for key in ("scaling", "partition", "normalize", "min_bytes"):
-        if key in params:
-            kwargs[key] = params[key]
-    if "scaling" in kwargs:
-        kwargs["scaling"] = str(kwargs["scaling"]).lower() not in ("0", "false", "no")
+        kwargs.update(_k_option(method, params["k"]))
+    kwargs.update({key: params[key] for key in ("partition", "normalize", "min_bytes") if key in params})
+    if "scaling" in params:
+        kwargs["scaling"] = str(params["scaling"]).lower() not in ("0", "false", "no")
     return WireCompressor(method, **kwargs)

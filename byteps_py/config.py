@@ -127,16 +127,15 @@ def _int(env, name, default=None, minimum=None, maximum=None, required=False):
     return value
 
 
-def _float(env, name, default, minimum=0.0):
-    raw = _get(env, name)
-    if raw is None:
-        return float(default)
+def _float(env, name):
+    """A number of seconds above 0; unset: its default in VARIABLES."""
+    raw = _get(env, name, VARIABLES[name][0])
     try:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number ({VARIABLES[name][1]})") from None
-    if not value > minimum:
-        raise ConfigError(f"{name}={raw} must be > {minimum} ({VARIABLES[name][1]})")
+    if not value > 0:
+        raise ConfigError(f"{name}={raw} must be > 0.0 ({VARIABLES[name][1]})")
     return value
 
 
@@ -152,15 +151,6 @@ def auto_spin_us(processes):
     if ncpus < 2:
         return 0
     return AUTO_SPIN_SHARED_US if processes > ncpus else AUTO_SPIN_US
-
-
-def _spin_us(env, local_size):
-    """(microseconds, whether auto): auto is computed for the machine's local_size processes here, and
-    again by the engine once it knows how many of the job's worker processes share this host."""
-    raw = _get(env, "BYTEPS_SPIN_US", "auto").strip().lower()
-    if raw == "auto":
-        return auto_spin_us(local_size), True
-    return _int(env, "BYTEPS_SPIN_US", minimum=0, maximum=100_000), False
 
 
 def _bool(env, name, default="0"):
@@ -304,9 +294,9 @@ def load(env=None, role=None):
     # read by the kernels when they load (core/_reduce.pyx); checked here so a bad value stops start-up
     _int(env, "BYTEPS_OMP_THREAD_PER_GPU", None, minimum=1, maximum=64)
 
-    timeout = _float(env, "BYTEPS_TIMEOUT", VARIABLES["BYTEPS_TIMEOUT"][0])
-    hb_interval = _float(env, "BYTEPS_HEARTBEAT_INTERVAL", VARIABLES["BYTEPS_HEARTBEAT_INTERVAL"][0])
-    hb_timeout = _float(env, "BYTEPS_HEARTBEAT_TIMEOUT", VARIABLES["BYTEPS_HEARTBEAT_TIMEOUT"][0])
+    timeout = _float(env, "BYTEPS_TIMEOUT")
+    hb_interval = _float(env, "BYTEPS_HEARTBEAT_INTERVAL")
+    hb_timeout = _float(env, "BYTEPS_HEARTBEAT_TIMEOUT")
     if hb_timeout <= hb_interval:
         raise ConfigError(f"BYTEPS_HEARTBEAT_TIMEOUT={hb_timeout} must exceed BYTEPS_HEARTBEAT_INTERVAL={hb_interval}")
     elastic = _bool(env, "BYTEPS_ELASTIC")
@@ -316,7 +306,10 @@ def load(env=None, role=None):
                           "the servers hold the model's parameters, so a lost server would lose them; use "
                           "synchronous training for elastic servers")
     _warn_removed(env)
-    spin_us, spin_auto = _spin_us(env, local_size)
+    # auto: for the machine's local_size processes here, and again by the engine once it knows how many of
+    # the job's worker processes share this host
+    spin_auto = _get(env, "BYTEPS_SPIN_US", "auto").lower() == "auto"
+    spin_us = auto_spin_us(local_size) if spin_auto else _int(env, "BYTEPS_SPIN_US", minimum=0, maximum=100_000)
     return Config(
         role=role, num_worker=num_worker, num_server=num_server, root_uri=root_uri, root_port=root_port,
         worker_id=worker_id, node_host=node_host, local_rank=local_rank, local_size=local_size,
@@ -336,7 +329,7 @@ def load(env=None, role=None):
         timeline=_get(env, "BYTEPS_TIMELINE", ""),
         timeline_flush_steps=_int(env, "BYTEPS_TIMELINE_FLUSH_STEPS", 50, minimum=0),
         timeline_buffer=_int(env, "BYTEPS_TIMELINE_BUFFER", 250000, minimum=1),
-        timeline_clock_interval=_float(env, "BYTEPS_TIMELINE_CLOCK_INTERVAL", "2"),
+        timeline_clock_interval=_float(env, "BYTEPS_TIMELINE_CLOCK_INTERVAL"),
         transport=_choice(env, "BYTEPS_TRANSPORT", ("auto", "tcp", "ucx")),
         ucx_peer_errors=_bool(env, "BYTEPS_UCX_PEER_ERRORS", default="1"),  # read by core/transport/bps_ucx.h
         elastic=elastic,

@@ -41,8 +41,6 @@ class FusionLayout:
                 self.buffers[index][1] += take
                 open_buffer[dtype] = (index, used + take)
                 done += take
-                if nbytes == 0:
-                    break
         self.buffers = [tuple(b) for b in self.buffers]
         self.members = [set() for _ in self.buffers]  # buffer -> names with bytes in it
         for name, runs in self.runs.items():

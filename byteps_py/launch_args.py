@@ -40,24 +40,18 @@ exit status: 0 on success; the first failing process's code (128+N if killed by 
 """
 
 
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
+def _positive(kind):
+    """An argparse type: a ``kind`` (int or float) above 0."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'>= 1' if kind is int else '> 0'}")
+        return value
 
-
-def _positive_int(text):
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
+    return parse
 
 
 def _parser():
@@ -67,11 +61,11 @@ def _parser():
                     "or this machine's part of a multi-machine job, by DMLC_ROLE (role mode).")
     p.add_argument("--local", action="store_true",
                    help="run scheduler, servers and workers on this machine")
-    p.add_argument("--workers", type=_positive_int, metavar="W",
+    p.add_argument("--workers", type=_positive(int), metavar="W",
                    help="worker machines to simulate (--local only; required there)")
-    p.add_argument("--servers", type=_positive_int, metavar="S",
+    p.add_argument("--servers", type=_positive(int), metavar="S",
                    help="Summation Service servers (--local only; default W, one per worker machine)")
-    p.add_argument("--local-size", type=_positive_int, metavar="L",
+    p.add_argument("--local-size", type=_positive(int), metavar="L",
                    help="processes of CMD per worker machine (default 1 with --local; in role "
                         "mode overrides BYTEPS_LOCAL_SIZE)")
     p.add_argument("--slurm", action="store_true",
@@ -86,7 +80,7 @@ def _parser():
                    help="run a Summation Service server that joins the running elastic job whose scheduler is at "
                         "HOST:PORT (BYTEPS_ELASTIC=1 there); it needs only the job's BYTEPS_JOB_SECRET "
                         "(docs/elastic.md)")
-    p.add_argument("--timeout", type=_positive_float, metavar="SEC",
+    p.add_argument("--timeout", type=_positive(float), metavar="SEC",
                    help="wall-clock limit for the whole job; on expiry everything is stopped "
                         "and bpslaunch exits 124")
     p.add_argument("--grace", type=float, default=30.0, metavar="SEC",
@@ -102,7 +96,7 @@ def _parser():
     diag.add_argument("--plan", action="store_true",
                       help="print the optimal k/n split of the BytePS paper (Eq. 1-7): bytes each server "
                            "sums, bytes each machine sends and receives, t_opt, gamma_a, gamma_p")
-    diag.add_argument("--worker-machines", type=_positive_int, default=None, metavar="N",
+    diag.add_argument("--worker-machines", type=_positive(int), default=None, metavar="N",
                       help="worker machines, each with a colocated server (--plan; default DMLC_NUM_WORKER)")
     diag.add_argument("--extra", type=int, default=0, metavar="K",
                       help="extra machines, each with a standalone server (--plan; default 0)")

@@ -31,15 +31,13 @@ _services_started = False
 
 def _get(env, name):
     value = env.get(name)
-    if value is None or str(value).strip() == "":
-        return None
-    return str(value).strip()
+    return None if value is None or not value.strip() else value.strip()
 
 
-def _int(env, name, minimum=0):
+def _int(env, name, minimum=0, default=None):
     raw = _get(env, name)
     if raw is None:
-        return None
+        return default
     try:
         value = int(raw, 10)
     except ValueError:
@@ -58,29 +56,18 @@ def detect(env):
     if _get(env, "RANK") is not None and _get(env, "WORLD_SIZE") is not None and \
             _get(env, "LOCAL_RANK") is not None:
         rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE", 1)
-        local_rank = _int(env, "LOCAL_RANK")
-        local_size = _int(env, "LOCAL_WORLD_SIZE", 1)
-        if local_size is None:  # a hand-made env:// setup: assume one node
-            local_size = size
-        group_rank = _int(env, "GROUP_RANK")
-        if group_rank is None:
-            group_rank = rank // local_size
-        port = _int(env, "MASTER_PORT", 1)
-        return dict(launcher="torchrun", rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                    node_rank=group_rank, num_nodes=_int(env, "GROUP_WORLD_SIZE", 1),
-                    host=_get(env, "MASTER_ADDR"), port=port, job=_get(env, "TORCHELASTIC_RUN_ID"))
+        local_size = _int(env, "LOCAL_WORLD_SIZE", 1, size)  # unset in a hand-made env:// setup: one node
+        return dict(launcher="torchrun", rank=rank, size=size, local_rank=_int(env, "LOCAL_RANK"),
+                    local_size=local_size, node_rank=_int(env, "GROUP_RANK", 0, rank // local_size),
+                    num_nodes=_int(env, "GROUP_WORLD_SIZE", 1), host=_get(env, "MASTER_ADDR"),
+                    port=_int(env, "MASTER_PORT", 1), job=_get(env, "TORCHELASTIC_RUN_ID"))
     if _get(env, "HOROVOD_RANK") is not None and _get(env, "HOROVOD_SIZE") is not None:
         rank, size = _int(env, "HOROVOD_RANK"), _int(env, "HOROVOD_SIZE", 1)
-        local_rank = _int(env, "HOROVOD_LOCAL_RANK")
-        local_size = _int(env, "HOROVOD_LOCAL_SIZE", 1)
-        local_rank = rank if local_rank is None else local_rank
-        local_size = size if local_size is None else local_size
-        node_rank = _int(env, "HOROVOD_CROSS_RANK")
-        num_nodes = _int(env, "HOROVOD_CROSS_SIZE", 1)
-        node_rank = rank // local_size if node_rank is None else node_rank
+        local_size = _int(env, "HOROVOD_LOCAL_SIZE", 1, size)
         rdv_addr, rdv_port = _get(env, "HOROVOD_GLOO_RENDEZVOUS_ADDR"), _int(env, "HOROVOD_GLOO_RENDEZVOUS_PORT", 1)
-        return dict(launcher="horovodrun", rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                    node_rank=node_rank, num_nodes=num_nodes, host=None, port=rdv_port,
+        return dict(launcher="horovodrun", rank=rank, size=size, local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0, rank),
+                    local_size=local_size, node_rank=_int(env, "HOROVOD_CROSS_RANK", 0, rank // local_size),
+                    num_nodes=_int(env, "HOROVOD_CROSS_SIZE", 1), host=None, port=rdv_port,
                     job=f"{rdv_addr}:{rdv_port}" if rdv_addr else None)
     for prefix, launcher in (("OMPI_COMM_WORLD_", "mpirun"), ("PMI_", "mpirun")):
         if _get(env, prefix + "RANK") is not None and _get(env, prefix + "SIZE") is not None:
@@ -120,9 +107,7 @@ def translate(env, role=None):
     info = detect(env)
     if info is None or info["size"] <= 1:
         return env
-    derived = derive(env, info)
-    out = dict(env)
-    out.update(derived)
+    out = dict(env, **derive(env, info))
     if env is os.environ and info["rank"] == 0:
         start_services(out)
     return out
@@ -196,11 +181,10 @@ def start_services(job_env):
         base = dict(job_env)
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
             base.pop(name, None)  # the services are no launcher's ranks
-        argv_s = [sys.executable, "-m", "byteps.scheduler"]
-        argv_v = [sys.executable, "-m", "byteps.server"]
         tmpdir = tempfile.mkdtemp(prefix="byteps-services-")
         path = os.path.join(tmpdir, "port")
-        scheduler = subprocess.Popen(argv_s, preexec_fn=_make_preexec(), stdin=subprocess.DEVNULL,
+        scheduler = subprocess.Popen([sys.executable, "-m", "byteps.scheduler"], preexec_fn=_make_preexec(),
+                                     stdin=subprocess.DEVNULL,
                                      env=dict(base, DMLC_ROLE="scheduler", BYTEPS_SCHEDULER_PORT_FILE=path))
         _services.append(scheduler)
         atexit.register(_stop_services)
@@ -218,8 +202,9 @@ def start_services(job_env):
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
         for _ in range(int(job_env["DMLC_NUM_SERVER"])):
-            _services.append(subprocess.Popen(argv_v, env=dict(base, DMLC_ROLE="server"),
-                                              preexec_fn=_make_preexec(), stdin=subprocess.DEVNULL))
+            server = subprocess.Popen([sys.executable, "-m", "byteps.server"], env=dict(base, DMLC_ROLE="server"),
+                                      preexec_fn=_make_preexec(), stdin=subprocess.DEVNULL)
+            _services.append(server)
 
 
 def service_pids():

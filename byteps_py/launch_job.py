@@ -5,6 +5,7 @@ child, a signal, ``--timeout``) goes through :meth:`Job.teardown`, which ends th
 their descendants*, drains their output and removes the temporary directory.
 """
 # Licensed under the Apache License, Version 2.0.
+import contextlib
 import os
 import shutil
 import signal
@@ -49,11 +50,15 @@ def _exit_code(returncode):
 
 def _describe(code):
     if code > 128:
-        try:
+        with contextlib.suppress(ValueError):
             return f"{code} ({signal.Signals(code - 128).name})"
-        except ValueError:
-            pass
     return str(code)
+
+
+def _reap(pid):
+    """Collect an exited child's status, if it has exited."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
 
 
 def _write(stream, data):
@@ -72,11 +77,9 @@ def _pump(src, dest_name, prefix):
         for line in iter(src.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
-            try:
-                with _OUTPUT_LOCK:
-                    _write(getattr(sys, dest_name), prefix + line)
-            except (OSError, ValueError):
-                pass  # our own output is gone (closed pipe); keep draining so the child never blocks
+            # our own output may be gone (closed pipe): keep draining so the child never blocks
+            with contextlib.suppress(OSError, ValueError), _OUTPUT_LOCK:
+                _write(getattr(sys, dest_name), prefix + line)
 
 
 class Child:
@@ -133,10 +136,7 @@ class Job:
 
     # -- lifetime ---------------------------------------------------------------------
     def __enter__(self):
-        try:
-            self._preexisting = {p.pid for p in psutil.Process().children()}
-        except psutil.Error:
-            self._preexisting = set()
+        self._preexisting = {p.pid for p in self._children()}
         _become_subreaper()
         if threading.current_thread() is threading.main_thread():
             for sig in _FORWARDED_SIGNALS:
@@ -206,19 +206,19 @@ class Job:
                 raise JobStopped(code, f"{c.tag} (pid {c.pid}) exited with code {_describe(code)}; "
                                        "stopping the job")
 
+    def _children(self):
+        """Our live child processes, less those the host process had before the job."""
+        try:
+            return [p for p in psutil.Process().children() if p.pid not in self._preexisting]
+        except psutil.Error:
+            return []
+
     def _reap_orphans(self):
         """Collect adopted orphans that exited, so they do not linger as zombies."""
-        ours = {c.pid for c in self.children} | self._preexisting
-        try:
-            kids = psutil.Process().children()
-        except psutil.Error:
-            return
-        for p in kids:
+        ours = {c.pid for c in self.children}
+        for p in self._children():
             if p.pid not in ours:
-                try:
-                    os.waitpid(p.pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
+                _reap(p.pid)
 
     def wait_for_port(self, child, path, limit=SCHEDULER_START_TIMEOUT):
         """Wait until `child` (the scheduler) writes its port number into `path`."""
@@ -269,19 +269,11 @@ class Job:
     def _descendants(self):
         """Every live process below us that this job started, at any depth (children we
         adopted as subreaper included; children the host process had before are not)."""
-        try:
-            kids = psutil.Process().children()
-        except psutil.Error:
-            return []
         procs = []
-        for k in kids:
-            if k.pid in self._preexisting:
-                continue
+        for k in self._children():
             procs.append(k)
-            try:
+            with contextlib.suppress(psutil.Error):
                 procs += k.children(recursive=True)
-            except psutil.Error:
-                pass
         return procs
 
     def _gone(self, proc):
@@ -295,10 +287,7 @@ class Job:
             return True
         except psutil.Error:
             return False
-        try:
-            os.waitpid(proc.pid, os.WNOHANG)  # an adopted orphan: reap it
-        except ChildProcessError:
-            pass
+        _reap(proc.pid)  # an adopted orphan
         return True
 
     def _wait_gone(self, procs, timeout):
@@ -314,10 +303,8 @@ class Job:
     @staticmethod
     def _send(procs, sig):
         for p in procs:
-            try:
+            with contextlib.suppress(psutil.Error):
                 p.send_signal(sig)
-            except psutil.Error:
-                pass
 
     def teardown(self):
         """End every child and descendant (SIGTERM, then SIGKILL after TERM_TIMEOUT), drain
@@ -338,10 +325,8 @@ class Job:
                     self._wait_gone(alive, TERM_TIMEOUT)
         finally:
             for c in self.children:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     c.popen.wait(timeout=1.0)
-                except subprocess.TimeoutExpired:
-                    pass
                 log.logger.info("%s (pid %d) exit code %s", c.tag, c.pid, c.code)
             deadline = time.monotonic() + DRAIN_TIMEOUT
             for c in self.children:

@@ -210,13 +210,12 @@ def host_shares(n, colocated_hosts, k):
     servers, and ``k`` server-only machines. With every worker machine serving this is Eq. 1-2.
     """
     c = colocated_hosts
+    if c == 0:  # only standalone servers: share evenly
+        return Fraction(1, k), Fraction(0)
     if c == n or n == 1:
-        cpu, gpu = shares(n, k)
-        if n == 1 and c == 0:  # a lone worker machine without a server of its own
-            return Fraction(1, k), Fraction(0)
-        return cpu, gpu
-    if k == 0 or c == 0:  # only one kind of server: share evenly
-        return (Fraction(1, k), Fraction(0)) if c == 0 else (Fraction(0), Fraction(1, c))
+        return shares(n, k)
+    if k == 0:  # only colocated servers
+        return Fraction(0), Fraction(1, c)
     if k >= n or n == 2:
         return Fraction(1, k), Fraction(0)
     # hosts without a server move M anyway; standalone n·s = colocated M + (n-2)·s_c, k·s + c·s_c = M

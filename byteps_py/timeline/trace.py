@@ -45,14 +45,6 @@ class Lanes:
         return lane
 
 
-def _server_pid(index):
-    return 10 + index
-
-
-def _worker_pid(rank):
-    return 1000 + rank
-
-
 class NodeTrace:
     """What one node sent, on its own clock; :meth:`offset` moves it onto the scheduler's.
 
@@ -92,11 +84,12 @@ class NodeTrace:
         return f"node pid {n.get('pid')}"
 
     def pid(self):
+        """The node's track in the trace: servers first, then workers, by index and rank."""
         n = self.node
         if n.get("role") == "server" and n.get("index") is not None:
-            return _server_pid(n["index"])
+            return 10 + n["index"]
         if n.get("rank") is not None:
-            return _worker_pid(n["rank"])
+            return 1000 + n["rank"]
         return 100000 + int(n.get("pid") or 0)
 
     def spans(self):
