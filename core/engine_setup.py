@@ -499,7 +499,7 @@ class EngineSetup:
             plan = machine_plan(len(peers))
             logger.info("local reduce by the topology plan: %s, groups %s%s", plan.strategy,
                         [list(g) for g in plan.groups], f", roots {list(plan.roots)}" if plan.roots else "")
-        self.local = LocalPlan(peers, self.cfg.local_rank, self.cfg.local_push, plan)
+        self.local = LocalPlan(peers, self.cfg.local_push, plan)
         for w in self.local.peers:
             if w["local_rank"] == self.cfg.local_rank:
                 continue

@@ -27,10 +27,9 @@ class LocalPlan:
     BytePS's choice; BYTEPS_LOCAL_PUSH=root; docs/benchmarks.md compares the two), or the machine's
     topology plan (``topology``: a :class:`byteps.topology.strategy.Plan` of this machine's size)."""
 
-    def __init__(self, peers, my_local_rank, mode="owners", topology=None):
+    def __init__(self, peers, mode="owners", topology=None):
         self.peers = sorted(peers, key=lambda w: w["local_rank"])  # address-book entries, this machine
         self.size = len(self.peers)
-        self.local_rank = my_local_rank
         self.root_only = mode == "root"
         self.topology = topology if topology is not None and topology.local_size == self.size else None
 

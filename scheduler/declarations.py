@@ -125,13 +125,9 @@ class Declarations:
             for i, r in replies:
                 self._send(i, Cmd.DECLARE, r)
 
-    def _declarers(self):
-        """Workers whose declarations a tensor waits for: every active one not in join()."""
-        return set(self._active_workers()) - set(self.joined)
-
     def _maybe_declared(self, name, seq):
         pending = self.declares[(name, seq)]
-        if set(pending["specs"]) >= self._declarers():
+        if set(pending["specs"]) >= set(self._active_workers()) - set(self.joined):  # all but ranks in join()
             del self.declares[(name, seq)]
             self._answer_declare(name, seq, pending["specs"])
 

@@ -16,12 +16,9 @@ class Join:
         return [self.workers[i]["rank"] for i in self.joined]
 
     def _on_join(self, ident):
-        """Horovod's join(): joined ranks contribute zeros to the others' push_pulls until all have joined.
-
-        Every change goes to servers (how many machines still push) and workers (whose copies a
+        """Every change goes to servers (how many machines still push) and workers (whose copies a
         local reduce no longer waits for). When the last rank joins, everyone is released with
-        its rank; that is a sync point at which every key's round count restarts at 0.
-        """
+        its rank; that is a sync point at which every key's round count restarts at 0."""
         if ident not in self.joined:
             self.joined.append(ident)
         ranks = self._joined_ranks()

@@ -36,10 +36,9 @@ class JobFailed(BytePSError):
 class Scheduler(Registration, Declarations, Join, ElasticServers):
     """The scheduler's state and loop; the handlers of each phase live in the base class of its module."""
 
-    def __init__(self, cfg, ctx=None):
+    def __init__(self, cfg):
         self.cfg = cfg
-        self.ctx = ctx or zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises instead of vanishing
         if cfg.root_port == 0:
@@ -69,9 +68,9 @@ class Scheduler(Registration, Declarations, Join, ElasticServers):
 
     # ---------------------------------------------------------------- helpers
 
-    def _send(self, ident, cmd, body=None, key=0, arg=0):
+    def _send(self, ident, cmd, body=None, arg=0):
         try:
-            self.sock.send_multipart([ident] + wire.control(cmd, SCHEDULER_ID, body, key=key, arg=arg))
+            self.sock.send_multipart([ident] + wire.control(cmd, SCHEDULER_ID, body, arg=arg))
         except zmq.ZMQError as e:  # EHOSTUNREACH: that peer is gone; its heartbeat loss will be reported
             logger.debug("send %s to %r failed: %s", Cmd(cmd).name, ident, e)
 

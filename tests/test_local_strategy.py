@@ -196,19 +196,19 @@ def test_owners_follow_the_plan():
     from byteps.core.local import LocalPlan
 
     peers = [{"local_rank": r} for r in range(4)]
-    scatter = LocalPlan(peers, 0, topology=topology.plan(machine="cpu_2numa", local_size=4, env={}))
+    scatter = LocalPlan(peers, topology=topology.plan(machine="cpu_2numa", local_size=4, env={}))
     assert scatter.topology.strategy == "cpu_assisted"
     assert [scatter.owner(1, i) for i in range(6)] == [1, 2, 3, 0, 1, 2]
     assert [scatter.owner(k, 0) for k in range(4)] == [0, 1, 2, 3]  # one-partition tensors spread by key
-    roots = LocalPlan(peers, 0, topology=topology.plan(machine="cpu_2numa", local_size=4,
-                                                      overrides={"roots": (1, 3)}, env={}))
+    roots = LocalPlan(peers, topology=topology.plan(machine="cpu_2numa", local_size=4,
+                                                   overrides={"roots": (1, 3)}, env={}))
     assert [roots.owner(0, i) for i in range(5)] == [1, 3, 1, 3, 1]
     assert [roots.owner(1, i) for i in range(2)] == [3, 1]
-    assert [LocalPlan(peers, 0).owner(1, i) for i in range(6)] == [1, 2, 3, 0, 1, 2]
-    assert [LocalPlan(peers, 0, "root").owner(1, i) for i in range(3)] == [0, 0, 0]
+    assert [LocalPlan(peers).owner(1, i) for i in range(6)] == [1, 2, 3, 0, 1, 2]
+    assert [LocalPlan(peers, "root").owner(1, i) for i in range(3)] == [0, 0, 0]
     # a plan of another size than the machine's (a fixture) is not used: the default owners
-    other = LocalPlan(peers[:2], 0, topology=topology.plan(machine="cpu_2numa", local_size=4,
-                                                          overrides={"roots": (3,)}, env={}))
+    other = LocalPlan(peers[:2], topology=topology.plan(machine="cpu_2numa", local_size=4,
+                                                       overrides={"roots": (3,)}, env={}))
     assert other.topology is None and [other.owner(0, i) for i in range(2)] == [0, 1]
 
 

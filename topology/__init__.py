@@ -4,6 +4,7 @@
 owners of a machine's local reduce and the roots of its NCCL stages (core/local.py).
 docs/topology.md explains the design and the modules.
 """
+import dataclasses
 import os
 
 from .model import Machine, TopologyError, fixture, fixture_names, from_dict, load
@@ -98,7 +99,7 @@ def plan(machine=None, description=None, model_bytes=1e9, overrides=None, local_
         for name in STRATEGIES[1:]:
             if name != chosen.strategy:
                 alternatives.append(choose(mach, devices=chosen.devices, overrides={**base, "strategy": name}))
-    return chosen.with_cost(evaluate(chosen, model_bytes, alternatives))
+    return dataclasses.replace(chosen, cost=evaluate(chosen, model_bytes, alternatives))
 
 
 def plan_text(target=None, local_size=None, model_bytes=1e9, env=None):

@@ -1,11 +1,7 @@
-"""The cost model of §4.2: per-link traffic, job time J, the brute-force mix (Eq. 8-9) and ring all-reduce.
-
-The paper's formulas (:func:`eq8_switch_cpu`, :func:`eq9_gpu_switch`, :func:`optimal_mix` for x*,
-:func:`cpu_assisted_time` for J_ca, :func:`ring_allreduce_time` for J_ar), and :func:`traffic`,
-which generalises their accounting to any :class:`~byteps.topology.strategy.Plan`: the bytes each
-link carries in the reduce half of one push_pull, counted like Eq. 9. J is taken over the machine's
-internal links, ``J_net`` also over the NICs' line rate. Bandwidths are Gbit/s, bytes are bytes,
-times seconds; docs/topology.md, "The cost model", explains the links and checks the paper's figures.
+"""The cost model of §4.2 (docs/topology.md, "The cost model"): the paper's formulas (Eq. 8-9, x*,
+J_ca, J_ar), and :func:`traffic`, the bytes each link of a :class:`~byteps.topology.strategy.Plan`
+carries in the reduce half of one push_pull, counted like Eq. 9. J is taken over the machine's
+internal links, ``J_net`` also over the NICs. Bandwidths are Gbit/s, bytes are bytes, times seconds.
 """
 import dataclasses
 import itertools
@@ -35,11 +31,7 @@ def mix_time(x, n, b_gpu, b_switch, m=1.0):
 
 
 def optimal_mix(n, b_gpu, b_switch):
-    """x* in [0, 1] minimising :func:`mix_time` (closed form: where the two link times meet).
-
-    With k = b_gpu / b_switch: x* = ((2n-1) - kn) / ((n-1)(1 + kn)), clamped to [0, 1]; 0 when
-    the uplink is already the bottleneck at x = 0, or when n = 1 (nothing to aggregate).
-    """
+    """x* in [0, 1] minimising :func:`mix_time`: where its two link times meet (0 when n = 1)."""
     if n <= 1:
         return 0.0
     k = b_gpu / b_switch
@@ -130,14 +122,14 @@ def traffic(plan, model_bytes, x=0.0):
         if not name:
             return
         nic = next(c for c in mach.nics if c.name == name)
-        _add(loads, f"{nic.name}", "nic", nbytes, nic.gbps)
+        _add(loads, nic.name, "nic", nbytes, nic.gbps)
         if nic.switch:  # the NIC reads host memory through its switch's uplink (principle 2)
             _add(loads, f"{nic.switch}-uplink", "uplink", nbytes, mach.switch(nic.switch).uplink_gbps)
 
     if plan.device == "cpu":
         p = len(plan.groups)
         qpi = [link for link in mach.links if link.kind == "qpi"]
-        if p > 1 and qpi and len({nm for nm in plan.group_names}) > 1:
+        if p > 1 and qpi and len(set(plan.group_names)) > 1:
             # PCIE_REDUCE reads the other groups' partial sums across the socket link
             _add(loads, "qpi", "qpi", 2 * (p - 1) / p * m, min(q.gbps for q in qpi))
         for r in range(n):
@@ -201,8 +193,6 @@ def traffic(plan, model_bytes, x=0.0):
             pcie(r, share)
             uplink(r, share)
             nic_share(r, share)
-    else:  # pragma: no cover - Plan.strategy is validated
-        raise ValueError(plan.strategy)
     return loads
 
 

@@ -6,14 +6,14 @@ Every source is optional: a machine without GPUs (such as CI) is detected as a C
 with its real NUMA nodes and NICs. Parsers take the sysfs root and command output as arguments so
 they are tested on recorded trees and text.
 """
+import contextlib
 import glob
 import os
 import re
-import shutil
 import subprocess
 
 from .model import Gpu, Link, Machine, Nic, Numa, Switch
-from .rdma import discover as discover_rdma, read_file as _read
+from .rdma import discover as discover_rdma, parse_numa_node, parse_rate, read_file as _read
 
 SYSFS = "/sys"
 NVIDIA = "0x10de"
@@ -46,27 +46,19 @@ def pcie_gbps(speed, width):
 
 
 def numa_nodes(root=SYSFS):
-    nodes = []
-    for path in sorted(glob.glob(os.path.join(root, "devices/system/node/node[0-9]*")),
-                       key=lambda p: int(re.sub(r"\D", "", os.path.basename(p)))):
-        nid = int(os.path.basename(path)[4:])
-        nodes.append(Numa(nid, parse_cpulist(_read(os.path.join(path, "cpulist")))))
-    if not nodes:
-        nodes = [Numa(0, os.cpu_count() or 0)]
-    return nodes
+    nodes = [Numa(int(os.path.basename(path)[4:]), parse_cpulist(_read(os.path.join(path, "cpulist"))))
+             for path in glob.glob(os.path.join(root, "devices/system/node/node[0-9]*"))]
+    return sorted(nodes, key=lambda n: n.id) or [Numa(0, os.cpu_count() or 0)]
 
 
-def _pci_chain(root, bdf):
-    """PCI addresses from the root port down to the device itself."""
+def _root_port(root, bdf):
+    """The PCI address of the root port a device sits under (the device itself when on none)."""
     real = os.path.realpath(os.path.join(root, "bus/pci/devices", bdf))
-    return [p for p in real.split(os.sep) if _BDF.match(p)]
+    return next((p for p in real.split(os.sep) if _BDF.match(p)), bdf)
 
 
 def _numa_of(root, bdf, valid):
-    try:
-        node = int(_read(os.path.join(root, "bus/pci/devices", bdf, "numa_node"), "-1"))
-    except ValueError:
-        node = -1
+    node = parse_numa_node(_read(os.path.join(root, "bus/pci/devices", bdf, "numa_node")))
     return node if node in valid else min(valid)
 
 
@@ -104,9 +96,7 @@ def pci_nics(root=SYSFS):
             except ValueError:
                 pass
             if cls == "infiniband":  # rate from the first port: "100 Gb/sec (4X EDR)"
-                rate = _read(os.path.join(path, "ports/1/rate"))
-                m = re.match(r"([\d.]+)\s*Gb/sec", rate)
-                speed = float(m.group(1)) if m else speed
+                speed = parse_rate(_read(os.path.join(path, "ports/1/rate"))) or speed
                 if any(v[0] == bdf for v in nics.values()):
                     continue  # the RDMA device of a netdev already listed
             nics[os.path.basename(path)] = (bdf, speed)
@@ -115,25 +105,19 @@ def pci_nics(root=SYSFS):
 
 def parse_topo_matrix(text):
     """Parse ``nvidia-smi topo -m``: {(i, j): relation} between GPU indices, e.g. 'NV2', 'PIX', 'SYS'."""
-    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
-    header = None
-    rel = {}
-    for ln in lines:
+    header, rel = None, {}
+    for ln in text.splitlines():
         cells = ln.split()
         if header is None:
             if cells and cells[0].startswith("GPU"):
                 header = [c for c in cells if re.match(r"^(GPU\d+|NIC\d+|mlx\S+)$", c)]
-            continue
-        m = re.match(r"^\s*GPU(\d+)\s+(.*)$", ln)
-        if not m:
-            if ln.startswith("Legend"):
-                break
-            continue
-        i = int(m.group(1))
-        values = m.group(2).split()
-        for col, val in zip(header, values):
-            if col.startswith("GPU") and int(col[3:]) != i:
-                rel[(i, int(col[3:]))] = val
+        elif ln.startswith("Legend"):
+            break
+        elif cells and re.match(r"GPU\d+$", cells[0]):
+            i = int(cells[0][3:])
+            for col, val in zip(header, cells[1:]):
+                if col.startswith("GPU") and int(col[3:]) != i:
+                    rel[(i, int(col[3:]))] = val
     return rel
 
 
@@ -151,11 +135,8 @@ def _nvml_links(gpu_bdfs):
     """NVLinks through NVML (nvidia-ml-py), or None if it is unavailable."""
     try:
         import pynvml
-    except ImportError:
-        return None
-    try:
         pynvml.nvmlInit()
-    except Exception:  # no driver
+    except Exception:  # not installed, or no driver
         return None
     try:
         norm = {b.lower()[-12:]: i for i, b in enumerate(gpu_bdfs)}  # 'dd:bb:dd.f' tail, any domain width
@@ -187,10 +168,8 @@ def _nvml_links(gpu_bdfs):
         links += [Link("nvswitch", f"gpu{a}", "nvswitch", g) for a, g in sorted(fabric.items())]
         return links
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def _bus_id(pci_info):
@@ -201,16 +180,11 @@ def _bus_id(pci_info):
 
 
 def _smi_links():
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return None
     try:
-        out = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):  # no nvidia-smi, or a hung driver
         return None
-    if out.returncode != 0:
-        return None
-    return nvlinks_from_matrix(parse_topo_matrix(out.stdout))
+    return nvlinks_from_matrix(parse_topo_matrix(out.stdout)) if out.returncode == 0 else None
 
 
 def detect(root=SYSFS, nvlinks=None):
@@ -224,8 +198,7 @@ def detect(root=SYSFS, nvlinks=None):
     gpu_bdfs = pci_gpus(root)
     switches, gpus = {}, []
     for i, bdf in enumerate(gpu_bdfs):
-        chain = _pci_chain(root, bdf)
-        port = chain[0] if chain else bdf
+        port = _root_port(root, bdf)
         numa = _numa_of(root, bdf, valid)
         if port not in switches:
             up = _link_gbps(root, port) if port != bdf else None
@@ -238,8 +211,7 @@ def detect(root=SYSFS, nvlinks=None):
                                                         use_pyverbs=root == SYSFS).devices if d.rate_gbps}
     for name, bdf, speed in pci_nics(root):
         speed = rdma_rates.get(name, speed)
-        chain = _pci_chain(root, bdf)
-        port = chain[0] if chain else None
+        port = _root_port(root, bdf)
         nics.append(Nic(name, _numa_of(root, bdf, valid), speed or DEFAULT_NIC_GBPS,
                         port if port in switches else None, bdf))
     links = []

@@ -93,9 +93,6 @@ class Machine:
                 return g
         raise KeyError(index)
 
-    def gpus_on(self, switch_id):
-        return [g for g in self.gpus if g.switch == switch_id]
-
     def nics_on(self, switch_id):
         return [n for n in self.nics if n.switch == switch_id]
 
@@ -206,39 +203,28 @@ def from_dict(d, origin="description"):
         raise TopologyError(f"{origin}: version {version!r} is not supported (this byteps reads version {VERSION})")
     name = _str(f"{origin}: name", d.get("name", os.path.basename(origin)))
 
-    numas = []
-    for where, item in _entries(d, "numa", origin):
-        numas.append(Numa(_int(f"{where}.id", item["id"]), _int(f"{where}.cpus", item.get("cpus", 0))))
+    numas = [Numa(_int(f"{where}.id", item["id"]), _int(f"{where}.cpus", item.get("cpus", 0)))
+             for where, item in _entries(d, "numa", origin)]
     if not numas:
         raise TopologyError(f"{origin}: 'numa' must list at least one NUMA node (CPU socket)")
     numa_ids = [n.id for n in numas]
     _unique(origin, "numa ids", numa_ids)
 
     def numa_ref(where, value):
-        value = _int(where, value)
-        if value not in numa_ids:
-            raise TopologyError(f"{where} = {value} is not a NUMA node (have: {', '.join(map(str, numa_ids))})")
-        return value
+        return _member(where, _int(where, value), numa_ids, "NUMA node")
 
-    switches = []
-    for where, item in _entries(d, "switches", origin):
-        switches.append(Switch(_str(f"{where}.id", item["id"]), numa_ref(f"{where}.numa", item["numa"]),
-                               _positive(f"{where}.uplink_gbps", item["uplink_gbps"])))
+    switches = [Switch(_str(f"{where}.id", item["id"]), numa_ref(f"{where}.numa", item["numa"]),
+                       _positive(f"{where}.uplink_gbps", item["uplink_gbps"]))
+                for where, item in _entries(d, "switches", origin)]
     switch_ids = [s.id for s in switches]
     _unique(origin, "switch ids", switch_ids)
 
     def switch_ref(where, value):
-        value = _str(where, value)
-        if value not in switch_ids:
-            have = ", ".join(switch_ids) or "none"
-            raise TopologyError(f"{where} = {value!r} is not a switch (have: {have})")
-        return value
+        return _member(where, _str(where, value), switch_ids, "switch")
 
-    gpus = []
-    for where, item in _entries(d, "gpus", origin):
-        gpus.append(Gpu(_int(f"{where}.index", item["index"]), switch_ref(f"{where}.switch", item["switch"]),
-                        _positive(f"{where}.link_gbps", item["link_gbps"]), str(item.get("name", "")),
-                        str(item.get("pci", ""))))
+    gpus = [Gpu(_int(f"{where}.index", item["index"]), switch_ref(f"{where}.switch", item["switch"]),
+                _positive(f"{where}.link_gbps", item["link_gbps"]), str(item.get("name", "")), str(item.get("pci", "")))
+            for where, item in _entries(d, "gpus", origin)]
     gpus.sort(key=lambda g: g.index)
     indices = [g.index for g in gpus]
     if indices != list(range(len(gpus))):
@@ -252,18 +238,19 @@ def from_dict(d, origin="description"):
                         None if sw is None else switch_ref(f"{where}.switch", sw), str(item.get("pci", ""))))
     _unique(origin, "NIC names", [n.name for n in nics])
 
-    endpoints = {"nvlink": ({f"gpu{i}" for i in indices},) * 2,
-                 "nvswitch": ({f"gpu{i}" for i in indices}, {"nvswitch"}),
-                 "qpi": ({f"numa{i}" for i in numa_ids},) * 2}
+    gpu_names, numa_names = {f"gpu{i}" for i in indices}, {f"numa{i}" for i in numa_ids}
+    endpoints = {"nvlink": (gpu_names, gpu_names, "two different GPUs ('gpu0', 'gpu1', ...)"),
+                 "nvswitch": (gpu_names, {"nvswitch"}, "a GPU ('gpu0', ...) and 'nvswitch'"),
+                 "qpi": (numa_names, numa_names, "two different NUMA nodes ('numa0', 'numa1', ...)")}
     links = []
     for where, item in _entries(d, "links", origin):
         kind = item["kind"]
         if kind not in LINK_KINDS:
             raise TopologyError(f"{where}.kind = {kind!r} must be one of {', '.join(LINK_KINDS)}")
         a, b = _str(f"{where}.a", item["a"]), _str(f"{where}.b", item["b"])
-        allowed_a, allowed_b = endpoints[kind]
+        allowed_a, allowed_b, joins = endpoints[kind]
         if a not in allowed_a or b not in allowed_b or a == b:
-            raise TopologyError(f"{where}: a {kind} link joins {_endpoint_help(kind)}; got {a!r}-{b!r}")
+            raise TopologyError(f"{where}: a {kind} link joins {joins}; got {a!r}-{b!r}")
         links.append(Link(kind, a, b, _positive(f"{where}.gbps", item["gbps"])))
 
     cross = d.get("cross_switch_copy_gbps")
@@ -274,10 +261,10 @@ def from_dict(d, origin="description"):
                    source=origin)
 
 
-def _endpoint_help(kind):
-    return {"nvlink": "two different GPUs ('gpu0', 'gpu1', ...)",
-            "nvswitch": "a GPU ('gpu0', ...) and 'nvswitch'",
-            "qpi": "two different NUMA nodes ('numa0', 'numa1', ...)"}[kind]
+def _member(where, value, have, what):
+    if value not in have:
+        raise TopologyError(f"{where} = {value!r} is not a {what} (have: {', '.join(map(str, have)) or 'none'})")
+    return value
 
 
 def _unique(origin, what, values):

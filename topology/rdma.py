@@ -40,21 +40,14 @@ class RdmaDevice:
     @property
     def rate_gbps(self):
         """The fastest active port's rate (Gbit/s), or None."""
-        rates = [p.rate_gbps for p in self.ports if p.active and p.rate_gbps]
-        return max(rates) if rates else None
+        return max((p.rate_gbps for p in self.ports if p.active and p.rate_gbps), default=None)
 
 
 @dataclass
 class Discovery:
     devices: List[RdmaDevice]
-    source: str          # "pyverbs", "sysfs", "ibv_devinfo" or "none"
+    source: str          # "pyverbs", "sysfs" or "ibv_devinfo"
     why: str = ""        # why nothing was found
-
-    @property
-    def bandwidth_bytes_per_s(self):
-        """B for placement: the fastest active RDMA port on this machine, in bytes/s; None without one."""
-        rates = [d.rate_gbps for d in self.devices if d.rate_gbps]
-        return max(rates) * 1e9 / 8 if rates else None
 
     def summary(self):
         if not self.devices:
@@ -85,7 +78,8 @@ def read_file(path, default=""):
         return default
 
 
-def _numa(text):
+def parse_numa_node(text):
+    """A sysfs ``numa_node``: the node, or None when unknown ("-1", absent)."""
     try:
         n = int(text)
     except (TypeError, ValueError):
@@ -117,8 +111,8 @@ def from_sysfs(root=SYSFS_ROOT):
     for dev in sorted(os.listdir(root)):
         ports_dir = os.path.join(root, dev, "ports")
         numbers = sorted(int(p) for p in os.listdir(ports_dir) if p.isdigit()) if os.path.isdir(ports_dir) else []
-        devices.append(RdmaDevice(name=dev, numa_node=_numa(read_file(os.path.join(root, dev, "device", "numa_node"))),
-                                  node_guid=read_file(os.path.join(root, dev, "node_guid")),
+        numa = parse_numa_node(read_file(os.path.join(root, dev, "device", "numa_node")))
+        devices.append(RdmaDevice(name=dev, numa_node=numa, node_guid=read_file(os.path.join(root, dev, "node_guid")),
                                   ports=[_sysfs_port(root, dev, n) for n in numbers]))
     return devices
 
@@ -170,10 +164,11 @@ def from_pyverbs(sysfs_root=SYSFS_ROOT):
         listed = d.get_device_list()
     except PyverbsError:  # ENOSYS / no uverbs: no RDMA here
         return []
+    sysfs = {x.name: x for x in from_sysfs(sysfs_root)}
     devices = []
     for item in listed:
         name = item.name.decode() if isinstance(item.name, bytes) else str(item.name)
-        on_disk = {x.name: x for x in from_sysfs(sysfs_root)}.get(name)
+        on_disk = sysfs.get(name)
         dev = RdmaDevice(name=name, numa_node=on_disk.numa_node if on_disk else None)
         with d.Context(name=name) as ctx:
             attr = ctx.query_device()

@@ -1,13 +1,8 @@
 """Choosing the intra-machine aggregation strategy by the BytePS paper's rules (§4.2.3).
 
-Two principles: never copy GPU-to-GPU across PCIe switches, and keep the switch uplink a NIC shares
-with GPUs free for the NIC. With S_n the switches holding GPUs and a NIC, S_g those holding only
-GPUs: asymmetric machines (S_n > 0 and S_g > 0) take ``reduce_broadcast`` to roots on GPU-only
-switches; symmetric ones take ``reduce_scatter`` over NVLink, or ``cpu_assisted`` aggregation
-without it; several NICs shard the traffic over rails; a machine without GPUs groups its processes
-by NUMA node. A :class:`Plan` says which strategy, groups, roots and NICs, and *why* in plain text.
-The rules, their table and the overrides (``BYTEPS_INTRA_STRATEGY``, ``BYTEPS_REDUCE_ROOTS``,
-``BYTEPS_PCIE_SWITCH_SIZE``) are in docs/topology.md.
+A :class:`Plan` says which strategy, groups, roots and NICs a machine's local processes use, and
+*why* in plain text. The rules, their table and the overrides (``BYTEPS_INTRA_STRATEGY``,
+``BYTEPS_REDUCE_ROOTS``, ``BYTEPS_PCIE_SWITCH_SIZE``) are in docs/topology.md.
 """
 import dataclasses
 import os
@@ -45,9 +40,6 @@ class Plan:
     def root_for(self, partition):
         """The root that reduces and broadcasts a partition (round-robin over the roots)."""
         return self.roots[partition % len(self.roots)]
-
-    def with_cost(self, cost):
-        return dataclasses.replace(self, cost=cost)
 
     def describe(self):
         from .report import describe
@@ -167,21 +159,15 @@ def _switch_groups(machine, devices, switch_size, reasons):
         reasons.append(f"switch groups overridden (BYTEPS_PCIE_SWITCH_SIZE={switch_size}): "
                        + " ".join(f"[{_ranks(g)}]" for g in groups))
         return groups, names
-    order, by_switch = [], {}
+    by_switch = {}  # in order of first appearance
     for rank, d in enumerate(devices):
-        sw = machine.gpu(d).switch
-        if sw not in by_switch:
-            order.append(sw)
-            by_switch[sw] = []
-        by_switch[sw].append(rank)
-    return tuple(tuple(by_switch[s]) for s in order), tuple(order)
+        by_switch.setdefault(machine.gpu(d).switch, []).append(rank)
+    return tuple(map(tuple, by_switch.values())), tuple(by_switch)
 
 
 def _rails(machine, devices):
     """NIC for each local rank: one under its switch (spread over the switch's GPUs), else one
     on its socket, else any; round-robin so several NICs share the load (Fairring's rails)."""
-    if not machine.nics:
-        return ("",) * len(devices)
     rails = []
     for rank, d in enumerate(devices):
         gpu = machine.gpu(d)
@@ -189,11 +175,15 @@ def _rails(machine, devices):
         if under:
             peers = [r for r, dd in enumerate(devices) if machine.gpu(dd).switch == gpu.switch]
             rails.append(under[peers.index(rank) % len(under)].name)
-            continue
-        numa = machine.switch(gpu.switch).numa
-        near = [n for n in machine.nics if n.numa == numa] or list(machine.nics)
-        rails.append(near[rank % len(near)].name)
+        else:
+            rails.append(_nic_near(machine, machine.switch(gpu.switch).numa, rank))
     return tuple(rails)
+
+
+def _nic_near(machine, numa, rank):
+    """A NIC on NUMA node ``numa`` (else any), round-robin by rank; "" on a machine without NICs."""
+    near = [nic for nic in machine.nics if nic.numa == numa] or list(machine.nics)
+    return near[rank % len(near)].name if near else ""
 
 
 def _choose_gpu(machine, devices, overrides):
@@ -248,11 +238,11 @@ def _choose_gpu(machine, devices, overrides):
                            "aggregation with a single group: nothing for the CPU to add)")
 
     roots = ()
+    if strategy != "cpu_assisted":
+        groups, names = (tuple(range(n)),), ("all",)
     if strategy == "reduce_broadcast":
         roots = _roots(machine, devices, overrides.get("roots"), gpu_only, reasons)
-        groups, names = (tuple(range(n)),), ("all",)
     elif strategy == "reduce_scatter":
-        groups, names = (tuple(range(n)),), ("all",)
         reasons.append(f"reduce-scatter over all {n} GPUs: local rank r holds slice r of the sum, copies it to "
                        "host memory and pushes it")
     else:  # cpu_assisted
@@ -320,15 +310,15 @@ def _choose_cpu(machine, local_size, overrides):
                        "crosses the socket interconnect")
     strategy = "none" if n == 1 else (_forced(overrides) or "cpu_assisted")
     roots = ()
+    if strategy in ("reduce_broadcast", "reduce_scatter"):
+        groups, names = (tuple(range(n)),), ("all",)
     if strategy == "reduce_broadcast":
         roots = overrides.get("roots") or (0,)
         bad = [r for r in roots if r >= n]
         if bad:
             raise TopologyError(f"BYTEPS_REDUCE_ROOTS: local rank(s) {bad} do not exist ({n} local processes)")
-        groups, names = (tuple(range(n)),), ("all",)
         reasons.append(f"reduce + broadcast forced: roots {_ranks(roots)}")
     elif strategy == "reduce_scatter":
-        groups, names = (tuple(range(n)),), ("all",)
         reasons.append("reduce-scatter + all-gather forced: one group of all processes")
     elif strategy == "cpu_assisted":
         reasons.append("shared-memory reduce-scatter inside each group, then the groups' copies are summed "
@@ -336,11 +326,7 @@ def _choose_cpu(machine, local_size, overrides):
     else:
         reasons.append("one local process: nothing to aggregate")
         roots = (0,)
-    # each process's NIC: one on its NUMA node, else any
-    rails = []
-    for r in range(n):
-        near = [nic for nic in machine.nics if nic.numa == numas[r // per_node]] or list(machine.nics)
-        rails.append(near[r % len(near)].name if near else "")
+    rails = tuple(_nic_near(machine, numas[r // per_node], r) for r in range(n))
     return Plan(machine=machine, strategy=strategy, local_size=n, device="cpu", devices=(), groups=groups,
-                group_names=names, roots=tuple(roots), rails=tuple(rails), s_n=0, s_g=0, nvlink=False,
+                group_names=names, roots=tuple(roots), rails=rails, s_n=0, s_g=0, nvlink=False,
                 reasons=tuple(reasons), overrides=tuple(sorted(overrides.items())))
