@@ -649,6 +649,15 @@ def ddp_backend(out, args):
     rs = torch.empty(2)
     dist.reduce_scatter_tensor(rs, torch.arange(2.0 * size) * (rank + 1))
     res["reduce_scatter_tensor"] = rs.tolist()
+    t = torch.full((2,), float(rank + 1))
+    dist.reduce(t, dst=1)
+    res["reduce"] = t.tolist()
+    gl = [torch.empty(2) for _ in range(size)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank)), gl, dst=0)
+    res["gather"] = None if gl is None else [g.tolist() for g in gl]
+    sc = torch.empty(2)
+    dist.scatter(sc, [torch.full((2,), 10.0 + q) for q in range(size)] if rank == 1 else None, src=1)
+    res["scatter"] = sc.tolist()
     w = dist.all_reduce(torch.ones(2), async_op=True)
     res["async_work_wait"] = w.wait()
     objs = [None] * size

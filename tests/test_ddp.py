@@ -77,6 +77,9 @@ def test_backend_collectives(backend):
         assert v["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0]
         full = torch.arange(2.0 * N) * 3  # sum over ranks of arange * (rank + 1)
         assert v["reduce_scatter_tensor"] == full[2 * r:2 * r + 2].tolist()
+        assert v["reduce"] == ([3.0] * 2 if r == 1 else [r + 1.0] * 2)  # only the root takes the sum
+        assert v["gather"] == ([[float(q)] * 2 for q in range(N)] if r == 0 else None)
+        assert v["scatter"] == [10.0 + r] * 2
         assert v["async_work_wait"] is True
         assert v["all_gather_object"] == [{"r": 0}, {"r": 1}]
         assert v["all_to_all_single"] == [2.0 * r, 2.0 * r + 1, 100 + 2.0 * r, 101 + 2.0 * r]

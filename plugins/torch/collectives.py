@@ -9,8 +9,8 @@ from byteps.splits import rows_sent, send_table, splits_row
 
 from . import completion
 from .compression import Compression
-from .mpi_ops import (Average, Sum, _allgather_start, _allreduce_start, _code, _contiguous_copy, _finish_with_results,
-                      _grad_name, _grouped_start, _members, _name, _start_chain, _starting, _when_finished, _wire_set,
+from .mpi_ops import (Average, Sum, _allgather_start, _allreduce_start, _code, _contiguous_copy, _copies,
+                      _finish_with_results, _grad_name, _grouped_start, _members, _name, _start_chain, _wire_set,
                       global_process_set)
 
 
@@ -44,17 +44,8 @@ def _alltoall_start(tensor, splits, name, pset=None):
     _code(tensor, full, move=True, pset=pset, first_ops=[f"allgather.{full}.{p}.sizes" for p in ("splits", "data")])
     # bad splits send no rows: the check after the first gather fails the alltoall on every rank
     src = _contiguous_copy(tensor.narrow(0, 0, rows_sent(row, n)))
-    gathers = []
-
-    def start_splits():
-        p = _allgather_start(torch.from_numpy(row.reshape(1, n + 2)), f"{full}.splits", pset)
-        gathers.append(p)
-        return p.handle
-
-    def start_data():
-        p = _allgather_start(src, f"{full}.data", pset)
-        gathers.append(p)
-        return p.handle
+    starters = [lambda: _allgather_start(torch.from_numpy(row.reshape(1, n + 2)), f"{full}.splits", pset).handle,
+                lambda: _allgather_start(src, f"{full}.data", pset).handle]
 
     def finish(outcomes, pending):
         (table, _), (data, _) = outcomes
@@ -68,7 +59,7 @@ def _alltoall_start(tensor, splits, name, pset=None):
         received = torch.tensor([matrix[r][me] for r in range(n)], dtype=torch.int32)
         pending.finish(result=(out, received))
 
-    return _start_chain(full, [start_splits, start_data], finish)
+    return _start_chain(full, starters, finish)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
@@ -118,20 +109,17 @@ def _grouped_allgather_start(tensors, name, pset=None):
     for i, t in enumerate(tensors):
         _code(t, f"{full}.{i}", move=True, pset=pset,
               first_ops=[f"allgather.{full}.{j}.sizes" for j in range(len(tensors))])
-    subs = []
+    subs = []  # the allgathers' Pendings, in order
 
-    def starter(i, t):
-        def start():
-            p = _allgather_start(t, f"{full}.{i}", pset)
-            subs.append(p)
-            return p.handle
-        return start
+    def start(i, t):
+        subs.append(_allgather_start(t, f"{full}.{i}", pset))
+        return subs[-1].handle
 
     def finish(outcomes, pending):
         pending.extra = [p.extra for p in subs]  # dim-0 counts per tensor, per rank
-        pending.finish(result=tuple(r for r, _ in outcomes))
+        _finish_with_results(outcomes, pending)
 
-    return _start_chain(full, [starter(i, t) for i, t in enumerate(tensors)], finish)
+    return _start_chain(full, [lambda i=i, t=t: start(i, t) for i, t in enumerate(tensors)], finish)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
@@ -149,8 +137,8 @@ class _GroupedAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        reduced = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], _grad_name(ctx.name),
-                                                        Average, 1.0, 1.0, ctx.pset))
+        reduced = completion.synchronize(_grouped_start(_copies(grads), _grad_name(ctx.name), Average, 1.0, 1.0,
+                                                        ctx.pset))
         me = _members(ctx.pset)[1]
         return (None, None, *[r.narrow(0, sum(c[:me]), c[me]) for r, c in zip(reduced, ctx.counts)])
 
@@ -169,6 +157,13 @@ def _check_reducescatter(tensor, op):
         raise ScalarInputError("Reducescatter does not support scalar inputs")
 
 
+def _reducescatter_grads(ctx, grads):
+    """A reducescatter's gradient: the upstream gradients gathered (Horovod: times size for a Sum)."""
+    if ctx.op == Sum:
+        return [g * _members(ctx.pset)[0] for g in grads]
+    return grads
+
+
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0):
     """Reduce ``tensor`` over all ranks, then keep this rank's block of dim 0 (the first
@@ -176,19 +171,19 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     pset = _wire_set(process_set)
     _check_reducescatter(tensor, op)
     full = _name("reducescatter", name, pset)
-    with _starting(full) as pending:
-        h = _allreduce_start(_contiguous_copy(tensor), full + ".sum", op, prescale_factor, postscale_factor,
-                             pset=pset)
     n, me, _ = _members(pset)
     rows = tensor.shape[0]
     counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
 
-    def cut(outcomes):
+    def cut(outcomes, pending):
         (res, _), = outcomes
         pending.finish(result=res.narrow(0, sum(counts[:me]), counts[me]).clone())
 
-    _when_finished(full, pending, [h], cut)
-    return pending.handle
+    def start():
+        return _allreduce_start(_contiguous_copy(tensor), full + ".sum", op, prescale_factor, postscale_factor,
+                                pset=pset)
+
+    return _start_chain(full, [start], cut).handle
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -201,9 +196,7 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g = completion.synchronize(_allgather_start(_contiguous_copy(grad), _grad_name(ctx.name), ctx.pset).handle)
-        if ctx.op == Sum:  # Horovod: the gradient of a Sum reducescatter is size x the gathered gradient
-            g = g * _members(ctx.pset)[0]
-        return g, None, None, None, None, None
+        return _reducescatter_grads(ctx, [g])[0], None, None, None, None, None
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
@@ -211,8 +204,6 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     """Reduce ``tensor`` over every rank and return this rank's block of dim 0 (the first ``dim0 %
     size`` ranks get one extra row). Differentiable: the gradient is the upstream gradient gathered
     from every rank (times ``size`` for Sum), as in Horovod."""
-    _wire_set(process_set)
-    _check_reducescatter(tensor, op)
     compressed, cctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, cctx)
@@ -220,10 +211,11 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def _grouped_reducescatter_start(tensors, name, op, prescale_factor, postscale_factor,
                                  process_set=global_process_set):
+    pset = _wire_set(process_set)
     tensors = list(tensors)
     for t in tensors:
         _check_reducescatter(t, op)
-    full = _name("grouped_reducescatter", name, _wire_set(process_set))
+    full = _name("grouped_reducescatter", name, pset)  # after the checks: a refused call takes no number
     starters = [lambda i=i, t=t: reducescatter_async(t, f"{full}.{i}", op, process_set, prescale_factor,
                                                       postscale_factor)
                 for i, t in enumerate(tensors)]
@@ -245,20 +237,14 @@ class _GroupedReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        gathered = completion.synchronize(_grouped_allgather_start([_contiguous_copy(g) for g in grads],
-                                                                   _grad_name(ctx.name), ctx.pset).handle)
-        if ctx.op == Sum:
-            gathered = [g * _members(ctx.pset)[0] for g in gathered]
-        return (None, None, None, None, None, *gathered)
+        gathered = completion.synchronize(_grouped_allgather_start(_copies(grads), _grad_name(ctx.name),
+                                                                   ctx.pset).handle)
+        return (None, None, None, None, None, *_reducescatter_grads(ctx, gathered))
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reducescatter every tensor of a list; returns a list (differentiable, like :func:`reducescatter`)."""
-    _wire_set(process_set)
-    tensors = list(tensors)
-    for t in tensors:
-        _check_reducescatter(t, op)
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set,
                                        *[c for c, _ in pairs])
@@ -271,9 +257,8 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """Horovod's sparse allreduce of a COO tensor: its indices and values are allgathered, and the
     returned callable waits and builds the (uncoalesced) sum; Average divides the values by ``size``."""
     pset = _wire_set(process_set)
-    t = tensor
-    indices = _allgather_start(t._indices().transpose(0, 1).contiguous(), f"{name}.indices", pset)
-    values = _allgather_start(t._values().contiguous(), f"{name}.values", pset)
+    indices = _allgather_start(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices", pset)
+    values = _allgather_start(tensor._values().contiguous(), f"{name}.values", pset)
     n = _members(pset)[0]
 
     def handle():
@@ -282,7 +267,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         if op == Average:
             vals = vals / n
         if idx.dim() == 0 or vals.dim() == 0:
-            return t.new().resize_as_(t)
-        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size())
+            return tensor.new().resize_as_(tensor)
+        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, tensor.size())
 
     return handle

@@ -125,13 +125,11 @@ class Pending:
 
 
 def first_error(outcomes):
-    for _, err in outcomes:
-        if err is not None:
-            return err
-    return None
+    return next((err for _, err in outcomes if err is not None), None)
 
 
 def poll(handle):
+    """True when the operation behind ``handle`` has finished."""
     p = _pending.get(handle)
     if p is not None:
         return p.done.is_set()
@@ -139,6 +137,11 @@ def poll(handle):
 
 
 def synchronize(handle):
+    """Wait for ``handle`` and return the output tensor (raises the operation's error, if any).
+
+    Handles of multi-stage operations (Horovod-style allgather, grouped or Min/Max/Product
+    allreduces) return what the operation produces: a tensor, or a tuple for grouped operations.
+    """
     p = _pending.get(handle)
     if p is not None:
         try:

@@ -52,10 +52,7 @@ def select(compression, name):
         return compression
     if name in compression:
         return compression[name]
-    for pattern, comp in compression.items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return comp
-    return NoneCompressor
+    return next((comp for pattern, comp in compression.items() if fnmatch.fnmatchcase(name, pattern)), NoneCompressor)
 
 
 __all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor", "WireCompressor", "select", "wire_codec"]

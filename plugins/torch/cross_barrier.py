@@ -20,17 +20,13 @@ class _CrossBarrier(_DistributedOptimizer):
     """Methods added to the dynamic optimizer class; see the module docstring."""
 
     def _cb_setup(self, model):
-        self._cb_done = threading.Event()
-        self._cb_done.set()
         self._cb_error = None
-        self._cb_thread = None
+        self._cb_thread = None  # the update in progress, if any
         self._cb_hook = model.register_forward_pre_hook(lambda module, inputs: self._cb_wait())
 
     def _cb_wait(self):
-        self._cb_done.wait()
-        t = self._cb_thread
-        if t is not None:
-            t.join()
+        if self._cb_thread is not None:
+            self._cb_thread.join()
             self._cb_thread = None
         if self._cb_error is not None:
             err, self._cb_error = self._cb_error, None
@@ -44,14 +40,11 @@ class _CrossBarrier(_DistributedOptimizer):
             super(self.__class__, self).step(closure)
         except BaseException as e:  # raised on the training thread at the next wait
             self._cb_error = e
-        finally:
-            self._cb_done.set()
 
     def step(self, closure=None):
         self._cb_wait()
         if closure is not None or common.size() == 1:  # a closure re-runs forward: no overlap possible
             return _DistributedOptimizer.step(self, closure)
-        self._cb_done.clear()
         # not a daemon: the interpreter waits for the last update before shutting byteps down
         self._cb_thread = threading.Thread(target=self._cb_update, args=(None,), name="byteps-cross-barrier")
         self._cb_thread.start()

@@ -8,25 +8,13 @@
 Each ready bucket starts an asynchronous push_pull (average) of ``bucket.buffer()`` in place; the
 returned Future completes from byteps' completion callback (docs/launchers.md). ``state`` may be a
 string prefixing the tensor names, needed only when several DDP models in one process use the hook."""
-import torch
-
-from . import completion
 from .ops import push_pull_async_inplace
+from .process_group import _future
 
 
 def ddp_comm_hook(state, bucket):
     """Average ``bucket.buffer()`` over every byteps worker; returns a ``torch.futures.Future[Tensor]``."""
     prefix = state if isinstance(state, str) else "ddp"
     tensor = bucket.buffer()
-    fut = torch.futures.Future()
-    handle = push_pull_async_inplace(tensor, average=True, name=f"{prefix}.bucket.{bucket.index()}")
-
-    def done(outcomes):
-        (result, error), = outcomes
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-    completion.when_done([handle], done)
-    return fut
+    # in place: the result is ``tensor`` itself (ops._written_back)
+    return _future([push_pull_async_inplace(tensor, average=True, name=f"{prefix}.bucket.{bucket.index()}")], tensor)

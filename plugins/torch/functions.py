@@ -1,6 +1,5 @@
 """Broadcast helpers: parameters, optimizer state, arbitrary picklable objects."""
 import collections
-import io
 import pickle
 
 import torch
@@ -19,6 +18,12 @@ def _named_tensors(params):
     return [(f"param.{i}", p) for i, p in enumerate(items)]
 
 
+def _broadcast_all(named, root_rank):
+    """Broadcast every ``(name, tensor)`` in place: all are started before the first is waited for."""
+    for handle in [broadcast_async_(t, root_rank, name=n) for n, t in named]:
+        synchronize(handle)
+
+
 def broadcast_parameters(params, root_rank, prefix="Parameter."):
     """Overwrite every tensor in ``params`` with root_rank's values (in place).
 
@@ -27,14 +32,8 @@ def broadcast_parameters(params, root_rank, prefix="Parameter."):
         root_rank: the rank whose values every worker receives.
         prefix: prepended to each name to form the broadcast's tensor name.
     """
-    handles = []
-    for name, p in _named_tensors(params):
-        if p is None:
-            continue
-        data = p.data if isinstance(p, torch.nn.Parameter) else p
-        handles.append(broadcast_async_(data, root_rank, name=prefix + name))
-    for h in handles:
-        synchronize(h)
+    _broadcast_all([(prefix + name, p.data if isinstance(p, torch.nn.Parameter) else p)
+                    for name, p in _named_tensors(params) if p is not None], root_rank)
 
 
 _object_counter = collections.Counter()  # process set id -> unnamed object collectives so far
@@ -49,9 +48,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     if name is None:
         name = _object_name("broadcast_object", process_set)
     if common.rank() == root_rank:
-        buf = io.BytesIO()
-        pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
-        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
@@ -101,9 +98,7 @@ def broadcast_optimizer_state(optimizer, root_rank, prefix="Parameter.", model=N
     layout = broadcast_object(layout, root_rank, name=f"{prefix}optimizer.layout")
     tensors = []
     rebuilt = _rebuild(layout, state if common.rank() == root_rank else None, tensors)
-    handles = [broadcast_async_(t, root_rank, name=f"{prefix}optimizer.{i}") for i, t in enumerate(tensors)]
-    for h in handles:
-        synchronize(h)
+    _broadcast_all([(f"{prefix}optimizer.{i}", t) for i, t in enumerate(tensors)], root_rank)
     if common.rank() != root_rank:
         optimizer.load_state_dict(rebuilt)
 

@@ -13,6 +13,7 @@ import torch
 
 from byteps import common
 from byteps import errors
+from byteps.common import mark_step, stop_timeline  # noqa: F401  (Horovod's stop_timeline; byteps' mark_step)
 from byteps.errors import BytePSError
 from byteps.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,  # noqa: F401
                                mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
@@ -30,8 +31,6 @@ Adasum = 2
 Min = 3
 Max = 4
 Product = 5
-
-_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
 #: Horovod's error for a failed collective; byteps' errors are all of this type.
 HorovodInternalError = BytePSError
@@ -69,14 +68,6 @@ def _in_flight(full):
                       "another one with the same name")
 
 
-def _reserve(full):
-    """Mark a multi-stage operation's name as in flight (ValueError if it already is)."""
-    with _busy_lock:
-        if full in _busy:
-            raise _in_flight(full)
-        _busy.add(full)
-
-
 def _release(full):
     with _busy_lock:
         _busy.discard(full)
@@ -87,7 +78,10 @@ def _starting(full):
     """The start of a multi-stage operation named ``full``: reserves the name and yields the operation's
     Pending; an exception while its stages start releases the name, forgets the Pending and goes on
     to the caller."""
-    _reserve(full)
+    with _busy_lock:
+        if full in _busy:
+            raise _in_flight(full)
+        _busy.add(full)
     pending = None
     try:
         pending = completion.Pending(full)
@@ -115,9 +109,21 @@ def _when_finished(full, pending, handles, finish):
 
 def _start_chain(full, starters, finish):
     """Reserve ``full``, start each thunk of ``starters`` (each returns a handle), and call
-    ``finish(outcomes, pending)`` on the helper thread when all are done; returns the user's Pending."""
+    ``finish(outcomes, pending)`` on the helper thread when all are done; returns the user's Pending.
+    If a start fails after others, the Pending fails once those finish."""
     with _starting(full) as pending:
-        handles = _submit_all(starters, pending, full)
+        handles = []
+        try:
+            for start in starters:
+                handles.append(start())
+        except BaseException as e:
+            if handles:
+                def fail(outcomes, err=e):
+                    _release(full)
+                    pending.finish(error=err)
+
+                completion.when_done(handles, fail)
+            raise
     _when_finished(full, pending, handles, lambda outcomes: finish(outcomes, pending))
     return pending
 
@@ -125,6 +131,10 @@ def _start_chain(full, starters, finish):
 def _finish_with_results(outcomes, pending):
     """A grouped operation's end: the tuple of its parts' results."""
     pending.finish(result=tuple(r for r, _ in outcomes))
+
+
+def _copies(tensors):
+    return [_contiguous_copy(t) for t in tensors]
 
 
 def _reset():
@@ -151,7 +161,7 @@ def _resolve_op(op, average):
     op = Average if op is None else op
     if op == Adasum:
         raise NotImplementedError("byteps does not implement Adasum; use hvd.Average or hvd.Sum")
-    if op not in _OP_NAMES:
+    if op not in (Average, Sum, Min, Max, Product):
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
     return op
 
@@ -180,10 +190,11 @@ def _grad_name(name):
     return None if name is None else f"{name}.grad"
 
 
-def _averaged(grad, name, pset):
-    """A copy of ``grad`` averaged over the ranks: the gradient of a broadcast or an allgather."""
-    full = _name("allreduce", _grad_name(name), pset)
-    return completion.synchronize(_allreduce_start(_contiguous_copy(grad), full, Average, pset=pset))
+def _allreduced(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0, codec=None, pset=None):
+    """A new tensor: ``tensor`` allreduced under the user's ``name``, waited for."""
+    full = _name("allreduce", name, pset)
+    return completion.synchronize(_allreduce_start(_contiguous_copy(tensor), full, op, prescale_factor,
+                                                   postscale_factor, compression=codec, pset=pset))
 
 
 # ------------------------------------------------------------------------------ allreduce
@@ -222,48 +233,24 @@ def _allreduce_start(tensor, full, op, prescale_factor=1.0, postscale_factor=1.0
                          compression=compression, process_set=pset, average_by=average_by)
 
 
+_LOCAL_REDUCE = {Min: lambda s: s.amin(0), Max: lambda s: s.amax(0), Product: lambda s: s.prod(0, dtype=s.dtype)}
+
+
 def _gather_reduce_start(tensor, full, op, prescale_factor, postscale_factor, pset=None):
     """Min/Max/Product: every rank broadcasts its tensor; each reduces the ``size`` tensors locally."""
-    _code(tensor, full, pset=pset, first_ops=[f"{full}.{i}" for i in range(_members(pset)[0])])
-    with _starting(full) as pending:
-        n, me, ranks = _members(pset)
-        src = _scale_(_contiguous_copy(tensor), prescale_factor)
-        bufs = [src if i == me else torch.empty_like(src) for i in range(n)]
-        handles = _submit_all([lambda i=i: _broadcast_start(bufs[i], ranks[i], f"{full}.{i}", pset) for i in range(n)],
-                              pending, full)
+    n, me, ranks = _members(pset)
+    _code(tensor, full, pset=pset, first_ops=[f"{full}.{i}" for i in range(n)])
+    src = _scale_(_contiguous_copy(tensor), prescale_factor)
+    bufs = [src if i == me else torch.empty_like(src) for i in range(n)]
 
-    def reduce(outcomes):
-        stacked = torch.stack(bufs)
-        if op == Min:
-            res = stacked.amin(0)
-        elif op == Max:
-            res = stacked.amax(0)
-        else:
-            res = stacked.prod(0, dtype=stacked.dtype)
-        _scale_(res, postscale_factor)
+    def reduce(outcomes, pending):
+        res = _scale_(_LOCAL_REDUCE[op](torch.stack(bufs)), postscale_factor)
         with torch.no_grad():
             tensor.copy_(res)
         pending.finish(result=tensor)
 
-    _when_finished(full, pending, handles, reduce)
-    return pending.handle
-
-
-def _submit_all(thunks, pending, full):
-    """Submit operations; if one fails after others started, fail ``pending`` once those finish."""
-    handles = []
-    try:
-        for thunk in thunks:
-            handles.append(thunk())
-    except BaseException as e:
-        if handles:
-            def fail(outcomes, err=e):
-                _release(full)
-                pending.finish(error=err)
-
-            completion.when_done(handles, fail)
-        raise
-    return handles
+    starters = [lambda i=i: _broadcast_start(bufs[i], ranks[i], f"{full}.{i}", pset) for i in range(n)]
+    return _start_chain(full, starters, reduce).handle
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -282,32 +269,26 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
     """Out-of-place :func:`allreduce_async_`: ``synchronize`` returns a new tensor; the input is untouched."""
-    pset = _wire_set(process_set)
-    op = _resolve_op(op, average)
-    return _allreduce_start(_contiguous_copy(tensor), _name("allreduce", name, pset), op, prescale_factor,
-                            postscale_factor, pset=pset)
+    return allreduce_async_(_contiguous_copy(tensor), None, name, _resolve_op(op, average), prescale_factor,
+                            postscale_factor, process_set)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """In-place allreduce; returns ``tensor``."""
-    return completion.synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                                   process_set))
+    return completion.synchronize(allreduce_async_(tensor, None, name, _resolve_op(op, average), prescale_factor,
+                                                   postscale_factor, process_set))
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, codec=None, pset=None):
         ctx.name, ctx.op, ctx.scale, ctx.codec, ctx.pset = name, op, (prescale_factor, postscale_factor), codec, pset
-        full = _name("allreduce", name, pset)
-        return completion.synchronize(_allreduce_start(_contiguous_copy(tensor), full, op, prescale_factor,
-                                                       postscale_factor, compression=codec, pset=pset))
+        return _allreduced(tensor, name, op, prescale_factor, postscale_factor, codec, pset)
 
     @staticmethod
     def backward(ctx, grad):
-        full = _name("allreduce", _grad_name(ctx.name), ctx.pset)
-        out = completion.synchronize(_allreduce_start(_contiguous_copy(grad), full, ctx.op, *ctx.scale,
-                                                      compression=ctx.codec, pset=ctx.pset))
+        out = _allreduced(grad, _grad_name(ctx.name), ctx.op, *ctx.scale, ctx.codec, ctx.pset)
         return out, None, None, None, None, None, None
 
 
@@ -353,28 +334,27 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set):
     """Out-of-place :func:`grouped_allreduce_async_`."""
-    pset = _wire_set(process_set)
-    op = _resolve_op(op, average)
-    return _grouped_start([_contiguous_copy(t) for t in tensors], name, op, prescale_factor, postscale_factor, pset)
+    return grouped_allreduce_async_(_copies(tensors), None, name, _resolve_op(op, average), prescale_factor,
+                                    postscale_factor, process_set)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
-    return list(completion.synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                                postscale_factor, process_set)))
+    return list(completion.synchronize(grouped_allreduce_async_(tensors, None, name, _resolve_op(op, average),
+                                                                prescale_factor, postscale_factor, process_set)))
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale_factor, postscale_factor, pset, *tensors):
         ctx.name, ctx.op, ctx.scale, ctx.pset = name, op, (prescale_factor, postscale_factor), pset
-        return completion.synchronize(_grouped_start([_contiguous_copy(t) for t in tensors], name, op,
-                                                     prescale_factor, postscale_factor, pset))
+        return completion.synchronize(_grouped_start(_copies(tensors), name, op, prescale_factor, postscale_factor,
+                                                     pset))
 
     @staticmethod
     def backward(ctx, *grads):
-        outs = completion.synchronize(_grouped_start([_contiguous_copy(g) for g in grads], _grad_name(ctx.name),
-                                                     ctx.op, *ctx.scale, ctx.pset))
+        outs = completion.synchronize(_grouped_start(_copies(grads), _grad_name(ctx.name), ctx.op, *ctx.scale,
+                                                     ctx.pset))
         return (None, None, None, None, None, *outs)
 
 
@@ -406,7 +386,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = _averaged(grad, ctx.name, ctx.pset)
+        reduced = _allreduced(grad, _grad_name(ctx.name), Average, pset=ctx.pset)
         if common.rank() != ctx.root_rank:
             reduced = reduced * 0
         return reduced, None, None, None
@@ -469,7 +449,7 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = _averaged(grad, ctx.name, ctx.pset)
+        reduced = _allreduced(grad, _grad_name(ctx.name), Average, pset=ctx.pset)
         me = _members(ctx.pset)[1]
         offset = sum(ctx.counts[:me])
         return reduced.narrow(0, offset, ctx.counts[me]), None, None
@@ -522,12 +502,3 @@ def start_timeline(file_path, mark_cycles=False):
     and ignored (steps are marked by the optimizers and ``mark_step()``)."""
     common.start_timeline(file_path)
 
-
-def stop_timeline():
-    """Stop recording; the trace file is written by the scheduler (now, and again when the job ends)."""
-    common.stop_timeline()
-
-
-def mark_step():
-    """Mark the end of a training step on the job timeline (the optimizers do it after each step)."""
-    common.mark_step()

@@ -14,7 +14,7 @@ from byteps.core._reduce import byte_array
 from byteps.core.device_buffer import DeviceBuffer
 from byteps.errors import UnsupportedTypeError
 
-from . import completion
+from .completion import poll, synchronize
 from .compression import Compression, wire_codec
 from .process_sets import _wire_set
 
@@ -43,13 +43,6 @@ def dtype_code(tensor, name, move=False):
         moved = ", ".join(str(d) for d in _MOVE_ONLY)
         raise UnsupportedTypeError(f"byteps: tensor {name!r} has unsupported dtype {tensor.dtype}; supported: "
                                    f"{supported} (and {moved} for broadcast, allgather and alltoall)") from None
-
-
-def _wire_shape(tensor):
-    """The shape declared for ``tensor``: a move-only dtype's element bytes become a last dimension."""
-    if tensor.dtype in _MOVE_ONLY:
-        return (*tensor.shape, tensor.element_size())
-    return tuple(tensor.shape)
 
 
 def _buffers(tensor):
@@ -108,12 +101,11 @@ def _written_back(work, write_back):
     return work if write_back is None else write_back.copy_(work)
 
 
-def _start(tensor, name, average, priority, root=None, prefix="push_pull", asynchronous=False, compression=None,
-           sync=False, pset=None):
-    """Submit ``tensor`` in place (``sync``: the caller synchronizes it at once; common.submit); ``pset``:
-    None (every rank) or a process set's ``(id, ranks)``."""
+def _start(tensor, name, average, priority, root=None, asynchronous=False, compression=None, sync=False, pset=None):
+    """Submit ``tensor`` in place: a push_pull, or a broadcast from ``root`` (``sync``: the caller
+    synchronizes it at once; common.submit); ``pset``: None (every rank) or a process set's ``(id, ranks)``."""
     if name is None:  # numbered per prefix, and per process set (whose members alone count its operations)
-        name = common.auto_name(prefix, 0 if pset is None else pset[0])
+        name = common.auto_name("push_pull" if root is None else "broadcast", 0 if pset is None else pset[0])
     try:
         code = dtype_code(tensor, name, move=root is not None)
         work, write_back, buf = _buffers(tensor)
@@ -121,22 +113,23 @@ def _start(tensor, name, average, priority, root=None, prefix="push_pull", async
         common.abandon(name, pset, e)
         raise
     size = common.size() if pset is None else len(pset[1])
-    average_by = _average_by(work, size, buf) if average and root is None and not asynchronous else 1
+    average_by = _average_by(work, size, buf) if average else 1  # (a broadcast or async push never averages)
 
     def finalize():
         _after_device_copies(buf, work)
-        if average and root is None and size > 1 and average_by == 1:
+        if average and size > 1 and average_by == 1:
             _divide_(work, size)
         return _written_back(work, write_back)
 
-    return common.submit(name, buf, code, _wire_shape(tensor), broadcast_root=root, priority=priority,
-                         finalize=finalize, asynchronous=asynchronous, compression=compression, sync=sync,
+    shape = (*tensor.shape, tensor.element_size()) if tensor.dtype in _MOVE_ONLY else tuple(tensor.shape)
+    return common.submit(name, buf, code, shape, broadcast_root=root, priority=priority,
+                         finalize=finalize, asynchronous=asynchronous, compression=_wire(compression), sync=sync,
                          process_set=pset, average_by=average_by)
 
 
 def _broadcast_start(tensor, root_rank, name, pset=None):
     """In-place broadcast among every rank or a process set's members (``pset``: see :func:`_start`)."""
-    return _start(tensor, name, False, 0, root=root_rank, prefix="broadcast", pset=pset)
+    return _start(tensor, name, False, 0, root=root_rank, pset=pset)
 
 
 def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority=0, compression=None):
@@ -152,7 +145,7 @@ def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority
         compression: a wire compressor (``Compression.onebit(...)``, ...) for the partitions that
             cross the network; None: the job's default (BYTEPS_COMPRESSOR); False: none.
     """
-    return _start(tensor, name, average, priority, compression=_wire(compression))
+    return _start(tensor, name, average, priority, compression=compression)
 
 
 def _wire(compression):
@@ -162,7 +155,7 @@ def _wire(compression):
 
 def push_pull_async(tensor, average=True, name=None, version=0, priority=0, compression=None):
     """Out-of-place :func:`push_pull_async_inplace`: ``synchronize`` returns a new tensor."""
-    return _start(out_of_place(tensor), name, average, priority, compression=_wire(compression))
+    return _start(out_of_place(tensor), name, average, priority, compression=compression)
 
 
 def out_of_place(tensor):
@@ -178,34 +171,31 @@ def out_of_place(tensor):
     return out
 
 
-def _unnamed_sync(prefix, tensor):
-    """The name of an unnamed synchronous call: one per dtype and shape (common.sync_name)."""
-    return common.sync_name(prefix, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape))
+def _push_pull_sync(tensor, average, name, priority, compression, prefix="push_pull"):
+    """A synchronous push_pull of ``tensor`` in place; unnamed calls get one name per dtype and shape
+    (common.sync_name)."""
+    if name is None:
+        name = common.sync_name(prefix, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape))
+    return synchronize(_start(tensor, name, average, priority, compression=compression, sync=True))
 
 
 def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0, compression=None):
     """Synchronous :func:`push_pull_async_inplace`; returns ``tensor``. Unnamed calls share one name per
     dtype and shape (``push_pull.sync.<dtype>.<shape>``), so repeated calls reuse one key."""
-    name = name if name is not None else _unnamed_sync("push_pull", tensor)
-    return synchronize(_start(tensor, name, average, priority, compression=_wire(compression), sync=True))
-
-
-def _push_pull_out(tensor, average, name, priority, codec, prefix="push_pull"):
-    """A synchronous out-of-place push_pull: the result in a new tensor."""
-    name = name if name is not None else _unnamed_sync(prefix, tensor)
-    return synchronize(_start(out_of_place(tensor), name, average, priority, compression=_wire(codec), sync=True))
+    return _push_pull_sync(tensor, average, name, priority, compression)
 
 
 class _PushPull(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, name, version, priority, codec=None):
         ctx.average, ctx.name, ctx.codec = average, name, codec
-        return _push_pull_out(tensor, average, name, priority, codec)
+        return _push_pull_sync(out_of_place(tensor), average, name, priority, codec)
 
     @staticmethod
     def backward(ctx, grad):
         name = None if ctx.name is None else f"{ctx.name}.grad"
-        return _push_pull_out(grad, ctx.average, name, 0, ctx.codec, "push_pull.grad"), None, None, None, None, None
+        out = _push_pull_sync(out_of_place(grad), ctx.average, name, 0, ctx.codec, "push_pull.grad")
+        return out, None, None, None, None, None
 
 
 def push_pull(tensor, average=True, name=None, version=0, priority=0, compression=None):
@@ -219,7 +209,7 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0, compressio
     if torch.is_grad_enabled() and compressed.requires_grad:
         out = _PushPull.apply(compressed, average, name, version, priority, codec)
     else:  # nothing to differentiate: skip autograd's Function machinery (it costs time)
-        out = _push_pull_out(compressed, average, name, priority, codec)
+        out = _push_pull_sync(out_of_place(compressed), average, name, priority, codec)
     return compression.decompress(out, ctx)
 
 
@@ -229,26 +219,12 @@ def broadcast_async_(tensor, root_rank, name=None, priority=0, process_set=None)
     A real broadcast: only the root's bytes travel, so NaN/Inf on other ranks cannot leak.
     ``process_set`` (Horovod's): only its members take part; ``root_rank`` is a global rank among them.
     """
-    return _start(tensor, name, False, priority, root=root_rank, prefix="broadcast", pset=_wire_set(process_set))
+    return _start(tensor, name, False, priority, root=root_rank, pset=_wire_set(process_set))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """In-place broadcast from root_rank; returns ``tensor``."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set=process_set))
-
-
-def poll(handle):
-    """True when the operation behind ``handle`` has finished."""
-    return completion.poll(handle)
-
-
-def synchronize(handle):
-    """Wait for ``handle`` and return the output tensor (raises the operation's error, if any).
-
-    Handles of multi-stage operations (Horovod-style allgather, grouped or Min/Max/Product
-    allreduces) return what the operation produces: a tensor, or a tuple for grouped operations.
-    """
-    return completion.synchronize(handle)
 
 
 def declare(name):

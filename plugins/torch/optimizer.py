@@ -6,9 +6,10 @@ import torch
 
 from byteps import common
 
+from .async_optimizer import AsyncDistributedOptimizer, _names_and_priorities
 from .compression import Compression, WireCompressor, select, wire_codec
 from .mpi_ops import Average, ProcessSet, Sum, _allreduce_start, _resolve_op, _wire_set
-from .ops import _divide_, dtype_code, push_pull_async_inplace, synchronize
+from .ops import _divide_, dtype_code, synchronize
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -21,26 +22,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         all_params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-            if any(not isinstance(item, tuple) for item in named_parameters):
-                raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                                 "usually produced by model.named_parameters().")
-            names = [n for n, _ in named_parameters]
-            dups = sorted({n for n in names if names.count(n) > 1})
-            if dups:
-                raise ValueError(f"DistributedOptimizer: parameter names must be unique; repeated: {dups}")
-            known = {id(p) for _, p in named_parameters}
-            unnamed = [i for i, p in enumerate(all_params) if id(p) not in known]
-            if unnamed:
-                raise ValueError(f"DistributedOptimizer: named_parameters lacks {len(unnamed)} optimizer "
-                                 f"parameter(s) (positions {unnamed[:10]}); pass model.named_parameters()")
-            self._names = {id(p): n for n, p in named_parameters}
-        else:
-            self._names = {id(p): f"noname.{i}" for i, p in enumerate(all_params)}
-        # Priority by declaration order: parameters nearer the input are needed first by the next
-        # forward pass, so their gradients go first when the network is busy (P3 / ByteScheduler).
-        self._priority = {id(p): -i for i, p in enumerate(all_params)}
+        self._names, self._priority = _names_and_priorities(all_params, named_parameters)
         self.backward_passes_per_step = backward_passes_per_step
         self._passes = {}
         self._handles = {}       # param -> (handle, compressed tensor, ctx)
@@ -87,15 +69,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                             dtype_code(compressed, name))
             self._handles[p] = (None, compressed, ctx)
             return
-        if self.op == Average and self.gradient_predivide_factor == 1.0 and self._pset is None:
-            # a CUDA gradient: the native core copies it off the GPU partition by partition after an event
-            # recorded here, so autograd's thread never waits for the GPU (plugins/torch/ops.py)
-            handle = push_pull_async_inplace(compressed, average=True, name=name, priority=priority,
-                                             compression=wire_codec(compressor))
-        else:  # Horovod: prescale 1/f, postscale f (Average also divides by size)
-            f = self.gradient_predivide_factor if self.op == Average else 1.0
-            handle = _allreduce_start(compressed, name, self.op, 1.0 / f, f, priority=priority,
-                                      compression=wire_codec(compressor), pset=self._pset)
+        # Horovod: prescale 1/f, postscale f (Average also divides by size). A CUDA gradient: the native
+        # core copies it off the GPU partition by partition after an event recorded here, so autograd's
+        # thread never waits for the GPU (plugins/torch/ops.py)
+        f = self.gradient_predivide_factor if self.op == Average else 1.0
+        handle = _allreduce_start(compressed, name, self.op, 1.0 / f, f, priority=priority,
+                                  compression=wire_codec(compressor), pset=self._pset)
         self._handles[p] = (handle, compressed, ctx)
 
     def _on_grad(self, p):
@@ -128,7 +107,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     _divide_(out, common.size())
             else:
                 out = synchronize(handle)
-            out = select(self._compression, self._names[id(p)]).decompress(out if out is not None else compressed, ctx)
+            out = select(self._compression, self._names[id(p)]).decompress(out, ctx)
             if p.grad.is_sparse:  # Horovod: a sparse gradient is handed back sparse, sparse_as_dense or not
                 p.grad = out if out.is_sparse else out.to_sparse()
             elif out is not p.grad:
@@ -209,7 +188,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             parameter deltas and pull the latest parameters, with no barrier (docs/async.md).
     """
     if asynchronous or (asynchronous is None and common.is_initialized() and common.config().enable_async):
-        from .async_optimizer import AsyncDistributedOptimizer
         return AsyncDistributedOptimizer(optimizer, named_parameters)
 
     member = not isinstance(process_set, ProcessSet) or process_set.included()

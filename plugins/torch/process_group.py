@@ -24,10 +24,9 @@ _REDUCE_OPS = {dist.ReduceOp.SUM: Sum, dist.ReduceOp.AVG: Average, dist.ReduceOp
                dist.ReduceOp.MAX: Max, dist.ReduceOp.PRODUCT: Product}
 
 
-def _work(handles, result, after=None):
-    """A Work whose future holds ``result`` once every handle has finished (``after`` runs first)."""
-    from torch._C._distributed_c10d import _create_work_from_future
-
+def _future(handles, result, after=None):
+    """A ``torch.futures.Future`` that holds ``result`` once every handle has finished (``after`` runs
+    first); it holds the first error instead, if any."""
     fut = torch.futures.Future()
 
     def done(outcomes):
@@ -43,7 +42,14 @@ def _work(handles, result, after=None):
             fut.set_result(result)
 
     completion.when_done(handles, done)
-    return _create_work_from_future(fut)
+    return fut
+
+
+def _work(handles, result, after=None):
+    """A Work completed as :func:`_future` is."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    return _create_work_from_future(_future(handles, result, after))
 
 
 def _op(opts):
@@ -72,12 +78,6 @@ class ProcessGroupBytePS(dist.ProcessGroup):
     def getBackendName(self):
         return BACKEND
 
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
-
     def __repr__(self):
         return f"ProcessGroupBytePS(rank={self._rank}, size={self._size})"
 
@@ -89,44 +89,33 @@ class ProcessGroupBytePS(dist.ProcessGroup):
         handles = [_allreduce_start(t, f"{base}.{i}", op) for i, t in enumerate(tensors)]
         return _work(handles, tensors)
 
-    def allreduce_coalesced(self, tensors, opts=None):
-        return self.allreduce(tensors, opts)
+    allreduce_coalesced = allreduce
 
     def reduce(self, tensors, opts=None):
         op = _op(opts)
         base = self._name("reduce")
-        copies = [t.detach().clone() for t in tensors]
-        handles = [_allreduce_start(c, f"{base}.{i}", op) for i, c in enumerate(copies)]
-        root = opts.rootRank
-
-        def write():
-            if self._rank == root:
-                for t, c in zip(tensors, copies):
-                    t.copy_(c)
-        return _work(handles, tensors, write)
-
-    def _reduce_scatter_into(self, output, chunks, op, name):
-        flat = torch.cat([c.reshape(-1) for c in chunks])
-        h = _allreduce_start(flat, name, op)
-        n = chunks[self._rank].numel()
-        offset = sum(c.numel() for c in chunks[:self._rank])
-        return h, lambda: output.copy_(flat[offset:offset + n].view_as(output))
+        # only the root's tensors take the result
+        targets = tensors if self._rank == opts.rootRank else [t.detach().clone() for t in tensors]
+        return _work([_allreduce_start(t, f"{base}.{i}", op) for i, t in enumerate(targets)], tensors)
 
     def _reduce_scatters(self, outputs, chunk_lists, opts, kind):
+        """outputs[i] <- this rank's chunk of chunk_lists[i] reduced over the ranks (one allreduce each)."""
         op = _op(opts)
         base = self._name(kind)
-        parts = [self._reduce_scatter_into(out, list(chunks), op, f"{base}.{i}")
-                 for i, (out, chunks) in enumerate(zip(outputs, chunk_lists))]
-        return _work([h for h, _ in parts], outputs, lambda: [after() for _, after in parts])
+        flats = [torch.cat([c.reshape(-1) for c in chunks]) for chunks in chunk_lists]
+        handles = [_allreduce_start(flat, f"{base}.{i}", op) for i, flat in enumerate(flats)]
+
+        def cut():
+            for out, chunks, flat in zip(outputs, chunk_lists, flats):
+                offset = sum(c.numel() for c in chunks[:self._rank])
+                out.copy_(flat[offset:offset + chunks[self._rank].numel()].view_as(out))
+        return _work(handles, outputs, cut)
 
     def reduce_scatter(self, output_tensors, input_tensor_lists, opts=None):
         return self._reduce_scatters(output_tensors, input_tensor_lists, opts, "reduce_scatter")
 
     def reduce_scatter_single(self, output, input, opts=None):
-        op = _op(opts)
-        h, after = self._reduce_scatter_into(output, list(input.chunk(self._size)), op,
-                                             self._name("reduce_scatter_single"))
-        return _work([h], [output], after)
+        return self._reduce_scatters([output], [input.chunk(self._size)], opts, "reduce_scatter_single")
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -160,12 +149,10 @@ class ProcessGroupBytePS(dist.ProcessGroup):
     def allgather(self, output_tensors, input_tensors, opts=None):
         return _work(self._gathers(output_tensors, input_tensors, "allgather"), output_tensors)
 
-    def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self.allgather(output_lists, input_list, opts)
+    allgather_coalesced = allgather
 
     def all_gather_single(self, output, input, opts=None):
-        handles = self._gather_into(list(output.chunk(self._size)), input, self._name("all_gather_single"))
-        return _work(handles, [output])
+        return _work(self._gathers([output.chunk(self._size)], [input], "all_gather_single"), [output])
 
     _allgather_base = all_gather_single
 
@@ -176,28 +163,26 @@ class ProcessGroupBytePS(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, output_tensors, input_tensors, opts=None):
-        root = opts.rootRank
-        base = self._name("gather")
-        handles = []
-        for i, inp in enumerate(input_tensors):
-            outs = list(output_tensors[i]) if self._rank == root else [torch.empty_like(inp) for _ in
-                                                                      range(self._size)]
-            handles += self._gather_into(outs, inp, f"{base}.{i}")
-        return _work(handles, output_tensors)
+        outs = output_tensors
+        if self._rank != opts.rootRank:  # every rank receives; only the root keeps what it got
+            outs = [[torch.empty_like(inp) for _ in range(self._size)] for inp in input_tensors]
+        return _work(self._gathers(outs, input_tensors, "gather"), output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank
         base = self._name("scatter")
         handles = []
         for i, out in enumerate(output_tensors):
+            if self._rank == root:
+                with torch.no_grad():
+                    out.copy_(input_tensors[i][root])
             for r in range(self._size):
-                if self._rank == root:
-                    buf = out if r == root else input_tensors[i][r].detach().clone()
-                    if r == root:
-                        with torch.no_grad():
-                            out.copy_(input_tensors[i][r])
+                if r == self._rank:
+                    buf = out
+                elif self._rank == root:
+                    buf = input_tensors[i][r].detach().clone()
                 else:
-                    buf = out if r == self._rank else torch.empty_like(out)
+                    buf = torch.empty_like(out)
                 handles.append(broadcast_async_(buf, root, name=f"{base}.{i}.{r}"))
         return _work(handles, output_tensors)
 
@@ -207,10 +192,8 @@ class ProcessGroupBytePS(dist.ProcessGroup):
             sizes = set(output_split_sizes) | set(input_split_sizes)
             if not (len(sizes) == 1 and len(output_split_sizes) == n == len(input_split_sizes)):
                 raise NotImplementedError("byteps process group: all_to_all with unequal splits is not supported")
-        base = self._name("all_to_all_single")
-        gathered = [input.detach().clone() if r == self._rank else torch.empty_like(input)
-                    for r in range(self._size)]
-        handles = [broadcast_async_(g, r, name=f"{base}.{r}") for r, g in enumerate(gathered)]
+        gathered = [torch.empty_like(input) for _ in range(self._size)]
+        handles = self._gather_into(gathered, input, self._name("all_to_all_single"))
         outs = output.chunk(self._size)
 
         def pick():

@@ -2,8 +2,7 @@
 ``add_process_set`` / ``remove_process_set`` (how a set's operations travel: docs/compat.md).
 
 Sets are numbered in the order they are added (the global set is 0): every rank must add and remove
-the same sets in the same order, as Horovod requires; adding and removing are collective over the job.
-A module of its own, so that ops.py and mpi_ops.py both resolve ``process_set`` arguments."""
+the same sets in the same order, as Horovod requires; adding and removing are collective over the job."""
 import threading
 
 from byteps import common
