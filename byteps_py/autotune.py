@@ -249,7 +249,7 @@ def zmq_echo(sock, node_id=0, timeout_s=5.0, idle=None):
 
 # ------------------------------------------------------------------ at job start (core/engine.py)
 # Every worker proposes a partition size in the barrier AGREE_BARRIER and applies agree() to every
-# proposal the release carries, so all cut tensors alike (docs/autotune.md, "At init()").
+# proposal the release carries, so all cut tensors alike (docs/autotune.md, "At `init()`").
 
 #: name of the control-plane barrier whose messages carry the proposals (scheduler/scheduler.py)
 AGREE_BARRIER = "byteps.autotune"

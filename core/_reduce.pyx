@@ -65,7 +65,7 @@ def default_threads(env=None):
     ``clamp(cores // 4, 1, 4)``, where ``cores`` is this process's share of the machine: the CPUs it
     may run on, or ``OMP_NUM_THREADS`` when that is smaller (bpslaunch sets it to CPUs / local
     processes). A summing thread pays off only where it does not take the core that the training
-    thread or the network threads need (docs/benchmarks.md, "Kernel threads"), and a sum is bound by
+    thread or the network threads need (docs/benchmarks.md, "Summation kernels"), and a sum is bound by
     memory bandwidth, which a few threads saturate.
 
     Raises:
