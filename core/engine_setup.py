@@ -382,7 +382,7 @@ class EngineSetup:
                 autotune.probe_target(self.book["servers"], alive, me, self.rank))
         # a machine that reduces locally has its own per-piece cost in the model (byteps/autotune.py)
         mine = autotune.propose(measurement, shape, self.cfg.placement,
-                                autotune.PIECE_COST_NATIVE if self.local is None else autotune.PIECE_COST_PYTHON,
+                                autotune.PIECE_COST_NATIVE if self.local is None else autotune.PIECE_COST_LOCAL_REDUCE,
                                 self.cfg.worker_id, env)
         self.control.send(Cmd.BARRIER, {"name": autotune.AGREE_BARRIER, "value": mine})
         # the scheduler answers, naming the ranks it lacks, after BYTEPS_TIMEOUT; this wait is longer

@@ -77,13 +77,13 @@ def test_fixed_cost_bound():
         by_servers = [choose(bw, 100e-6, s)[0] for s in (1, 2, 4, 8, 16, 32)]
         assert by_servers == sorted(by_servers)
         native = choose(bw, 100e-6, 8, piece_cost_s=autotune.PIECE_COST_NATIVE)[0]
-        python = choose(bw, 100e-6, 8, piece_cost_s=autotune.PIECE_COST_PYTHON)[0]
+        python = choose(bw, 100e-6, 8, piece_cost_s=autotune.PIECE_COST_LOCAL_REDUCE)[0]
         assert native <= python
     # where the fixed-cost bound binds, the wire time is >= ~1/OVERHEAD pieces' cost (within the
     # power-of-two rounding: a factor sqrt(2))
     part = choose(25 * GBIT, 50e-6, 8)[0]
     wire_time = part / (25 * GBIT)
-    assert wire_time >= 8 * autotune.PIECE_COST_PYTHON / autotune.OVERHEAD / math.sqrt(2)
+    assert wire_time >= 8 * autotune.PIECE_COST_LOCAL_REDUCE / autotune.OVERHEAD / math.sqrt(2)
 
 
 def test_local_bytes_take_no_nic_time():
