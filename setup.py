@@ -100,7 +100,7 @@ def extensions():
             language="c++",
             extra_compile_args=["-O2", "-std=c++17"],
         ),
-        Extension(  # the worker's native data plane (libzmq through core/transport/bps_zmq.h, as _transport)
+        Extension(  # the worker's native data plane (libzmq, the one pyzmq loaded: core/transport/bps_zmq.h)
             "byteps.core._worker_core",
             ["core/_worker_core.pyx"],
             depends=headers,
@@ -130,11 +130,6 @@ def extensions():
             include_dirs=[HERE],
             language="c++",
             extra_compile_args=["-O2", "-std=c++17"],
-        ),
-        Extension(  # libzmq is looked up at run time in the copy pyzmq loaded (no zmq.h needed)
-            "byteps.core._transport",
-            ["core/_transport.pyx"],
-            extra_compile_args=["-O2"],
         ),
     ]
     return cythonize(

@@ -456,7 +456,7 @@ def metrics():
 
     Keys: ``rank``, ``size``, ``local_rank``, ``local_size``; ``servers`` (per server: ``index``,
     ``host``, ``colocated``, ``role``, ``weight`` in the k/n plan, ``transport`` ("tcp", "ucx: ...",
-    "zeromq"), ``bytes_sent``, ``bytes_received``); ``partition_bytes`` and ``credit_bytes`` as agreed at start-up;
+    or "none" for a server lost before its link opened), ``bytes_sent``, ``bytes_received``); ``partition_bytes`` and ``credit_bytes`` as agreed at start-up;
     ``placement_mode``; ``tensors`` (declared name -> tensor key); ``partitions`` (declared name ->
     the partitions of each native table it has, one per size, kind and codec, in first-use order);
     ``native`` (the native pipeline's counters: ops run whole, averages divided, synchronous calls

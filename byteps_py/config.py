@@ -84,7 +84,7 @@ VARIABLES = {
 
 #: variables that chose between two data planes, each now the only one: a set one is ignored with a warning
 REMOVED = {
-    "BYTEPS_ZMQ_DIRECT": "ZeroMQ messages always go through libzmq called from C (core/_transport.pyx)",
+    "BYTEPS_ZMQ_DIRECT": "ZeroMQ carries the control plane only, and partitions always go over direct links",
     "BYTEPS_NATIVE": "workers and servers always run plain push_pulls and broadcasts in their native cores",
     "BYTEPS_NATIVE_LOCAL": "the local reduce of plain push_pulls always runs in the native core",
     "BYTEPS_DIRECT_TCP": "workers' data to servers always goes over direct links (BYTEPS_TRANSPORT: tcp or ucx)",

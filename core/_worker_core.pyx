@@ -2,15 +2,15 @@
 # distutils: language = c++
 """Python's handle on the worker's native data plane (core/pipeline/bps_worker.h).
 
-core/engine.py creates one :class:`WorkerCore` per job after the data sockets are authenticated,
-hands it those sockets, and from then on:
+core/engine_setup.py creates one :class:`WorkerCore` per job after the servers are authenticated,
+hands it a direct link to each (TCP or UCX: partitions never go through ZeroMQ), and from then on:
 
 * :meth:`submit` gives it a whole push_pull or broadcast (one call per tensor, on the caller's
   thread); the native thread "byteps-net" sends, receives and copies every partition without the GIL;
 * :meth:`wait` (no GIL while waiting) returns the ops that completed, for the engine's completion
   thread, which sets their events;
 * :meth:`send` queues Python's own messages (compression, topology ranges, join()'s local reduce) on
-  the same sockets, and :meth:`forwarded` returns the replies the native side does not own;
+  the same links, and :meth:`forwarded` returns the replies the native side does not own;
 * on a machine with several processes, :meth:`add_local` hands it the local ROUTER/DEALERs too: it
   runs the local reduce of plain push_pulls (core/local.py's protocol), and :meth:`forwarded_local`
   returns the local messages it does not own (handshakes, Python's partitions).
@@ -31,7 +31,6 @@ cdef extern from "core/pipeline/bps_stages.h":
 
 
 cdef extern from "core/pipeline/bps_worker.h" nogil:
-    const int BPS_TO_ROUTER
     const size_t BPS_RING_REGION
     const uint64_t BPS_STAGE_THREAD_MIN_BYTES
     const int64_t BPS_CREDIT_STALL_MS
@@ -80,13 +79,9 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         string error
 
     cdef cppclass BpsRawSend:
-        int server
         string ident
         string header
         string body
-        void *zc_data
-        size_t zc_len
-        int64_t token
 
     cdef cppclass BpsForward:
         int server
@@ -114,8 +109,8 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         uint64_t gpu_peak_slots()
         uint64_t gpu_copies()
         uint64_t gpu_grown()
-        cbool add_server(void *sock)
-        cbool add_server_live(void *sock, int fd)
+        cbool add_server()
+        cbool add_server_live(int fd)
         vector[uint64_t] hold(const vector[int] &dead)
         void commit(const vector[int] &alive, const vector[int64_t] &tables, const vector[uint64_t] &start,
                     vector[vector[BpsPart]] segs)
@@ -138,8 +133,7 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         uint64_t direct_adopted()
         uint64_t compressed_pushes()
         uint64_t replies_in_place()
-        void add_local(void *router, vector[void *] peers, int local_rank, cbool open)
-        void allow_local(const string &identity)
+        void add_local(void *router, int local_rank, int local_size)
         string add_local_link(int r, int fd, const string &ident, int ring_fd, cbool low)
         int local_links_up()
         int local_rings_up()
@@ -173,17 +167,11 @@ cdef extern from "core/pipeline/bps_worker.h" nogil:
         BpsOp *op(int64_t id)
         cbool forget(int64_t id)
         void forwarded(vector[BpsForward] *out)
-        void released(vector[int64_t] *out)
         uint64_t bytes_sent(int server)
         uint64_t bytes_received(int server)
 
 #: error kinds of a completed op (core/pipeline/bps_worker.h BpsErrorKind)
 OK, ERR_SERVER, ERR_PROTOCOL, ERR_TIMEOUT, ERR_ABORT, ERR_CUDA = 0, 1, 2, 3, 4, 5
-#: bodies at least this large are sent zero-copy (Python keeps them alive until released())
-ZERO_COPY_MIN = 65536
-
-#: Python's ``send`` target for the local ROUTER (to one identity); local rank n is ``-2 - n``
-TO_ROUTER = BPS_TO_ROUTER
 RING_REGION_BYTES = BPS_RING_REGION  # a local link's shared-memory rings (core/transport/bps_link.h BpsShmLink)
 #: sums and copies at least this large run on the stage thread byteps-reduce, smaller ones inline
 STAGE_THREAD_MIN_BYTES = BPS_STAGE_THREAD_MIN_BYTES
@@ -227,14 +215,12 @@ cdef unsigned char *_address(buf, uint64_t *nbytes) except? NULL:
 
 cdef class WorkerCore:
     cdef BpsWorkerCore *core
-    cdef readonly list sockets      # the pyzmq sockets handed over (kept alive, never used again here)
     cdef readonly int servers
 
     def __cinit__(self, uint32_t node_id, int64_t credit, double timeout, int nthreads, int notify_fd):
         if not available:
             raise RuntimeError(f"the native worker core is unavailable: {unavailable_reason}")
         self.core = new BpsWorkerCore(node_id, credit, timeout, nthreads, notify_fd)
-        self.sockets = []
         self.servers = 0
 
     def __dealloc__(self):
@@ -244,18 +230,17 @@ cdef class WorkerCore:
             del self.core
             self.core = NULL
 
-    def add_server(self, sock):
-        """Hand over server ``self.servers``'s DEALER socket (authenticated already)."""
-        self.sockets.append(sock)
-        self.core.add_server(<void *><uintptr_t>sock.underlying)
+    def add_server(self):
+        """Server ``self.servers`` (authenticated already); its link follows (add_link, add_ucx_link)."""
+        if not self.core.add_server():
+            raise RuntimeError("too many servers for one job")
         self.servers += 1
 
-    def add_server_live(self, sock, int fd=-1):
-        """A server that joined the running job (elastic servers): its authenticated DEALER and its
-        direct TCP link's fd (-1: none). It becomes server ``self.servers``."""
-        if not self.core.add_server_live(<void *><uintptr_t>sock.underlying, fd):
+    def add_server_live(self, int fd):
+        """A server that joined the running job (elastic servers): its direct TCP link's fd. It becomes
+        server ``self.servers``."""
+        if not self.core.add_server_live(fd):
             raise RuntimeError("too many servers for one job")
-        self.sockets.append(sock)
         self.servers += 1
 
     def hold(self, dead):
@@ -320,7 +305,7 @@ cdef class WorkerCore:
 
     def add_ucx_link(self, int server, str host, int port, bytes token, bytes ident, double timeout):
         """A UCX endpoint to server ``server``'s listener (core/transport/bps_ucx.h), admitted by ``token`` for
-        ``ident``, before start(): "" once it is up, else why not (its data then goes through ZeroMQ).
+        ``ident``, before start(): "" once it is up, else why not.
         Blocks up to ``timeout`` seconds for the server's answer (without the GIL)."""
         if not 0 <= server < self.servers:
             raise ValueError(f"no server {server} (have {self.servers})")
@@ -330,28 +315,19 @@ cdef class WorkerCore:
         return why.decode("utf-8", "replace")
 
     def link_transport(self, int server):
-        """How server ``server`` is reached: "tcp", "ucx: <UCX transports/devices>", or "" (ZeroMQ)."""
+        """How server ``server`` is reached: "tcp", "ucx: <UCX transports/devices>", or "" (no link: lost)."""
         return self.core.link_transport(server).decode("utf-8", "replace")
 
     @property
     def links_up(self):
-        """How many servers are reached over a working direct link (the rest over ZeroMQ)."""
+        """How many servers are reached over a working direct link (the others are lost)."""
         return self.core.links_up()
 
-    def add_local(self, router, dict peers, int local_rank, int local_size, bint open):
-        """Hand over the machine's local sockets (authenticated already): our ROUTER and the DEALER to
-        each other local rank (``peers``: local rank -> socket). ``open``: no job secret, every
-        peer is admitted; otherwise only identities passed to :meth:`allow_local`."""
-        cdef vector[void *] socks
-        socks.resize(local_size, NULL)
-        for lr, sock in peers.items():
-            socks[lr] = <void *><uintptr_t>sock.underlying
-            self.sockets.append(sock)
-        self.sockets.append(router)
-        self.core.add_local(<void *><uintptr_t>router.underlying, socks, local_rank, open)
-
-    def allow_local(self, bytes identity):
-        self.core.allow_local(identity)
+    def add_local(self, router, int local_rank, int local_size):
+        """Hand over our local ROUTER: what comes there (late peers' handshakes and link offers) is
+        forwarded to Python (:meth:`forwarded_local`). The links to the local ranks follow
+        (:meth:`add_local_link`)."""
+        self.core.add_local(<void *><uintptr_t>router.underlying, local_rank, local_size)
 
     def add_local_link(self, int local_rank, int fd, bytes ident, int ring_fd=-1, bint low=False):
         """Hand over a direct TCP link to local rank ``local_rank`` (after :meth:`add_local`, before
@@ -543,31 +519,13 @@ cdef class WorkerCore:
         """Direct calls handed to byteps-net because their reply took longer than the window."""
         return self.core.direct_adopted()
 
-    def send(self, int server, header, body, token=None, bytes ident=None):
-        """Queue ``[header, body]`` for server ``server`` (or a local socket: :data:`TO_ROUTER` with
-        ``ident``, or ``-2 - local rank``). A body of at least ZERO_COPY_MIN bytes with a ``token`` is
-        sent zero-copy: keep it alive until :meth:`released` returns the token."""
+    def answer_local(self, bytes ident, bytes header, bytes body):
+        """Queue ``[header, body]`` on our local ROUTER for the local peer ``ident`` (a handshake's
+        answer), in order with byteps-net's own messages there."""
         cdef BpsRawSend *m = new BpsRawSend()
-        cdef Py_buffer view
-        cdef bint zero_copy = False
-        m.server = server
-        if ident is not None:
-            m.ident = ident
-        m.header = header
-        PyObject_GetBuffer(body, &view, PyBUF_SIMPLE)
-        try:
-            if token is not None and view.len >= ZERO_COPY_MIN:
-                m.zc_data = view.buf
-                m.zc_len = view.len
-                m.token = token
-                zero_copy = True
-            else:
-                m.body = string(<char *>view.buf, view.len)
-        finally:
-            PyBuffer_Release(&view)
+        m.ident, m.header, m.body = ident, header, body
         with nogil:
-            self.core.send_raw(m)
-        return zero_copy  # m belongs to the native thread now
+            self.core.send_raw(m)  # m belongs to the native thread now
 
     def reset_rounds(self):
         self.core.reset_rounds()
@@ -623,12 +581,6 @@ cdef class WorkerCore:
         cdef vector[BpsForward] got
         self.core.forwarded(&got)
         return [(f.server, [PyBytes_FromStringAndSize(s.data(), s.size()) for s in f.frames]) for f in got]
-
-    def released(self):
-        """Tokens of zero-copy bodies ZeroMQ no longer reads."""
-        cdef vector[int64_t] got
-        self.core.released(&got)
-        return list(got)
 
     def bytes_sent(self, int server):
         return self.core.bytes_sent(server)

@@ -5,8 +5,9 @@ delivers finished ops). This thread does what is per job, per tensor or rare, as
 background loop: start-up (core/engine_setup.py), tensor declarations (the scheduler compares a new
 (name, shape, dtype) across workers and returns one key, or a mismatch error for all), heartbeats,
 barriers, join(), elastic servers (core/engine_elastic.py), the timeline, and time-outs of ops still
-waiting for their declaration. ZeroMQ sockets are not thread-safe: this thread owns the control
-socket, and the data sockets until it hands them to the native core (docs/architecture.md).
+waiting for their declaration. ZeroMQ carries only this control plane, and ZeroMQ sockets are not
+thread-safe: this thread owns them all but the local ROUTER, which it hands to the native core with the
+direct links that carry every partition (docs/architecture.md).
 """
 import collections
 import fcntl
@@ -78,14 +79,13 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         self._local_sock = None     # ROUTER: LOCAL_READY / LOCAL_DONE from this machine's other processes
         self._local_peers = {}      # local rank -> DEALER to its ROUTER
         self._link_offers = {}      # local rank -> (port, token, DEALER identity, ring offer or None): links offered
-        self._io = {}               # data-plane socket -> its message I/O (core/transport.py)
         self._dropped = stages.from_env()  # optional stages switched off by BYTEPS_PIPELINE
         self._stage_lists = {}      # (colocated, kind, local) -> the partition's stages (core/stages.py)
         self.joined = frozenset()   # ranks in join() (Horovod): they add zeros, and still own their partitions
         self._joins_ended = 0  # joins this process saw end: LOCAL_READY carries its parity (wire.FLAG_JOIN_EPOCH)
         self._gate = auth.Gate(None)  # who may send to our local ROUTER (set up in _knock_all)
         self.join_result = None     # the last rank to join, once every rank has
-        # the native data plane (core/pipeline/bps_worker.h): owns the server sockets once authenticated
+        # the native data plane (core/pipeline/bps_worker.h): owns the links to servers and local peers
         self._native = None
         self._gpu = None  # CUDA tensors' copy stages: None (not loaded yet), "" (loaded) or why they cannot run
         self.nccl_stages = False  # CUDA push_pulls take the NCCL stages (set at start-up: _nccl_stages)
@@ -217,7 +217,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
                     self._read_wake()
                 elif sock is self.control.sock:
                     self._drain(sock, lambda _: self._on_control())
-            self._drain_native()  # the servers' sockets are the native thread's: their replies come from it
+            self._drain_native()  # the servers' replies come on links the native thread reads
             self._drain_inbox()
             now = time.monotonic()
             if now - began > self.cfg.heartbeat_timeout / 3:  # heartbeats wait on this loop: say why they were late
@@ -248,12 +248,13 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv_into(bytearray())
 
-    def _drain_data(self, sock, handle, limit=256):
-        """As _drain, for data-plane sockets: each message is taken whole, in one C call."""
-        io = self._io[sock]
+    @staticmethod
+    def _drain_data(sock, handle, limit=256):
+        """As _drain, for the servers' and local peers' sockets: each message is taken whole."""
         for _ in range(limit):
-            frames = io.recv_multipart()
-            if frames is None:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
                 break
             handle(sock, frames)
 
@@ -264,7 +265,7 @@ class Engine(EngineSetup, NativePlane, ElasticServers):
             if self._completer is not None:
                 self._completer.join(5)
             timeline.remember_threads()  # byteps-net and byteps-reduce, before they end
-            self._native.stop()  # before the sockets it owns are closed
+            self._native.stop()  # before the local ROUTER it polls is closed
             for nid in list(self._native_ops):  # never leave a caller waiting on a stopped thread
                 op = self._native_ops.pop(nid, None)
                 if op is not None:

@@ -89,10 +89,10 @@ class ElasticServers:
             knock = auth.Knock(secret, ident)
             header, body = self._ask(sock, wire.control(Cmd.HELLO, self.control.node_id, knock.hello()), limit, who)
             self._answer_challenge(sock, knock, header, body, who)
-        fd = None
         header, answer = self._ask(sock, wire.control(Cmd.LINK, self.control.node_id), limit, who)
-        if header.cmd == Cmd.LINK and "port" in answer:
-            fd = self._open_server_link(who, info["host"], answer, ident)
+        if header.cmd != Cmd.LINK or "port" not in answer:
+            raise BytePSError(f"{who} answered LINK with {Cmd(header.cmd).name} {answer}: no direct link to it")
+        fd = self._open_server_link(who, info["host"], answer, ident)
         shared = (self.cfg.enable_ipc and Stage.STAGE not in self._dropped and info["host"] == self.cfg.node_host
                   and shm.can_share(info.get("shm"), self._maps))
         if shared and self._shm is None:
@@ -100,8 +100,8 @@ class ElasticServers:
         self.colocated.append(shared)
         self._native.set_colocated(index, shared)
         self.servers.append(sock)
-        self._native.add_server_live(sock, -1 if fd is None else fd)
-        logger.info("%s joined: %s", who, "ZeroMQ" if fd is None else "direct TCP link")
+        self._native.add_server_live(fd)
+        logger.info("%s joined: direct TCP link", who)
 
     def _ask(self, sock, frames, limit, who):
         """Send ``frames`` on ``sock`` and wait up to ``limit`` s for its answer: (header, body)."""

@@ -306,7 +306,7 @@ class NativePlane:
                 self.control.send(Cmd.SUSPECT, {"server": server})
 
     def transport_bytes(self):
-        """Bytes sent to / received from each server on the data sockets (both paths)."""
+        """Bytes sent to / received from each server on its link."""
         core, servers = self._native, range(len(self.servers))
         return {"sent": {i: n for i in servers if (n := core.bytes_sent(i))},
                 "received": {i: n for i in servers if (n := core.bytes_received(i))}}
@@ -322,7 +322,7 @@ class NativePlane:
         servers = [{"index": i, "host": hosts.get(i), "colocated": bool(self.colocated[i]),
                     "role": placement.roles[place[i]] if i in place else "removed",
                     "weight": placement.weights[place[i]] if i in place else 0,
-                    "transport": native.link_transport(i) or "zeromq",
+                    "transport": native.link_transport(i) or "none",
                     "bytes_sent": traffic["sent"].get(i, 0), "bytes_received": traffic["received"].get(i, 0)}
                    for i in range(len(self.servers))]
         names = {tkey: name for (name, _), tkey in self._keys.items()}

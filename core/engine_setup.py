@@ -33,35 +33,32 @@ class EngineSetup:
     """Start-up of :class:`~byteps.core.engine.Engine` (a mixin: its methods run on the engine thread)."""
 
     def _start_native(self):
-        """Hand the authenticated server sockets to the native thread (core/pipeline/bps_worker.h)."""
+        """Open a direct link to every server and local peer and hand them to the native thread
+        (core/pipeline/bps_worker.h): partitions never go through ZeroMQ."""
         if not _worker_core.available:
-            from ._transport import unavailable_reason
-            raise BytePSError(f"the native worker core cannot run here: {unavailable_reason}")
+            raise BytePSError(f"the native worker core cannot run here: {_worker_core.unavailable_reason}")
         from ._reduce import get_num_threads
 
         core = _worker_core.WorkerCore(self.control.node_id, self.cfg.scheduling_credit * self.cfg.partition_bytes,
                                        self.cfg.timeout, get_num_threads(), self._wake_w)
         core.set_direct_spin(self.cfg.spin_us * 1e-6)
         for sock in self.servers:
-            self.poller.unregister(sock)
-            core.add_server(sock)
+            self.poller.unregister(sock)  # their data comes on the links, and their control before this
+            core.add_server()
         self._open_links(core)
         # the local reduce too (its owners by BYTEPS_LOCAL_STRATEGY: core/local.py)
         if self.local is not None:
             links = self._open_local_links()
             self.poller.unregister(self._local_sock)
-            core.add_local(self._local_sock, dict(self._local_peers), self.cfg.local_rank, self.local.size,
-                           self._gate.secret is None)
+            core.add_local(self._local_sock, self.cfg.local_rank, self.local.size)
             core.set_lone_machine(self.cfg.num_worker == 1)  # the same rule as stages.stage_list(machines=)
             for lr, (fd, ident, ring_fd, low) in links.items():
                 why = core.add_local_link(lr, fd, ident, -1 if ring_fd is None else ring_fd, low)
-                if why:
-                    logger.warning("local rank %d: its link's shared-memory rings could not be mapped (%s); its "
-                                   "local messages go through ZeroMQ", lr, why)
                 if ring_fd is not None:
                     os.close(ring_fd)  # the native mapping keeps the memory
-            for identity in self._gate.admitted():
-                core.allow_local(identity)
+                if why:
+                    raise BytePSError(f"local rank {lr}: the shared-memory rings of its link could not be mapped: "
+                                      f"{why}")
             self._native_local = True
             logger.info("native local reduce: %d processes on this machine, sums >= %d bytes on thread "
                         "byteps-reduce, %d of %d local peers over direct links (%d through shared-memory "
@@ -76,8 +73,8 @@ class EngineSetup:
         self._native = core
         self._completer = threading.Thread(target=self._deliver_native, name="byteps-complete", daemon=True)
         self._completer.start()
-        logger.info("native data plane: partitions to %d servers on thread byteps-net (%d over direct TCP links)",
-                    len(self.servers), core.links_up)
+        logger.info("native data plane: partitions to %d servers on thread byteps-net, over direct links",
+                    core.links_up)
 
     def _dealer(self, endpoint):
         """A DEALER connected to ``endpoint``, with an unguessable identity (core/auth.py)."""
@@ -88,14 +85,13 @@ class EngineSetup:
         return sock
 
     def _open_server_link(self, who, host, answer, ident):
-        """A direct TCP link to a server, from its LINK answer: the fd, or None (logged: its data goes
-        through ZeroMQ)."""
+        """A direct TCP link to a server, from its LINK answer: the fd."""
         try:
             return transport.open_link(host, int(answer["port"]), bytes.fromhex(answer["token"]), ident,
                                        self.control.node_id, min(self.cfg.timeout, 10.0))
         except (OSError, ValueError, KeyError, TypeError, ProtocolError) as e:  # TypeError: no TCP port
-            logger.warning("no direct link to %s: %s; its data goes through ZeroMQ", who, e)
-            return None
+            raise BytePSError(f"no direct link to {who}: {e} (partitions travel over direct links only: "
+                              f"is its port reachable from {self.cfg.node_host}?)") from None
 
     def _answer_challenge(self, sock, knock, header, body, who):
         """Send our AUTH for the CHALLENGE that answered our HELLO, once its sender proved it knows the secret."""
@@ -109,9 +105,9 @@ class EngineSetup:
         sock.send_multipart(wire.control(Cmd.AUTH, self.control.node_id, {"mac": mac}))
 
     def _open_links(self, core):
-        """Direct TCP links to the servers (core/transport/bps_link.h): ask each for a one-time token over the
-        authenticated ZeroMQ socket, connect, present it, and hand the socket to the native thread. A
-        server that cannot listen for links stays on ZeroMQ (logged)."""
+        """Direct links to the servers (core/transport/bps_link.h, bps_ucx.h): ask each for a one-time
+        token over the authenticated ZeroMQ socket, connect, present it, and hand the link to the native
+        thread. A server without one fails init() with the reason (one lost meanwhile is skipped)."""
         from . import ucx
         use_ucx = ucx.choose(self.cfg.transport, _worker_core) == "ucx"
         poller, asked = zmq.Poller(), {}
@@ -139,21 +135,21 @@ class EngineSetup:
                 except ProtocolError as e:
                     logger.warning("malformed answer while opening direct links: %s", e)
                 # anything else here is a late PROBE echo (a timed-out probe): dropped
-        for sock, i in asked.items():
-            logger.warning("server %d did not answer LINK within %g s: its data goes through ZeroMQ", i, limit)
+        if asked:
+            late = ", ".join(f"{i} ({self.book['servers'][i]['host']})" for i in sorted(asked.values()))
+            raise BytePSTimeoutError(f"no direct link: server {late} did not answer LINK within {limit:g} s")
         for i, answer in sorted(answers.items()):
             info = self.book["servers"][i]
             if "error" in answer:
-                logger.info("server %d: %s; its data goes through ZeroMQ", i, answer["error"])
-                continue
+                raise BytePSError(f"server {i} ({info['host']}): {answer['error']}")
             ident = self.servers[i].getsockopt(zmq.IDENTITY)
-            if use_ucx:
+            if use_ucx and "ucx_port" in answer:
                 self._open_ucx_link(core, i, info["host"], answer, ident)
                 continue
-            fd = self._open_server_link(f"server {i} ({info['host']}:{answer.get('port')})", info["host"], answer,
-                                        ident)
-            if fd is not None:
-                core.add_link(i, fd)
+            if use_ucx:
+                logger.warning("server %d has no UCX listener (its BYTEPS_TRANSPORT is not ucx): its link is TCP", i)
+            core.add_link(i, self._open_server_link(f"server {i} ({info['host']}:{answer.get('port')})",
+                                                    info["host"], answer, ident))
 
     def _open_local_links(self):
         """Direct links to this machine's other worker processes, after the local handshake: {local rank:
@@ -163,7 +159,7 @@ class EngineSetup:
         (LINK {port, token, ring}) over its authenticated DEALER; the lower one connects and presents it
         (transport.open_link), with arg 1 if it mapped the offered shared-memory rings
         (core/transport/bps_link.h BpsShmLink). Everyone offers, then connects upward, then accepts from
-        below, so no wait is circular; a pair whose link does not come up stays on ZeroMQ (logged)."""
+        below, so no wait is circular. A pair whose link does not come up fails init() with the reason."""
         me, node = self.cfg.local_rank, self.control.node_id
         lower = sorted(lr for lr in self._local_peers if lr < me)
         higher = sorted(lr for lr in self._local_peers if lr > me)
@@ -200,9 +196,7 @@ class EngineSetup:
             serve_until(lambda: lr in self._link_offers)
             offer = self._link_offers.pop(lr, None)
             if offer is None:
-                logger.warning("local rank %d offered no direct link within %g s; "
-                               "its local messages go through ZeroMQ", lr, limit)
-                continue
+                raise BytePSTimeoutError(f"local rank {lr} offered no direct link within {limit:g} s")
             port, token, ident, ring_info = offer
             ring_fd = None
             if ring_info is not None:
@@ -214,17 +208,14 @@ class EngineSetup:
                 fd = transport.open_link("127.0.0.1", port, token, self._local_peers[lr].getsockopt(zmq.IDENTITY),
                                          node, limit, arg=int(ring_fd is not None))
             except (OSError, ProtocolError) as e:
-                logger.warning("no direct link to local rank %d (127.0.0.1:%s): %s; its local messages go "
-                               "through ZeroMQ", lr, port, e)
                 if ring_fd is not None:
                     os.close(ring_fd)
-                continue
+                raise BytePSError(f"no direct link to local rank {lr} (127.0.0.1:{port}): {e}") from None
             links[lr] = (fd, ident, ring_fd, True)
         serve_until(lambda: all(lr in links for lr in lower))
-        for lr in lower:
-            if lr not in links:
-                logger.warning("local rank %d did not open its direct link within %g s; its local messages go "
-                               "through ZeroMQ", lr, limit)
+        missing = [lr for lr in lower if lr not in links]
+        if missing:
+            raise BytePSTimeoutError(f"local ranks {missing} did not open their direct links within {limit:g} s")
         for ring_fd in rings.values():  # offered, not taken
             os.close(ring_fd)
         if listener is not None:
@@ -262,19 +253,12 @@ class EngineSetup:
             conn.close()  # after detach() this closes nothing
 
     def _open_ucx_link(self, core, i, host, answer, ident):
-        """A UCX endpoint to server ``i`` (core/transport/bps_ucx.h), admitted by the token of its LINK answer;
-        a server without a UCX listener, or a failed handshake, leaves it on ZeroMQ (logged)."""
-        if "ucx_port" not in answer:
-            logger.warning("server %d has no UCX listener (its BYTEPS_TRANSPORT is not ucx); its data goes "
-                           "through ZeroMQ", i)
-            return
+        """A UCX endpoint to server ``i`` (core/transport/bps_ucx.h), admitted by the token of its LINK answer."""
         why = core.add_ucx_link(i, host, int(answer["ucx_port"]), bytes.fromhex(answer["token"]), ident,
                                 min(self.cfg.timeout, 10.0))
         if why:
-            logger.warning("no UCX link to server %d (%s:%s): %s; its data goes through ZeroMQ", i, host,
-                           answer["ucx_port"], why)
-        else:
-            logger.info("server %d: UCX link (%s)", i, core.link_transport(i))
+            raise BytePSError(f"no UCX link to server {i} ({host}:{answer['ucx_port']}): {why}")
+        logger.info("server %d: UCX link (%s)", i, core.link_transport(i))
 
     def _setup(self):
         info = {"role": "worker", "host": self.cfg.node_host, "worker_id": self.cfg.worker_id,
@@ -285,7 +269,6 @@ class EngineSetup:
             self._local_sock = self.ctx.socket(zmq.ROUTER)
             self._local_sock.setsockopt(zmq.LINGER, 0)
             info["local_port"] = self._local_sock.bind_to_random_port("tcp://127.0.0.1")
-            self._io[self._local_sock] = transport.wrap(self._local_sock)
         if self.cfg.timeline:
             timeline.start(self.cfg).wake = self._wake
         self.control = ControlClient(self.ctx, self.cfg, info)
@@ -302,7 +285,6 @@ class EngineSetup:
             sock = self._dealer(f"tcp://{info['host']}:{info['port']}")
             self.poller.register(sock, zmq.POLLIN)
             self.servers.append(sock)
-            self._io[sock] = transport.wrap(sock)
         self._server_index = {sock: i for i, sock in enumerate(self.servers)}
         # which server sums which bytes: the k/n split of byteps/placement.py, the same on every worker
         self.placement = Placement.from_book(self.book, self.cfg.placement, self.cfg.partition_bytes, self.rank)
@@ -505,7 +487,6 @@ class EngineSetup:
                 continue
             sock = self._dealer(f"tcp://127.0.0.1:{w['local_port']}")
             self._local_peers[w["local_rank"]] = sock
-            self._io[sock] = transport.wrap(sock)
         self.poller.register(self._local_sock, zmq.POLLIN)
         logger.info("local reduce with %d processes on this machine", self.local.size)
 
@@ -575,10 +556,8 @@ class EngineSetup:
         if header.cmd == Cmd.HELLO:
             reply = wire.control(Cmd.CHALLENGE, self.control.node_id, self._gate.challenge(peer, body))
             if self._native_local:  # the native thread owns our ROUTER now
-                self._native.send(_worker_core.TO_ROUTER, reply[0], reply[1], ident=peer)
+                self._native.answer_local(peer, reply[0], reply[1])
             else:
                 sock.send_multipart([peer] + reply)
         elif not self._gate.check(peer, body.get("mac")):
             self._gate.refusals.warning("refused local peer %r: authentication failed", peer)
-        elif self._native_local:
-            self._native.allow_local(peer)

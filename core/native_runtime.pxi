@@ -3,7 +3,7 @@
 # dispatch and span buffer), so each module defines these names over its own copy.
 from libc.stdint cimport uintptr_t
 
-from byteps.core import _transport
+from byteps.core import transport as _transport
 
 from byteps.core.native_runtime cimport (bps_cpu_init, bps_ucx_buffers_mapped, bps_ucx_built, bps_ucx_load,
                                         bps_ucx_registered_transfers, bps_ucx_version, bps_ucx_why, bps_zmq_load)
@@ -12,10 +12,10 @@ cdef extern from "core/pipeline/bps_trace.h" nogil:
     uintptr_t bps_trace_address()
 
 #: True when the native core can run here (it needs the libzmq that pyzmq loaded)
-available = _transport.available and bps_zmq_load(_transport.library.encode()) == 0 \
-    if _transport.available else False
+available = _transport.LIBZMQ is not None and bps_zmq_load(_transport.LIBZMQ.encode()) == 0
 #: why not, when it cannot
-unavailable_reason = "" if available else (_transport.unavailable_reason or "libzmq's functions were not found")
+unavailable_reason = "" if available else (_transport.LIBZMQ_MISSING or
+                                           f"{_transport.LIBZMQ}: libzmq's functions were not found")
 
 #: True when this build has the UCX transport (UCX headers were found at build time: setup.py)
 ucx_built = bps_ucx_built()

@@ -1,30 +1,40 @@
-"""Data-plane message I/O: whole messages in one call (core/_transport.pyx), and direct links' handshake.
+"""The libzmq the native cores call, and direct links' handshake.
 
-The worker's engine and the server take every data-plane message that reaches Python whole with
-``wrap(sock).recv_multipart()`` (None when nothing is queued; it never blocks) and send small
-messages with ``send_multipart(frames)``. The Cython module calls libzmq directly, several times
-cheaper than pyzmq's calls per message (docs/benchmarks.md, "Per-partition overhead"). The native
-cores call the same libzmq, so a pyzmq whose libzmq is not a separate shared library cannot run
-byteps: :func:`wrap` says why. Frames below :data:`COPY_BELOW` bytes arrive as ``bytes``; larger
-ones as zero-copy frames that support ``len()`` and the buffer protocol.
+ZeroMQ carries the control plane only (Python reads it through pyzmq); the native threads call the
+same libzmq that pyzmq loaded, for the control messages they pass on (core/transport/bps_zmq.h), so
+a pyzmq whose libzmq is not a separate shared library cannot run byteps: :data:`LIBZMQ_MISSING`
+says why. Partitions travel over direct links (below), which the native threads own once Python
+has opened them.
 """
+import os
 import socket
 import struct
 
-from byteps.errors import BytePSError, ProtocolError
+import zmq
 
-from . import _transport, wire
+from byteps.errors import ProtocolError
 
-#: frames smaller than this are copied (ZeroMQ copies small messages anyway; pyzmq's threshold too)
-COPY_BELOW = 65536
+from . import wire
 
 
-def wrap(sock, copy_below=COPY_BELOW):
-    """Message I/O for ``sock`` (a pyzmq socket used by one thread only), through libzmq called from C."""
-    if not _transport.available:
-        raise BytePSError(f"byteps calls pyzmq's libzmq from C and cannot here: {_transport.unavailable_reason} "
-                          "(install a pyzmq wheel, whose libzmq is a separate shared library)")
-    return _transport.FastSocket(sock, copy_below)
+def _loaded_libzmq():
+    """(path of the libzmq shared object pyzmq loaded into this process, None), or (None, why not)."""
+    if zmq.zmq_version_info()[0] != 4:
+        return None, f"libzmq {zmq.zmq_version()} (the native cores are written to the 4.x ABI)"
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()  # address perms offset dev inode path
+                if len(fields) >= 6 and os.path.basename(fields[5]).startswith("libzmq") and ".so" in fields[5]:
+                    return fields[5], None
+    except OSError:
+        pass
+    return None, ("pyzmq's libzmq is not a separate shared object in /proc/self/maps (install a pyzmq wheel, "
+                  "whose libzmq is a separate shared library)")
+
+
+#: the libzmq the native cores call, or None; and why not
+LIBZMQ, LIBZMQ_MISSING = _loaded_libzmq()
 
 
 # ---------------------------------------------------------------- direct links (core/transport/bps_link.h)

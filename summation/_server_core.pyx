@@ -81,7 +81,7 @@ ZERO_COPY_MIN = 65536
 
 cdef class NativeFrame:
     """A received ZeroMQ message buffer handed to Python (no copy): ``len()``, the buffer protocol,
-    ``.buffer`` and ``.bytes``, like core/_transport.pyx's Frame."""
+    ``.buffer`` and ``.bytes``."""
     cdef bps_zmq_msg *msg
 
     def __dealloc__(self):

@@ -161,12 +161,12 @@ class Server:
                                        self.cfg.server_engine_threads, get_num_threads())
         core.set_adopt_rounds(self.cfg.elastic)
         core.set_async(self.cfg.enable_async)
-        try:  # workers' direct links (core/transport/bps_link.h); ZeroMQ serves them meanwhile
+        try:  # workers' direct links (core/transport/bps_link.h): all their partitions come on them
             fd, self.link_port = transport.listen_link(self.cfg.node_host)
-            core.set_listener(fd)
         except OSError as e:
-            logger.warning("no direct links (cannot listen on %s: %s): workers' data goes through ZeroMQ",
-                           self.cfg.node_host, e)
+            raise BytePSError(f"this server cannot listen for workers' direct links on {self.cfg.node_host}: {e}") \
+                from None
+        core.set_listener(fd)
         self.ucx_port = self._ucx_listen(core)
         for ident in self.gate.admitted():
             core.admit(ident, True)
@@ -181,14 +181,14 @@ class Server:
 
     def _ucx_listen(self, core):
         """A UCX listener for workers' endpoints (core/transport/bps_ucx.h) when this server's transport is UCX:
-        its port, or None (workers then use TCP links or ZeroMQ)."""
+        its port, or None (workers then use TCP links)."""
         from byteps.core import ucx
         if ucx.choose(self.cfg.transport, _server_core) != "ucx":
             return None
         try:
             return core.ucx_listen(self.cfg.node_host)
         except RuntimeError as e:
-            logger.warning("no UCX listener on %s (%s): workers' data goes over TCP links or ZeroMQ",
+            logger.warning("no UCX listener on %s (%s): workers' links to this server are TCP",
                            self.cfg.node_host, e)
             return None
 
@@ -215,7 +215,7 @@ class Server:
         """Send a message through the native thread, which owns the socket; large bodies go zero-copy
         (smaller ones are cheaper to copy)."""
         token = None
-        if not copy and len(frames[-1]) >= transport.COPY_BELOW:
+        if not copy and len(frames[-1]) >= _server_core.ZERO_COPY_MIN:
             token = next(self._tokens)
             self._zero_copy[token] = frames[-1]  # alive until the native thread says it is released
         if not self.core.send(frames, token) and token is not None:
@@ -227,16 +227,13 @@ class Server:
                                      length=len(body)), body], copy=False)
 
     def _on_link(self, ident):
-        """LINK from an authenticated worker: a one-time token for a direct TCP link (core/transport/bps_link.h),
-        or why not (the worker then stays on ZeroMQ)."""
-        if self.link_port is None and self.ucx_port is None:
-            answer = {"error": f"this server cannot listen for direct links on {self.cfg.node_host}"}
-        else:
-            token = os.urandom(transport.TOKEN_BYTES)  # one use, on a TCP link or a UCX endpoint
-            self.core.expect_link(ident, token)  # queued before the answer below: the token is known first
-            answer = {"port": self.link_port, "token": token.hex()}
-            if self.ucx_port is not None:
-                answer["ucx_port"] = self.ucx_port
+        """LINK from an authenticated worker: a one-time token for a direct link (core/transport/bps_link.h,
+        or a UCX endpoint where this server listens for them)."""
+        token = os.urandom(transport.TOKEN_BYTES)  # one use, on a TCP link or a UCX endpoint
+        self.core.expect_link(ident, token)  # queued before the answer below: the token is known first
+        answer = {"port": self.link_port, "token": token.hex()}
+        if self.ucx_port is not None:
+            answer["ucx_port"] = self.ucx_port
         self._send([ident] + wire.control(Cmd.LINK, self.control.node_id, answer))
 
     def _handle(self, frames):

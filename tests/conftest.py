@@ -6,8 +6,10 @@ process is killed and reaped at teardown, and each wait is bounded.
 """
 import json
 import os
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -197,6 +199,64 @@ def ask_link(sock):
     header, body = sock.recv_multipart()
     assert wire.unpack(header).cmd == wire.Cmd.LINK
     return wire.decode(body)
+
+
+class MemberLink:
+    """A job member's direct link to a server (core/transport/bps_link.h), used as tests use a DEALER:
+    ``send_multipart(frames)`` sends one message, ``recv_multipart()`` reads one whole message (blocking,
+    up to ``timeout`` s), ``poll(timeout_ms)`` is True once bytes of a message are readable, ``close()``.
+    Messages carry no identity frame: [header, body...] both ways; the server takes them as coming from
+    ``identity``, the authenticated DEALER's (``dealer``, kept open for as long as the link is)."""
+
+    def __init__(self, dealer, identity, sock):
+        self.dealer, self.identity, self.sock = dealer, identity, sock
+
+    def send_multipart(self, frames):
+        from byteps.core import transport
+
+        self.sock.sendall(transport.link_pack([bytes(f) for f in frames]))
+
+    def recv_multipart(self):
+        """One whole message, read exactly (nothing is buffered here: poll() sees what is left)."""
+        from byteps.core import transport
+
+        magic, count = struct.unpack("<II", _read_exactly(self.sock, 8))
+        assert magic == transport.LINK_MAGIC and 1 <= count <= 8, (hex(magic), count)
+        lens = struct.unpack(f"<{count}Q", _read_exactly(self.sock, 8 * count))
+        return [_read_exactly(self.sock, n) for n in lens]
+
+    def poll(self, timeout_ms=0):
+        return bool(select.select([self.sock], [], [], max(0, timeout_ms) / 1000)[0])
+
+    def close(self):
+        self.sock.close()
+        self.dealer.close(linger=0)
+
+
+def _read_exactly(sock, n):
+    buf = bytearray()
+    while len(buf) < n:
+        got = sock.recv(min(n - len(buf), 1 << 20))
+        if not got:
+            raise ConnectionError("the server closed the link")
+        buf += got
+    return bytes(buf)
+
+
+def member_link(ctx, port, timeout=30.0):
+    """An authenticated job member's direct link to the server whose ZeroMQ data port is ``port``, as a
+    worker opens it (member_dealer, Cmd.LINK, the token on a new TCP connection): a MemberLink. Data
+    messages (PUSHPULL, BROADCAST, ASYNC_PUSHPULL, RESULT) go on it; ZeroMQ carries only control."""
+    from byteps.core import transport
+
+    dealer, ident = member_dealer(ctx, port)
+    answer = ask_link(dealer)
+    assert "token" in answer, answer
+    fd = transport.open_link("127.0.0.1", answer["port"], bytes.fromhex(answer["token"]), ident, 0, timeout)
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(True)
+    sock.settimeout(timeout)
+    return MemberLink(dealer, ident, sock)
 
 
 def memfd_arenas(pid):

@@ -292,11 +292,10 @@ def main():
         m = dict(m, **_job.engine.metrics())
     # ops the native data plane ran whole (core/pipeline/bps_worker.h)
     result["native_ops"] = m["native"]["ops"] if dataplane else None
-    # servers reached over a direct TCP link (core/transport/bps_link.h) rather than ZeroMQ
+    # servers reached over a working direct link (core/transport/bps_link.h, bps_ucx.h)
     result["native_links"] = m["native"]["links_up"] if dataplane else None
-    # what carries each server's link: "tcp", "ucx: <UCX transports>" or "" (ZeroMQ)
-    result["link_transports"] = [("" if s["transport"] == "zeromq" else s["transport"]) for s in m["servers"]] \
-        if dataplane else None
+    # what carries each server's link: "tcp", "ucx: <UCX transports>" or "none"
+    result["link_transports"] = [s["transport"] for s in m["servers"]] if dataplane else None
     # UCX: pooled receive buffers registered (ucp_mem_map), transfers that passed a registration (core/transport/bps_ucx.h)
     from byteps.core import _worker_core
     result["ucx_registrations"] = list(_worker_core.ucx_registrations())

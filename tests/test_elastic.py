@@ -184,14 +184,14 @@ def _reply(sock, timeout=10.0):
 @pytest.mark.timeout(120)
 def test_replacement_server_takes_results(cluster):
     """The replacement's side of RESULT, message by message against a real server (BYTEPS_ELASTIC=1),
-    with two DEALERs speaking for ranks 0 and 1: a RESULT completes the round a rank pushed again,
-    answers a rank that pushes a completed round again, older RESULTs are dropped, and the next round
-    sums as usual."""
+    with two job members' direct links speaking for ranks 0 and 1 (data travels over links only): a
+    RESULT completes the round a rank pushed again, answers a rank that pushes a completed round again,
+    older RESULTs are dropped, and the next round sums as usual."""
     import sys
     import numpy as np
     import zmq
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import member_dealer, server_data_port
+    from conftest import member_link, server_data_port
     from byteps.core import wire
     Cmd = wire.Cmd
 
@@ -202,10 +202,11 @@ def test_replacement_server_takes_results(cluster):
         assert time.monotonic() < deadline and all(p.poll() is None for p in c.workers), c.all_logs()
         time.sleep(0.05)
     ctx = zmq.Context()
+    links = []
     try:
         port = server_data_port(c.servers[0].pid)
-        a, _ = member_dealer(ctx, port)
-        b, _ = member_dealer(ctx, port)
+        links += [member_link(ctx, port), member_link(ctx, port)]
+        a, b = links
         result = np.arange(1000, dtype=np.float32)
         # key 1: rank 0 had round 5's result, rank 1 did not; the RESULT comes first
         k1 = wire.make_key(900, 1)
@@ -233,6 +234,8 @@ def test_replacement_server_takes_results(cluster):
             c.log("server0")
         assert "pushed round 5 again after it completed here" in c.log("server0"), c.log("server0")
     finally:
+        for link in links:
+            link.close()
         ctx.destroy(linger=0)
 
 

@@ -11,7 +11,9 @@
   unauthenticated peer and from an authenticated one (it knows the job's secret, so it is a
   buggy job member, not a stranger). Frames have random commands, dtypes, flags, senders, keys,
   rounds, frame counts, bodies, and length fields up to 2^64-1 with tiny bodies; the member also
-  sends well-formed pairs of pushes that complete rounds. Afterwards every process must still run,
+  sends well-formed pairs of pushes that complete rounds. A server's member sends half its frames,
+  and every well-formed round, on a direct link (where partitions travel; ZeroMQ is the control
+  plane, and a server refuses data there), the rest on its DEALER. Afterwards every process must still run,
   its memory (RSS, and address space: a length field never allocates) must not have grown, the
   stranger must have had nothing but handshake answers (a CHALLENGE; the scheduler's refusal),
   and real push_pulls must still give the exact sums. ``-m slow`` sends 20,000 messages per peer.
@@ -35,7 +37,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
-from conftest import FAST_ENV, server_data_port  # noqa: E402
+from conftest import FAST_ENV, member_link, server_data_port  # noqa: E402
 
 from byteps.core import auth, shm, wire  # noqa: E402
 from byteps.errors import ProtocolError  # noqa: E402
@@ -249,15 +251,21 @@ def coherent_round(rng, keys):
 
 
 class Fuzzer:
-    """A DEALER connected to one ROUTER; optionally authenticated with the job's secret."""
+    """A DEALER connected to one ROUTER; optionally authenticated with the job's secret. With ``link``
+    (a server's data port), a job member's direct link instead (conftest.member_link): where partitions
+    travel, so what it sends reaches the server's rounds; on its DEALER a server refuses data."""
 
-    def __init__(self, ctx, port, secret=None):
+    def __init__(self, ctx, port, secret=None, link=False):
+        self.answers = Counter()  # command name -> count of messages the peer sent us
+        if link:
+            self.sock = member_link(ctx, port)
+            self.identity = self.sock.identity
+            return
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.identity = auth.new_identity()
         self.sock.setsockopt(zmq.IDENTITY, self.identity)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
-        self.answers = Counter()  # command name -> count of messages the peer sent us
         if secret is not None:
             knock = auth.Knock(secret, self.identity)
             self.sock.send_multipart(wire.control(Cmd.HELLO, body=knock.hello()))
@@ -317,26 +325,35 @@ def live_fuzz(cluster, frames_per_peer, seed, layout="2x1", ipc="1"):
         strangers = [Fuzzer(ctx, port) for _, _, port in targets]
         sched_stranger = Fuzzer(ctx, c.port)  # the scheduler's control socket
         members = [Fuzzer(ctx, port, secret) for _, _, port in targets]
+        # each server's member also has a direct link, where partitions travel: what it sends there
+        # reaches the rounds and sum kernels (its DEALER gets the control plane, and data it refuses)
+        links = {i: Fuzzer(ctx, port, link=True) for i, (name, _, port) in enumerate(targets)
+                 if name.startswith("server")}
         # keys the job uses (tensor keys 1..3, partitions 0..1) for strangers; others for members
         job_keys = [wire.make_key(t, p) for t in (1, 2, 3) for p in (0, 1)] + [0]
         spare_keys = [wire.make_key(t, p) for t in (1000, 1001, 77777, 0xFFFFFFFF) for p in (0, 1, 5)]
         for i in range(frames_per_peer):
             for f in [*strangers, sched_stranger]:
                 f.send(mutated_frames(rng, job_keys + spare_keys, [0, 1, 2, wire.NO_SENDER, 1 << 20]))
-            for f in members:
-                f.send(mutated_frames(rng, spare_keys, [0, 1, 2, wire.NO_SENDER]))
+            for t, f in enumerate(members):
+                data = links.get(t, f)  # a server's member: half its mutated frames on the link
+                (data if rng.random() < 0.5 else f).send(mutated_frames(rng, spare_keys, [0, 1, 2, wire.NO_SENDER]))
                 if rng.random() < 0.1:  # a well-formed round from two "ranks": the sum and reply paths
                     for frames in coherent_round(rng, spare_keys):
-                        f.send(frames)
+                        data.send(frames)
             summary["frames"] += len(strangers) + 1 + len(members)
             if i % 2000 == 0:  # everyone must keep up (and keep heartbeating) meanwhile
                 assert all(p.poll() is None for p in [c.scheduler, *c.servers, *c.workers]), c.all_logs()
-        for f in [*strangers, sched_stranger, *members]:
+        for f in [*strangers, sched_stranger, *members, *links.values()]:
             f.sync()
         summary["stranger_answers"] = dict(sum((f.answers for f in strangers), Counter()))
         summary["scheduler_answers"] = dict(sched_stranger.answers)
         summary["member_answers"] = dict(sum((f.answers for f in members), Counter()))
+        on_router = sum((members[t].answers for t in links), Counter())  # servers' DEALER members
+        summary["link_answers"] = dict(sum((f.answers for f in links.values()), Counter()))
     finally:
+        for f in links.values():
+            f.sock.close()
         ctx.destroy(linger=0)
     summary["seconds"] = round(time.monotonic() - start, 1)
     alive = {name: psutil.Process(pid).is_running() for name, pid, _ in targets}
@@ -354,6 +371,9 @@ def live_fuzz(cluster, frames_per_peer, seed, layout="2x1", ipc="1"):
     assert set(summary["stranger_answers"]) <= {"CHALLENGE"}, summary
     assert set(summary["scheduler_answers"]) <= {"CHALLENGE", "ERROR"}, summary
     assert set(summary["member_answers"]) <= {"CHALLENGE", "REPLY", "ERROR", "PROBE", "LINK"}, summary  # PROBE: echoed; LINK: a token
+    assert set(summary["link_answers"]) <= {"CHALLENGE", "REPLY", "ERROR", "PROBE", "LINK"}, summary
+    assert summary["link_answers"].get("REPLY", 0) > 0, summary  # well-formed rounds on the links were summed
+    assert "REPLY" not in on_router, (on_router, summary)  # data on a server's ROUTER is refused, never summed
     # the job still sums exactly
     open(os.path.join(c.tmp, "go"), "w").close()
     codes, scodes, sched = c.wait_all(120)

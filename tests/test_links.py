@@ -8,7 +8,9 @@
 * the handshake against a real server: an authenticated job member gets a one-time token over
   ZeroMQ; a wrong token is refused and the link closed; the right one is accepted once; a PROBE sent
   on the link is echoed on the link (Python's reply leaves through the native thread's send_to);
-  a peer that never authenticated gets no token.
+  a peer that never authenticated gets no token;
+* ZeroMQ is the control plane only: a job member's data messages on its DEALER are refused with an
+  ERROR and never enter a sum.
 """
 import os
 import socket
@@ -148,6 +150,51 @@ def test_link_handshake_against_a_real_server(cluster):
         assert res.get("value") == {"before": True, "after": True, "after_i": True}, (r, res, c.all_logs())
         assert res["native_links"] == 1, res
     assert "refused a direct link" in c.log("server0")
+
+
+@pytest.mark.timeout(150)
+def test_data_over_zeromq_is_refused_and_the_job_sums_exactly(cluster):
+    """ZeroMQ is the control plane only: an authenticated job member's PUSHPULL, BROADCAST,
+    ASYNC_PUSHPULL and RESULT for the job's own keys, sent on its DEALER, are each answered with an
+    ERROR that says partitions travel over direct links only, and never enter a round: the job's
+    sums stay exact (each checked against the locally computed one); the DEALER still gets control."""
+    c = cluster(2, 1)
+    c.run_workers("wait_then_sum", {"wait": 120})
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(c.tmp, f"progress.{r}")) for r in (0, 1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in c.workers), c.all_logs()
+        time.sleep(0.05)
+    ctx, sock, _ = _member(server_data_port(c.servers[0].pid))
+    try:
+        body = bytes(4096)  # float32 zeros: well-formed, the length the header says
+        # the job's first tensor keys, the round each is at or comes to next, as ranks 0 and 1 would send
+        sent = []
+        for i, cmd in enumerate([Cmd.PUSHPULL, Cmd.BROADCAST, Cmd.ASYNC_PUSHPULL, Cmd.RESULT]):
+            key = wire.make_key(1 + i % 3, 0)
+            rnd = 1 if key == wire.make_key(1, 0) else 0
+            sock.send_multipart([wire.pack(cmd, sender=i % 2, key=key, round=rnd, length=len(body), dtype=0), body])
+            sent.append(key)
+        answers = []
+        deadline = time.monotonic() + 20
+        while len(answers) < len(sent) and time.monotonic() < deadline:
+            if sock.poll(100):
+                answers.append(sock.recv_multipart())
+        assert len(answers) == len(sent), f"{len(answers)} of {len(sent)} data messages over ZeroMQ answered\n" \
+                                          f"{answers}\n{c.log('server0')}"
+        for header, text in answers:
+            h = wire.unpack(header)
+            error = wire.decode(text).get("error", "")
+            assert h.cmd == Cmd.ERROR and "over ZeroMQ" in error, (Cmd(h.cmd).name, error)
+        assert sorted(wire.unpack(a[0]).key for a in answers) == sorted(sent), answers
+        assert "token" in ask_link(sock)  # control still arrives on ZeroMQ
+    finally:
+        ctx.destroy(linger=0)
+    open(os.path.join(c.tmp, "go"), "w").close()
+    codes, scodes, sched = c.wait_all(120)
+    assert codes == [0, 0] and scodes == [0] and sched == 0, c.all_logs()
+    assert sorted(c.results()) == [0, 1], c.all_logs()
+    for r, res in c.results().items():  # every sum exact against the locally computed one
+        assert res.get("value") == {"before": True, "after": True, "after_i": True}, (r, res, c.all_logs())
 
 
 # ------------------------------------------------------------------------------ direct calls

@@ -5,8 +5,8 @@ answers a reference written down here expects.
   shared memory, with sums inline and on sum threads, and one pushing machine (its own region back);
 * broadcasts of every dtype from every root;
 * proof that the native path ran: the server logs how many pushes byteps-serve handled;
-* a raw client (an authenticated job member) sends bad rounds, duplicates, length and dtype
-  mismatches, a short body, a broadcast from a non-root, good rounds, a push without its body frame,
+* a raw client (an authenticated job member, on its direct link) sends bad rounds, duplicates, length
+  and dtype mismatches, a short body, a broadcast from a non-root, good rounds, a push without its body frame,
   and compressed pushes (a round mixing compressed and plain ones, a compressed round answered with
   the re-encoded sum, a malformed blob, a dense size that differs from the header's): the server must
   answer with exactly the messages written down here.
@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find conftest
-from conftest import member_dealer, server_data_port  # noqa: E402
+from conftest import member_link, server_data_port  # noqa: E402
 from test_push_pull import SMALL_SHAPES, check_matrix  # noqa: E402
 
 from byteps import compression as C  # noqa: E402
@@ -218,18 +218,22 @@ def _by_key(answers):
 def _answers(port):
     ctx = zmq.Context()
     try:
-        sock, _ = member_dealer(ctx, port)
-        for frames in SCRIPT:  # sent at once: the server holds them until the AUTH is checked
-            sock.send_multipart(frames)
-        out = []
-        deadline = time.monotonic() + 30
-        while len(out) < len(EXPECTED) and time.monotonic() < deadline:
-            if sock.poll(100):
-                out.append(_answer(sock.recv_multipart()))
-        time.sleep(0.3)  # nothing more may come
-        while sock.poll(0):
-            out.append(_answer(sock.recv_multipart()))
-        return out
+        link = member_link(ctx, port)  # partitions travel over direct links only, as a worker's do
+        try:
+            for frames in SCRIPT:
+                link.send_multipart(frames)
+            out = []
+            deadline = time.monotonic() + 30
+            while len(out) < len(EXPECTED) and time.monotonic() < deadline:
+                if link.poll(100):
+                    out.append(_answer(link.recv_multipart()))
+            time.sleep(0.3)  # nothing more may come
+            while link.poll(0):
+                out.append(_answer(link.recv_multipart()))
+            assert not link.dealer.poll(0), "every answer must come on the link, not on ZeroMQ"
+            return out
+        finally:
+            link.close()
     finally:
         ctx.destroy(linger=0)
 

@@ -25,7 +25,6 @@ import sys
 import pytest
 import torch
 
-from byteps.core import transport
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # --import-mode=importlib: find scenarios_torch
 from scenarios import digest  # noqa: E402
@@ -202,11 +201,9 @@ def test_copy_stage_thread_with_large_partitions(cluster, threads):
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("ipc", [False, True], ids=["tcp", "shm"])
 def test_message_transports(cluster, ipc):
-    """Exact sums with partitions below and above the size where bodies stop being copied and go
-    zero-copy (core/transport.py: Python's data-plane sockets read through libzmq called from C, or
-    byteps refuses to start)."""
-    big = [(3, 70001)]  # 840 KB of float32: 300 KB partitions, 150 KB pieces per server, over COPY_BELOW
-    assert 300000 // 2 > transport.COPY_BELOW
+    """Exact sums with partitions below and above the size (64 KB) where pushes stop being copied and
+    go zero-copy from the tensor (core/pipeline/worker_send_queue.h)."""
+    big = [(3, 70001)]  # 840 KB of float32: 300 KB partitions, 150 KB pieces per server, over 64 KB
     check_matrix(cluster, 2, 2, SMALL_SHAPES + big, rounds=2, extreme=False, ipc=ipc,
                  extra_env={"BYTEPS_PARTITION_BYTES": "300000"})
 

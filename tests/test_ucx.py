@@ -94,15 +94,11 @@ def test_large_partitions_over_ucx_rendezvous(cluster):
 def _endpoint(port, token, ident):
     """A UCX endpoint from a fresh native worker core to the server's UCX listener, presenting
     ``token``: "" when the server admitted it, else why not."""
-    ctx = zmq.Context()
-    try:
-        core = _worker_core.WorkerCore(99, 1 << 20, 10.0, 1, os.open(os.devnull, os.O_WRONLY))
-        core.add_server(ctx.socket(zmq.DEALER))  # never connected: only the UCX endpoint is used
-        why = core.add_ucx_link(0, "127.0.0.1", port, token, ident, 10.0)
-        del core  # closes the endpoint
-        return why
-    finally:
-        ctx.destroy(linger=0)
+    core = _worker_core.WorkerCore(99, 1 << 20, 10.0, 1, os.open(os.devnull, os.O_WRONLY))
+    core.add_server()
+    why = core.add_ucx_link(0, "127.0.0.1", port, token, ident, 10.0)
+    del core  # closes the endpoint
+    return why
 
 
 @pytest.mark.timeout(150)

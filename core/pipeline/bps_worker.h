@@ -89,9 +89,9 @@ class BpsWorkerCore {
     void reset_rounds();
 
     /* server links (BpsServerLinks, server_links.h): set up by Python, counters for byteps.metrics() */
-    bool add_server(void *sock) { return servers_.add(sock); }
-    bool add_server_live(void *sock, int fd) { /* elastic: byteps-net adopts it at its next turn */
-        if (!servers_.add_live(sock, fd)) return false;
+    bool add_server() { return servers_.add(); }
+    bool add_server_live(int fd) { /* elastic: byteps-net adopts it at its next turn */
+        if (!servers_.add_live(fd)) return false;
         wake();
         return true;
     }
@@ -124,23 +124,18 @@ class BpsWorkerCore {
     void fail_all();
     bool forget(int64_t id);
     void forwarded(std::vector<BpsForward> *out);
-    void released(std::vector<int64_t> *out);
     static void zc_free(void *, void *hint);
 
     /* the local reduce: LOCAL_READY / LOCAL_DONE, its groups, the stage thread (worker_local_reduce.h) */
     static bool local_header(BpsMessage &msg, BpsHeader *h);
     void stray_local(BpsMessage &msg, bool *strays);
-    void add_local(void *router, std::vector<void *> peers, int local_rank, bool open);
+    void add_local(void *router, int local_rank, int local_size);
     /* local links and admission (BpsLocalPeers, local_peers.h) */
     std::string add_local_link(int r, int fd, const std::string &ident, int ring_fd = -1, bool low = false) {
         return local_.add_link(r, fd, ident, ring_fd, low);
     }
     int local_rings_up() const { return local_.rings_up(); }
     int local_links_up() const { return local_.links_up(); }
-    void allow_local(const std::string &identity) { /* byteps-net admits it at its next turn */
-        local_.allow(identity);
-        wake();
-    }
     void set_local_joined(uint64_t mask);
     /* join() ended ``ends`` times: LOCAL_READYs carry the parity, so that a peer still in join() tells
      * the copies of our next op (rounds restarted at 0) from a joined rank's partitions */
@@ -310,7 +305,7 @@ class BpsWorkerCore {
     void owner_pulled(BpsOp *op, int i, int server, const BpsHeader &h, BpsMessage *m);
     void local_failed(BpsOp *op, int i, int kind, const std::string &text);
     void local_broadcast(BpsOp *op, int i, const void *desc, const std::string &error_body);
-    void on_local(BpsMessage *m, bool linked = false);
+    void on_local(BpsMessage *m);
     int view_shared(const void *body, size_t n, unsigned char **ptr, uint64_t *len, std::string *err);
     void ask_owed(const Ident &id, const BpsHeader &h);
     void self_joined_turn(bool on);
@@ -343,10 +338,6 @@ class BpsWorkerCore {
     int nthreads_;
     int notify_fd_;
     int wake_fd_;
-    /* zero-copy sends Python queued and a link released (zc_free): declared before the links, since a
-     * link destroyed with such frames still queued releases them as it goes */
-    std::mutex zc_mu_;
-    std::vector<int64_t> released_;
     /* every op and its completion (own mutex, taken after mu_ where both are: op_table.h); declared
      * before the links, so its ops outlive the zero-copy bodies a link still holds */
     BpsOpTable ops_;
@@ -407,7 +398,7 @@ class BpsWorkerCore {
     std::atomic<uint64_t> local_reduced_{0}, local_threaded_{0}, local_coordinated_{0}, owed_submitted_{0};
     /* byteps-net: a LOCAL_DONE / ERROR that reached the ROUTER for a partition a direct caller still held
      * (kept until it is handed over), with whether it came on a link */
-    std::map<std::pair<uint64_t, uint64_t>, std::pair<BpsMessage *, bool>> early_done_;
+    std::map<std::pair<uint64_t, uint64_t>, BpsMessage *> early_done_;
     std::mutex maps_mu_; /* maps_: byteps-net and direct local callers read results through it */
     std::string first_stall_; /* the first send queue stall's tensor (guarded by mu_) */
 };

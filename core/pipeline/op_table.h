@@ -155,7 +155,7 @@ class BpsOpTable {
     }
 
     /* Take op ``id`` out to delete it: false (and it stays) while it runs or its memory is still read
-     * (ZeroMQ's zero-copy bodies, stage-thread tasks); *gone: the op, NULL if there is none. */
+     * (zero-copy bodies a link still holds, stage-thread tasks); *gone: the op, NULL if there is none. */
     bool forget(int64_t id, BpsOp **gone) {
         std::lock_guard<std::mutex> lock(mu_);
         *gone = nullptr;

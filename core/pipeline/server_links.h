@@ -1,6 +1,7 @@
-/* The worker's links to the servers: per server its ZeroMQ DEALER, its direct link (a BpsConn: TCP, or a
- * UCX endpoint of this process's one UCP worker) if Python set one up, and what is known of it (on this
- * machine, left the job, link broken, bytes each way).
+/* The worker's links to the servers: per server its direct link (a BpsConn: TCP, or a UCX endpoint of
+ * this process's one UCP worker), which carries all its partitions and replies, and what is known of it
+ * (on this machine, left the job, link broken, bytes each way). ZeroMQ carries none of them: the
+ * servers' DEALERs stay Python's, for the control plane.
  *
  * Threads: Python's, before start() (add, add_link, add_ucx_link) and for the counters at any time;
  * byteps-net, which polls and sends (BpsWorkerCore::run, send()); a direct caller
@@ -19,19 +20,16 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "core/pipeline/worker_types.h"
 #include "core/transport/bps_link.h"
 #include "core/transport/bps_ucx.h"
 #include "core/transport/bps_wire.h"
-#include "core/transport/bps_zmq.h"
 
 class BpsServerLinks {
   public:
     explicit BpsServerLinks(uint32_t node_id) : node_id_(node_id) {
-        socks_.reserve(BPS_MAX_SERVERS);
         links_.resize(BPS_MAX_SERVERS);
         for (int i = 0; i < BPS_MAX_SERVERS; ++i) link_mu_.emplace_back(new std::mutex());
         direct_owned_.resize(BPS_MAX_SERVERS);
@@ -42,44 +40,41 @@ class BpsServerLinks {
         reported_.resize(BPS_MAX_SERVERS, false);
     }
 
-    /* Server number count()'s DEALER (before start(); add_live() after). False: too many. */
-    bool add(void *sock) {
-        if (socks_.size() >= (size_t)BPS_MAX_SERVERS) return false;
-        socks_.push_back(sock);
-        nservers_.store((int)socks_.size());
+    /* Server number count() (before start(); add_live() after), its link to come. False: too many. */
+    bool add() {
+        if (known_ >= (size_t)BPS_MAX_SERVERS) return false;
+        nservers_.store((int)++known_);
         return true;
     }
 
-    /* A server that joined the running job (elastic): its authenticated DEALER and, if it has one, its
-     * direct TCP link (fd, else -1). byteps-net adopts both (adopt_joined), as server count(). */
-    bool add_live(void *sock, int fd) {
+    /* A server that joined the running job (elastic): its direct TCP link's fd. byteps-net adopts it
+     * (adopt_joined) as server count(). */
+    bool add_live(int fd) {
         std::lock_guard<std::mutex> lock(mu_);
         if (nservers_.load() + (int)joined_.size() >= BPS_MAX_SERVERS) return false;
-        joined_.push_back(std::make_pair(sock, fd));
+        joined_.push_back(fd);
         return true;
     }
 
     /* byteps-net: the servers add_live() handed over; each is polled from the next turn on. */
     void adopt_joined() {
-        std::vector<std::pair<void *, int>> joined;
+        std::vector<int> joined;
         {
             std::lock_guard<std::mutex> lock(mu_);
             joined.swap(joined_);
         }
-        for (auto &j : joined) {
-            size_t i = socks_.size();
-            if (j.second >= 0) links_[i].reset(new BpsLink(j.second));
-            socks_.push_back(j.first);
-            nservers_.store((int)socks_.size());
+        for (int fd : joined) {
+            links_[known_].reset(new BpsLink(fd));
+            nservers_.store((int)++known_);
         }
     }
 
     /* A direct TCP link to server ``server`` (before start()): a connected socket whose token the server
-     * accepted (core/engine.py _open_links). This object owns and closes it; ZeroMQ stays the fallback. */
+     * accepted (core/engine_setup.py _open_links). This object owns and closes it. */
     void add_link(int server, int fd) { links_.at((size_t)server).reset(new BpsLink(fd)); }
 
     /* A UCX endpoint to server ``server``'s listener at host:port (before start()), admitted by the
-     * one-time ``token`` Python got for ``ident``: "" once it is up, else why not (ZeroMQ stays). */
+     * one-time ``token`` Python got for ``ident``: "" once it is up, else why not. */
     std::string add_ucx_link(int server, const std::string &host, int port, const std::string &token,
                              const std::string &ident, double timeout) {
         std::string why;
@@ -110,12 +105,11 @@ class BpsServerLinks {
 
     /* Servers known: any thread (count()), or byteps-net, which alone adds to them once started (size()). */
     int count() const { return nservers_.load(); }
-    size_t size() const { return socks_.size(); }
-    void *sock(size_t server) const { return socks_[server]; }
+    size_t size() const { return known_; }
 
-    /* Server ``server``'s direct link (NULL: none), and the same while it works, else NULL (ZeroMQ then
-     * carries its messages: a link breaks only when the server goes, and the scheduler reports that loss
-     * to everyone). */
+    /* Server ``server``'s direct link (NULL: none: a server lost before its link opened), and the same
+     * while it works, else NULL (a link breaks only when the server goes, and the scheduler reports that
+     * loss to everyone). */
     BpsConn *link(int server) const { return links_[(size_t)server].get(); }
     BpsConn *live(int server) const {
         BpsConn *l = link(server);
@@ -137,10 +131,15 @@ class BpsServerLinks {
         return lock;
     }
 
-    /* Transport seam: one message to server ``server``. 0, or -1 with errno set. */
+    /* Transport seam: one message to server ``server``. 0, or -1 with errno set. To a server whose link
+     * is gone the message is dropped: what the server owes waits for its loss to be handled (elastic:
+     * re-sent to its replacement at commit(); else the scheduler's report fails the job). */
     int send(int server, BpsFrames &f) {
         BpsConn *l = live(server);
-        if (l == nullptr) return bps_zmq_send_frames(socks_[(size_t)server], f);
+        if (l == nullptr) {
+            f.release_from(0);
+            return 0;
+        }
         std::lock_guard<std::mutex> link_lock(link_mu(server)); /* a direct caller may hold it briefly */
         if (l->send(f) == 0) return 0;
         errno = ECONNRESET;
@@ -149,7 +148,7 @@ class BpsServerLinks {
 
     /* A burst of messages leaves in as few writes as the sockets take (on), then goes (off). */
     void cork(bool on) {
-        for (size_t i = 0; i < socks_.size(); ++i) {
+        for (size_t i = 0; i < known_; ++i) {
             BpsConn *l = live((int)i);
             if (l == nullptr) continue;
             std::lock_guard<std::mutex> link_lock(*link_mu_[i]);
@@ -181,7 +180,7 @@ class BpsServerLinks {
      * Python (lost()); true when there are new ones to tell it of. */
     bool report_broken() {
         bool any = false;
-        for (size_t i = 0; i < socks_.size(); ++i) {
+        for (size_t i = 0; i < known_; ++i) {
             BpsConn *l = links_[i].get();
             if (l == nullptr || !l->dead() || reported_[i]) continue;
             reported_[i] = true; /* the server went (or closed it): Python tells the scheduler (elastic) */
@@ -201,7 +200,7 @@ class BpsServerLinks {
 
   private:
     uint32_t node_id_;
-    std::vector<void *> socks_;                   /* per server: its DEALER (byteps-net's once started) */
+    size_t known_ = 0;                            /* servers (byteps-net's once started) */
     std::unique_ptr<BpsUcxWorker> ucx_;           /* this process's UCP worker (UCX links); outlives links_ */
     std::mutex ucx_mu_;                           /* the UCP worker's user (lock_ucx) */
     std::vector<std::unique_ptr<BpsConn>> links_; /* per server: its direct link (TCP or UCX), or NULL */
@@ -214,8 +213,8 @@ class BpsServerLinks {
     std::vector<bool> reported_; /* byteps-net: per server, its broken link was reported */
 
     std::mutex mu_; /* guards the two hand-overs below */
-    std::vector<std::pair<void *, int>> joined_; /* (DEALER, link fd) of servers that joined, for byteps-net */
-    std::vector<int> lost_;                      /* servers whose link broke, for Python */
+    std::vector<int> joined_; /* link fds of servers that joined, for byteps-net */
+    std::vector<int> lost_;   /* servers whose link broke, for Python */
 };
 
 #endif

@@ -13,7 +13,7 @@ inline void BpsWorkerCore::fail_all() {
     wake();
 }
 
-/* Drop a completed op (BpsOpTable::forget). Returns false (and keeps it) while ZeroMQ still reads its
+/* Drop a completed op (BpsOpTable::forget). Returns false (and keeps it) while a link still reads its
  * tensor: the caller keeps the tensor alive and asks again later. */
 inline bool BpsWorkerCore::forget(int64_t id) {
     BpsOp *gone;
@@ -32,22 +32,8 @@ inline void BpsWorkerCore::forwarded(std::vector<BpsForward> *out) {
     forward_.clear();
 }
 
-inline void BpsWorkerCore::released(std::vector<int64_t> *out) {
-    std::lock_guard<std::mutex> lock(zc_mu_);
-    out->swap(released_);
-}
-
-/* ZeroMQ's I/O thread, or byteps-net once a link wrote it, is done with a zero-copy body. */
-inline void BpsWorkerCore::zc_free(void *, void *hint) {
-    BpsZcHint *h = (BpsZcHint *)hint;
-    if (h->op != nullptr) {
-        h->op->zero_copy.fetch_sub(1);
-    } else {
-        std::lock_guard<std::mutex> lock(h->core->zc_mu_);
-        h->core->released_.push_back(h->token);
-    }
-    delete h;
-}
+/* A link wrote (or dropped) a zero-copy body of op ``hint``. */
+inline void BpsWorkerCore::zc_free(void *, void *hint) { ((BpsOp *)hint)->zero_copy.fetch_sub(1); }
 
 inline BpsOp *BpsWorkerCore::new_op(int64_t id, uint8_t cmd, uint8_t dtype, uint32_t root, int64_t priority,
                                     bool root_self, unsigned char *buf, uint64_t nbytes, uint32_t divisor) {

@@ -436,15 +436,15 @@ inline void BpsWorkerCore::take_direct() {
             continue;
         }
         auto e = early_done_.find(id);
-        if (e != early_done_.end()) { /* it reached the ROUTER while the caller held it */
-            std::pair<BpsMessage *, bool> m = e->second;
+        if (e != early_done_.end()) { /* byteps-net read it while the caller held it */
+            BpsMessage *m = e->second;
             early_done_.erase(e);
-            on_local(m.first, m.second);
-            delete m.first;
+            on_local(m);
+            delete m;
         }
     }
     for (BpsMessage *m : local_strays) {
-        on_local(m, true);
+        on_local(m);
         delete m;
     }
     for (auto &a : adopt) { /* its PUSH is out: wait for the reply here */

@@ -48,17 +48,9 @@ inline void BpsWorkerCore::add_segment(int64_t table, uint64_t from, std::vector
     tables_.at((size_t)table).later.push_back(std::make_pair(from, std::move(parts)));
 }
 
-/* Elastic: partitions a dead server owes replies for wait for commit() (stranded), after any whole
- * messages it sent before it went are taken. */
+/* Elastic: partitions a dead server owes replies for wait for commit() (stranded). Its replies came
+ * on its link, which byteps-net read until it broke. */
 inline void BpsWorkerCore::strand_dead() {
-    BpsMessage msg;
-    for (size_t s = 0; s < servers_.size(); ++s) {
-        if (!servers_.dead((int)s)) continue;
-        for (int k = 0; k < 4096; ++k) { /* what ZeroMQ already holds from it */
-            if (bps_recv_message(servers_.sock(s), &msg) <= 0) break;
-            on_message((int)s, &msg);
-        }
-    }
     for (auto it = pending_.begin(); it != pending_.end();) {
         BpsOp *op = it->second.first;
         int index = it->second.second;

@@ -21,13 +21,12 @@ inline void BpsWorkerCore::stray_local(BpsMessage &msg, bool *strays) {
     *strays = true;
 }
 
-/* The machine's local reduce (before start()): our ROUTER, a DEALER per other local rank (NULL for
- * ourselves), authenticated by Python; ``open`` when the job has no secret (every peer admitted). */
-inline void BpsWorkerCore::add_local(void *router, std::vector<void *> peers, int local_rank, bool open) {
+/* The machine's local reduce (before start()): our ROUTER and the machine's ``local_size`` ranks. */
+inline void BpsWorkerCore::add_local(void *router, int local_rank, int local_size) {
     local_rank_ = local_rank;
-    local_size_ = (int)peers.size();
+    local_size_ = local_size;
     nccl_.set_machine(local_rank_, local_size_);
-    local_.setup(router, std::move(peers), open);
+    local_.setup(router, (size_t)local_size);
     stage_ = new BpsStageThread(nthreads_, wake_fd_);
 }
 
@@ -358,19 +357,15 @@ inline void BpsWorkerCore::local_broadcast(BpsOp *op, int i, const void *desc, c
     }
 }
 
-/* A message on our local ROUTER, or on a local link (``linked``: authenticated by its token, the
- * identity frame put there by us): [identity, header, body]. */
-inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
+/* A message on a local link (authenticated by its token; the identity frame put there by us):
+ * [identity, header, body]. */
+inline void BpsWorkerCore::on_local(BpsMessage *m) {
     BpsHeader h;
-    if (m->count != 3 || m->truncated) {
-        forward_local(m);
+    if (m->count != 3 || m->truncated || !bps_parse_header(m->data(1), m->size(1), &h)) {
+        forward_local(m); /* malformed: Python logs it */
         return;
     }
     std::string ident((const char *)m->data(0), m->size(0));
-    if (!local_.admitted(ident, linked) || !bps_parse_header(m->data(1), m->size(1), &h)) {
-        forward_local(m); /* handshakes, strangers, malformed: Python answers, refuses or logs */
-        return;
-    }
     if (h.cmd >= BPS_CMD_NCCL_ID && h.cmd <= BPS_CMD_NCCL_ABORT) {
         on_nccl(h, m->data(2), m->size(2));
         return;
@@ -390,8 +385,8 @@ inline void BpsWorkerCore::on_local(BpsMessage *m, bool linked) {
     }
     auto a = awaiting_.find(id);
     if ((h.cmd == BPS_CMD_LOCAL_DONE || h.cmd == BPS_CMD_ERROR) && a == awaiting_.end() && held_direct(id)) {
-        delete early_done_[id].first; /* (none: one reply per partition) */
-        early_done_[id] = std::make_pair(m->moved(), linked); /* a direct caller's, come by the ROUTER */
+        delete early_done_[id]; /* (none: one reply per partition) */
+        early_done_[id] = m->moved(); /* a direct caller's, read by byteps-net */
         take_direct();
         return;
     }

@@ -141,7 +141,10 @@ inline void BpsWorkerCore::wake() { bps_signal(wake_fd_); }
 
 inline void BpsWorkerCore::run() {
     prctl(PR_SET_NAME, "byteps-net", 0, 0, 0);
-    size_t nsocks = 0, wake_at = 0, router_at = 0, links_at = 0, local_at = 0;
+    /* poll items: the wake-up, the local ROUTER (late peers' handshakes, for Python), one per server's
+     * link, one per local peer's link */
+    const size_t wake_at = 0, router_at = 1, links_at = 2;
+    size_t nservers = 0, local_at = 0;
     std::vector<bps_zmq_pollitem> items;
     BpsMessage msg;
     double next_check = 0;
@@ -149,20 +152,18 @@ inline void BpsWorkerCore::run() {
         /* UCX links: their UCP worker is this thread's except while it sleeps in poll, when a direct
          * caller may take it (submit_direct) */
         std::unique_lock<std::mutex> ucx_lock = servers_.lock_ucx();
-        if (nsocks != servers_.size()) { /* at start, and when a server joined (elastic: take_inbox) */
-            nsocks = servers_.size();
-            placed_.resize(nsocks);
-            wake_at = nsocks, router_at = nsocks + 1, links_at = nsocks + 2;
-            local_at = links_at + nsocks;
+        if (items.empty() || nservers != servers_.size()) { /* at start, and when a server joined (elastic) */
+            nservers = servers_.size();
+            placed_.resize(nservers);
+            local_at = links_at + nservers;
             items.assign(local_at + local_.size(), bps_zmq_pollitem{nullptr, -1, 0, 0});
-            for (size_t i = 0; i < nsocks; ++i) items[i] = bps_zmq_pollitem{servers_.sock(i), 0, BPS_ZMQ_POLLIN, 0};
             items[wake_at] = bps_zmq_pollitem{nullptr, wake_fd_, BPS_ZMQ_POLLIN, 0};
             /* the local ROUTER, if any (a NULL socket with fd -1 is never ready) */
             void *router = local_.router();
             items[router_at] = bps_zmq_pollitem{router, -1, (short)(router ? BPS_ZMQ_POLLIN : 0), 0};
         }
         bool buffered = false;
-        for (size_t i = 0; i < nsocks; ++i) { /* a dead link, or one a direct caller holds: not polled */
+        for (size_t i = 0; i < nservers; ++i) { /* a dead link, or one a direct caller holds: not polled */
             BpsConn *l = servers_.direct_owned((int)i) ? nullptr : servers_.live((int)i);
             short ev = l == nullptr ? 0 : (short)(BPS_ZMQ_POLLIN | (l->poll_for_write() ? BPS_ZMQ_POLLOUT : 0));
             items[links_at + i] = bps_zmq_pollitem{nullptr, l == nullptr ? -1 : l->fd(), ev, 0};
@@ -184,12 +185,12 @@ inline void BpsWorkerCore::run() {
         take_stage_done();
         take_gpu_done();
         nccl_issue(); /* the communicator may be ready now */
-        if (nsocks != servers_.size()) continue; /* a server joined: poll it too before reading */
+        if (nservers != servers_.size()) continue; /* a server joined: poll it too before reading */
         if (local_.router() != nullptr && items[router_at].revents) {
             for (int k = 0; k < 256; ++k) {
                 int got = bps_recv_message(local_.router(), &msg);
                 if (got <= 0) break;
-                on_local(&msg);
+                forward_local(&msg); /* the control plane: every partition comes on a link */
             }
         }
         for (size_t r = 0; r < local_.size(); ++r) {
@@ -202,19 +203,10 @@ inline void BpsWorkerCore::run() {
             if (ev & BPS_ZMQ_POLLOUT) l->flush();
             for (int k = 0; k < 256 && !l->dead(); ++k) {
                 if (local_.recv((int)r, &msg) <= 0) break; /* [identity, header, body], as on the ROUTER */
-                on_local(&msg, true);
-            }
-            /* a link that broke (its peer went): local_.live() is NULL now, its DEALER carries what follows */
-        }
-        for (size_t i = 0; i < nsocks; ++i) {
-            if (!items[i].revents) continue;
-            for (int k = 0; k < 256; ++k) { /* drain, bounded so the others get a turn */
-                int got = bps_recv_message(servers_.sock(i), &msg);
-                if (got <= 0) break;
-                on_message((int)i, &msg);
+                on_local(&msg);
             }
         }
-        for (size_t i = 0; i < nsocks; ++i) {
+        for (size_t i = 0; i < nservers; ++i) {
             short ev = items[links_at + i].revents;
             BpsConn *l = servers_.live((int)i);
             if (l == nullptr || (!ev && !l->pending_input())) continue;
@@ -254,7 +246,6 @@ inline void BpsWorkerCore::take_inbox() {
         self_joined = self_joined_;
         elastic_.take_turn(&dead_now, &commit_now);
     }
-    local_.take_allowed();
     servers_.adopt_joined(); /* elastic: servers that joined (after the above: a commit() naming them) */
     if (dead_now) strand_dead();
     if (commit_now) { /* results first, then stranded partitions go to their replacements, in their rounds */

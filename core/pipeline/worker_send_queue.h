@@ -23,18 +23,8 @@ inline void BpsWorkerCore::send_raw(BpsRawSend *m) {
 inline void BpsWorkerCore::send_raw_now(BpsRawSend *m) {
     BpsFrames f;
     f.copy(m->header.data(), m->header.size());
-    if (m->zc_data != nullptr)
-        f.zero_copy(m->zc_data, m->zc_len, &BpsWorkerCore::zc_free, new BpsZcHint{this, nullptr, m->token});
-    else
-        f.copy(m->body.data(), m->body.size());
-    if (m->server >= 0) {
-        servers_.send(m->server, f);
-    } else if (m->server == BPS_TO_ROUTER) {
-        local_.send_router(f, m->ident);
-    } else {
-        local_.send_raw(-2 - m->server, f, *m);
-    }
-    /* Python counts its own messages (Engine.bytes_sent); a failed send released the body */
+    f.copy(m->body.data(), m->body.size());
+    local_.send_router(f, m->ident);
 }
 
 inline void BpsWorkerCore::send_ready() {
@@ -132,7 +122,7 @@ inline void BpsWorkerCore::send_push(BpsOp *op, int index) {
         f.copy(data, body_len);
     } else { /* zero-copy from the tensor: the transport reads it while it is on the wire */
         op->zero_copy.fetch_add(1);
-        f.zero_copy((void *)data, body_len, &BpsWorkerCore::zc_free, new BpsZcHint{this, op, -1});
+        f.zero_copy((void *)data, body_len, &BpsWorkerCore::zc_free, op);
     }
     int rc = servers_.send(p.server, f);
     if (rc != 0) {

@@ -105,7 +105,7 @@ struct BpsOp {
     std::map<int, int> owed_local; /* local rank -> LOCAL_DONEs still owed by that owner */
     bool local = false;     /* a push_pull through the machine's local reduce */
     std::atomic<int> tasks{0}; /* stage-thread tasks still reading or writing its memory */
-    std::atomic<int> zero_copy{0}; /* bodies ZeroMQ still reads from the tensor */
+    std::atomic<int> zero_copy{0}; /* bodies a link still reads from the tensor */
     std::atomic<bool> done{false};
     std::atomic<bool> direct{false}; /* its caller runs it (submit_direct): byteps-net leaves it alone */
     int waiters = 0;        /* callers blocked in wait_op(): the first to wake delivers the op */
@@ -213,16 +213,11 @@ struct BpsQueued {
 };
 
 
-/* A message Python queued for a server (slow paths): copied header and body, or a zero-copy body
- * that Python keeps alive until its token shows up in released(). */
+/* Python's answer to a local peer's handshake, on our local ROUTER to the peer ``ident``. */
 struct BpsRawSend {
-    int server;             /* >= 0: a server; BPS_TO_ROUTER: our local ROUTER (to ``ident``); <= -2: local rank -2-n */
     std::string ident;
     std::string header;
     std::string body;
-    void *zc_data = nullptr;
-    size_t zc_len = 0;
-    int64_t token = -1;
 };
 
 /* A message this thread does not own, for Python: the server it came from and its frames. */
@@ -237,16 +232,6 @@ struct BpsOwed {
     uint64_t key, rnd;
     uint8_t dtype;
     uint64_t length;
-};
-
-static const int BPS_TO_ROUTER = -1;
-
-class BpsWorkerCore;
-
-struct BpsZcHint {
-    BpsWorkerCore *core;
-    BpsOp *op;        /* a native op's body, or NULL */
-    int64_t token;    /* a raw send's token, or -1 */
 };
 
 #endif

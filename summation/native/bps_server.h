@@ -322,7 +322,7 @@ class BpsServerCore {
             } else {
                 if (inbox_ready_.load(std::memory_order_acquire)) take_inbox(); /* as for the ROUTER's messages */
                 if (c->recv(msg, &c->ident) <= 0) return;
-                on_message(msg);
+                on_message(msg, true);
             }
             msg->clear();
             if (k % 32 == 31) sync_.take_sums();
@@ -379,7 +379,8 @@ class BpsServerCore {
 
     /* ---------------------------------------------------------------- who handles a message */
 
-    void on_message(BpsMessage *m) {
+    /* ``m``: [identity, header, body...], from the ROUTER or (``linked``) from that identity's link. */
+    void on_message(BpsMessage *m, bool linked = false) {
         if (m->count < 1) return;
         std::string ident((const char *)m->data(0), m->size(0));
         if (auth_on_) {
@@ -401,11 +402,17 @@ class BpsServerCore {
             forward(m); /* handshakes, malformed, strangers: Python answers, ignores or logs */
             return;
         }
+        bool data = h.cmd == BPS_CMD_PUSHPULL || h.cmd == BPS_CMD_BROADCAST || h.cmd == BPS_CMD_ASYNC_PUSHPULL;
+        if ((data || h.cmd == BPS_CMD_RESULT) && !linked) { /* ZeroMQ is the control plane only */
+            replies_.reply_error(ident, h, bps_key_name(h.key) + ": rank " + bps_rank_str(book_.rank_of(h.sender)) +
+                                               " sent a " + (data ? "push" : "RESULT") +
+                                               " over ZeroMQ: partitions travel over direct links only");
+            return;
+        }
         if (h.cmd == BPS_CMD_RESULT && adopt_rounds_ && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY) {
             elastic_.on_result(h, m);
             return;
         }
-        bool data = h.cmd == BPS_CMD_PUSHPULL || h.cmd == BPS_CMD_BROADCAST || h.cmd == BPS_CMD_ASYNC_PUSHPULL;
         if (!(data && book_.have && m->count >= 3 && h.length <= BPS_MAX_BODY)) {
             forward(m); /* PROBE, LINK, or a data message Python refuses with the reason */
             return;
