@@ -135,21 +135,35 @@ class EngineSetup:
                 except ProtocolError as e:
                     logger.warning("malformed answer while opening direct links: %s", e)
                 # anything else here is a late PROBE echo (a timed-out probe): dropped
-        if asked:
-            late = ", ".join(f"{i} ({self.book['servers'][i]['host']})" for i in sorted(asked.values()))
-            raise BytePSTimeoutError(f"no direct link: server {late} did not answer LINK within {limit:g} s")
+        for i in sorted(asked.values()):
+            self._unlinked(i, BytePSTimeoutError(f"no direct link: server {i} ({self.book['servers'][i]['host']}) "
+                                                 f"did not answer LINK within {limit:g} s"))
         for i, answer in sorted(answers.items()):
             info = self.book["servers"][i]
-            if "error" in answer:
-                raise BytePSError(f"server {i} ({info['host']}): {answer['error']}")
-            ident = self.servers[i].getsockopt(zmq.IDENTITY)
-            if use_ucx and "ucx_port" in answer:
-                self._open_ucx_link(core, i, info["host"], answer, ident)
-                continue
-            if use_ucx:
-                logger.warning("server %d has no UCX listener (its BYTEPS_TRANSPORT is not ucx): its link is TCP", i)
-            core.add_link(i, self._open_server_link(f"server {i} ({info['host']}:{answer.get('port')})",
-                                                    info["host"], answer, ident))
+            try:
+                if "error" in answer:
+                    raise BytePSError(f"server {i} ({info['host']}): {answer['error']}")
+                ident = self.servers[i].getsockopt(zmq.IDENTITY)
+                if use_ucx and "ucx_port" in answer:
+                    self._open_ucx_link(core, i, info["host"], answer, ident)
+                    continue
+                if use_ucx:
+                    logger.warning("server %d has no UCX listener (its BYTEPS_TRANSPORT is not ucx): its link is TCP",
+                                   i)
+                core.add_link(i, self._open_server_link(f"server {i} ({info['host']}:{answer.get('port')})",
+                                                        info["host"], answer, ident))
+            except BytePSError as e:
+                self._unlinked(i, e)
+
+    def _unlinked(self, i, error):
+        """Server ``i`` gives no direct link (``error``): init() fails, but with elastic servers a server
+        lost meanwhile (killed as the job starts) is reported to the scheduler, which removes it, and
+        init() waits for the membership without it, as for one the scheduler reported lost."""
+        if not self.cfg.elastic:
+            raise error
+        logger.warning("%s: reporting server %d to the scheduler as lost (elastic servers)", error, i)
+        self.control.send(Cmd.SUSPECT, {"server": i})
+        self._lost_at_start.add(i)
 
     def _open_local_links(self):
         """Direct links to this machine's other worker processes, after the local handshake: {local rank:

@@ -197,6 +197,25 @@ def test_data_over_zeromq_is_refused_and_the_job_sums_exactly(cluster):
         assert res.get("value") == {"before": True, "after": True, "after_i": True}, (r, res, c.all_logs())
 
 
+def test_a_server_without_a_direct_link_fails_init_naming_it():
+    """No ZeroMQ fallback: where a server's link cannot be opened (here its port refuses connections),
+    the worker's start-up fails naming the server, its address and why."""
+    import types
+
+    from byteps.core.engine_setup import EngineSetup
+    from byteps.errors import BytePSError
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    engine = types.SimpleNamespace(cfg=types.SimpleNamespace(timeout=5.0, node_host="127.0.0.1"),
+                                   control=types.SimpleNamespace(node_id=3))
+    with pytest.raises(BytePSError, match=rf"no direct link to server 1 \(127.0.0.1:{port}\): .*refused.*"
+                                          r"partitions travel over direct links only"):
+        EngineSetup._open_server_link(engine, f"server 1 (127.0.0.1:{port})", "127.0.0.1",
+                                      {"port": port, "token": "00" * transport.TOKEN_BYTES}, b"worker-ident")
+
+
 # ------------------------------------------------------------------------------ direct calls
 
 
