@@ -52,13 +52,14 @@ def link_pack(frames):
     return b"".join([_LINK_HEAD.pack(LINK_MAGIC, len(frames)), lens, *frames])
 
 
-def link_recv(sock):
-    """Read one whole message from a blocking socket (its timeout applies); ProtocolError if malformed."""
+def link_recv(sock, max_frame=wire.MAX_CONTROL_BODY):
+    """Read one whole message from a blocking socket (its timeout applies); ProtocolError if malformed
+    or a frame is over ``max_frame`` bytes (a handshake's are small)."""
     magic, count = _LINK_HEAD.unpack(_read_exactly(sock, _LINK_HEAD.size))
     if magic != LINK_MAGIC or not 1 <= count <= 8:
         raise ProtocolError(f"not a byteps link message (magic {magic:#x}, {count} frames)")
     lens = struct.unpack(f"<{count}Q", _read_exactly(sock, 8 * count))
-    if any(n > wire.MAX_CONTROL_BODY for n in lens):
+    if any(n > max_frame for n in lens):
         raise ProtocolError(f"link handshake frame of {max(lens)} bytes")
     return [_read_exactly(sock, n) for n in lens]
 

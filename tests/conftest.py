@@ -9,7 +9,6 @@ import os
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -218,12 +217,9 @@ class MemberLink:
 
     def recv_multipart(self):
         """One whole message, read exactly (nothing is buffered here: poll() sees what is left)."""
-        from byteps.core import transport
+        from byteps.core import transport, wire
 
-        magic, count = struct.unpack("<II", _read_exactly(self.sock, 8))
-        assert magic == transport.LINK_MAGIC and 1 <= count <= 8, (hex(magic), count)
-        lens = struct.unpack(f"<{count}Q", _read_exactly(self.sock, 8 * count))
-        return [_read_exactly(self.sock, n) for n in lens]
+        return transport.link_recv(self.sock, max_frame=wire.MAX_BODY)
 
     def poll(self, timeout_ms=0):
         return bool(select.select([self.sock], [], [], max(0, timeout_ms) / 1000)[0])
@@ -231,16 +227,6 @@ class MemberLink:
     def close(self):
         self.sock.close()
         self.dealer.close(linger=0)
-
-
-def _read_exactly(sock, n):
-    buf = bytearray()
-    while len(buf) < n:
-        got = sock.recv(min(n - len(buf), 1 << 20))
-        if not got:
-            raise ConnectionError("the server closed the link")
-        buf += got
-    return bytes(buf)
 
 
 def member_link(ctx, port, timeout=30.0):

@@ -42,8 +42,8 @@ class BpsServerLinks {
 
     /* Server number count() (before start(); add_live() after), its link to come. False: too many. */
     bool add() {
-        if (known_ >= (size_t)BPS_MAX_SERVERS) return false;
-        nservers_.store((int)++known_);
+        if (nservers_.load() >= BPS_MAX_SERVERS) return false;
+        nservers_.fetch_add(1);
         return true;
     }
 
@@ -64,8 +64,8 @@ class BpsServerLinks {
             joined.swap(joined_);
         }
         for (int fd : joined) {
-            links_[known_].reset(new BpsLink(fd));
-            nservers_.store((int)++known_);
+            links_[(size_t)nservers_.load()].reset(new BpsLink(fd));
+            nservers_.fetch_add(1);
         }
     }
 
@@ -105,7 +105,7 @@ class BpsServerLinks {
 
     /* Servers known: any thread (count()), or byteps-net, which alone adds to them once started (size()). */
     int count() const { return nservers_.load(); }
-    size_t size() const { return known_; }
+    size_t size() const { return (size_t)nservers_.load(); }
 
     /* Server ``server``'s direct link (NULL: none: a server lost before its link opened), and the same
      * while it works, else NULL (a link breaks only when the server goes, and the scheduler reports that
@@ -148,7 +148,7 @@ class BpsServerLinks {
 
     /* A burst of messages leaves in as few writes as the sockets take (on), then goes (off). */
     void cork(bool on) {
-        for (size_t i = 0; i < known_; ++i) {
+        for (size_t i = 0; i < size(); ++i) {
             BpsConn *l = live((int)i);
             if (l == nullptr) continue;
             std::lock_guard<std::mutex> link_lock(*link_mu_[i]);
@@ -180,7 +180,7 @@ class BpsServerLinks {
      * Python (lost()); true when there are new ones to tell it of. */
     bool report_broken() {
         bool any = false;
-        for (size_t i = 0; i < known_; ++i) {
+        for (size_t i = 0; i < size(); ++i) {
             BpsConn *l = links_[i].get();
             if (l == nullptr || !l->dead() || reported_[i]) continue;
             reported_[i] = true; /* the server went (or closed it): Python tells the scheduler (elastic) */
@@ -200,7 +200,6 @@ class BpsServerLinks {
 
   private:
     uint32_t node_id_;
-    size_t known_ = 0;                            /* servers (byteps-net's once started) */
     std::unique_ptr<BpsUcxWorker> ucx_;           /* this process's UCP worker (UCX links); outlives links_ */
     std::mutex ucx_mu_;                           /* the UCP worker's user (lock_ucx) */
     std::vector<std::unique_ptr<BpsConn>> links_; /* per server: its direct link (TCP or UCX), or NULL */
